@@ -1,0 +1,5 @@
+import sys
+
+from hpdl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,179 @@
+"""OSU-style allreduce benchmark: latency and bandwidth per message size, per path.
+
+Follows osu_allreduce's method: sizes doubling from 4 B, per-size warm-up and iteration counts
+(more for small messages), each call timed on its own and followed by an untimed barrier, each
+rank's average reduced to avg/min/max over ranks. Bandwidth columns follow nccl-tests:
+algbw = size / time and busbw = algbw * 2 (p-1) / p.
+
+Several paths can be measured in one run (the raw backend collective, mpi4py on numpy buffers,
+and the hpdl engine); they alternate round by round and the median round is reported, so that
+a shared machine's drifting load hits every path alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from hpdl.bench.stats import doubling_sizes, format_table, median
+
+DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+}
+_NUMPY_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AllreduceOptions:
+    """What to measure; defaults follow osu_allreduce."""
+
+    min_bytes: int = 4
+    max_bytes: int = 64 << 20
+    dtype: str = "float32"
+    iterations_small: int = 1000
+    iterations_large: int = 100
+    warmup_small: int = 100
+    warmup_large: int = 10
+    large_above: int = 8192  # OSU switches to the large-message counts above 8 KiB
+    rounds: int = 1
+    paths: Sequence[str] = ("backend",)
+
+
+# A path maps a message (a tensor of the given size) to a zero-argument call that reduces it.
+PathFactory = Callable[[torch.Tensor], Callable[[], None]]
+
+
+def _backend_path(comm) -> PathFactory:
+    from hpdl.comm import ReduceOp
+
+    def make(tensor: torch.Tensor) -> Callable[[], None]:
+        return lambda: comm.allreduce(tensor, ReduceOp.SUM)
+
+    return make
+
+
+def _mpi4py_path(mpi_comm) -> PathFactory:
+    from mpi4py import MPI
+
+    def make(tensor: torch.Tensor) -> Callable[[], None]:
+        import numpy as np
+
+        if tensor.dtype not in _NUMPY_NAMES:
+            raise ValueError(f"mpi4py path has no numpy dtype for {tensor.dtype}")
+        send = np.ones(tensor.numel(), dtype=_NUMPY_NAMES[tensor.dtype])
+        recv = np.empty_like(send)
+        return lambda: mpi_comm.Allreduce(send, recv, op=MPI.SUM)
+
+    return make
+
+
+def _engine_path() -> PathFactory:
+    import hpdl.torch as hvd
+
+    def make(tensor: torch.Tensor) -> Callable[[], None]:
+        name = f"bench.allreduce.{tensor.numel()}"
+        return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+
+    return make
+
+
+def _time_calls(call: Callable[[], None], barrier: Callable[[], None], warmup: int, iterations: int) -> float:
+    """Return this rank's average seconds per call, timing each call alone (OSU's method)."""
+    for _ in range(warmup):
+        call()
+        barrier()
+    total = 0.0
+    for _ in range(iterations):
+        start = time.perf_counter()
+        call()
+        total += time.perf_counter() - start
+        barrier()
+    return total / iterations
+
+
+def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFactory]] = None) -> List[dict]:
+    """Measure every path at every size; return one record per (path, size), same on all ranks.
+
+    Args:
+        opts: sizes, counts and paths.
+        comm: the hpdl communicator used for barriers and to gather timings.
+        paths: path factories by name (default: built from ``opts.paths``).
+    """
+    dtype = DTYPES[opts.dtype]
+    elem = torch.empty(0, dtype=dtype).element_size()
+    paths = paths if paths is not None else build_paths(opts.paths, comm)
+    p = comm.size
+    records: List[dict] = []
+    for size in doubling_sizes(max(opts.min_bytes, elem), opts.max_bytes):
+        count = size // elem
+        large = size > opts.large_above
+        warmup = opts.warmup_large if large else opts.warmup_small
+        iterations = opts.iterations_large if large else opts.iterations_small
+        calls = {name: factory(torch.ones(count, dtype=dtype)) for name, factory in paths.items()}
+        rounds: Dict[str, List[float]] = {name: [] for name in paths}
+        names = list(paths)
+        for r in range(opts.rounds):
+            # Alternate the order so that neither path always runs right after the other.
+            for name in names if r % 2 == 0 else names[::-1]:
+                rounds[name].append(_time_calls(calls[name], comm.barrier, warmup, iterations))
+        for name in names:
+            mine = median(rounds[name])
+            everyone = comm.allgather_object(mine)
+            avg = sum(everyone) / p
+            algbw = size / avg / 1e9
+            records.append({
+                "path": name, "size": size, "avg_us": avg * 1e6, "min_us": min(everyone) * 1e6,
+                "max_us": max(everyone) * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (p - 1) / p,
+                "iterations": iterations, "rounds": opts.rounds,
+            })
+    return records
+
+
+def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:
+    """Create the named paths: ``backend`` (hpdl's raw backend), ``mpi4py``, ``engine``."""
+    factories: Dict[str, PathFactory] = {}
+    for name in names:
+        if name == "backend":
+            factories[name] = _backend_path(comm)
+        elif name == "mpi4py":
+            mpi_comm = getattr(comm, "mpi_comm", None)
+            if mpi_comm is None:
+                raise ValueError("the mpi4py path needs the MPI backend (launch with mpiexec)")
+            factories[name] = _mpi4py_path(mpi_comm)
+        elif name == "engine":
+            factories[name] = _engine_path()
+        else:
+            raise ValueError(f"unknown path {name!r}; choose from backend, mpi4py, engine")
+    return factories
+
+
+def format_records(records: List[dict], ranks: int, backend: str, dtype: str) -> str:
+    """Render records as OSU-style tables, one per path, plus ratios when paths were compared."""
+    out = []
+    paths = list(dict.fromkeys(r["path"] for r in records))
+    for path in paths:
+        rows = [
+            (r["size"], f"{r['avg_us']:.2f}", f"{r['min_us']:.2f}", f"{r['max_us']:.2f}",
+             f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}")
+            for r in records if r["path"] == path
+        ]
+        out.append(f"# hpdl allreduce benchmark: path={path} backend={backend} ranks={ranks} dtype={dtype}")
+        out.append(format_table(["Size", "Avg(us)", "Min(us)", "Max(us)", "algbw(GB/s)", "busbw(GB/s)"], rows))
+        out.append("")
+    if len(paths) > 1:
+        base = paths[-1]
+        by_key = {(r["path"], r["size"]): r for r in records}
+        header = ["Size"] + [f"{p}/{base}" for p in paths[:-1]]
+        rows = []
+        for r in records:
+            if r["path"] != base:
+                continue
+            rows.append([r["size"]] + [f"{by_key[(p, r['size'])]['algbw_GBps'] / r['algbw_GBps']:.3f}" for p in paths[:-1]])
+        out.append(f"# bandwidth ratio against {base} (median of {records[0]['rounds']} alternating rounds)")
+        out.append(format_table(header, rows))
+    return "\n".join(out).rstrip()

@@ -1,0 +1,47 @@
+"""Small statistics and formatting shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, List, Sequence
+
+
+def median(values: Sequence[float]) -> float:
+    """Return the median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float]) -> float:
+    """Return half the 95 % range of ``values`` as Horovod's benchmarks print it (1.96 sigma)."""
+    return 1.96 * float(statistics.pstdev(values)) if len(values) > 1 else 0.0
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count such as ``4``, ``64K``, ``1M``, ``64MiB``, ``1G``."""
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+    stripped = text.strip().upper()
+    number = stripped.rstrip("BKMGI")
+    unit = stripped[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"not a size: {text!r} (examples: 4, 64K, 1M, 64MiB)")
+    return int(float(number) * units[unit])
+
+
+def doubling_sizes(min_bytes: int, max_bytes: int) -> List[int]:
+    """Return sizes doubling from ``min_bytes`` up to and including ``max_bytes``."""
+    sizes, size = [], max(1, min_bytes)
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """Right-aligned columns, first column left-aligned, like OSU's output."""
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    for row in rows:
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)

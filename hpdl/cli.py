@@ -1,0 +1,63 @@
+"""The ``hpdl`` command: one argparse tree whose subcommands live beside the code they run.
+
+Each subcommand module exposes ``register(subparsers)``; its handler is stored as the parser's
+``func`` default and receives the parsed namespace. Modules import torch lazily, inside their
+handlers, so ``hpdl --help`` and ``hpdl run --dry-run`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from hpdl import __version__
+
+
+class CliError(Exception):
+    """An error to report at the command line as one line, with exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the full ``hpdl`` argument parser."""
+    from hpdl.bench import cli as bench_cli
+    from hpdl.launch import cli as launch_cli
+    from hpdl.sr import cli as sr_cli
+
+    parser = argparse.ArgumentParser(
+        prog="hpdl",
+        description="Data-parallel training for PyTorch across processes and machines: "
+        "launch jobs, check the installation, benchmark, and train super-resolution models.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpdl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    launch_cli.register(sub)
+    bench_cli.register(sub)
+    sr_cli.register(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``hpdl`` command line; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except CliError as err:
+        print(f"hpdl: error: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        print("hpdl: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The small interface every communication backend implements, on torch tensors.
+
+A :class:`Communicator` is one group of ranks. All methods are collective over the group and
+blocking; the engine calls them from its single background thread, so implementations need not
+be thread-safe. Tensors passed in are contiguous; in-place methods write into them.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import pickle
+import socket
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """Element-wise reductions a backend performs (Average is Sum plus a scale, above)."""
+
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+    BAND = "band"  # bitwise, integer tensors only (the engine's bit-vector agreement)
+    BOR = "bor"
+
+
+class CommError(RuntimeError):
+    """A backend failed to carry out a collective (a peer died, a timeout, a bad argument)."""
+
+
+def even_split(length: int, parts: int) -> List[int]:
+    """Split ``length`` rows into ``parts`` counts as evenly as possible, earlier parts larger."""
+    base, extra = divmod(length, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class Communicator(abc.ABC):
+    """A group of ranks that run collectives together."""
+
+    #: "mpi", "gloo" or "nccl"
+    name: str = "?"
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank within the group."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Number of ranks in the group."""
+
+    @abc.abstractmethod
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        """Reduce ``tensor`` across ranks, in place."""
+
+    def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce a small control message in place, waiting without spinning where possible."""
+        self.allreduce(tensor, op)
+
+    @abc.abstractmethod
+    def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along dim 0; first dims may differ.
+
+        Args:
+            tensor: this rank's contribution.
+            first_dims: every rank's first dimension when already known (saves an exchange).
+        """
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite ``tensor`` on every rank with root's, in place."""
+
+    @abc.abstractmethod
+    def alltoall(
+        self, tensor: torch.Tensor, splits: Sequence[int], recv_splits: Optional[Sequence[int]] = None
+    ) -> Tuple[torch.Tensor, List[int]]:
+        """Send ``splits[r]`` rows of ``tensor`` (in order) to rank r; return what arrived.
+
+        Returns:
+            the received rows concatenated in rank order, and how many came from each rank.
+        """
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, counts: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        """Reduce ``tensor`` across ranks and return this rank's block of rows.
+
+        Args:
+            counts: rows per rank (default: dim 0 split as evenly as possible, earlier ranks
+                taking the remainder, as Horovod does).
+        """
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank of the group has arrived."""
+
+    @abc.abstractmethod
+    def split(self, ranks: Sequence[int]) -> Optional["Communicator"]:
+        """Create a sub-group of ``ranks`` (group ranks); collective over the whole group.
+
+        Returns:
+            the sub-group on its members, None on the others.
+        """
+
+    def host_names(self) -> List[str]:
+        """Return every rank's host name, in rank order."""
+        return self.allgather_object(socket.gethostname())
+
+    def node_layout(self) -> Tuple[int, int, int, int]:
+        """Return (local_rank, local_size, cross_rank, cross_size) as Horovod defines them."""
+        from hpdl.comm.topology import topology_from_ranks
+
+        topo = topology_from_ranks(self.rank, self.host_names(), self.name)
+        return topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size
+
+    def allgather_bytes(self, payload: bytes) -> List[bytes]:
+        """Gather a byte string from every rank (sizes may differ)."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        lengths = torch.tensor([len(payload)], dtype=torch.int64)
+        all_lengths = self.allgather(lengths, first_dims=[1] * self.size).tolist()
+        gathered = self.allgather(data, first_dims=all_lengths)
+        out, offset = [], 0
+        for n in all_lengths:
+            out.append(gathered[offset : offset + n].numpy().tobytes())
+            offset += n
+        return out
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        """Gather a picklable object from every rank, in rank order."""
+        return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj))]
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Return root's ``obj`` on every rank."""
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self.broadcast(length, root)
+        buf = torch.zeros(int(length.item()), dtype=torch.uint8)
+        if self.rank == root and payload:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.broadcast(buf, root)
+        return pickle.loads(buf.numpy().tobytes())
+
+    def close(self) -> None:
+        """Release the group's resources (the world group may outlive this call)."""
+
+    def describe(self) -> str:
+        """One line naming the backend and its library, for logs and ``hpdl check``."""
+        return self.name

@@ -1,0 +1,326 @@
+"""The MPI backend, through mpi4py: any MPI (MPICH, Open MPI, MVAPICH2, Intel MPI).
+
+CPU tensors are handed to MPI without a copy: the MPI call reads and writes the tensor's own
+memory through a byte view. CUDA tensors go to MPI directly when the library is CUDA-aware,
+otherwise through a pinned host buffer. MPI has no float16 or bfloat16 reductions, so those
+use user-defined operations that reduce the raw 16-bit words with torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hpdl.comm.base import CommError, Communicator, ReduceOp, even_split
+
+try:  # mpi4py is an optional dependency (extra "mpi").
+    from mpi4py import MPI
+except ImportError:  # pragma: no cover - exercised where mpi4py is absent
+    MPI = None
+
+
+def mpi_available() -> bool:
+    """Return whether mpi4py imports (and so an MPI library was found)."""
+    return MPI is not None
+
+
+def mpi_library_version() -> str:
+    """Return the first line of the MPI library's version string, e.g. 'MPICH Version: 4.2'."""
+    if MPI is None:
+        return ""
+    return " ".join(MPI.Get_library_version().splitlines()[0].split())
+
+
+def mpi_flavour() -> str:
+    """Return 'MPICH', 'Open MPI', 'MVAPICH2', 'Intel MPI' or 'MPI' from the library version."""
+    text = mpi_library_version()
+    for key, name in (("MVAPICH", "MVAPICH2"), ("Intel", "Intel MPI"), ("Open MPI", "Open MPI"), ("MPICH", "MPICH")):
+        if key in text:
+            return name
+    return "MPI"
+
+
+def mpi_cuda_aware() -> bool:
+    """Return whether the MPI library reports CUDA support at run time (MPIX_Query_cuda_support)."""
+    if MPI is None:
+        return False
+    try:
+        # The extension module's handle resolves symbols of the libmpi it links against.
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        return False  # Open MPI < 4 or a library without the extension: assume not.
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+# --- datatypes and operations -------------------------------------------------------------
+
+def _mpi_types() -> Dict[torch.dtype, Any]:
+    return {
+        torch.float32: MPI.FLOAT,
+        torch.float64: MPI.DOUBLE,
+        torch.int8: MPI.INT8_T,
+        torch.uint8: MPI.UINT8_T,
+        torch.int16: MPI.INT16_T,
+        torch.int32: MPI.INT32_T,
+        torch.int64: MPI.INT64_T,
+        torch.bool: MPI.C_BOOL,
+        # Half types travel as 16-bit words and are reduced by the operations below.
+        torch.float16: MPI.UINT16_T,
+        torch.bfloat16: MPI.UINT16_T,
+    }
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_TORCH_REDUCE = {
+    ReduceOp.SUM: torch.Tensor.add_,
+    ReduceOp.PRODUCT: torch.Tensor.mul_,
+    ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+    ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+}
+
+
+def _make_half_op(dtype: torch.dtype, op: ReduceOp):
+    reduce = _TORCH_REDUCE[op]
+
+    def apply(inbuf, inoutbuf, datatype) -> None:
+        # inoutbuf = inbuf (op) inoutbuf, on the 16-bit values themselves.
+        into = torch.frombuffer(inoutbuf, dtype=dtype)
+        reduce(into, torch.frombuffer(inbuf, dtype=dtype))
+
+    return MPI.Op.Create(apply, commute=True)
+
+
+_op_cache: Dict[Tuple[torch.dtype, ReduceOp], Any] = {}
+
+
+def _mpi_op(dtype: torch.dtype, op: ReduceOp):
+    key = (dtype, op)
+    if key in _op_cache:
+        return _op_cache[key]
+    if dtype in _HALF:
+        if op in (ReduceOp.BAND, ReduceOp.BOR):
+            raise CommError(f"bitwise reduction {op.value} is not defined for {dtype}")
+        result = _make_half_op(dtype, op)
+    elif dtype == torch.bool:
+        # Sum and max of booleans are "any", product and min are "all" (as torch computes them).
+        result = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.BOR: MPI.LOR,
+                  ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND, ReduceOp.BAND: MPI.LAND}[op]
+    else:
+        if op in (ReduceOp.BAND, ReduceOp.BOR) and dtype.is_floating_point:
+            raise CommError(f"bitwise reduction {op.value} is not defined for {dtype}")
+        result = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                  ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR}[op]
+    _op_cache[key] = result
+    return result
+
+
+def _wait_politely(request) -> None:
+    """Complete a non-blocking MPI request, yielding the CPU instead of busy-polling.
+
+    On a machine with as many cores as ranks, a spinning wait steals the core that this
+    rank's compute thread needs; a short back-off keeps the latency within tens of µs.
+    """
+    delay = 0.0
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(delay * 2 + 1e-5, 5e-4)
+
+
+class MPICommunicator(Communicator):
+    """A communicator over an mpi4py ``Intracomm``."""
+
+    name = "mpi"
+
+    def __init__(self, comm=None, cuda_aware: Optional[bool] = None):
+        if MPI is None:
+            raise CommError("the MPI backend needs mpi4py: pip install 'hpdl[mpi]' (or mpi4py built against your MPI)")
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        self._rank = self._comm.Get_rank()
+        self._size = self._comm.Get_size()
+        self._types = _mpi_types()
+        self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
+        self._pinned: Dict[Tuple[torch.dtype, int], torch.Tensor] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def mpi_comm(self):
+        """The underlying mpi4py communicator."""
+        return self._comm
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _spec(self, tensor: torch.Tensor, count: Optional[int] = None):
+        """An mpi4py buffer spec [memory, count, datatype] over the tensor's own storage."""
+        if not tensor.is_contiguous():
+            raise CommError("MPI backend needs contiguous tensors")
+        mpitype = self._types.get(tensor.dtype)
+        if mpitype is None:
+            raise CommError(f"dtype {tensor.dtype} is not supported by the MPI backend")
+        n = tensor.numel() if count is None else count
+        if tensor.is_cuda:
+            return [tensor, n, mpitype]
+        if tensor.numel() == 0:
+            return [np.empty(0, dtype=np.uint8), 0, mpitype]
+        return [tensor.reshape(-1).view(torch.uint8).numpy(), n, mpitype]
+
+    def _host_staging(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """For a CUDA tensor and an MPI that is not CUDA-aware, a pinned host copy (else None)."""
+        if not tensor.is_cuda or self.cuda_aware:
+            if tensor.is_cuda:
+                torch.cuda.current_stream(tensor.device).synchronize()
+            return None
+        key = (tensor.dtype, tensor.numel())
+        host = self._pinned.get(key)
+        if host is None:
+            host = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+            self._pinned[key] = host
+        host.copy_(tensor.reshape(-1))
+        return host
+
+    def _run_on_host(self, tensor: torch.Tensor, fn) -> None:
+        staged = self._host_staging(tensor)
+        if staged is None:
+            fn(tensor)
+        else:
+            fn(staged)
+            tensor.copy_(staged.view_as(tensor))
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        mpi_op = _mpi_op(tensor.dtype, op)
+        self._run_on_host(tensor, lambda t: self._comm.Allreduce(MPI.IN_PLACE, self._spec(t), op=mpi_op))
+
+    def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
+        _wait_politely(request)
+
+    def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
+        if tensor.dim() == 0:
+            raise CommError("allgather needs a tensor of at least one dimension")
+        if first_dims is None:
+            first_dims = self._exchange_ints([tensor.shape[0]])
+        row = _row_numel(tensor)
+        counts = [d * row for d in first_dims]
+        displs = np.cumsum([0] + counts[:-1]).tolist()
+        shape = (sum(first_dims),) + tuple(tensor.shape[1:])
+        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
+        out = torch.empty(shape, dtype=tensor.dtype, device=device)
+        send = self._host_staging(tensor)
+        send = tensor if send is None else send
+        mpitype = self._types[tensor.dtype]
+        self._comm.Allgatherv(self._spec(send.contiguous()), [self._raw(out), (counts, displs), mpitype])
+        return out.to(tensor.device)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self._run_on_host(tensor, lambda t: self._comm.Bcast(self._spec(t), root=root))
+
+    def alltoall(
+        self, tensor: torch.Tensor, splits: Sequence[int], recv_splits: Optional[Sequence[int]] = None
+    ) -> Tuple[torch.Tensor, List[int]]:
+        splits = [int(s) for s in splits]
+        if recv_splits is None:
+            sent = np.array(splits, dtype=np.int64)
+            received = np.empty(self._size, dtype=np.int64)
+            self._comm.Alltoall(sent, received)
+            recv_splits = received.tolist()
+        recv_splits = [int(s) for s in recv_splits]
+        row = _row_numel(tensor)
+        out_shape = (sum(recv_splits),) + tuple(tensor.shape[1:])
+        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
+        out = torch.empty(out_shape, dtype=tensor.dtype, device=device)
+        send = self._host_staging(tensor)
+        send = tensor if send is None else send
+        mpitype = self._types[tensor.dtype]
+        scounts = [s * row for s in splits]
+        rcounts = [s * row for s in recv_splits]
+        self._comm.Alltoallv(
+            [self._raw(send), (scounts, np.cumsum([0] + scounts[:-1]).tolist()), mpitype],
+            [self._raw(out), (rcounts, np.cumsum([0] + rcounts[:-1]).tolist()), mpitype],
+        )
+        return out.to(tensor.device), recv_splits
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, counts: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        counts = list(counts) if counts is not None else even_split(tensor.shape[0], self._size)
+        row = _row_numel(tensor)
+        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
+        out = torch.empty((counts[self._rank],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=device)
+        send = self._host_staging(tensor)
+        send = tensor if send is None else send
+        mpitype = self._types[tensor.dtype]
+        self._comm.Reduce_scatter(
+            [self._raw(send), send.numel(), mpitype],
+            [self._raw(out), out.numel(), mpitype],
+            [c * row for c in counts],
+            op=_mpi_op(tensor.dtype, op),
+        )
+        return out.to(tensor.device)
+
+    def barrier(self) -> None:
+        _wait_politely(self._comm.Ibarrier())
+
+    def split(self, ranks: Sequence[int]) -> Optional["MPICommunicator"]:
+        members = sorted(set(int(r) for r in ranks))
+        color = 0 if self._rank in members else MPI.UNDEFINED
+        sub = self._comm.Split(color, members.index(self._rank) if self._rank in members else 0)
+        if sub == MPI.COMM_NULL:
+            return None
+        return MPICommunicator(sub, cuda_aware=self.cuda_aware)
+
+    def node_layout(self) -> Tuple[int, int, int, int]:
+        # As Horovod does: ranks sharing memory form the node; same local rank forms the cross group.
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
+        cross = self._comm.Split(local.Get_rank(), self._rank)
+        layout = (local.Get_rank(), local.Get_size(), cross.Get_rank(), cross.Get_size())
+        local.Free()
+        cross.Free()
+        return layout
+
+    def close(self) -> None:
+        if self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self._comm != MPI.COMM_NULL:
+            try:
+                self._comm.Free()
+            except MPI.Exception:
+                pass
+        self._pinned.clear()
+
+    def describe(self) -> str:
+        aware = "CUDA-aware" if self.cuda_aware else "not CUDA-aware"
+        return f"mpi ({mpi_library_version()}, {aware})"
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _raw(self, tensor: torch.Tensor):
+        if tensor.is_cuda:
+            return tensor
+        if tensor.numel() == 0:
+            return np.empty(0, dtype=np.uint8)
+        return tensor.reshape(-1).view(torch.uint8).numpy()
+
+    def _exchange_ints(self, values: List[int]) -> List[int]:
+        sent = np.array(values, dtype=np.int64)
+        out = np.empty(len(values) * self._size, dtype=np.int64)
+        self._comm.Allgather(sent, out)
+        return out.tolist()
+
+
+def _row_numel(tensor: torch.Tensor) -> int:
+    """Elements per row along dim 0 (1 for a 0-d or 1-d tensor)."""
+    n = 1
+    for d in tensor.shape[1:]:
+        n *= d
+    return n

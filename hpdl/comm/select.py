@@ -1,0 +1,56 @@
+"""Choose and create the world communicator: the one place that decides the backend."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from hpdl.comm.base import CommError, Communicator
+from hpdl.comm.topology import Topology
+
+
+def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: bool = False) -> str:
+    """Return "mpi", "gloo" or "nccl" for a job launched as ``topology`` describes.
+
+    Args:
+        requested: "auto", "mpi", "gloo", "nccl" or "torch" (gloo on CPU, nccl with CUDA),
+            from the ``backend`` argument or ``HPDL_BACKEND``.
+        topology: how the job was launched.
+        mpi_present: whether mpi4py imports.
+        cuda: whether this job trains on CUDA devices (picks nccl over gloo for "torch").
+    """
+    if requested == "torch":
+        return "nccl" if cuda else "gloo"
+    if requested in ("mpi", "gloo", "nccl"):
+        if requested == "mpi" and not mpi_present:
+            raise CommError("backend 'mpi' requested but mpi4py is not installed (pip install 'hpdl[mpi]')")
+        return requested
+    if requested != "auto":
+        raise CommError(f"unknown backend {requested!r}; use auto, mpi, gloo, nccl or torch")
+    if topology.launcher == "torchrun":
+        return "nccl" if cuda else "gloo"
+    if topology.is_mpi_launch and mpi_present:
+        return "mpi"
+    if topology.launcher == "single":
+        # A single process needs no transport; MPI (if present) starts as a singleton.
+        return "mpi" if mpi_present else "gloo"
+    return "nccl" if cuda else "gloo"
+
+
+def create_world(backend: str, topology: Topology, timeout_s: float = 1800.0, mpi_comm=None,
+                 cuda_aware: Optional[bool] = None) -> Communicator:
+    """Create the communicator of all ranks for ``backend``.
+
+    Args:
+        mpi_comm: an mpi4py communicator to use instead of COMM_WORLD (MPI backend only).
+        cuda_aware: force the MPI CUDA-awareness decision (None: ask the library).
+    """
+    if backend == "mpi":
+        from hpdl.comm.mpi import MPICommunicator
+
+        return MPICommunicator(mpi_comm, cuda_aware=cuda_aware)
+    if backend in ("gloo", "nccl"):
+        from hpdl.comm.torch_dist import TorchCommunicator, init_process_group
+
+        init_process_group(backend, topology.rank, topology.size, timeout_s)
+        return TorchCommunicator(backend)
+    raise CommError(f"unknown backend {backend!r}")

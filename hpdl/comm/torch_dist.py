@@ -1,0 +1,229 @@
+"""The torch.distributed backend: gloo on CPU tensors, nccl on CUDA tensors.
+
+Control messages (the engine's negotiation, object exchange) always travel over a gloo group on
+the CPU, so an nccl job never puts tiny host-side messages through CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hpdl.comm.base import CommError, Communicator, ReduceOp, even_split
+
+_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+}
+# Booleans are reduced as bytes: any() is max, all() is min.
+_BOOL_OPS = {
+    ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
+    ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN,
+}
+# gloo has no int16 at all: reduce it widened (wrap-around on narrowing matches int16
+# arithmetic) and move it as bytes.
+_GLOO_WIDEN = {torch.int16: torch.int32}
+
+
+def _as_rows_of_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """View a contiguous tensor as (rows, bytes per row) uint8, for pure data movement."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return tensor.reshape(rows, -1).view(torch.uint8)
+
+
+def _from_rows_of_bytes(data: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tensor:
+    return data.view(like.dtype).reshape((rows,) + tuple(like.shape[1:]))
+
+
+def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> bool:
+    """Initialise torch.distributed's default group unless the user already did.
+
+    Rendezvous follows torch's ``env://`` convention (MASTER_ADDR, MASTER_PORT). Under an MPI
+    launcher that sets neither, rank 0's host name and a free port are shared through MPI.
+
+    Returns:
+        whether this call created the group (and so should destroy it at shutdown).
+    """
+    if dist.is_initialized():
+        return False
+    env = dict(os.environ)
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        if size == 1:
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(_free_port()))
+        else:
+            addr, port = _rendezvous_through_mpi(rank)
+            env.setdefault("MASTER_ADDR", addr)
+            env.setdefault("MASTER_PORT", str(port))
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), size, rank == 0,
+        timeout=datetime.timedelta(seconds=max(timeout_s, 30)),
+    )
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _rendezvous_through_mpi(rank: int) -> Tuple[str, int]:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise CommError(
+            "torch.distributed needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
+            "set them or launch with torchrun"
+        ) from None
+    import socket
+
+    info = (socket.gethostname(), _free_port()) if rank == 0 else None
+    return MPI.COMM_WORLD.bcast(info, root=0)
+
+
+class TorchCommunicator(Communicator):
+    """A communicator over a torch.distributed process group."""
+
+    def __init__(self, backend: str = "gloo", group=None, control_group=None):
+        if not dist.is_initialized():
+            raise CommError("torch.distributed is not initialised")
+        self.name = backend
+        self._group = group if group is not None else dist.group.WORLD
+        self._is_world = group is None
+        if control_group is None and backend != "gloo":
+            control_group = dist.new_group(backend="gloo") if self._is_world else None
+        self._control = control_group if control_group is not None else self._group
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self._is_world else dist.get_global_rank(self._group, group_rank)
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        self._allreduce(tensor, op, self._group)
+
+    def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self._allreduce(tensor, op, self._control)
+
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, group) -> None:
+        if tensor.dtype == torch.bool:
+            as_bytes = tensor.to(torch.uint8)
+            dist.all_reduce(as_bytes, op=_OPS[_BOOL_OPS[op]], group=group)
+            tensor.copy_(as_bytes.bool())
+            return
+        if op in (ReduceOp.BAND, ReduceOp.BOR) and tensor.dtype.is_floating_point:
+            raise CommError(f"bitwise reduction {op.value} is not defined for {tensor.dtype}")
+        if self.name == "gloo" and tensor.dtype in _GLOO_WIDEN:
+            wide = tensor.to(_GLOO_WIDEN[tensor.dtype])
+            dist.all_reduce(wide, op=_OPS[op], group=group)
+            tensor.copy_(wide)
+            return
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+
+    def _movable(self, tensor: torch.Tensor) -> bool:
+        return not (self.name == "gloo" and tensor.dtype in _GLOO_WIDEN)
+
+    def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
+        if tensor.dim() == 0:
+            raise CommError("allgather needs a tensor of at least one dimension")
+        group = self._control if tensor.device.type == "cpu" else self._group
+        if first_dims is None:
+            mine = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+            dims = [torch.empty_like(mine) for _ in range(self._size)]
+            dist.all_gather(dims, mine, group=self._control)
+            first_dims = [int(d.item()) for d in dims]
+        if not self._movable(tensor):
+            gathered = self.allgather(_as_rows_of_bytes(tensor), first_dims)
+            return _from_rows_of_bytes(gathered, tensor, sum(first_dims))
+        longest = max(first_dims) if first_dims else 0
+        send = tensor
+        if tensor.shape[0] < longest:  # gloo gathers equal shapes only: pad, then trim
+            pad = torch.zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+            send = torch.cat([tensor, pad])
+        parts = [torch.empty_like(send) for _ in range(self._size)]
+        dist.all_gather(parts, send.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, first_dims)])
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        if not self._movable(tensor):
+            self.broadcast(_as_rows_of_bytes(tensor), root)
+            return
+        group = self._group if tensor.device.type != "cpu" or self._control is self._group else self._control
+        dist.broadcast(tensor, src=self._global(root), group=group)
+
+    def alltoall(
+        self, tensor: torch.Tensor, splits: Sequence[int], recv_splits: Optional[Sequence[int]] = None
+    ) -> Tuple[torch.Tensor, List[int]]:
+        splits = [int(s) for s in splits]
+        if recv_splits is None:
+            sent = torch.tensor(splits, dtype=torch.int64)
+            received = torch.empty(self._size, dtype=torch.int64)
+            dist.all_to_all_single(received, sent, group=self._control)
+            recv_splits = received.tolist()
+        recv_splits = [int(s) for s in recv_splits]
+        if not self._movable(tensor):
+            out, _ = self.alltoall(_as_rows_of_bytes(tensor), splits, recv_splits)
+            return _from_rows_of_bytes(out, tensor, sum(recv_splits)), recv_splits
+        out = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_to_all_single(out, tensor, recv_splits, splits, group=self._group)
+        return out, recv_splits
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, counts: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        counts = list(counts) if counts is not None else even_split(tensor.shape[0], self._size)
+        start = sum(counts[: self._rank])
+        if self.name == "nccl":
+            inputs = list(torch.split(tensor, counts))
+            out = torch.empty_like(inputs[self._rank])
+            dist.reduce_scatter(out, [t.contiguous() for t in inputs], op=_OPS[op], group=self._group)
+            return out
+        # gloo has no reduce-scatter: reduce everything, keep this rank's block.
+        reduced = tensor.clone()
+        self._allreduce(reduced, op, self._group)
+        return reduced[start : start + counts[self._rank]].clone()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._control)
+
+    def split(self, ranks: Sequence[int]) -> Optional["TorchCommunicator"]:
+        if not self._is_world:
+            raise CommError("torch.distributed creates sub-groups from the world group only")
+        members = sorted(set(int(r) for r in ranks))
+        group = dist.new_group(members, backend=self.name)
+        control = dist.new_group(members, backend="gloo") if self.name != "gloo" else None
+        if self._rank not in members:
+            return None
+        return TorchCommunicator(self.name, group=group, control_group=control)
+
+    def close(self) -> None:
+        if not self._is_world:
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception:  # the world group may already be gone at shutdown
+                pass
+
+    def describe(self) -> str:
+        return f"{self.name} (torch.distributed, torch {torch.__version__})"

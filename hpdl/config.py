@@ -1,0 +1,112 @@
+"""Runtime settings: one frozen dataclass built once, from arguments and ``HPDL_*`` variables.
+
+Every knob of the runtime is a field here with its environment variable beside it; nothing
+deeper in the code reads the environment. Unknown ``HPDL_*`` variables are rejected, so a typo
+(``HPDL_FUSION_TRESHOLD``) fails loudly instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Mapping, Optional
+
+BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
+
+# Variables read elsewhere on purpose (by launchers or tests), accepted without being settings.
+_PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS"}
+
+
+class SettingsError(ValueError):
+    """A setting has an unknown name or a value that cannot be used."""
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0/1/true/false, got {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Settings of one hpdl runtime; see each field's ``env`` metadata for its variable."""
+
+    backend: str = dataclasses.field(default="auto", metadata={"env": "HPDL_BACKEND"})
+    cycle_time_ms: float = dataclasses.field(default=1.0, metadata={"env": "HPDL_CYCLE_TIME"})
+    fusion_threshold: int = dataclasses.field(
+        default=64 * 1024 * 1024, metadata={"env": "HPDL_FUSION_THRESHOLD"}
+    )
+    cache_capacity: int = dataclasses.field(default=1024, metadata={"env": "HPDL_CACHE_CAPACITY"})
+    stall_warning_s: float = dataclasses.field(
+        default=60.0, metadata={"env": "HPDL_STALL_WARNING"}
+    )
+    stall_timeout_s: float = dataclasses.field(
+        default=1800.0, metadata={"env": "HPDL_STALL_TIMEOUT"}
+    )
+    timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
+    timeline_mark_cycles: bool = dataclasses.field(
+        default=False, metadata={"env": "HPDL_TIMELINE_MARK_CYCLES"}
+    )
+    hierarchical_allreduce: bool = dataclasses.field(
+        default=False, metadata={"env": "HPDL_HIERARCHICAL_ALLREDUCE"}
+    )
+    mpi_cuda_aware: str = dataclasses.field(
+        default="auto", metadata={"env": "HPDL_MPI_CUDA_AWARE"}
+    )
+    log_level: str = dataclasses.field(default="warning", metadata={"env": "HPDL_LOG_LEVEL"})
+    profile: str = dataclasses.field(default="", metadata={"env": "HPDL_PROFILE"})
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SettingsError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.cycle_time_ms < 0:
+            raise SettingsError(f"HPDL_CYCLE_TIME must be >= 0 ms, got {self.cycle_time_ms}")
+        if self.fusion_threshold < 0:
+            raise SettingsError(f"HPDL_FUSION_THRESHOLD must be >= 0 bytes, got {self.fusion_threshold}")
+        if self.cache_capacity < 0:
+            raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
+        if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:
+            raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
+        if self.mpi_cuda_aware not in ("auto", "0", "1"):
+            raise SettingsError(f"HPDL_MPI_CUDA_AWARE must be auto, 0 or 1, got {self.mpi_cuda_aware!r}")
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Settings":
+        """Build settings from ``HPDL_*`` variables, then explicit (non-None) overrides."""
+        env = os.environ if env is None else env
+        fields = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in env if k.startswith("HPDL_") and k not in fields and k not in _PASSTHROUGH)
+        if unknown:
+            raise SettingsError(
+                f"unknown setting {unknown[0]}; known: {', '.join(sorted(fields))}"
+            )
+        values: Dict[str, Any] = {}
+        for var, field in fields.items():
+            if var not in env:
+                continue
+            text = env[var]
+            try:
+                if field.type in ("bool", bool):
+                    values[field.name] = _parse_bool(text)
+                elif field.type in ("int", int):
+                    values[field.name] = int(float(text)) if text.strip() else field.default
+                elif field.type in ("float", float):
+                    values[field.name] = float(text)
+                else:
+                    values[field.name] = text.strip()
+            except ValueError as err:
+                raise SettingsError(f"{var}={text!r}: {err}") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in overrides.items():
+            if key not in names:
+                raise SettingsError(f"unknown setting {key!r}")
+            if value is not None:
+                values[key] = value
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Settings":
+        """Return a copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,49 @@
+"""Shared helpers for scripts that run under mpiexec or torchrun (one process per rank)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+ALL_DTYPES = [
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+]
+
+
+def rank_tensor(rank: int, shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor that depends on (rank, seed), small enough that sums stay exact in every dtype."""
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        # Multiples of 1/4 in [-4, 4]: exactly representable, sums of a few exact in fp16/bf16.
+        return (torch.randint(-16, 17, shape, generator=gen).to(torch.float64) / 4).to(dtype)
+    low = 0 if dtype == torch.uint8 else -5
+    return torch.randint(low, 6, shape, generator=gen).to(dtype)
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Fail with a message naming ``what`` unless the tensors agree (exact for integers)."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(f"{what}: got {actual.dtype}{tuple(actual.shape)}, expected {expected.dtype}{tuple(expected.shape)}")
+    if expected.dtype.is_floating_point:
+        ok = torch.allclose(actual.double(), expected.double(), rtol=1e-2 if expected.element_size() == 2 else 1e-6, atol=1e-3)
+    else:
+        ok = torch.equal(actual, expected)
+    if not ok:
+        raise AssertionError(f"{what}: values differ\n got {actual.flatten()[:8]}\n exp {expected.flatten()[:8]}")
+
+
+def run_main(main) -> None:
+    """Run ``main()``; on any exception print it and exit 1 at once, so no rank is left waiting."""
+    try:
+        main()
+    except BaseException:  # noqa: BLE001 - any failure must end this rank visibly
+        rank = os.environ.get("PMI_RANK", os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?")))
+        sys.stderr.write(f"[rank {rank}] FAILED\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)

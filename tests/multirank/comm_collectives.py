@@ -1,0 +1,121 @@
+"""Every backend collective on every dtype against a single-process reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from _common import ALL_DTYPES, assert_equal, rank_tensor, run_main
+
+from hpdl.comm import ReduceOp, choose_backend, create_world, discover_topology, even_split
+from hpdl.comm.mpi import mpi_available
+
+
+def reference_reduce(tensors, op: ReduceOp) -> torch.Tensor:
+    dtype = tensors[0].dtype
+    if dtype == torch.bool:
+        stack = torch.stack(tensors)
+        return stack.any(0) if op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR) else stack.all(0)
+    # Reduce in order, in the tensor's own dtype (pairwise rounding as the backends do).
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op == ReduceOp.SUM:
+            out = out + t
+        elif op == ReduceOp.PRODUCT:
+            out = out * t
+        elif op == ReduceOp.MIN:
+            out = torch.minimum(out, t)
+        elif op == ReduceOp.MAX:
+            out = torch.maximum(out, t)
+        elif op == ReduceOp.BAND:
+            out = out & t
+        elif op == ReduceOp.BOR:
+            out = out | t
+    return out
+
+
+def main() -> None:
+    topo = discover_topology()
+    backend = choose_backend(os.environ.get("HPDL_BACKEND", "auto"), topo, mpi_available())
+    comm = create_world(backend, topo, timeout_s=60)
+    rank, size = comm.rank, comm.size
+    assert (rank, size) == (topo.rank, topo.size), (rank, size, topo)
+
+    for dtype in ALL_DTYPES:
+        ops = [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]
+        if not dtype.is_floating_point:
+            ops += [ReduceOp.BAND, ReduceOp.BOR]
+        for op in ops:
+            for shape in [(5,), (3, 4), (0,), (1000,)]:
+                mine = rank_tensor(rank, shape, dtype, seed=len(op.value) * 13 + ord(op.value[0]))
+                expected = reference_reduce([rank_tensor(r, shape, dtype, seed=len(op.value) * 13 + ord(op.value[0])) for r in range(size)], op)
+                t = mine.clone()
+                comm.allreduce(t, op)
+                assert_equal(t, expected, f"allreduce {op.value} {dtype} {shape}")
+        # control allreduce (used by the engine for its bit vectors)
+        if dtype == torch.int64:
+            t = rank_tensor(rank, (4,), dtype)
+            comm.allreduce_control(t, ReduceOp.BOR)
+            assert_equal(t, reference_reduce([rank_tensor(r, (4,), dtype) for r in range(size)], ReduceOp.BOR), "control bor")
+
+        # allgather with different first dims
+        first = [r + 1 for r in range(size)]
+        parts = [rank_tensor(r, (first[r], 3), dtype, seed=7) for r in range(size)]
+        assert_equal(comm.allgather(parts[rank]), torch.cat(parts), f"allgather {dtype}")
+        assert_equal(comm.allgather(parts[rank], first_dims=first), torch.cat(parts), f"allgather known dims {dtype}")
+
+        # broadcast from every root
+        for root in range(size):
+            t = rank_tensor(rank, (2, 5), dtype, seed=3)
+            comm.broadcast(t, root)
+            assert_equal(t, rank_tensor(root, (2, 5), dtype, seed=3), f"broadcast root {root} {dtype}")
+
+        # alltoall with splits: rank r sends (r + d) % 3 rows to rank d
+        def splits_of(r):
+            return [(r + d) % 3 for d in range(size)]
+
+        def payload(r):
+            return rank_tensor(r, (sum(splits_of(r)), 2), dtype, seed=11)
+
+        out, recv = comm.alltoall(payload(rank), splits_of(rank))
+        expected_parts = []
+        for src in range(size):
+            offsets = [0] + torch.tensor(splits_of(src)).cumsum(0).tolist()
+            expected_parts.append(payload(src)[offsets[rank]: offsets[rank + 1]])
+        assert recv == [splits_of(src)[rank] for src in range(size)], recv
+        assert_equal(out, torch.cat(expected_parts), f"alltoall {dtype}")
+
+        # reduce-scatter (sum), uneven rows
+        rows = 2 * size + 1
+        full = [rank_tensor(r, (rows, 3), dtype, seed=5) for r in range(size)]
+        reduced = reference_reduce(full, ReduceOp.SUM)
+        counts = even_split(rows, size)
+        start = sum(counts[:rank])
+        assert_equal(comm.reduce_scatter(full[rank].clone()), reduced[start:start + counts[rank]], f"reduce_scatter {dtype}")
+
+    # objects, barrier, sub-groups
+    assert comm.allgather_object({"rank": rank}) == [{"rank": r} for r in range(size)]
+    assert comm.broadcast_object(("hello", rank), 0) == ("hello", 0)
+    comm.barrier()
+    sub_ranks = [r for r in range(size) if r % 2 == 0]
+    sub = comm.split(sub_ranks)
+    if rank in sub_ranks:
+        assert sub is not None and sub.size == len(sub_ranks) and sub.rank == sub_ranks.index(rank)
+        t = torch.tensor([float(rank)])
+        sub.allreduce(t)
+        assert t.item() == float(sum(sub_ranks)), t
+        sub.barrier()
+    else:
+        assert sub is None
+    local_rank, local_size, cross_rank, cross_size = comm.node_layout()
+    assert (local_rank, local_size, cross_rank, cross_size) == (rank, size, 0, 1), (local_rank, local_size, cross_rank, cross_size)
+    comm.barrier()
+    if rank == 0:
+        print(f"OK comm collectives: backend={comm.name} size={size}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,62 @@
+"""Run a script on several ranks under a real launcher, with a timeout so a hang fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "multirank"
+
+# (launcher, ranks) combinations every multi-rank test runs under: an odd count catches
+# ring off-by-ones, torchrun exercises the gloo backend.
+LAYOUTS = [("mpiexec", 1), ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)]
+LAYOUT_IDS = [f"{launcher}-{n}" for launcher, n in LAYOUTS]
+
+
+def launch_argv(launcher: str, n: int, script: Sequence[str]) -> list:
+    """The argv that starts ``script`` on ``n`` ranks under ``launcher``."""
+    if launcher == "mpiexec":
+        return ["mpiexec", "-n", str(n), sys.executable, *script]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *script]
+    raise ValueError(launcher)
+
+
+def run_ranks(
+    script: str,
+    n: int,
+    launcher: str = "mpiexec",
+    args: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 120,
+    expect_ok: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run tests/multirank/``script`` on ``n`` ranks; fail the test on timeout or (if expected) error."""
+    if launcher == "mpiexec" and shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not found (pip install 'hpdl[mpi]')")
+    full_env = dict(os.environ)
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    for key in [k for k in full_env if k.startswith("HPDL_") and k not in ("HPDL_VENV", "HPDL_TORCH_SPEC")]:
+        del full_env[key]
+    full_env.update(env or {})
+    argv = launch_argv(launcher, n, [str(SCRIPTS / script), *args])
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} on {n} ranks ({launcher}) did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    result = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{script} on {n} ranks ({launcher}) exited {proc.returncode}\n{out[-3000:]}\n{err[-5000:]}")
+    return result

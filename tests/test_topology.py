@@ -1,0 +1,93 @@
+"""Rank discovery from each launcher's variables, and backend choice."""
+
+import pytest
+
+from hpdl.comm import CommError, choose_backend, discover_topology, topology_from_ranks
+
+
+def test_single_process():
+    topo = discover_topology({})
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == (0, 1, 0, 1, 0, 1)
+    assert topo.launcher == "single"
+
+
+def test_torchrun():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+           "TORCHELASTIC_RUN_ID": "x"}
+    topo = discover_topology(env)
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == (5, 8, 1, 4, 1, 2)
+    assert topo.launcher == "torchrun"
+
+
+def test_open_mpi():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    topo = discover_topology(env)
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size) == (3, 4, 1, 2)
+    assert topo.launcher == "mpi-openmpi" and topo.is_mpi_launch and not topo.complete
+
+
+def test_mvapich2():
+    env = {"MV2_COMM_WORLD_RANK": "2", "MV2_COMM_WORLD_SIZE": "6", "MV2_COMM_WORLD_LOCAL_RANK": "0",
+           "MV2_COMM_WORLD_LOCAL_SIZE": "3"}
+    topo = discover_topology(env)
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.launcher) == (2, 6, 0, 3, "mpi-mvapich2")
+
+
+def test_mpich_hydra():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"}
+    topo = discover_topology(env)
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.launcher) == (1, 3, 1, 3, "mpi-pmi")
+
+
+def test_srun_step():
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "6", "SLURM_LOCALID": "1",
+           "SLURM_NODEID": "2", "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_TASKS_PER_NODE": "2(x3)"}
+    topo = discover_topology(env)
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == (5, 6, 1, 2, 2, 3)
+    assert topo.launcher == "srun"
+
+
+def test_slurm_batch_script_is_not_a_step():
+    # In an sbatch script SLURM_PROCID=0 and SLURM_NTASKS describe the allocation, not us.
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    assert discover_topology(env).launcher == "single"
+
+
+def test_uneven_slurm_tasks_per_node():
+    env = {"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "5", "SLURM_NODEID": "1", "SLURM_LOCALID": "0",
+           "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4,1"}
+    assert discover_topology(env).local_size == 1
+
+
+def test_bad_integer_names_the_variable():
+    with pytest.raises(ValueError, match="PMI_RANK"):
+        discover_topology({"PMI_RANK": "x", "PMI_SIZE": "2"})
+
+
+def test_topology_from_hosts_matches_horovod_cross_groups():
+    hosts = ["a", "a", "b", "b", "c"]
+    t = topology_from_ranks(3, hosts, "mpi")
+    assert (t.local_rank, t.local_size, t.cross_rank, t.cross_size) == (1, 2, 1, 2)
+    t = topology_from_ranks(4, hosts, "mpi")
+    assert (t.local_rank, t.local_size, t.cross_rank, t.cross_size) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "requested,launcher_env,mpi,expected",
+    [
+        ("auto", {"PMI_RANK": "0", "PMI_SIZE": "2"}, True, "mpi"),
+        ("auto", {"PMI_RANK": "0", "PMI_SIZE": "2"}, False, "gloo"),
+        ("auto", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, True, "gloo"),
+        ("auto", {}, True, "mpi"),
+        ("gloo", {"PMI_RANK": "0", "PMI_SIZE": "2"}, True, "gloo"),
+        ("torch", {}, True, "gloo"),
+    ],
+)
+def test_choose_backend(requested, launcher_env, mpi, expected):
+    assert choose_backend(requested, discover_topology(launcher_env), mpi) == expected
+
+
+def test_choose_mpi_without_mpi4py_is_a_clear_error():
+    with pytest.raises(CommError, match="mpi4py"):
+        choose_backend("mpi", discover_topology({}), False)
