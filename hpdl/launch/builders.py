@@ -1,0 +1,277 @@
+"""Pure builders of the command that `hpdl run` hands over to: mpiexec, srun or torchrun.
+
+:func:`build_run` takes the options, the environment and what :func:`detect_launchers` found,
+and returns ``(argv, env)`` for ``os.execvpe``; it runs nothing and reads nothing, so every
+launcher and MPI flavour is tested by comparing lists. The choice of launcher:
+
+1. ``--launcher`` other than auto: that one;
+2. inside a Slurm allocation (``SLURM_JOB_ID``) with backend auto or mpi: ``srun``;
+3. backend gloo/nccl/torch on this host only: ``torchrun --standalone``; on several hosts,
+   ``mpiexec`` starts the ranks and hpdl rendezvouses torch.distributed through MPI;
+4. otherwise ``mpiexec``, in the syntax of its flavour (and ``torchrun`` when there is no
+   mpiexec, the backend is auto and the job stays on this host).
+
+Settings options become ``HPDL_*`` variables, placed in the returned environment (which ranks
+on this host inherit) and, for mpiexec, also on its command line so remote ranks get them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from hpdl.config import BACKENDS, Settings, SettingsError
+from hpdl.launch.detect import (
+    FLAVOUR_NAMES, HYDRA_FLAVOURS, INTELMPI, MVAPICH2, OPENMPI, UNKNOWN, LauncherInfo,
+)
+from hpdl.launch.hosts import HostList, LaunchError
+
+LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
+_TORCH_BACKENDS = ("gloo", "nccl", "torch")
+# Forwarded by name to remote Open MPI ranks, whose ssh session would otherwise start with a
+# minimal environment that cannot find the virtualenv's python or its libraries.
+_OPENMPI_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """What `hpdl run` was asked to do; None means "not given" for every setting."""
+
+    command: Tuple[str, ...]
+    np: Optional[int] = None
+    hosts: Optional[HostList] = None
+    backend: Optional[str] = None
+    launcher: str = "auto"
+    mpi_args: Tuple[str, ...] = ()
+    timeline: Optional[str] = None
+    fusion_threshold_mb: Optional[float] = None
+    cycle_time_ms: Optional[float] = None
+    cache_capacity: Optional[int] = None
+    stall_warning_s: Optional[float] = None
+    stall_timeout_s: Optional[float] = None
+    hierarchical_allreduce: bool = False
+
+
+def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[str, str]:
+    """Return the ``HPDL_*`` variables every rank gets: those already set, then the options.
+
+    Raises:
+        LaunchError: when the result is not a valid :class:`~hpdl.config.Settings`.
+    """
+    out = {k: v for k, v in env.items() if k.startswith("HPDL_")}
+    given = {
+        "HPDL_BACKEND": options.backend,
+        "HPDL_TIMELINE": os.path.join(cwd, options.timeline) if options.timeline else None,
+        "HPDL_FUSION_THRESHOLD": (
+            None if options.fusion_threshold_mb is None
+            else str(int(round(options.fusion_threshold_mb * 1024 * 1024)))
+        ),
+        "HPDL_CYCLE_TIME": _num(options.cycle_time_ms),
+        "HPDL_CACHE_CAPACITY": _num(options.cache_capacity),
+        "HPDL_STALL_WARNING": _num(options.stall_warning_s),
+        "HPDL_STALL_TIMEOUT": _num(options.stall_timeout_s),
+        "HPDL_HIERARCHICAL_ALLREDUCE": "1" if options.hierarchical_allreduce else None,
+    }
+    out.update({k: v for k, v in given.items() if v is not None})
+    try:
+        # Validate here, once, so a bad value fails before any rank starts.
+        Settings.from_env(out)
+    except SettingsError as err:
+        raise LaunchError(str(err)) from None
+    return out
+
+
+def _num(value) -> Optional[str]:
+    if value is None:
+        return None
+    return repr(value) if isinstance(value, float) and not value.is_integer() else str(int(value))
+
+
+def _is_single_host(hosts: Optional[HostList], info: LauncherInfo) -> bool:
+    return hosts is None or (len(hosts.hosts) == 1 and info.is_local(hosts.hosts[0].name))
+
+
+def choose_launcher(options: RunOptions, backend: str, env: Mapping[str, str], info: LauncherInfo) -> str:
+    """Return "mpiexec", "srun" or "torchrun" for this job (see the module docstring)."""
+    if options.launcher != "auto":
+        return options.launcher
+    single = _is_single_host(options.hosts, info)
+    if "SLURM_JOB_ID" in env and backend in ("auto", "mpi"):
+        return "srun"
+    if backend in _TORCH_BACKENDS:
+        if single:
+            return "torchrun"
+        if info.mpiexec is None:
+            raise LaunchError(
+                f"backend {backend} on several hosts needs mpiexec to start the ranks "
+                "(hpdl then meets through MPI), but mpiexec was not found on PATH"
+            )
+        return "mpiexec"
+    if info.mpiexec is None and backend == "auto" and single and info.torchrun is not None:
+        return "torchrun"
+    return "mpiexec"
+
+
+def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -> Tuple[List[str], Dict[str, str]]:
+    """Return ``(argv, env)`` that start ``options.command`` on every rank.
+
+    Args:
+        options: the parsed `hpdl run` options.
+        env: the environment to start from (normally ``os.environ``).
+        info: the launchers found, from :func:`hpdl.launch.detect_launchers`.
+
+    Raises:
+        LaunchError: for any request that cannot be met, with a one-line reason.
+    """
+    command = list(options.command)
+    if not command:
+        raise LaunchError("no command to run; put it after '--', e.g. hpdl run -np 2 -- python train.py")
+    backend = options.backend or env.get("HPDL_BACKEND") or "auto"
+    if backend not in BACKENDS:
+        raise LaunchError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if options.launcher not in LAUNCHERS:
+        raise LaunchError(f"unknown launcher {options.launcher!r}; use one of {', '.join(LAUNCHERS)}")
+    hpdl_env = settings_env(options, env, info.cwd)
+    launcher = choose_launcher(options, backend, env, info)
+    hosts = options.hosts
+    np = _num_ranks(options, env, launcher)
+
+    out_env = dict(env)
+    out_env.update(hpdl_env)
+    if launcher == "mpiexec":
+        if info.mpiexec is None:
+            raise LaunchError("launcher mpiexec was not found on PATH (install an MPI, e.g. pip install mpich)")
+        argv = build_mpiexec(info.mpiexec, info.mpi_flavour, np, hosts, hpdl_env, options.mpi_args, command, env)
+    elif launcher == "srun":
+        if info.srun is None:
+            raise LaunchError("launcher srun was not found on PATH (is Slurm installed here?)")
+        argv = build_srun(info.srun, np, hosts, options.mpi_args, command)
+    else:
+        if info.torchrun is None:
+            raise LaunchError("launcher torchrun was not found on PATH (it comes with PyTorch)")
+        if backend == "mpi":
+            raise LaunchError("backend mpi cannot run under torchrun; use --launcher mpiexec or srun")
+        if not _is_single_host(hosts, info):
+            raise LaunchError("torchrun starts ranks on this host only; use mpiexec or srun for several hosts")
+        if options.mpi_args:
+            raise LaunchError("--mpi-args applies to mpiexec and srun, not torchrun")
+        argv = build_torchrun(info.torchrun, np, command)
+    return argv, out_env
+
+
+def _num_ranks(options: RunOptions, env: Mapping[str, str], launcher: str) -> int:
+    hosts = options.hosts
+    if options.np is not None:
+        np = options.np
+    elif hosts is not None:
+        np = hosts.total_slots
+    elif launcher == "srun" and env.get("SLURM_NTASKS", "").isdigit():
+        np = int(env["SLURM_NTASKS"])  # srun's own default: the allocation's task count
+    else:
+        np = 1
+    if np < 1:
+        raise LaunchError(f"-np must be at least 1, got {np}")
+    if hosts is not None and np > hosts.total_slots:
+        source = f"hostfile {hosts.path}" if hosts.path else "-H"
+        raise LaunchError(f"-np {np} is more than the {hosts.total_slots} slots that {source} lists")
+    return np
+
+
+def build_mpiexec(
+    mpiexec: str,
+    flavour: str,
+    np: int,
+    hosts: Optional[HostList],
+    hpdl_env: Mapping[str, str],
+    mpi_args: Sequence[str],
+    command: Sequence[str],
+    env: Optional[Mapping[str, str]] = None,
+) -> List[str]:
+    """Return the mpiexec argv in the syntax of ``flavour`` (a flavour constant of ``detect``).
+
+    Args:
+        hpdl_env: the ``HPDL_*`` variables to set on every rank.
+        env: the launching environment, consulted for variables to forward.
+    """
+    env = {} if env is None else env
+    if flavour == OPENMPI:
+        argv = [mpiexec, "-np", str(np)]
+        if hosts is not None:
+            if hosts.path and hosts.styles <= {"slots", "bare"}:
+                argv += ["--hostfile", hosts.path]
+            else:
+                argv += ["-H", hosts.colon_form()]
+        # Open MPI binds each rank to a core by default; hpdl's engine thread needs another.
+        argv += ["--bind-to", "none"]
+        for key, value in hpdl_env.items():
+            argv += ["-x", f"{key}={value}"]
+        if hosts is not None:
+            for key in _OPENMPI_FORWARD:
+                if key in env:
+                    argv += ["-x", key]
+        return argv + list(mpi_args) + list(command)
+
+    if flavour in HYDRA_FLAVOURS:
+        argv = [mpiexec]
+        for key, value in hpdl_env.items():
+            argv += ["-genv", key, value]
+        if flavour == MVAPICH2 and "MV2_ENABLE_AFFINITY" not in env:
+            # MVAPICH2 pins each rank to one core, starving hpdl's background engine thread.
+            argv += ["-genv", "MV2_ENABLE_AFFINITY", "0"]
+        argv += list(mpi_args)
+        if flavour == INTELMPI and hosts is not None:
+            return argv + _intel_hosts(np, hosts, command)
+        argv += ["-n", str(np)]
+        if hosts is not None:
+            if hosts.path and hosts.styles <= {"colon", "bare"}:
+                argv += ["-f", hosts.path]
+            else:
+                argv += ["-hosts", hosts.colon_form()]
+        return argv + list(command)
+
+    # An unrecognised mpiexec: '-n' is the MPI standard's one portable option; the HPDL_*
+    # variables reach local ranks through the inherited environment.
+    if hosts is not None:
+        raise LaunchError(
+            f"cannot tell how to pass hosts to {mpiexec} ({FLAVOUR_NAMES[UNKNOWN]}); "
+            "give them through --mpi-args"
+        )
+    return [mpiexec, "-n", str(np)] + list(mpi_args) + list(command)
+
+
+def _intel_hosts(np: int, hosts: HostList, command: Sequence[str]) -> List[str]:
+    # Intel MPI's -f ignores slot counts (its -machinefile keeps them) and its -hosts takes
+    # plain names with one -ppn for all; unequal slot counts need one MPMD section per host.
+    if hosts.path and hosts.styles <= {"colon", "bare"}:
+        return ["-n", str(np), "-machinefile", hosts.path] + list(command)
+    if hosts.uniform_slots is not None:
+        return ["-n", str(np), "-ppn", str(hosts.uniform_slots), "-hosts", ",".join(hosts.names)] + list(command)
+    sections: List[str] = []
+    for name, count in hosts.fill(np):
+        if sections:
+            sections.append(":")
+        sections += ["-n", str(count), "-host", name] + list(command)
+    return sections
+
+
+def build_srun(srun: str, np: int, hosts: Optional[HostList], launcher_args: Sequence[str], command: Sequence[str]) -> List[str]:
+    """Return ``srun --ntasks N [--nodelist h1,h2] [args] command``."""
+    argv = [srun, "--ntasks", str(np)]
+    if hosts is not None:
+        argv += ["--nodelist", ",".join(hosts.names)]
+    return argv + list(launcher_args) + list(command)
+
+
+def build_torchrun(torchrun: str, np: int, command: Sequence[str]) -> List[str]:
+    """Return ``torchrun --nproc-per-node N --standalone --no-python command``."""
+    # --no-python: the command is run as given ("python train.py", "python -m pkg", a script),
+    # not handed to torchrun's own interpreter as a script path.
+    return [torchrun, "--nproc-per-node", str(np), "--standalone", "--no-python"] + list(command)
+
+
+def format_command(argv: Sequence[str], env: Mapping[str, str], base_env: Mapping[str, str]) -> str:
+    """Return a shell line showing ``argv`` with the variables that differ from ``base_env``."""
+    changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if base_env.get(k) != v]
+    return " ".join(changed + [shlex.join(argv)])

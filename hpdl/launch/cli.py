@@ -1,0 +1,179 @@
+"""`hpdl run` and `hpdl check`: argument parsing and the two thin handlers.
+
+The handlers turn the namespace into :class:`RunOptions`, call the pure builder, and then
+either print the command (``--dry-run``) or ``os.execvpe`` it, so the launcher replaces this
+process and owns signals, exit codes and output from then on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import List
+
+from hpdl.cli import CliError
+from hpdl.config import BACKENDS
+from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
+from hpdl.launch.detect import detect_launchers
+from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
+
+_RUN_DESCRIPTION = """\
+Start COMMAND as N ranks of an hpdl job through mpiexec, srun or torchrun, then get out of
+the way: hpdl builds the launcher's command line and replaces itself with it.
+
+Launcher choice (unless --launcher says otherwise):
+  inside a Slurm allocation (SLURM_JOB_ID set), backend auto or mpi   -> srun
+  backend gloo, nccl or torch on this host only                      -> torchrun --standalone
+  backend gloo, nccl or torch on several hosts                       -> mpiexec (ranks meet
+                                                                        through MPI)
+  otherwise                                                          -> mpiexec, in the syntax
+      of its MPI (MPICH, Open MPI, MVAPICH2 or Intel MPI, read from `mpiexec --version`);
+      torchrun if there is no mpiexec, the backend is auto and the job stays on this host.
+
+Settings options become HPDL_* environment variables on every rank; HPDL_* variables already
+set are passed on too, and all are checked before anything starts."""
+
+_RUN_EPILOG = """\
+examples:
+  hpdl run -np 4 -- python train.py --epochs 10
+  hpdl run -np 8 -H node1:4,node2:4 --timeline trace.json -- python train.py
+  hpdl run --hostfile hosts.txt --backend gloo -- python -m hpdl.sr train
+  hpdl run -np 2 --dry-run -- python train.py      # print the command, run nothing
+
+hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment.
+Open MPI refuses more ranks than cores unless told --mpi-args=--oversubscribe (write
+the "=" when the value starts with "-")."""
+
+
+def register(subparsers) -> None:
+    """Add the `run` and `check` subcommands."""
+    run = subparsers.add_parser(
+        "run",
+        help="launch a training command on N ranks (mpiexec, srun or torchrun)",
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    where = run.add_argument_group("ranks and hosts")
+    where.add_argument(
+        "-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
+        help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS under srun, else 1)",
+    )
+    hosts = where.add_mutually_exclusive_group()
+    hosts.add_argument(
+        "-H", "--hosts", dest="hosts", metavar="HOST[:SLOTS],...",
+        help="comma-separated hosts with their slot counts, e.g. node1:4,node2:4 (slots default to 1)",
+    )
+    hosts.add_argument(
+        "--hostfile", metavar="FILE",
+        help="file of hosts, one per line: 'host slots=N', 'host:N' or 'host'",
+    )
+    how = run.add_argument_group("launcher")
+    how.add_argument(
+        "--backend", choices=BACKENDS, default=None,
+        help="collective backend of the ranks (HPDL_BACKEND); gloo/nccl/torch start through "
+        "torchrun on one host (default: HPDL_BACKEND if set, else auto)",
+    )
+    how.add_argument(
+        "--launcher", choices=LAUNCHERS, default="auto",
+        help="force the launcher instead of choosing one as described above (default: auto)",
+    )
+    how.add_argument(
+        "--mpi-args", default="", metavar="'ARGS'",
+        help="extra arguments for mpiexec or srun, given as one quoted string that is split "
+        "as a shell would split it (for example the Open MPI option --oversubscribe)",
+    )
+    how.add_argument(
+        "--dry-run", action="store_true",
+        help="print the command (with the variables it sets) instead of running it",
+    )
+    knobs = run.add_argument_group("settings passed to every rank")
+    knobs.add_argument("--timeline", metavar="FILE",
+                       help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute)")
+    knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
+                       help="fuse tensors into buffers of up to MB mebibytes (HPDL_FUSION_THRESHOLD; 0 disables)")
+    knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
+                       help="engine cycle time in milliseconds (HPDL_CYCLE_TIME)")
+    knobs.add_argument("--cache-capacity", type=int, metavar="N",
+                       help="entries of the negotiation response cache (HPDL_CACHE_CAPACITY; 0 disables)")
+    knobs.add_argument("--stall-warning-s", type=float, metavar="S",
+                       help="warn when a collective waits for some ranks longer than S seconds (HPDL_STALL_WARNING)")
+    knobs.add_argument("--stall-timeout-s", type=float, metavar="S",
+                       help="abort the job when a collective stalls longer than S seconds (HPDL_STALL_TIMEOUT)")
+    knobs.add_argument("--hierarchical-allreduce", action="store_true",
+                       help="allreduce within each node, then across nodes (HPDL_HIERARCHICAL_ALLREDUCE=1)")
+    run.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+        help="the program each rank runs, after '--', e.g. -- python train.py --lr 0.1",
+    )
+    run.set_defaults(func=run_command)
+
+    check = subparsers.add_parser(
+        "check",
+        help="show the frameworks, backends and launchers available here",
+        description="Report the hpdl and PyTorch versions, CUDA, the backends (MPI with its flavour, "
+        "gloo, nccl), the launchers on PATH and this process's place in a job. Always exits 0.",
+    )
+    check.set_defaults(func=check_command)
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    """Turn the `hpdl run` namespace into :class:`RunOptions`, reading the hostfile if any."""
+    command: List[str] = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise LaunchError("no command to run; put it after '--', e.g. hpdl run -np 2 -- python train.py")
+    try:
+        mpi_args = tuple(shlex.split(args.mpi_args))
+    except ValueError as err:
+        raise LaunchError(f"--mpi-args {args.mpi_args!r}: {err}") from None
+    if args.hostfile:
+        host_list = read_hostfile(args.hostfile)
+    elif args.hosts is not None:
+        host_list = parse_hosts(args.hosts)
+    else:
+        host_list = None
+    return RunOptions(
+        command=tuple(command),
+        np=args.np,
+        hosts=host_list,
+        backend=args.backend,
+        launcher=args.launcher,
+        mpi_args=mpi_args,
+        timeline=args.timeline,
+        fusion_threshold_mb=args.fusion_threshold_mb,
+        cycle_time_ms=args.cycle_time_ms,
+        cache_capacity=args.cache_capacity,
+        stall_warning_s=args.stall_warning_s,
+        stall_timeout_s=args.stall_timeout_s,
+        hierarchical_allreduce=args.hierarchical_allreduce,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Handle `hpdl run`: build the launcher command, then print it or exec it."""
+    try:
+        options = options_from_args(args)
+        argv, env = build_run(options, os.environ, detect_launchers(os.environ))
+    except LaunchError as err:
+        raise CliError(str(err)) from None
+    if args.dry_run:
+        print(format_command(argv, env, os.environ), flush=True)
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as err:
+        raise CliError(f"cannot start {argv[0]}: {err.strerror or err}") from None
+    return 1  # pragma: no cover - execvpe does not return
+
+
+def check_command(args: argparse.Namespace) -> int:
+    """Handle `hpdl check`: print the availability report."""
+    from hpdl.launch.check import print_check
+
+    return print_check()

@@ -1,0 +1,59 @@
+"""Tests of `hpdl check`: the report's content, and that missing pieces never crash it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from hpdl import __version__
+from hpdl.cli import main
+from hpdl.launch import LauncherInfo, check_report
+from hpdl.launch import detect
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = LauncherInfo(
+    mpiexec="mpirun", mpiexec_path="/opt/ompi/bin/mpirun", mpi_flavour=detect.OPENMPI,
+    mpi_version_text="mpirun (Open MPI) 5.0.3\n", torchrun=None, srun="srun", srun_path="/usr/bin/srun",
+)
+
+
+def test_report_sections():
+    text = "\n".join(check_report(env={}, info=FAKE))
+    assert f"hpdl v{__version__}" in text
+    assert "[X] PyTorch " in text
+    assert "Gloo" in text and "NCCL" in text and "MPI" in text
+    assert "[X] mpirun (Open MPI 5.0.3; /opt/ompi/bin/mpirun)" in text
+    assert "[X] srun (/usr/bin/srun)" in text and "[ ] torchrun" in text
+    assert "launcher: single" in text and "rank 0 of 1" in text
+
+
+def test_report_shows_topology_of_a_launched_rank():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    text = "\n".join(check_report(env=env, info=FAKE))
+    assert "launcher: mpi-pmi" in text and "rank 1 of 4 (local 1 of 2)" in text
+
+
+def test_report_survives_a_failing_probe():
+    text = "\n".join(check_report(env={"OMPI_COMM_WORLD_RANK": "x"}, info=FAKE))
+    assert "[ ] topology (error: ValueError" in text
+
+
+def test_report_without_mpi4py_in_process(monkeypatch):
+    import hpdl.comm.mpi as mpi
+
+    monkeypatch.setattr(mpi, "MPI", None)
+    text = "\n".join(check_report(env={}, info=FAKE))
+    assert "[ ] MPI (mpi4py is not installed" in text
+
+
+def test_check_without_mpi4py_importable():
+    # A fresh interpreter where `import mpi4py` fails, as on an install without the mpi extra.
+    code = "import sys; sys.modules['mpi4py'] = None; from hpdl.cli import main; sys.exit(main(['check']))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "[ ] MPI" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_cli_check_exits_zero(capsys):
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "Available backends:" in out and "Available launchers:" in out

@@ -1,0 +1,442 @@
+"""Tests of `hpdl run`: host parsing, MPI flavour detection, the pure builders and the CLI.
+
+Everything but the last test is pure: launchers are described by a fake LauncherInfo, so
+Open MPI, Intel MPI, MVAPICH2 and Slurm are covered without being installed.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpdl.cli import main
+from hpdl.launch import (
+    LaunchError,
+    LauncherInfo,
+    RunOptions,
+    build_run,
+    detect_launchers,
+    format_command,
+    mpi_flavour_from_version,
+    mpi_version_from_version,
+    parse_hostfile,
+    parse_hosts,
+    read_hostfile,
+)
+from hpdl.launch import detect
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- realistic `mpiexec --version` outputs ----------------------------------------------
+
+MPICH_TEXT = """\
+HYDRA build details:
+    Version:                                 4.1.2
+    Release Date:                            Wed Jun  7 15:22:45 CDT 2023
+    CC:                              gcc    -Wdate-time -D_FORTIFY_SOURCE=2 -g -O2
+    Configure options:                       '--disable-option-checking' '--prefix=/usr' '--with-device=ch4:ofi' '--with-pm=hydra'
+    Process Manager:                         pmi
+    Launchers available:                     ssh rsh fork slurm ll lsf sge manual persist
+    Topology libraries available:            hwloc
+    Resource management kernels available:   user slurm ll lsf sge pbs cobalt
+    Demux engines available:                 poll select
+"""
+OPENMPI4_TEXT = """\
+mpiexec (OpenRTE) 4.1.5
+
+Report bugs to http://www.open-mpi.org/community/help/
+"""
+OPENMPI5_TEXT = """\
+mpiexec (Open MPI) 5.0.3
+
+Report bugs to https://www.open-mpi.org/community/help/
+"""
+MVAPICH2_TEXT = """\
+HYDRA build details:
+    Version:                                 3.2.1
+    Release Date:                            General Availability Release
+    CC:                              gcc    -DNDEBUG -DNVALGRIND -O2
+    CXX:                             g++   -DNDEBUG -DNVALGRIND -O2
+    Configure options:                       '--disable-option-checking' '--prefix=/opt/mvapich2/2.3.7' '--with-device=ch3:mrail' '--with-rdma=gen2' 'MPICHLIB_CFLAGS=-O2'
+    Process Manager:                         pmi
+    Launchers available:                     ssh rsh fork slurm ll lsf sge manual persist
+    Topology libraries available:            hwloc
+    Resource management kernels available:   user slurm ll lsf sge pbs cobalt
+    Demux engines available:                 poll select
+"""
+INTEL_TEXT = """\
+Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619 (id: c2e19c2f3e)
+Copyright 2003-2023, Intel Corporation.
+"""
+INTEL2019_TEXT = "Intel(R) MPI Library for Linux* OS, Version 2019 Update 9 Build 20200923 (id: abd58e492)\n"
+
+
+def info(flavour=detect.MPICH, mpiexec="mpiexec", torchrun="torchrun", srun=None):
+    return LauncherInfo(
+        mpiexec=mpiexec, mpi_flavour=flavour, torchrun=torchrun, srun=srun,
+        hostnames=frozenset({"localhost", "127.0.0.1", "vm"}), cwd="/job",
+    )
+
+
+def run(command=("python", "train.py"), env=None, launchers=None, **options):
+    return build_run(RunOptions(command=tuple(command), **options), env or {}, launchers or info())
+
+
+# --- hosts -------------------------------------------------------------------------------
+
+def test_parse_hosts_with_and_without_slots():
+    hosts = parse_hosts("node1:2, node2,10.0.0.3:4")
+    assert [(h.name, h.slots) for h in hosts.hosts] == [("node1", 2), ("node2", 1), ("10.0.0.3", 4)]
+    assert hosts.total_slots == 7 and hosts.path is None
+    assert hosts.colon_form() == "node1:2,node2:1,10.0.0.3:4"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("node1:2,,node2", "-H entry 2 is empty"),
+    ("node1:x", "slot count 'x' is not an integer"),
+    ("node1:0", "at least 1"),
+    ("node 1", "cannot parse"),
+])
+def test_parse_hosts_errors(text, fragment):
+    with pytest.raises(LaunchError, match=fragment):
+        parse_hosts(text)
+
+
+def test_parse_hostfile_mixed_forms_and_comments():
+    text = "# cluster\nnode1 slots=4\n\nnode2:2   # fast one\nnode3\nnode4 slots=2 max_slots=8\n"
+    hosts = parse_hostfile(text, "hosts.txt")
+    assert [(h.name, h.slots) for h in hosts.hosts] == [("node1", 4), ("node2", 2), ("node3", 1), ("node4", 2)]
+    assert hosts.styles == {"slots", "colon", "bare"}
+    assert hosts.path == "hosts.txt"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("node1 slots=2\nnode2 cpus=4\n", r"hosts\.txt:2: cannot parse 'node2 cpus=4'"),
+    ("# a\n\nnode1:two\n", r"hosts\.txt:3: slot count 'two'"),
+    ("node1 slots=0\n", r"hosts\.txt:1: slot count must be at least 1"),
+    ("# only comments\n\n", r"hosts\.txt: lists no hosts"),
+])
+def test_parse_hostfile_errors_name_file_and_line(text, fragment):
+    with pytest.raises(LaunchError, match=fragment):
+        parse_hostfile(text, "hosts.txt")
+
+
+def test_read_hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("a:2\nb:2\n")
+    assert read_hostfile(str(path)).total_slots == 4
+    with pytest.raises(LaunchError, match="cannot read hostfile"):
+        read_hostfile(str(tmp_path / "missing"))
+
+
+# --- flavour detection --------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, flavour, version", [
+    (MPICH_TEXT, detect.MPICH, "4.1.2"),
+    (OPENMPI4_TEXT, detect.OPENMPI, "4.1.5"),
+    (OPENMPI5_TEXT, detect.OPENMPI, "5.0.3"),
+    (MVAPICH2_TEXT, detect.MVAPICH2, "3.2.1"),
+    (INTEL_TEXT, detect.INTELMPI, "2021.10"),
+    (INTEL2019_TEXT, detect.INTELMPI, "2019 Update 9"),
+    ("", detect.UNKNOWN, ""),
+    ("mpiexec: some vendor launcher 1.0\n", detect.UNKNOWN, ""),
+])
+def test_flavour_from_version_text(text, flavour, version):
+    assert mpi_flavour_from_version(text) == flavour
+    assert mpi_version_from_version(text) == version
+
+
+def test_detect_launchers_with_nothing_on_path(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    found = detect_launchers({"PATH": "/nowhere"})
+    assert (found.mpiexec, found.srun, found.torchrun) == (None, None, None)
+
+
+def test_detect_launchers_reads_flavour(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/opt/bin/{name}" if name == "mpirun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: OPENMPI5_TEXT)
+    found = detect_launchers({"PATH": "/opt/bin"})
+    assert found.mpiexec == "mpirun" and found.mpiexec_path == "/opt/bin/mpirun"
+    assert found.mpi_flavour == detect.OPENMPI and found.mpi_version == "5.0.3"
+
+
+# --- builders: mpiexec in each flavour ----------------------------------------------------
+
+def test_mpich_local_needs_no_hosts():
+    argv, env = run(np=2, env={"PATH": "/bin"})
+    assert argv == ["mpiexec", "-n", "2", "python", "train.py"]
+    assert env == {"PATH": "/bin"}
+
+
+def test_mpich_hosts_settings_and_mpi_args():
+    argv, env = run(
+        np=3, hosts=parse_hosts("n1:2,n2:2"), fusion_threshold_mb=32, cycle_time_ms=2.5,
+        timeline="out/t.json", hierarchical_allreduce=True, mpi_args=("-bind-to", "core"),
+    )
+    assert argv == [
+        "mpiexec",
+        "-genv", "HPDL_TIMELINE", "/job/out/t.json",
+        "-genv", "HPDL_FUSION_THRESHOLD", str(32 * 1024 * 1024),
+        "-genv", "HPDL_CYCLE_TIME", "2.5",
+        "-genv", "HPDL_HIERARCHICAL_ALLREDUCE", "1",
+        "-bind-to", "core",
+        "-n", "3", "-hosts", "n1:2,n2:2",
+        "python", "train.py",
+    ]
+    assert env["HPDL_TIMELINE"] == "/job/out/t.json" and env["HPDL_CYCLE_TIME"] == "2.5"
+
+
+def test_mpich_hostfile_passed_when_native_else_translated():
+    native = parse_hostfile("n1:2\nn2\n", "hf")
+    argv, _ = run(hosts=native)
+    assert argv == ["mpiexec", "-n", "3", "-f", "hf", "python", "train.py"]
+    foreign = parse_hostfile("n1 slots=2\nn2\n", "hf")
+    argv, _ = run(hosts=foreign)
+    assert argv == ["mpiexec", "-n", "3", "-hosts", "n1:2,n2:1", "python", "train.py"]
+
+
+@pytest.mark.parametrize("text", [OPENMPI4_TEXT, OPENMPI5_TEXT])
+def test_openmpi(text):
+    launchers = info(flavour=mpi_flavour_from_version(text), mpiexec="mpirun")
+    env = {"PATH": "/venv/bin", "HOME": "/root"}
+    argv, out = run(np=4, hosts=parse_hosts("n1:2,n2:2"), backend="mpi", cache_capacity=0,
+                    env=env, launchers=launchers)
+    assert argv == [
+        "mpirun", "-np", "4", "-H", "n1:2,n2:2", "--bind-to", "none",
+        "-x", "HPDL_BACKEND=mpi", "-x", "HPDL_CACHE_CAPACITY=0", "-x", "PATH",
+        "python", "train.py",
+    ]
+    assert out["HPDL_BACKEND"] == "mpi" and out["HOME"] == "/root"
+
+
+def test_openmpi_local_and_hostfile():
+    launchers = info(flavour=detect.OPENMPI)
+    argv, _ = run(np=2, launchers=launchers, env={"PATH": "/bin"})
+    assert argv == ["mpiexec", "-np", "2", "--bind-to", "none", "python", "train.py"]
+    argv, _ = run(hosts=parse_hostfile("n1 slots=2\nn2\n", "hf"), launchers=launchers)
+    assert argv[:6] == ["mpiexec", "-np", "3", "--hostfile", "hf", "--bind-to"]
+    argv, _ = run(hosts=parse_hostfile("n1:2\n", "hf"), launchers=launchers)
+    assert argv[3:5] == ["-H", "n1:2"]
+
+
+def test_mvapich2_disables_affinity_unless_set():
+    launchers = info(flavour=detect.MVAPICH2)
+    argv, _ = run(np=2, launchers=launchers)
+    assert argv == ["mpiexec", "-genv", "MV2_ENABLE_AFFINITY", "0", "-n", "2", "python", "train.py"]
+    argv, _ = run(np=2, launchers=launchers, env={"MV2_ENABLE_AFFINITY": "1"})
+    assert argv == ["mpiexec", "-n", "2", "python", "train.py"]
+
+
+def test_intel_mpi_uniform_uneven_and_machinefile():
+    launchers = info(flavour=detect.INTELMPI, mpiexec="mpiexec.hydra")
+    argv, _ = run(np=3, hosts=parse_hosts("n1:2,n2:2"), launchers=launchers)
+    assert argv == ["mpiexec.hydra", "-n", "3", "-ppn", "2", "-hosts", "n1,n2", "python", "train.py"]
+    argv, _ = run(np=3, hosts=parse_hosts("n1:1,n2:4"), backend="mpi", launchers=launchers)
+    assert argv == [
+        "mpiexec.hydra", "-genv", "HPDL_BACKEND", "mpi",
+        "-n", "1", "-host", "n1", "python", "train.py", ":",
+        "-n", "2", "-host", "n2", "python", "train.py",
+    ]
+    argv, _ = run(hosts=parse_hostfile("n1:2\n", "hf"), launchers=launchers)
+    assert argv == ["mpiexec.hydra", "-n", "2", "-machinefile", "hf", "python", "train.py"]
+
+
+def test_unknown_mpiexec_local_only():
+    launchers = info(flavour=detect.UNKNOWN)
+    argv, env = run(np=2, backend="mpi", launchers=launchers)
+    assert argv == ["mpiexec", "-n", "2", "python", "train.py"]
+    assert env["HPDL_BACKEND"] == "mpi"
+    with pytest.raises(LaunchError, match="cannot tell how to pass hosts"):
+        run(hosts=parse_hosts("n1,n2"), launchers=launchers)
+
+
+# --- builders: srun and torchrun ----------------------------------------------------------
+
+def test_srun_inside_slurm_allocation():
+    launchers = info(srun="srun")
+    env = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8"}
+    argv, _ = run(env=env, launchers=launchers)
+    assert argv == ["srun", "--ntasks", "8", "python", "train.py"]
+    argv, out = run(np=4, hosts=parse_hosts("c1:2,c2:2"), mpi_args=("--mpi=pmix",), env=env, launchers=launchers)
+    assert argv == ["srun", "--ntasks", "4", "--nodelist", "c1,c2", "--mpi=pmix", "python", "train.py"]
+    assert out["SLURM_JOB_ID"] == "42"
+
+
+def test_slurm_with_gloo_uses_torchrun_on_one_host():
+    argv, env = run(np=2, backend="gloo", env={"SLURM_JOB_ID": "42"}, launchers=info(srun="srun"))
+    assert argv[0] == "torchrun" and env["HPDL_BACKEND"] == "gloo"
+
+
+def test_srun_missing():
+    with pytest.raises(LaunchError, match="launcher srun was not found"):
+        run(env={"SLURM_JOB_ID": "42"})
+
+
+def test_torchrun_single_host():
+    argv, env = run(np=2, backend="nccl", stall_warning_s=30.0)
+    assert argv == ["torchrun", "--nproc-per-node", "2", "--standalone", "--no-python", "python", "train.py"]
+    assert env["HPDL_BACKEND"] == "nccl" and env["HPDL_STALL_WARNING"] == "30"
+    argv, _ = run(hosts=parse_hosts("localhost:2"), backend="gloo")
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "2"]
+
+
+def test_torch_backend_on_several_hosts_starts_through_mpiexec():
+    argv, env = run(hosts=parse_hosts("n1:2,n2:2"), backend="gloo")
+    assert argv == [
+        "mpiexec", "-genv", "HPDL_BACKEND", "gloo", "-n", "4", "-hosts", "n1:2,n2:2", "python", "train.py",
+    ]
+    with pytest.raises(LaunchError, match="needs mpiexec to start the ranks"):
+        run(hosts=parse_hosts("n1:2,n2:2"), backend="gloo", launchers=info(mpiexec=None))
+
+
+def test_backend_from_environment_picks_the_launcher():
+    argv, env = run(np=2, env={"HPDL_BACKEND": "gloo"})
+    assert argv[0] == "torchrun" and env["HPDL_BACKEND"] == "gloo"
+
+
+def test_auto_without_mpiexec_falls_back_to_torchrun_on_one_host():
+    argv, _ = run(np=2, launchers=info(mpiexec=None))
+    assert argv[0] == "torchrun"
+    with pytest.raises(LaunchError, match="launcher mpiexec was not found"):
+        run(np=2, launchers=info(mpiexec=None, torchrun=None))
+
+
+def test_forced_launcher_and_its_limits():
+    argv, _ = run(np=2, launcher="torchrun")
+    assert argv[0] == "torchrun"
+    argv, _ = run(np=2, backend="gloo", launcher="mpiexec")
+    assert argv == ["mpiexec", "-genv", "HPDL_BACKEND", "gloo", "-n", "2", "python", "train.py"]
+    with pytest.raises(LaunchError, match="this host only"):
+        run(hosts=parse_hosts("n1,n2"), launcher="torchrun")
+    with pytest.raises(LaunchError, match="backend mpi cannot run under torchrun"):
+        run(backend="mpi", launcher="torchrun")
+    with pytest.raises(LaunchError, match="--mpi-args applies to mpiexec and srun"):
+        run(backend="gloo", mpi_args=("-x",))
+    with pytest.raises(LaunchError, match="launcher torchrun was not found"):
+        run(backend="gloo", launchers=info(torchrun=None))
+
+
+# --- builders: ranks and settings ---------------------------------------------------------
+
+def test_np_defaults_and_limits():
+    assert run(hosts=parse_hosts("n1:2,n2:3"))[0][1:3] == ["-n", "5"]
+    assert run()[0][1:3] == ["-n", "1"]
+    with pytest.raises(LaunchError, match="-np 5 is more than the 4 slots that -H lists"):
+        run(np=5, hosts=parse_hosts("n1:2,n2:2"))
+    with pytest.raises(LaunchError, match="hostfile hf"):
+        run(np=3, hosts=parse_hostfile("n1:2\n", "hf"))
+    with pytest.raises(LaunchError, match="at least 1"):
+        run(np=0)
+
+
+def test_settings_are_validated_before_launch():
+    with pytest.raises(LaunchError, match="HPDL_CYCLE_TIME must be >= 0"):
+        run(cycle_time_ms=-1.0)
+    with pytest.raises(LaunchError, match="unknown setting HPDL_FUSION_TRESHOLD"):
+        run(env={"HPDL_FUSION_TRESHOLD": "1"})
+    with pytest.raises(LaunchError, match="unknown backend"):
+        run(env={"HPDL_BACKEND": "carrier-pigeon"})
+    with pytest.raises(LaunchError, match="no command"):
+        run(command=())
+
+
+def test_existing_hpdl_variables_are_passed_on_and_overridden():
+    argv, env = run(np=2, cache_capacity=8, env={"HPDL_LOG_LEVEL": "info", "HPDL_CACHE_CAPACITY": "4"})
+    assert argv[:7] == ["mpiexec", "-genv", "HPDL_LOG_LEVEL", "info", "-genv", "HPDL_CACHE_CAPACITY", "8"]
+    assert env["HPDL_CACHE_CAPACITY"] == "8"
+
+
+def test_format_command_shows_changed_variables():
+    line = format_command(["torchrun", "python", "a b.py"], {"A": "1", "B": "x y"}, {"A": "1"})
+    assert line == "B='x y' torchrun python 'a b.py'"
+
+
+# --- the command line ---------------------------------------------------------------------
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("HPDL_", "SLURM_")):
+            monkeypatch.delenv(key)
+
+
+def _one_line_error(capsys, fragment):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("hpdl: error: ") and fragment in err, err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "-np", "2"], "no command to run"),
+    (["run", "-np", "2", "--"], "no command to run"),
+    (["run", "-np", "5", "-H", "a:2,b:2", "--", "python", "x.py"], "-np 5 is more than the 4 slots"),
+    (["run", "-H", "a:0", "--", "python", "x.py"], "slot count must be at least 1"),
+    (["run", "--mpi-args", "'unclosed", "--", "python"], "--mpi-args"),
+    (["run", "--cycle-time-ms", "-3", "--", "python"], "HPDL_CYCLE_TIME"),
+])
+def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
+    assert main(args) == 2
+    _one_line_error(capsys, fragment)
+
+
+def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\n# spare\nnode2 = 3\n")
+    assert main(["run", "--hostfile", str(hostfile), "--", "python", "x.py"]) == 2
+    _one_line_error(capsys, f"{hostfile}:3: cannot parse 'node2 = 3'")
+
+
+def test_cli_missing_launcher_is_named(monkeypatch, capsys, clean_env):
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    assert main(["run", "-np", "2", "--", "python", "x.py"]) == 2
+    _one_line_error(capsys, "launcher mpiexec was not found on PATH")
+    assert main(["run", "-np", "2", "--backend", "gloo", "--", "python", "x.py"]) == 2
+    _one_line_error(capsys, "launcher torchrun was not found on PATH")
+
+
+def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: OPENMPI4_TEXT)
+    code = main(["run", "-np", "2", "-H", "a,b", "--timeline", "t.json", "--dry-run",
+                 "--mpi-args=--oversubscribe", "--", "python", "train.py", "--lr", "0.1"])
+    out = capsys.readouterr().out.strip()
+    assert code == 0
+    timeline = os.path.join(str(tmp_path), "t.json")
+    assert out == (
+        f"HPDL_TIMELINE={timeline} mpiexec -np 2 -H a:1,b:1 --bind-to none -x HPDL_TIMELINE={timeline} "
+        "-x PATH --oversubscribe python train.py --lr 0.1"
+    )
+
+
+def test_cli_run_help_explains_options(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("-np", "--hostfile", "-H", "--backend", "--launcher", "--mpi-args", "--dry-run",
+                   "--timeline", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity",
+                   "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "examples:"):
+        assert option in text
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec on PATH")
+def test_run_two_ranks_through_mpiexec():
+    if detect_launchers().mpi_flavour not in detect.HYDRA_FLAVOURS:
+        pytest.skip("PMI_RANK is set by Hydra-based mpiexec (MPICH, MVAPICH2, Intel MPI)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl", "run", "-np", "2", "--",
+         sys.executable, "-c", "import os; print(os.environ['PMI_RANK'])"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == ["0", "1"], done.stdout
