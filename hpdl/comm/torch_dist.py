@@ -54,22 +54,16 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> 
     """
     if dist.is_initialized():
         return False
-    env = dict(os.environ)
-    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-        if size == 1:
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(_free_port()))
-        else:
-            addr, port = _rendezvous_through_mpi(rank)
-            env.setdefault("MASTER_ADDR", addr)
-            env.setdefault("MASTER_PORT", str(port))
-    store = dist.TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), size, rank == 0,
-        timeout=datetime.timedelta(seconds=max(timeout_s, 30)),
-    )
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        # torchrun (or the user) set up the rendezvous; under torchrun the agent's store is reused.
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
+        return True
+    if size == 1:
+        addr, port = "127.0.0.1", _free_port()
+    else:
+        addr, port = _rendezvous_through_mpi(rank)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size, timeout=timeout)
     return True
 
 

@@ -1,1 +1,40 @@
+"""Horovod-compatible data-parallel API for PyTorch: ``import hpdl.torch as hvd``.
 
+Names and semantics follow Horovod 0.28's ``horovod.torch``; see docs/api.md for what differs.
+"""
+
+from hpdl.engine import HorovodInternalError
+from hpdl.torch.compression import Compression, Compressor
+from hpdl.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hpdl.torch.mpi_ops import (
+    Adasum, Average, Max, Min, Product, Sum,
+    allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
+    barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+    grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async, sparse_allreduce_async, synchronize,
+)
+from hpdl.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hpdl.torch.runtime import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+    rocm_built, shutdown, size, start_timeline, stop_timeline,
+)
+
+try:  # DistributedOptimizer lands with the training issue; the collectives stand alone.
+    from hpdl.torch.optimizer import DistributedOptimizer
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = [
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "Product", "ProcessSet", "Sum", "add_process_set", "allgather", "allgather_async", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
+]

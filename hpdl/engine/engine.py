@@ -1,0 +1,311 @@
+"""The asynchronous collective engine: a request queue served by one background thread.
+
+Every call of the API becomes a named :class:`Request` on the queue and returns a
+:class:`Handle` at once. The engine thread runs cycles: it drains the queue, negotiates with
+the other members of each process set which requests are ready everywhere (see
+negotiation.py), runs them fused (execution.py) and completes the handles. A cycle starts every
+``cycle_time_ms`` and at once when a request arrives at an idle engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from hpdl.comm import Communicator
+from hpdl.config import Settings
+from hpdl.engine import events as ev
+from hpdl.engine.errors import HorovodInternalError
+from hpdl.engine.execution import Executor
+from hpdl.engine.handle import Handle
+from hpdl.engine.negotiation import FLAG_SHUTDOWN, Controller, CycleResult
+from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Response
+
+log = logging.getLogger("hpdl.engine")
+
+_IDLE_CYCLES_BEFORE_BACKOFF = 50
+_IDLE_SLEEP_S = 0.005  # between cycles once nothing has been pending anywhere for a while
+
+
+class StallAbort(HorovodInternalError):
+    """Raised asynchronously in the main thread of a rank that stopped submitting."""
+
+    message = "collectives stalled"
+
+    def __init__(self, *args):
+        super().__init__(*(args or (self.message,)))
+
+
+class _ProcessSet:
+    """One process set as the engine sees it on this rank."""
+
+    def __init__(self, set_id: int, ranks: Sequence[int], controller: Optional[Controller]):
+        self.id = set_id
+        self.ranks = list(ranks)
+        self.controller = controller  # None when this rank is not a member
+        self.pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
+        self.handles: Dict[str, Handle] = {}
+
+
+class Engine:
+    """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
+
+    def __init__(self, settings: Settings, comm: Communicator):
+        self.settings = settings
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.bus = ev.EventBus()
+        self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold)
+        self._sets: Dict[int, _ProcessSet] = {0: _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)))}
+        self._next_set_id = 1
+        self._queue: "collections.deque[Request]" = collections.deque()
+        self._handles_in_queue: Dict[int, Handle] = {}
+        self._in_flight: set = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._shutdown_requested = False
+        self._stopped = threading.Event()
+        self._failure: Optional[str] = None
+        self._main_thread_id = threading.main_thread().ident
+        self.cycles = 0
+        self._idle_cycles = 0
+        self._timeline = None
+        self._thread = threading.Thread(target=self._run, name="hpdl-engine", daemon=True)
+        self._thread.start()
+
+    def _controller(self, comm: Communicator, set_id: int, ranks: Sequence[int]) -> Controller:
+        s = self.settings
+        return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks))
+
+    # -- called from user threads ----------------------------------------------------------
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; return its handle. Raises ValueError for a name already in flight."""
+        key = (request.process_set_id, request.name)
+        with self._lock:
+            if self._failure is not None:
+                raise HorovodInternalError(self._failure)
+            if self._stopped.is_set() or self._shutdown_requested:
+                raise HorovodInternalError("hpdl has been shut down; call hvd.init() again first")
+            ps = self._sets.get(request.process_set_id)
+            if ps is None:
+                raise ValueError(f"process set {request.process_set_id} does not exist (removed or never added)")
+            if ps.controller is None:
+                raise ValueError(f"rank {self.rank} is not a member of process set {request.process_set_id} "
+                                 f"(ranks {ps.ranks})")
+            if key in self._in_flight:
+                raise ValueError(
+                    f"a collective named {request.name!r} is already in flight on this rank; "
+                    "wait for it (synchronize) before submitting another with the same name")
+            self._in_flight.add(key)
+            handle = Handle(request.name)
+            handle.add_done_callback(lambda _h, key=key: self._in_flight.discard(key))
+            was_idle = not self._queue
+            self._queue.append(request)
+            self._handles_in_queue[id(request)] = handle
+        if self.bus.active:
+            self.bus.emit(ev.Event(ev.QUEUED, request.kind.value, (request.name,), ev.now_us(),
+                                   nbytes=request.nbytes, rank=self.rank, process_set_id=request.process_set_id))
+        if was_idle:
+            self._wake.set()
+        return handle
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
+        self._shutdown_requested = True
+        self._wake.set()
+        self._thread.join(timeout if timeout is not None else self.settings.stall_timeout_s + 60)
+        self.stop_timeline()
+        for ps in self._sets.values():
+            if ps.controller is not None and ps.id != 0:
+                ps.controller.comm.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def process_set_ranks(self, set_id: int) -> Optional[List[int]]:
+        ps = self._sets.get(set_id)
+        return None if ps is None else list(ps.ranks)
+
+    def process_set_comm(self, set_id: int) -> Optional[Communicator]:
+        ps = self._sets.get(set_id)
+        return None if ps is None or ps.controller is None else ps.controller.comm
+
+    def process_set_ids(self) -> List[int]:
+        return sorted(self._sets)
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: cycles, negotiations (fast/full), cache hits/misses, fusion and bytes."""
+        controllers = [ps.controller for ps in self._sets.values() if ps.controller is not None]
+        out: Dict[str, Any] = {
+            "cycles": self.cycles,
+            "fast_negotiations": sum(c.fast_negotiations for c in controllers),
+            "full_negotiations": sum(c.full_negotiations for c in controllers),
+            "cache_hits": sum(c.cache.hits for c in controllers),
+            "cache_misses": sum(c.cache.misses for c in controllers),
+            "cache_entries": sum(len(c.cache) for c in controllers),
+        }
+        out.update(self.executor.stats())
+        return out
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Write a Chrome-trace timeline of this rank's engine events to ``path`` (rank 0 only)."""
+        from hpdl.engine.timeline import Timeline
+
+        self.stop_timeline()
+        if self.rank != 0:
+            return
+        self._timeline = Timeline(path, mark_cycles=mark_cycles)
+        self.bus.add(self._timeline.observe)
+
+    def stop_timeline(self) -> None:
+        if self._timeline is not None:
+            self.bus.remove(self._timeline.observe)
+            self._timeline.close()
+            self._timeline = None
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        cycle_s = self.settings.cycle_time_ms / 1000.0
+        try:
+            while True:
+                started = time.monotonic()
+                self._drain()
+                if self._cycle():
+                    break
+                self.cycles += 1
+                pause = _IDLE_SLEEP_S if self._idle_cycles > _IDLE_CYCLES_BEFORE_BACKOFF else cycle_s
+                remaining = pause - (time.monotonic() - started)
+                if remaining > 0:
+                    self._wake.wait(remaining)
+                self._wake.clear()
+        except BaseException as err:  # noqa: BLE001 - surfaces in every caller's thread instead
+            self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}", err)
+        finally:
+            self._stopped.set()
+
+    def _drain(self) -> None:
+        with self._lock:
+            while self._queue:
+                request = self._queue.popleft()
+                ps = self._sets[request.process_set_id]
+                ps.pending[request.name] = request
+                ps.handles[request.name] = self._handles_in_queue.pop(id(request))
+
+    def _cycle(self) -> bool:
+        """Run one cycle over every process set; return True when the engine must stop."""
+        world = self._sets[0]
+        flags = FLAG_SHUTDOWN if self._shutdown_requested else 0
+        sets_pending = 0
+        for ps in self._sets.values():
+            if ps.id and ps.pending and ps.id < 32:
+                sets_pending |= 1 << ps.id
+        result = world.controller.cycle(world.pending, flags, sets_pending)
+        if result.shutdown:
+            self._fail_pending("hpdl has been shut down (hvd.shutdown() was called on some rank)")
+            return True
+        if result.abort is not None:
+            self._fail(result.abort, log_it=self.rank == 0)
+            return True
+        self._execute(world, result)
+        busy = result.any_pending
+        for set_id in sorted(self._sets):
+            ps = self._sets.get(set_id)
+            if set_id == 0 or ps is None or ps.controller is None:
+                continue
+            if set_id < 32 and not (result.sets_pending >> set_id) & 1:
+                continue
+            sub = ps.controller.cycle(ps.pending)
+            busy = busy or sub.any_pending
+            if sub.abort is not None:
+                self._fail_set(ps, sub.abort)
+                continue
+            self._execute(ps, sub)
+        self._idle_cycles = 0 if busy or result.sets_pending else self._idle_cycles + 1
+        if self._timeline is not None and self._timeline.mark_cycles:
+            self.bus.emit(ev.Event(ev.CYCLE, "cycle", (), ev.now_us(), rank=self.rank, cycle=self.cycles))
+        return False
+
+    def _execute(self, ps: _ProcessSet, result: CycleResult) -> None:
+        if not result.responses:
+            return
+        requests: Dict[str, Request] = {}
+        handles: Dict[str, Handle] = {}
+        for response in result.responses:
+            request = ps.pending.pop(response.name, None)
+            if request is not None:
+                requests[response.name] = request
+                handles[response.name] = ps.handles.pop(response.name)
+        if self.bus.active:
+            t = ev.now_us()
+            for response in result.responses:
+                self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
+                                       process_set_id=ps.id, cycle=self.cycles))
+        self.executor.run(ps.controller.comm, ps.id, result.responses, requests, handles, self.cycles, self._special)
+        if self.bus.active:
+            t = ev.now_us()
+            for response in result.responses:
+                self.bus.emit(ev.Event(ev.DONE, response.kind.value, (response.name,), t, rank=self.rank,
+                                       process_set_id=ps.id, cycle=self.cycles))
+
+    def _special(self, response: Response, request: Optional[Request], handle: Optional[Handle]) -> None:
+        """Run the responses that change the engine itself: join and process-set changes."""
+        if response.kind == RequestKind.JOIN:
+            if handle is not None:
+                handle.set_result(response.last_joined)
+        elif response.kind == RequestKind.ADD_PROCESS_SET:
+            ranks = list(response.signature[SIG_SPLITS])
+            sub = self.comm.split(ranks)  # collective over every rank, in the agreed order
+            set_id = self._next_set_id
+            self._next_set_id += 1
+            controller = self._controller(sub, set_id, ranks) if sub is not None else None
+            self._sets[set_id] = _ProcessSet(set_id, ranks, controller)
+            if handle is not None:
+                handle.set_result(set_id)
+        elif response.kind == RequestKind.REMOVE_PROCESS_SET:
+            set_id = response.signature[SIG_ROOT]
+            ps = self._sets.pop(set_id, None)
+            if ps is not None:
+                self._fail_set(ps, f"process set {set_id} was removed")
+                if ps.controller is not None:
+                    ps.controller.comm.close()
+            if handle is not None:
+                handle.set_result(set_id)
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def _fail_set(self, ps: _ProcessSet, message: str) -> None:
+        for name in list(ps.pending):
+            ps.pending.pop(name)
+            ps.handles.pop(name).set_error(HorovodInternalError(message))
+
+    def _fail_pending(self, message: str) -> None:
+        self._drain()
+        for ps in self._sets.values():
+            self._fail_set(ps, message)
+
+    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True) -> None:
+        """Enter the failed state: every pending and future request raises ``message``."""
+        with self._lock:
+            self._failure = message
+        waiting = any(ps.pending for ps in self._sets.values()) or bool(self._queue)
+        if log_it:
+            log.error("%s", message)
+        self._fail_pending(message)
+        if not waiting and cause is None:
+            # This rank is the one that stopped submitting: it has no handle to raise through,
+            # so raise in its main thread, as every surviving rank must.
+            self._raise_in_main_thread(message)
+
+    def _raise_in_main_thread(self, message: str) -> None:
+        if self._main_thread_id is None:
+            return
+        StallAbort.message = message
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._main_thread_id), ctypes.py_object(StallAbort))

@@ -1,0 +1,202 @@
+"""Run agreed responses on the backend: fused allreduces and the other collectives.
+
+Called on the engine thread with the responses of one negotiation, in the agreed order; every
+member runs the same backend calls in the same order. Each phase emits an event.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from hpdl.comm import Communicator, ReduceOp, even_split
+from hpdl.engine import events as ev
+from hpdl.engine.errors import HorovodInternalError
+from hpdl.engine.fusion import FusionBuffers, dtype_of, numel_of, plan_fusion
+from hpdl.engine.handle import Handle
+from hpdl.engine.request import SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
+
+_BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.MIN.value: ReduceOp.MIN,
+                Op.MAX.value: ReduceOp.MAX, Op.PRODUCT.value: ReduceOp.PRODUCT}
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    """Multiply in place; integers are scaled in float64 and truncated toward zero."""
+    if factor == 1.0 or tensor.dtype == torch.bool:
+        return
+    if tensor.dtype.is_floating_point:
+        tensor.mul_(factor)
+    else:
+        tensor.copy_(torch.trunc(tensor.double() * factor))
+
+
+class Executor:
+    """Carries out responses for one engine; owns the fusion buffers and the counters."""
+
+    def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int):
+        self.bus = bus
+        self.rank = rank
+        self.fusion_threshold = fusion_threshold
+        self.buffers = FusionBuffers()
+        self.backend_calls = 0
+        self.fused_calls = 0  # backend allreduces that carried more than one tensor
+        self.tensors_reduced = 0
+        self.bytes_reduced = 0
+
+    def run(self, comm: Communicator, process_set_id: int, responses: List[Response],
+            requests: Dict[str, Request], handles: Dict[str, Handle], cycle: int,
+            special: Callable[[Response, Optional[Request], Optional[Handle]], None]) -> None:
+        """Run ``responses``; complete the handles of this rank's requests.
+
+        Args:
+            requests, handles: this rank's requests by name (a joined rank has none).
+            special: runs responses the engine itself handles (join, process sets).
+        """
+        allreduces: List[Response] = []
+        for response in responses:
+            if response.error is not None:
+                handle = handles.get(response.name)
+                if handle is not None:
+                    handle.set_error(HorovodInternalError(response.error))
+            elif response.kind == RequestKind.ALLREDUCE:
+                allreduces.append(response)
+        for batch in plan_fusion(allreduces, self.fusion_threshold):
+            self._guard(batch, handles, lambda: self._allreduce(comm, process_set_id, batch, requests, handles, cycle))
+        for response in responses:
+            if response.error is not None or response.kind == RequestKind.ALLREDUCE:
+                continue
+            request, handle = requests.get(response.name), handles.get(response.name)
+            if response.kind in (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET):
+                self._guard([response], handles, lambda: special(response, request, handle))
+            elif request is not None:
+                self._guard([response], handles, lambda: self._other(comm, process_set_id, response, request, handle, cycle))
+
+    def _guard(self, batch: List[Response], handles: Dict[str, Handle], fn) -> None:
+        try:
+            fn()
+        except Exception as err:  # a failed backend call fails its requests, not the engine
+            for response in batch:
+                handle = handles.get(response.name)
+                if handle is not None:
+                    handle.set_error(HorovodInternalError(
+                        f"{response.kind.value} of tensor {response.name!r} failed: {err}"))
+
+    # -- allreduce -------------------------------------------------------------------------
+
+    def _allreduce(self, comm: Communicator, ps: int, batch: List[Response], requests: Dict[str, Request],
+                   handles: Dict[str, Handle], cycle: int) -> None:
+        first = batch[0].signature
+        dtype = dtype_of(batch[0])
+        op_name = first[SIG_OP]
+        prescale, postscale = first[SIG_SCALES]
+        if op_name == Op.AVERAGE.value:
+            postscale = postscale / comm.size
+        backend_op = _BACKEND_OPS[op_name]
+        names = tuple(r.name for r in batch)
+        outputs: List[torch.Tensor] = []
+        inputs: List[torch.Tensor] = []
+        for response in batch:
+            request = requests.get(response.name)
+            if request is None:  # this rank has joined: contribute zeros of the agreed shape
+                zeros = torch.zeros(response.signature[SIG_SHAPE], dtype=dtype, device=response.signature[SIG_DEVICE])
+                inputs.append(zeros)
+                outputs.append(zeros)
+            else:
+                inputs.append(request.tensor)
+                outputs.append(request.output if request.output is not None else request.tensor)
+        nbytes = sum(t.numel() for t in inputs) * dtype.itemsize
+        op_label = f"{comm.name.upper()}_ALLREDUCE"
+        if len(batch) == 1:
+            # One tensor: reduce it where it lies, no fusion-buffer copies.
+            target = outputs[0]
+            if target is not inputs[0]:
+                target.copy_(inputs[0])
+            scale_(target, prescale)
+            with ev.Span(self.bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
+                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=1):
+                comm.allreduce(target, backend_op)
+            scale_(target, postscale)
+        else:
+            total = sum(t.numel() for t in inputs)
+            buffer = self.buffers.get(dtype, inputs[0].device, total, self.fusion_threshold)
+            with ev.Span(self.bus, phase=ev.MEMCPY_IN, kind="allreduce", names=names, nbytes=nbytes,
+                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
+                torch.cat([t.reshape(-1) for t in inputs], out=buffer)
+            scale_(buffer, prescale)
+            with ev.Span(self.bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
+                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
+                comm.allreduce(buffer, backend_op)
+            scale_(buffer, postscale)
+            with ev.Span(self.bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
+                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
+                offset = 0
+                for out in outputs:
+                    n = out.numel()
+                    out.copy_(buffer[offset:offset + n].view_as(out))
+                    offset += n
+            self.fused_calls += 1
+        self.backend_calls += 1
+        self.tensors_reduced += len(batch)
+        self.bytes_reduced += nbytes
+        for response, out in zip(batch, outputs):
+            handle = handles.get(response.name)
+            if handle is not None:
+                handle.set_result(out)
+
+    # -- the other collectives -------------------------------------------------------------
+
+    def _other(self, comm: Communicator, ps: int, response: Response, request: Request,
+               handle: Optional[Handle], cycle: int) -> None:
+        kind = response.kind
+        tensor = request.tensor
+        nbytes = request.nbytes
+        label = f"{comm.name.upper()}_{kind.value.upper()}"
+        span = ev.Span(self.bus, phase=ev.COLLECTIVE, kind=kind.value, names=(response.name,), nbytes=nbytes,
+                       op=label, rank=self.rank, process_set_id=ps, cycle=cycle)
+        result = None
+        with span:
+            if kind == RequestKind.ALLGATHER:
+                first_dims = [sig[SIG_SHAPE][0] for sig in response.signatures]
+                result = comm.allgather(tensor, first_dims=first_dims)
+            elif kind == RequestKind.BROADCAST:
+                out = request.output if request.output is not None else tensor
+                if out is not tensor:
+                    out.copy_(tensor)
+                comm.broadcast(out, response.signature[SIG_ROOT])
+                result = out
+            elif kind == RequestKind.ALLTOALL:
+                def splits_of(sig):
+                    splits = sig[SIG_SPLITS]
+                    return list(splits) if splits is not None else even_split(sig[SIG_SHAPE][0], comm.size)
+
+                mine = splits_of(response.signatures[comm.rank])
+                received = [splits_of(sig)[comm.rank] for sig in response.signatures]
+                out, recv = comm.alltoall(tensor, mine, received)
+                result = (out, torch.tensor(recv, dtype=torch.int32))
+            elif kind == RequestKind.REDUCESCATTER:
+                prescale, postscale = response.signature[SIG_SCALES]
+                op_name = response.signature[SIG_OP]
+                if op_name == Op.AVERAGE.value:
+                    postscale = postscale / comm.size
+                source = tensor
+                if prescale != 1.0:
+                    source = tensor.clone()
+                    scale_(source, prescale)
+                result = comm.reduce_scatter(source, _BACKEND_OPS[op_name], even_split(tensor.shape[0], comm.size))
+                scale_(result, postscale)
+            elif kind == RequestKind.BARRIER:
+                comm.barrier()
+            else:  # pragma: no cover - every kind is dispatched above
+                raise HorovodInternalError(f"unknown request kind {kind}")
+        self.backend_calls += 1
+        if handle is not None:
+            handle.set_result(result)
+
+    def stats(self) -> Dict[str, int]:
+        return {
+            "backend_calls": self.backend_calls, "fused_calls": self.fused_calls,
+            "tensors_reduced": self.tensors_reduced, "bytes_reduced": self.bytes_reduced,
+            "fusion_buffer_hits": self.buffers.hits, "fusion_buffer_misses": self.buffers.misses,
+            "fusion_buffer_bytes": self.buffers.allocated_bytes,
+        }

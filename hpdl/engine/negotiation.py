@@ -1,0 +1,282 @@
+"""Name-based negotiation: every cycle, the members of a process set agree on which named
+requests are ready on all of them, check that they match, and fix one order to run them in.
+
+Two paths, as in Horovod:
+- fast: when every pending request on every rank is in the response cache, one bitwise-AND
+  allreduce of a small bit vector decides (no metadata travels);
+- full: otherwise each rank sends the (name, signature) of every pending request; all ranks
+  then compute the same ready list, validate it and update their caches identically.
+The first word of the bit vector carries flags (OR-combined, stored inverted so that AND
+yields OR) that switch to the full path, report a join or a shutdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hpdl.comm import Communicator, ReduceOp
+from hpdl.engine.cache import ResponseCache
+from hpdl.engine.request import (
+    SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_KIND, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS,
+    Request, RequestKind, Response,
+)
+
+log = logging.getLogger("hpdl.engine")
+
+FLAG_UNCACHED = 1  # a pending request is not cached (or its signature changed)
+FLAG_STALL_CHECK = 2  # a request has waited long: exchange metadata to see who is missing
+FLAG_JOINED = 4  # this rank has called join()
+FLAG_SHUTDOWN = 8  # this rank is shutting down: every rank stops
+FLAG_PENDING = 16  # this rank has anything pending (idle detection)
+FLAG_ABORT = 32  # rank 0 declared a stall timeout: the message travels in a full exchange
+_FULL = FLAG_UNCACHED | FLAG_STALL_CHECK | FLAG_JOINED | FLAG_ABORT
+_MASK = 0xFFFFFFFF
+
+# Requests that never enter the response cache.
+_UNCACHED_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
+
+
+@dataclasses.dataclass
+class CycleResult:
+    """What one negotiation decided."""
+
+    responses: List[Response]
+    shutdown: bool = False
+    abort: Optional[str] = None
+    any_pending: bool = False
+    sets_pending: int = 0  # bit i: some member has requests pending for process set i
+    full: bool = False
+
+
+def _describe_value(field: int, value: Any) -> str:
+    if field == SIG_SHAPE:
+        return str(list(value))
+    if field == SIG_SCALES and value is not None:
+        return f"prescale {value[0]}, postscale {value[1]}"
+    return str(value)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+_FIELD_TEXT = {
+    SIG_KIND: "operations", SIG_DTYPE: "data types", SIG_SHAPE: "tensor shapes", SIG_DEVICE: "devices",
+    SIG_OP: "reduction ops", SIG_ROOT: "root ranks", SIG_SCALES: "scale factors", SIG_SPLITS: "splits",
+    SIG_GROUP: "groups",
+}
+
+
+def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]:
+    """Return a message naming the tensor, the field and the ranks that differ, or None."""
+    kind = next(iter(signatures.values()))[SIG_KIND]
+    fields = [SIG_KIND, SIG_DTYPE, SIG_DEVICE, SIG_SHAPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_GROUP]
+    if kind in (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value):
+        fields.append(SIG_SPLITS)  # the member ranks must agree
+    for field in fields:
+        values: Dict[Any, List[int]] = {}
+        for rank, sig in sorted(signatures.items()):
+            value = sig[field] if field < len(sig) else None
+            if field == SIG_SHAPE and kind in ("allgather", "alltoall") and value is not None:
+                value = value[1:]  # only trailing dimensions must agree
+            values.setdefault(value, []).append(rank)
+        if len(values) > 1:
+            parts = [f"{_ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
+                     for v, ranks in values.items()]
+            what = "trailing tensor shapes" if field == SIG_SHAPE and kind in ("allgather", "alltoall") else _FIELD_TEXT[field]
+            return f"Mismatched {kind} {what} for tensor {name!r}: " + "; ".join(parts)
+    return None
+
+
+class Controller:
+    """Negotiation state of one process set on this rank (one per set the rank belongs to)."""
+
+    def __init__(self, comm: Communicator, process_set_id: int, cache_capacity: int,
+                 stall_warning_s: float, stall_timeout_s: float, global_ranks: Sequence[int]):
+        self.comm = comm
+        self.process_set_id = process_set_id
+        self.rank = comm.rank
+        self.size = comm.size
+        self.global_ranks = list(global_ranks)
+        self.cache = ResponseCache(cache_capacity, comm.rank)
+        self.stall_warning_s = stall_warning_s
+        self.stall_timeout_s = stall_timeout_s
+        self.stall_check_interval = min(stall_warning_s / 2, 5.0)
+        self._vector = np.zeros(2 + self.cache.words, dtype=np.int64)
+        self._vector_tensor = torch.from_numpy(self._vector)
+        self._arrival: Dict[str, float] = {}
+        self._last_full = 0.0
+        self._incomplete_since: Dict[str, float] = {}
+        self._warned_at: Dict[str, float] = {}
+        self._abort: Optional[str] = None
+        self._joined_before: frozenset = frozenset()
+        self.full_negotiations = 0
+        self.fast_negotiations = 0
+
+    # -- one cycle -------------------------------------------------------------------------
+
+    def cycle(self, pending: "OrderedDict[str, Request]", flags: int = 0, sets_pending: int = 0) -> CycleResult:
+        """Agree with the other members on what to run now; collective over the set."""
+        now = time.monotonic()
+        positions: List[int] = []
+        for name, request in pending.items():
+            if name not in self._arrival:
+                self._arrival[name] = now
+            if request.kind == RequestKind.JOIN:
+                flags |= FLAG_JOINED
+                continue
+            position = self.cache.lookup(name, request.signature())
+            if position is None:
+                flags |= FLAG_UNCACHED
+            else:
+                positions.append(position)
+        if pending:
+            flags |= FLAG_PENDING
+            oldest = min(self._arrival[n] for n in pending)
+            if now - oldest > self.stall_check_interval and now - self._last_full > self.stall_check_interval:
+                flags |= FLAG_STALL_CHECK
+        if self._abort is not None:
+            flags |= FLAG_ABORT
+
+        vector = self._vector
+        vector[:] = 0
+        vector[0] = ~flags & _MASK
+        vector[1] = ~sets_pending & _MASK
+        self.cache.encode(positions, vector[2:])
+        self.comm.allreduce_control(self._vector_tensor, ReduceOp.BAND)
+        any_flags = ~int(vector[0]) & _MASK
+        result = CycleResult([], any_pending=bool(any_flags & FLAG_PENDING), sets_pending=~int(vector[1]) & _MASK)
+        if any_flags & FLAG_SHUTDOWN:
+            result.shutdown = True
+            return result
+        if any_flags & _FULL:
+            self._full_exchange(pending, flags, now, result)
+        else:
+            self._fast(result)
+        for response in result.responses:
+            self._arrival.pop(response.name, None)
+        return result
+
+    def _fast(self, result: CycleResult) -> None:
+        self.fast_negotiations += 1
+        responses = [self.cache.get(p) for p in ResponseCache.decode(self._vector[2:])]
+        responses = _complete_groups(responses)
+        for response in responses:
+            self.cache.touch(self.cache.lookup(response.name, response.signatures[self.rank]))
+        self.cache.hits += len(responses)
+        result.responses = responses
+
+    def _full_exchange(self, pending: "OrderedDict[str, Request]", flags: int, now: float, result: CycleResult) -> None:
+        self.full_negotiations += 1
+        self._last_full = now
+        mine = [(name, request.signature()) for name, request in pending.items()]
+        messages = self.comm.allgather_object((flags, mine, self._abort if self.rank == 0 else None))
+        result.full = True
+        abort = messages[0][2]
+        if abort is not None:
+            result.abort = abort
+            return
+        joined = frozenset(r for r, (f, _, _) in enumerate(messages) if f & FLAG_JOINED)
+        active = [r for r in range(self.size) if r not in joined]
+        lists = [OrderedDict(m[1]) for m in messages]
+
+        responses: List[Response] = []
+        if active:
+            for name, _ in messages[active[0]][1]:
+                if not all(name in lists[r] for r in active):
+                    continue
+                sigs = {r: lists[r][name] for r in active}
+                error = validate(name, sigs)
+                kind = RequestKind(sigs[active[0]][SIG_KIND])
+                if error is None and joined and kind != RequestKind.ALLREDUCE:
+                    error = (f"{kind.value} of tensor {name!r} cannot run after "
+                             f"{_ranks_text(sorted(joined))} called join(); only allreduce can")
+                signatures = tuple(lists[r].get(name) for r in range(self.size))
+                responses.append(Response(name, kind, signatures, error=error, joined=tuple(sorted(joined))))
+        responses = _complete_groups(responses)
+        if joined and len(joined) == self.size:
+            newly = sorted(joined - self._joined_before) or sorted(joined)
+            responses.append(Response("join", RequestKind.JOIN, tuple([None] * self.size), last_joined=newly[-1]))
+            self._joined_before = frozenset()
+        else:
+            self._joined_before = joined
+        for response in responses:
+            if response.error is None and not response.joined and response.kind not in _UNCACHED_KINDS:
+                self.cache.put(response)
+        self.cache.misses += len(responses)
+        result.responses = responses
+        self._track_stalls(lists, active, {r.name for r in responses}, now)
+
+    # -- stalls ----------------------------------------------------------------------------
+
+    def _track_stalls(self, lists: List["OrderedDict[str, Any]"], active: List[int], ready: set, now: float) -> None:
+        """On rank 0: warn about requests some ranks have not submitted; abort after the timeout."""
+        waiting: Dict[str, List[int]] = {}
+        for r in active:
+            for name, sig in lists[r].items():
+                if name not in ready and sig[SIG_KIND] != RequestKind.JOIN.value:
+                    waiting.setdefault(name, [])
+        for name in waiting:
+            waiting[name] = [self.global_ranks[r] for r in active if name not in lists[r]]
+        for name in list(self._incomplete_since):
+            if name not in waiting:
+                del self._incomplete_since[name]
+                self._warned_at.pop(name, None)
+        if self.rank != 0:
+            return
+        stalled_warn, stalled_abort = [], []
+        for name, missing in waiting.items():
+            since = self._incomplete_since.setdefault(name, now)
+            age = now - since
+            if age >= self.stall_timeout_s:
+                stalled_abort.append((name, missing))
+            elif age >= self.stall_warning_s and now - self._warned_at.get(name, 0.0) >= self.stall_warning_s:
+                stalled_warn.append((name, missing))
+                self._warned_at[name] = now
+        if stalled_warn:
+            log.warning(
+                "One or more tensors were submitted to be reduced, gathered or broadcasted by a subset of "
+                "ranks and are waiting for the remainder for more than %.0f s. Stalled tensors:\n%s",
+                self.stall_warning_s, _stall_lines(stalled_warn),
+            )
+        if stalled_abort and self._abort is None:
+            self._abort = (f"collectives stalled for more than {self.stall_timeout_s:g} s "
+                           f"(HPDL_STALL_TIMEOUT); ranks that have not submitted them:\n"
+                           + _stall_lines(stalled_abort))
+
+    def close(self) -> None:
+        self.cache.clear()
+
+
+def _stall_lines(items: List[Tuple[str, List[int]]]) -> str:
+    lines = [f"  {name}: missing {_ranks_text(missing)}" for name, missing in items[:20]]
+    if len(items) > 20:
+        lines.append(f"  ... and {len(items) - 20} more")
+    return "\n".join(lines)
+
+
+def _complete_groups(responses: List[Response]) -> List[Response]:
+    """Keep grouped responses only when every member of their group is ready, members adjacent."""
+    groups: Dict[Tuple[str, int], List[Response]] = {}
+    for response in responses:
+        group = response.signature[SIG_GROUP] if len(response.signature) > SIG_GROUP else None
+        if group is not None:
+            groups.setdefault(group, []).append(response)
+    if not groups:
+        return responses
+    out, emitted = [], set()
+    for response in responses:
+        group = response.signature[SIG_GROUP] if len(response.signature) > SIG_GROUP else None
+        if group is None:
+            out.append(response)
+        elif group not in emitted and len(groups[group]) >= group[1]:
+            emitted.add(group)
+            out.extend(groups[group])
+    return out

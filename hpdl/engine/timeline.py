@@ -1,0 +1,81 @@
+"""A Chrome-trace (chrome://tracing, Perfetto) timeline of engine events, in Horovod's layout.
+
+One ``pid`` per tensor name (named by a ``process_name`` metadata record); per tensor the
+phases NEGOTIATE_<KIND> (queued until agreed), <KIND> (agreed until done) and, nested inside,
+MEMCPY_IN_FUSION_BUFFER, the backend op (e.g. MPI_ALLREDUCE) and MEMCPY_OUT_FUSION_BUFFER.
+The first record carries ``start_time_since_epoch_in_micros``; timestamps are relative to it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Dict, TextIO
+
+from hpdl.engine import events as ev
+
+
+class Timeline:
+    """An event observer that streams a Chrome trace to a file."""
+
+    def __init__(self, path: str, mark_cycles: bool = False):
+        self.path = path
+        self.mark_cycles = mark_cycles
+        self._file: TextIO = open(path, "w")
+        self._start = ev.now_us()
+        self._pids: Dict[str, int] = {}
+        self._open: Dict[str, str] = {}  # tensor name -> the phase currently open on its pid
+        self._lock = threading.Lock()
+        self._file.write("[\n")
+        self._write({"name": "process_name", "ph": "M", "pid": 0,
+                     "args": {"name": "hpdl", "start_time_since_epoch_in_micros": int(self._start)}}, first=True)
+
+    def _write(self, record: dict, first: bool = False) -> None:
+        self._file.write(("" if first else ",\n") + json.dumps(record, separators=(",", ":")))
+
+    def _pid(self, name: str) -> int:
+        pid = self._pids.get(name)
+        if pid is None:
+            pid = self._pids[name] = len(self._pids) + 1
+            self._write({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+            self._write({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        return pid
+
+    def observe(self, event: ev.Event) -> None:
+        with self._lock:
+            if self._file.closed:
+                return
+            ts = event.time_us - self._start
+            kind = event.kind.upper()
+            if event.phase == ev.CYCLE:
+                if self.mark_cycles:
+                    self._write({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": ts})
+                return
+            for name in event.names:
+                pid = self._pid(name)
+                if event.phase == ev.QUEUED:
+                    self._begin(name, pid, f"NEGOTIATE_{kind}", ts)
+                elif event.phase == ev.NEGOTIATED:
+                    self._end(name, pid, ts)
+                    self._begin(name, pid, kind, ts)
+                elif event.phase == ev.DONE:
+                    self._end(name, pid, ts)
+                else:
+                    label = event.op if event.phase == ev.COLLECTIVE else event.phase
+                    args = {"bytes": event.nbytes, "tensors": event.fused}
+                    self._write({"name": label, "ph": "X", "pid": pid, "tid": 0, "ts": ts,
+                                 "dur": event.duration_us, "args": args})
+
+    def _begin(self, name: str, pid: int, phase: str, ts: float) -> None:
+        self._open[name] = phase
+        self._write({"name": phase, "ph": "B", "pid": pid, "tid": 0, "ts": ts})
+
+    def _end(self, name: str, pid: int, ts: float) -> None:
+        if self._open.pop(name, None) is not None:
+            self._write({"ph": "E", "pid": pid, "tid": 0, "ts": ts})
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write("\n]\n")
+                self._file.close()

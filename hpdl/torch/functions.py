@@ -1,0 +1,113 @@
+"""Training helpers: broadcast parameters, optimizer state and Python objects; gather objects."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from hpdl.torch import runtime
+from hpdl.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
+from hpdl.torch.process_sets import ProcessSet, global_process_set
+
+
+def broadcast_parameters(params, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite parameters on every rank with root's, in place.
+
+    Args:
+        params: a ``state_dict()``, a dict (broadcast in sorted key order), or a list of tensors
+            or ``(name, tensor)`` pairs (e.g. ``model.named_parameters()`` as a list).
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, list):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: expected a dict or a list")
+    handles = []
+    for name, tensor in items:
+        if not torch.is_tensor(tensor):
+            continue
+        handles.append(broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{name}" if name else None,
+                                        process_set=process_set))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return root's ``obj`` (any picklable object) on every rank."""
+    name = name or type(obj).__name__
+    if runtime.rank() == root_rank:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        payload, length = None, torch.zeros(1, dtype=torch.int64)
+    broadcast_(length, root_rank, name=f"broadcast_object.{name}.size", process_set=process_set)
+    if payload is None:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    broadcast_(payload, root_rank, name=f"broadcast_object.{name}.data", process_set=process_set)
+    return obj if runtime.rank() == root_rank else pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Return the list of every rank's ``obj``, in rank order."""
+    name = name or type(obj).__name__
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"allgather_object.{name}.sizes",
+                      process_set=process_set).tolist()
+    data = allgather(payload, name=f"allgather_object.{name}.data", process_set=process_set)
+    out, offset = [], 0
+    for n in sizes:
+        out.append(pickle.loads(data[offset:offset + n].numpy().tobytes()))
+        offset += n
+    return out
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Make every rank's optimizer state (tensors in place, scalars and options as objects) equal root's.
+
+    A fresh optimizer has no state yet: it is created first by a step with zero gradients (on
+    the wrapped optimizer, without allreduce, for a DistributedOptimizer).
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    state_dict = optimizer.state_dict()
+    if len(state_dict["state"]) == 0:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        local_step = getattr(optimizer, "_local_step", None)  # DistributedOptimizer: skip the allreduce
+        (local_step or optimizer.step)()
+        state_dict = optimizer.state_dict()
+
+    tensors: List[Tuple[str, torch.Tensor]] = []
+    scalars: Dict[str, Any] = {}
+    params_by_id = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key != "params":
+                scalars[f"group.{index}.{key}"] = value
+        for position, p in enumerate(group["params"]):
+            params_by_id[(index, position)] = p
+    for index, group in enumerate(state_dict["param_groups"]):
+        for position, pid in enumerate(group["params"]):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                label = f"state.{index}.{position}.{key}"
+                if torch.is_tensor(value):
+                    tensors.append((label, value))
+                else:
+                    scalars[label] = value
+    broadcast_parameters(tensors, root_rank, process_set=process_set)
+    scalars = broadcast_object(scalars, root_rank, name="optimizer_scalars", process_set=process_set)
+    for label, value in scalars.items():
+        parts = label.split(".")
+        if parts[0] == "group":
+            optimizer.param_groups[int(parts[1])][".".join(parts[2:])] = value
+        else:
+            p = params_by_id[(int(parts[1]), int(parts[2]))]
+            optimizer.state[p][".".join(parts[3:])] = value

@@ -1,0 +1,463 @@
+"""The collectives of ``hpdl.torch``, by Horovod's names: each call becomes an engine request.
+
+``*_async`` functions return a handle at once; ``poll(handle)`` tells whether it finished and
+``synchronize(handle)`` waits and returns the result. The synchronous functions are the async
+ones plus a wait; the ones without a trailing underscore are differentiable.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from hpdl.engine import Handle, HorovodInternalError, Op, Request, RequestKind
+from hpdl.torch import runtime
+from hpdl.torch.compression import Compression
+from hpdl.torch.process_sets import ProcessSet, _set_id, global_process_set
+
+Average, Sum, Adasum, Min, Max, Product = Op.AVERAGE, Op.SUM, Op.ADASUM, Op.MIN, Op.MAX, Op.PRODUCT
+
+_counters: Dict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
+
+
+class AsyncHandle:
+    """What the ``*_async`` functions return: engine handles plus the step that builds the result."""
+
+    __slots__ = ("handles", "finish")
+
+    def __init__(self, handles: List[Handle], finish: Callable[[List[Any]], Any]):
+        self.handles = handles
+        self.finish = finish
+
+
+def _name(kind: str, name: Optional[str]) -> str:
+    # Unnamed ops get a per-kind counter: ranks issuing them in the same order agree on names.
+    return name if name is not None else f"{kind}.noname.{next(_counters[kind])}"
+
+
+def _resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:
+    if op is not None and average is not None:
+        raise ValueError("the op parameter supersedes average; give only one of them")
+    if op is None:
+        op = Average if average is None or average else Sum
+    if not isinstance(op, Op):
+        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+    if op == Adasum:
+        raise NotImplementedError("the Adasum reduction is not supported by hpdl yet")
+    return op
+
+
+def _submit(request: Request) -> Handle:
+    return runtime._require().engine.submit(request)
+
+
+def _contiguous(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _in_place(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """A contiguous target for an in-place op and the step that writes the result back."""
+    # Write through a detached view: parameters are leaves that require grad, and the engine's
+    # write is not part of any autograd graph.
+    base = tensor.detach()
+    if base.is_contiguous():
+        return base, lambda out: tensor
+    work = base.contiguous()
+    return work, lambda out: (base.copy_(out), tensor)[1]
+
+
+def poll(handle: AsyncHandle) -> bool:
+    """Return True once the asynchronous operation behind ``handle`` has finished."""
+    return all(h.poll() for h in handle.handles)
+
+
+def synchronize(handle: AsyncHandle) -> Any:
+    """Wait for ``handle`` and return the operation's result (raising its error, if any)."""
+    return handle.finish([h.wait() for h in handle.handles])
+
+
+# -- allreduce ---------------------------------------------------------------------------------
+
+def _allreduce_request(tensor, output, name, op, prescale, postscale, process_set, group=None) -> Request:
+    return Request(RequestKind.ALLREDUCE, name, tensor=tensor, output=output, op=op, prescale=float(prescale),
+                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
+
+
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[Op] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start reducing ``tensor`` across ranks into a new tensor; return a handle."""
+    op = _resolve_op(average, op)
+    source = _contiguous(tensor, "allreduce")
+    output = torch.empty_like(source)
+    handle = _submit(_allreduce_request(source, output, _name("allreduce", name), op, prescale_factor,
+                                        postscale_factor, process_set))
+    return AsyncHandle([handle], lambda results: results[0])
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[Op] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start reducing ``tensor`` in place; return a handle."""
+    op = _resolve_op(average, op)
+    work, write_back = _in_place(tensor)
+    handle = _submit(_allreduce_request(work, work, _name("allreduce", name), op, prescale_factor,
+                                        postscale_factor, process_set))
+    return AsyncHandle([handle], lambda results: write_back(results[0]))
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale, postscale, process_set):
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The gradient of an allreduce is the allreduce of the gradients (same op and scales).
+        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, ctx.op, ctx.prescale, ctx.postscale,
+                                              ctx.process_set))
+        return reduced, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression=Compression.none, op: Optional[Op] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (Average by default); differentiable."""
+    op = _resolve_op(average, op)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(compressed, op, name, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[Op] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_set, in_place) -> AsyncHandle:
+    op = _resolve_op(average, op)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("grouped_allreduce needs at least one tensor")
+    base = _name("grouped_allreduce", name)
+    handles, finishers = [], []
+    for i, tensor in enumerate(tensors):
+        if in_place:
+            work, write_back = _in_place(tensor)
+            output = work
+        else:
+            work = _contiguous(tensor, "grouped_allreduce")
+            output, write_back = torch.empty_like(work), (lambda out: out)
+        handles.append(_submit(_allreduce_request(work, output, f"{base}.{i}", op, prescale, postscale, process_set,
+                                                  group=(base, len(tensors)))))
+        finishers.append(write_back)
+    return AsyncHandle(handles, lambda results: [f(r) for f, r in zip(finishers, results)])
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None, name=None, op=None,
+                            prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> AsyncHandle:
+    """Start reducing a list of tensors as one unit (negotiated and fused together)."""
+    return _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, process_set, False)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None,
+                             prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> AsyncHandle:
+    """Start reducing a list of tensors in place as one unit."""
+    return _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, process_set, True)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale, postscale, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, process_set = ctx.args
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, prescale,
+                                                      postscale, process_set))
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name=None, compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set) -> List[torch.Tensor]:
+    """Reduce a list of tensors as one unit; differentiable."""
+    op = _resolve_op(average, op)
+    packed = [compression.compress(t) for t in tensors]
+    reduced = _GroupedAllreduce.apply(op, name, prescale_factor, postscale_factor, process_set, *[t for t, _ in packed])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, packed)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set) -> List[torch.Tensor]:
+    """Reduce a list of tensors in place as one unit."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Optional[Op] = None,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse tensor (by allgathering indices and values); return a callable
+    that waits and gives the coalesced result."""
+    op = _resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise ValueError("sparse allreduce supports Average and Sum only")
+    sparse = tensor.coalesce()
+    indices = allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    values = allgather_async(sparse.values().contiguous(), name=f"{name}.values", process_set=process_set)
+
+    def result() -> torch.Tensor:
+        all_indices, all_values = synchronize(indices), synchronize(values)
+        if op == Average:
+            all_values = all_values / (process_set.size() or runtime.size())
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, sparse.shape).coalesce()
+
+    return result
+
+
+# -- allgather ---------------------------------------------------------------------------------
+
+def _allgather_request(tensor, name, process_set, group=None) -> Request:
+    tensor = _contiguous(tensor, "allgather")
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return Request(RequestKind.ALLGATHER, name, tensor=tensor, process_set_id=_set_id(process_set), group=group)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
+    handle = _submit(_allgather_request(tensor, _name("allgather", name), process_set))
+    return AsyncHandle([handle], lambda results: results[0])
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # As Horovod: average the gradient over ranks, keep this rank's rows.
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set))
+        dims = synchronize(allgather_async(torch.tensor([ctx.dim]), process_set=ctx.process_set))
+        offset = int(dims[: ctx.process_set.rank()].sum())
+        return reduced.narrow(0, offset, ctx.dim), None, None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0; differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start allgathering a list of tensors as one unit."""
+    base = _name("grouped_allgather", name)
+    tensors = list(tensors)
+    handles = [_submit(_allgather_request(t, f"{base}.{i}", process_set, group=(base, len(tensors))))
+               for i, t in enumerate(tensors)]
+    return AsyncHandle(handles, lambda results: list(results))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Allgather a list of tensors as one unit."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# -- broadcast ---------------------------------------------------------------------------------
+
+def _set_root(root_rank: int, process_set: ProcessSet) -> int:
+    """Translate a global root rank into its rank within the process set."""
+    ranks = process_set.ranks if process_set.process_set_id else list(range(runtime.size()))
+    if root_rank not in ranks:
+        raise ValueError(f"root_rank {root_rank} is not a rank of the process set {ranks}")
+    return ranks.index(root_rank)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start copying root's ``tensor`` to every rank into a new tensor."""
+    source = _contiguous(tensor, "broadcast")
+    output = torch.empty_like(source)
+    request = Request(RequestKind.BROADCAST, _name("broadcast", name), tensor=source, output=output,
+                      root=_set_root(root_rank, process_set), process_set_id=_set_id(process_set))
+    return AsyncHandle([_submit(request)], lambda results: results[0])
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start overwriting ``tensor`` with root's, in place."""
+    work, write_back = _in_place(tensor)
+    request = Request(RequestKind.BROADCAST, _name("broadcast", name), tensor=work, output=work,
+                      root=_set_root(root_rank, process_set), process_set_id=_set_id(process_set))
+    return AsyncHandle([_submit(request)], lambda results: write_back(results[0]))
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # As Horovod: the averaged gradient lands on the root; the other ranks' inputs get zero.
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set))
+        if runtime.rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return root's ``tensor`` on every rank; differentiable."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with root's, in place, and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# -- alltoall ----------------------------------------------------------------------------------
+
+def alltoall_async(tensor: torch.Tensor, splits: Union[None, Sequence[int], torch.Tensor] = None,
+                   name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start sending ``splits[r]`` rows of ``tensor`` to each rank r (even split by default)."""
+    tensor = _contiguous(tensor, "alltoall")
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension")
+    members = process_set.size() if process_set.process_set_id else runtime.size()
+    if splits is None:
+        if tensor.shape[0] % members:
+            raise ValueError(f"alltoall without splits needs dim 0 ({tensor.shape[0]}) divisible by the "
+                             f"number of ranks ({members})")
+        split_tuple = None
+    else:
+        split_tuple = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits))
+        if len(split_tuple) != members or any(s < 0 for s in split_tuple) or sum(split_tuple) != tensor.shape[0]:
+            raise ValueError(f"alltoall splits {list(split_tuple)} must have {members} non-negative entries "
+                             f"summing to dim 0 of the tensor ({tensor.shape[0]})")
+    request = Request(RequestKind.ALLTOALL, _name("alltoall", name), tensor=tensor, splits=split_tuple,
+                      process_set_id=_set_id(process_set))
+    return AsyncHandle([_submit(request)], lambda results: results[0])
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _grad_splits):
+        # Send each gradient row back where its input row came from.
+        output, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.process_set))
+        return output, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Union[None, Sequence[int], torch.Tensor] = None,
+             name: Optional[str] = None, process_set: ProcessSet = global_process_set):
+    """Exchange rows between ranks; differentiable. Returns ``(output, received_splits)`` when
+    ``splits`` is given, else the output alone (as Horovod)."""
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    return (output, received) if splits is not None else output
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+
+def _reducescatter_request(tensor, name, op, prescale, postscale, process_set, group=None) -> Request:
+    tensor = _contiguous(tensor, "reducescatter")
+    if tensor.dim() == 0:
+        raise HorovodInternalError(f"reducescatter of tensor {name!r}: scalars (0-d tensors) cannot be scattered")
+    return Request(RequestKind.REDUCESCATTER, name, tensor=tensor, op=op, prescale=float(prescale),
+                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Op = Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start reducing ``tensor`` across ranks, each rank keeping its block of rows."""
+    op = _resolve_op(None, op)
+    request = _reducescatter_request(tensor, _name("reducescatter", name), op, prescale_factor, postscale_factor,
+                                     process_set)
+    return AsyncHandle([_submit(request)], lambda results: results[0])
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale, postscale, process_set):
+        ctx.op, ctx.process_set = op, process_set
+        return synchronize(reducescatter_async(tensor, name, op, prescale, postscale, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered = synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set))
+        if ctx.op == Average:
+            gathered = gathered / (ctx.process_set.size() if ctx.process_set.process_set_id else runtime.size())
+        return gathered, None, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
+                  op: Op = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce across ranks and keep this rank's block of rows; differentiable."""
+    compressed, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Op = Average,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> AsyncHandle:
+    """Start reduce-scattering a list of tensors as one unit."""
+    op = _resolve_op(None, op)
+    base = _name("grouped_reducescatter", name)
+    tensors = list(tensors)
+    handles = [_submit(_reducescatter_request(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
+                                              group=(base, len(tensors)))) for i, t in enumerate(tensors)]
+    return AsyncHandle(handles, lambda results: list(results))
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression=Compression.none, op: Op = Average, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
+    """Reduce-scatter a list of tensors as one unit."""
+    packed = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([t for t, _ in packed], name, op, prescale_factor,
+                                                   postscale_factor, process_set))
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(outs, packed)]
+
+
+# -- join and barrier --------------------------------------------------------------------------
+
+def join(device: int = -1) -> int:
+    """Wait until every rank has joined, contributing zeros to the others' allreduces meanwhile.
+
+    Returns:
+        the rank of the last process that joined.
+    """
+    return _submit(Request(RequestKind.JOIN, "join")).wait()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of ``process_set`` has reached the barrier."""
+    set_id = _set_id(process_set)
+    _submit(Request(RequestKind.BARRIER, _name(f"barrier.{set_id}", None), process_set_id=set_id)).wait()

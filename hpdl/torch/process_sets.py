@@ -1,0 +1,130 @@
+"""Process sets: collectives among a subset of ranks, as in Horovod.
+
+A :class:`ProcessSet` names its ranks; it gets an id when registered (``init(process_sets=)``
+or :func:`add_process_set`, which every rank must call in the same order). The set of all
+ranks is :data:`global_process_set` (id 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Union
+
+from hpdl.engine import Request, RequestKind
+
+
+class ProcessSet:
+    """A subset of ranks that run collectives among themselves."""
+
+    def __init__(self, ranks_or_comm: Union[Sequence[int], Any]):
+        self.mpi_comm = None
+        if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator: its world ranks
+            self.mpi_comm = ranks_or_comm
+            from mpi4py import MPI
+
+            group = ranks_or_comm.Get_group()
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), MPI.COMM_WORLD.Get_group())
+        else:
+            ranks = ranks_or_comm
+        self.ranks: Optional[List[int]] = sorted(int(r) for r in ranks) if ranks is not None else None
+        self.process_set_id: Optional[int] = None
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
+    def _registered(self) -> int:
+        if self.process_set_id is None:
+            raise ValueError(f"process set with ranks {self.ranks} is not registered; call hvd.add_process_set() first")
+        return self.process_set_id
+
+    def size(self) -> Optional[int]:
+        """Number of ranks in the set."""
+        return len(self.ranks) if self.ranks is not None else None
+
+    def rank(self) -> Optional[int]:
+        """This process's rank within the set, or None when it is not a member."""
+        from hpdl.torch.runtime import rank
+
+        r = rank()
+        return self.ranks.index(r) if self.ranks is not None and r in self.ranks else None
+
+    def included(self) -> bool:
+        """Return whether this process is a member of the set."""
+        return self.rank() is not None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProcessSet) and self.ranks == other.ranks and self.process_set_id == other.process_set_id
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.ranks or ()), self.process_set_id))
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+class _GlobalProcessSet(ProcessSet):
+    """All ranks; its ranks follow the current init()."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.process_set_id = 0
+
+    @property
+    def ranks(self) -> List[int]:  # type: ignore[override]
+        from hpdl.torch.runtime import is_initialized, size
+
+        return list(range(size())) if is_initialized() else []
+
+    @ranks.setter
+    def ranks(self, value) -> None:
+        pass
+
+    def _invalidate(self) -> None:
+        pass
+
+
+global_process_set: ProcessSet = _GlobalProcessSet()
+_registered: List[ProcessSet] = []
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set on every rank (collective: all ranks call it in the same order)."""
+    from hpdl.torch.runtime import _require, size
+
+    engine = _require().engine
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps} is already registered")
+    if not ps.ranks or any(r < 0 or r >= size() for r in ps.ranks) or len(set(ps.ranks)) != len(ps.ranks):
+        raise ValueError(f"process set ranks must be distinct ranks in 0..{size() - 1}, got {ps.ranks}")
+    for other in _registered:
+        if other.ranks == ps.ranks:
+            raise ValueError(f"a process set with ranks {ps.ranks} is already registered ({other})")
+    request = Request(RequestKind.ADD_PROCESS_SET, f"process_set.add.{','.join(map(str, ps.ranks))}",
+                      splits=tuple(ps.ranks))
+    ps.process_set_id = engine.submit(request).wait()
+    _registered.append(ps)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set on every rank (collective); return whether it was registered."""
+    from hpdl.torch.runtime import _require
+
+    if process_set.process_set_id in (None, 0) or process_set not in _registered:
+        return False
+    engine = _require().engine
+    set_id = process_set.process_set_id
+    engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{set_id}", root=set_id)).wait()
+    _registered.remove(process_set)
+    process_set._invalidate()
+    return True
+
+
+def _reset_process_sets() -> None:
+    for ps in _registered:
+        ps._invalidate()
+    _registered.clear()
+
+
+def _set_id(process_set: ProcessSet) -> int:
+    return process_set._registered()

@@ -1,0 +1,228 @@
+"""The runtime of ``hpdl.torch``: init/shutdown, topology queries, build queries.
+
+One :class:`_State` holds everything that ``init()`` creates (settings, topology, the world
+communicator and the engine); ``shutdown()`` releases it so that ``init()`` can run again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+
+from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
+from hpdl.comm.mpi import MPI, mpi_available, mpi_cuda_aware
+from hpdl.config import Settings
+from hpdl.engine import Engine
+
+
+@dataclasses.dataclass
+class _State:
+    settings: Settings
+    topology: Topology
+    comm: Communicator
+    engine: Engine
+
+
+_state: Optional[_State] = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _require() -> _State:
+    if _state is None:
+        raise ValueError("hpdl has not been initialized; use hvd.init().")
+    return _state
+
+
+def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None, str, Sequence[Any]] = None,
+         backend: Optional[str] = None) -> None:
+    """Start hpdl on this process: discover the job, connect the backend, start the engine.
+
+    Args:
+        comm: None (every rank of the job), a list of ranks to run on (every process of the job
+            must call init with the same list), or an mpi4py communicator.
+        process_sets: ProcessSet objects to register now (``"dynamic"`` is accepted: sets can
+            always be added later).
+        backend: "mpi", "gloo", "nccl" or "torch"; default from HPDL_BACKEND or the launcher.
+    """
+    global _state, _atexit_registered
+    with _lock:
+        if _state is not None:
+            return  # as Horovod: a second init() is a no-op
+        settings = Settings.from_env(backend=backend)
+        topology = discover_topology()
+        mpi_comm = None
+        if comm is not None and not isinstance(comm, (list, tuple, range)):
+            mpi_comm = comm  # an mpi4py communicator
+        name = choose_backend("mpi" if mpi_comm is not None else settings.backend, topology, mpi_available(),
+                              cuda=torch.cuda.is_available())
+        if name == "mpi":
+            # The engine gets a communicator of its own so that the user's MPI calls on
+            # COMM_WORLD can never interleave with the engine's.
+            mpi_comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
+        aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
+        world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
+                             cuda_aware=aware)
+        if isinstance(comm, (list, tuple, range)):
+            sub = world.split(list(comm))
+            if sub is None:
+                world.close()
+                raise ValueError(f"rank {topology.rank} is not in the ranks given to init(comm={list(comm)})")
+            world = sub
+        local_rank, local_size, cross_rank, cross_size = world.node_layout()
+        topology = Topology(world.rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.launcher)
+        engine = Engine(settings, world)
+        _state = _State(settings, topology, world, engine)
+        if settings.timeline:
+            engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+    if process_sets not in (None, "dynamic"):
+        from hpdl.torch.process_sets import add_process_set
+
+        for ps in process_sets:
+            add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Stop hpdl on this process (and the engines of the others); init() may be called again."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    state.engine.shutdown()
+    state.comm.close()
+    from hpdl.torch.process_sets import _reset_process_sets
+
+    _reset_process_sets()
+
+
+def is_initialized() -> bool:
+    """Return whether init() has run (and shutdown() has not)."""
+    return _state is not None
+
+
+def engine() -> Engine:
+    """The running engine (for the profiler and benchmarks)."""
+    return _require().engine
+
+
+def settings() -> Settings:
+    return _require().settings
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return _require().topology.size
+
+
+def rank() -> int:
+    """This process's rank, 0 .. size() - 1."""
+    return _require().topology.rank
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return _require().topology.local_size
+
+
+def local_rank() -> int:
+    """This process's rank among those on its node."""
+    return _require().topology.local_rank
+
+
+def cross_size() -> int:
+    """Number of ranks with this process's local rank across nodes (the number of nodes when homogeneous)."""
+    return _require().topology.cross_size
+
+
+def cross_rank() -> int:
+    """This process's rank among the ranks with its local rank (its node's index when homogeneous)."""
+    return _require().topology.cross_rank
+
+
+def is_homogeneous() -> bool:
+    """Return whether every node runs the same number of ranks."""
+    state = _require()
+    sizes = state.comm.allgather_object(state.topology.local_size) if state.topology.size > 1 else [1]
+    return len(set(sizes)) == 1
+
+
+def backend_name() -> str:
+    """"mpi", "gloo" or "nccl": the backend the engine runs on."""
+    return _require().comm.name
+
+
+# -- build queries, as Horovod's (callables returning bool; nccl_built an int version) ------
+
+def mpi_built() -> bool:
+    return mpi_available()
+
+
+def mpi_enabled() -> bool:
+    return _state.comm.name == "mpi" if _state is not None else mpi_available()
+
+
+def gloo_built() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    return _state.comm.name == "gloo" if _state is not None else gloo_built()
+
+
+def nccl_built() -> int:
+    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()
+        return major * 10000 + minor * 100 + patch
+    except Exception:
+        return 1
+
+
+def mpi_threads_supported() -> bool:
+    return MPI is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def cuda_built() -> bool:
+    return torch.backends.cuda.is_built() if hasattr(torch.backends, "cuda") else False
+
+
+def rocm_built() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def mpi_cuda_aware_enabled() -> bool:
+    return mpi_cuda_aware()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write engine events of rank 0 to ``file_path`` as a Chrome trace until stop_timeline()."""
+    _require().engine.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop and close the timeline started by start_timeline() or HPDL_TIMELINE."""
+    _require().engine.stop_timeline()
+
+
+def ranks_of(process_set_id: int) -> List[int]:
+    ranks = _require().engine.process_set_ranks(process_set_id)
+    if ranks is None:
+        raise ValueError(f"process set {process_set_id} does not exist")
+    return ranks

@@ -1,0 +1,85 @@
+"""Engine behaviour seen through the public API: fusion, the response cache, poll()."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from _common import assert_equal, run_main
+
+import hpdl.torch as hvd
+from hpdl.torch import runtime
+
+
+def check_fusion(rank, size):
+    # 200 tensors of 16 KiB submitted together go through far fewer backend calls.
+    fused = []
+    engine = runtime.engine()
+    observer = lambda event: fused.append(event.fused) if event.phase == "COLLECTIVE" else None
+    engine.bus.add(observer)
+    before = engine.stats()
+    for round_ in range(2):  # the second round must reuse the first round's fusion buffer
+        tensors = [torch.full((4096,), float(rank + i)) for i in range(200)]
+        handles = [hvd.allreduce_async_(t, name=f"fuse.{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+        for i, h in enumerate(handles):
+            assert_equal(hvd.synchronize(h), torch.full((4096,), float(sum(range(size)) + size * i)), f"fused {i}")
+    after = engine.stats()
+    engine.bus.remove(observer)
+    calls = after["backend_calls"] - before["backend_calls"]
+    assert calls <= 80, f"2 x 200 small allreduces took {calls} backend calls: fusion is not working"
+    assert max(fused) >= 10, f"largest fused collective carried {max(fused)} tensors"
+    assert after["fusion_buffer_hits"] > before["fusion_buffer_hits"], "fusion buffer never reused"
+    return calls, max(fused)
+
+
+def check_cache(rank, size, steps=10, tensors=20):
+    engine = runtime.engine()
+    before = engine.stats()
+    for step in range(steps):
+        handles = [hvd.allreduce_async(torch.ones(10) * i, name=f"cache.{i}", op=hvd.Sum) for i in range(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+    after = engine.stats()
+    hits = after["cache_hits"] - before["cache_hits"]
+    capacity = runtime.settings().cache_capacity
+    if capacity == 0:
+        assert hits == 0, f"cache disabled but {hits} hits"
+    else:
+        assert hits >= (steps - 2) * tensors, f"steady state should take the cached path: {hits} hits"
+        assert after["fast_negotiations"] > before["fast_negotiations"]
+    return hits
+
+
+def check_poll_in_flight(rank, size):
+    if size == 1:
+        return  # alone, nothing keeps the op in flight
+    big = torch.ones(8 << 20)  # 32 MiB
+    if rank == 0:
+        h = hvd.allreduce_async_(big, name="poll.big", op=hvd.Sum)
+        assert not hvd.poll(h), "poll() must be False while the other ranks have not even submitted"
+        hvd.broadcast_object("go", 0, name="poll.go")
+        while not hvd.poll(h):
+            time.sleep(0.001)
+    else:
+        hvd.broadcast_object(None, 0, name="poll.go")
+        h = hvd.allreduce_async_(big, name="poll.big", op=hvd.Sum)
+    assert hvd.synchronize(h)[0].item() == float(size)
+
+
+def main():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    calls, biggest = check_fusion(rank, size)
+    hits = check_cache(rank, size)
+    check_poll_in_flight(rank, size)
+    hvd.shutdown()
+    if rank == 0:
+        print(f"OK engine behaviour: size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits}")
+
+
+if __name__ == "__main__":
+    run_main(main)

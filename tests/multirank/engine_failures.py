@@ -1,0 +1,79 @@
+"""Failures never hang: mismatched requests, a rank that stops submitting, a rank that dies.
+
+Usage: engine_failures.py {mismatch|stall|kill}. Each rank prints one line per expected
+outcome ("RAISED <what>: <message>") that the pytest wrapper checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from _common import run_main
+
+import hpdl.torch as hvd
+
+
+def expect_error(what, fn):
+    try:
+        fn()
+    except hvd.HorovodInternalError as err:
+        message = " ".join(str(err).split())
+        print(f"RAISED {what} rank={hvd.rank()}: {message}", flush=True)
+        return message
+    raise AssertionError(f"{what}: no HorovodInternalError on rank {hvd.rank()}")
+
+
+def mismatch():
+    rank = hvd.rank()
+    expect_error("shape", lambda: hvd.allreduce(torch.ones(2 + rank), name="shape.t"))
+    expect_error("dtype", lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if rank == 0 else torch.float64),
+                                                name="dtype.t"))
+    expect_error("root", lambda: hvd.broadcast(torch.ones(2), root_rank=rank, name="root.t"))
+    expect_error("op", lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if rank == 0 else hvd.Max, name="op.t"))
+    # The engine goes on working after such errors.
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist() == [float(hvd.size())] * 2
+    print(f"CONTINUED rank={rank}", flush=True)
+
+
+def stall():
+    rank = hvd.rank()
+    if rank == 1:
+        # Stop submitting: the engine of every rank must give up after HPDL_STALL_TIMEOUT,
+        # and this rank raises too (in its main thread).
+        try:
+            for _ in range(600):
+                time.sleep(0.05)
+        except hvd.HorovodInternalError as err:
+            print(f"RAISED stall rank=1: {' '.join(str(err).split())}", flush=True)
+            return
+        raise AssertionError("the stalled rank was never told")
+    expect_error("stall", lambda: hvd.allreduce(torch.ones(3), name="stalled.tensor"))
+
+
+def kill():
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(3), name="before")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    expect_error("kill", lambda: [hvd.allreduce(torch.ones(1 << 16), name=f"after.{i}") for i in range(1000)])
+
+
+def main():
+    hvd.init()
+    {"mismatch": mismatch, "stall": stall, "kill": kill}[sys.argv[1]]()
+    print(f"DONE rank={hvd.rank()}", flush=True)
+    if sys.argv[1] == "mismatch":
+        hvd.shutdown()
+    else:
+        os._exit(0)  # the engine has failed: leave without the collective shutdown
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,271 @@
+"""Every hpdl.torch collective against a single-process reference, on every dtype."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from _common import ALL_DTYPES, assert_equal, rank_tensor, run_main
+
+import hpdl.torch as hvd
+from hpdl.torch import runtime
+
+
+def reduce_ref(tensors, op):
+    dtype = tensors[0].dtype
+    if dtype == torch.bool:
+        stack = torch.stack(tensors)
+        return stack.any(0) if op in (hvd.Sum, hvd.Max, hvd.Average) else stack.all(0)
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in (hvd.Sum, hvd.Average):
+            out = out + t
+        elif op == hvd.Product:
+            out = out * t
+        elif op == hvd.Min:
+            out = torch.minimum(out, t)
+        elif op == hvd.Max:
+            out = torch.maximum(out, t)
+    if op == hvd.Average:
+        n = len(tensors)
+        out = out / n if dtype.is_floating_point else torch.trunc(out.double() / n).to(dtype)
+    return out
+
+
+def check_allreduce(rank, size):
+    for dtype in ALL_DTYPES:
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            for shape in [(4,), (2, 3), ()]:
+                seed = 3 + list(hvd.mpi_ops.Op).index(op)
+                mine = rank_tensor(rank, shape, dtype, seed)
+                expected = reduce_ref([rank_tensor(r, shape, dtype, seed) for r in range(size)], op)
+                assert_equal(hvd.allreduce(mine, op=op), expected, f"allreduce {op} {dtype} {shape}")
+                t = mine.clone()
+                hvd.allreduce_(t, op=op, name=f"inplace.{dtype}.{op}.{shape}")
+                assert_equal(t, expected, f"allreduce_ {op} {dtype}")
+                assert_equal(mine, rank_tensor(rank, shape, dtype, seed), "allreduce leaves its input alone")
+    # average keyword and scale factors
+    x = torch.full((3,), float(rank + 1))
+    total = sum(range(1, size + 1))
+    assert_equal(hvd.allreduce(x, average=False), torch.full((3,), float(total)), "average=False")
+    assert_equal(hvd.allreduce(x, average=True), torch.full((3,), total / size), "average=True")
+    assert_equal(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5),
+                 torch.full((3,), float(total)), "scales")
+    # non-contiguous in-place
+    nc = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    hvd.allreduce_(nc, op=hvd.Sum)
+    assert_equal(nc, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * size, "non-contiguous in-place")
+    # async + poll
+    handles = [hvd.allreduce_async(torch.full((5,), float(i)), name=f"async.{i}", op=hvd.Sum) for i in range(30)]
+    for i, h in enumerate(handles):
+        assert_equal(hvd.synchronize(h), torch.full((5,), float(i * size)), f"async {i}")
+        assert hvd.poll(h)
+    # grouped
+    tensors = [torch.full((i + 1,), float(rank)) for i in range(4)]
+    outs = hvd.grouped_allreduce(tensors, op=hvd.Sum)
+    for i, out in enumerate(outs):
+        assert_equal(out, torch.full((i + 1,), float(sum(range(size)))), "grouped")
+    hvd.grouped_allreduce_(tensors, op=hvd.Max)
+    assert_equal(tensors[2], torch.full((3,), float(size - 1)), "grouped in place")
+    # Adasum is declared but not supported yet
+    try:
+        hvd.allreduce(x, op=hvd.Adasum)
+        raise AssertionError("Adasum should raise")
+    except NotImplementedError:
+        pass
+
+
+def check_autograd(rank, size):
+    x = torch.full((3,), float(rank + 1), requires_grad=True)
+    y = hvd.allreduce(x, op=hvd.Sum)
+    y.sum().backward()
+    assert_equal(x.grad, torch.full((3,), float(size)), "allreduce gradient is the allreduce of gradients")
+    x = torch.ones(rank + 1, 2, requires_grad=True)
+    g = hvd.allgather(x)
+    (g * torch.arange(g.shape[0]).unsqueeze(1)).sum().backward()
+    offset = sum(r + 1 for r in range(rank))
+    assert_equal(x.grad, torch.arange(offset, offset + rank + 1).float().unsqueeze(1).expand(rank + 1, 2),
+                 "allgather gradient")
+    x = torch.ones(2, requires_grad=True)
+    hvd.broadcast(x, 0).sum().backward()
+    assert_equal(x.grad, torch.ones(2) if rank == 0 else torch.zeros(2), "broadcast gradient")
+    x = torch.arange(2 * size, dtype=torch.float32, requires_grad=True)
+    out = hvd.alltoall(x)
+    (out * (rank + 1)).sum().backward()
+    assert_equal(x.grad, torch.tensor([float(d + 1) for d in range(size) for _ in range(2)]), "alltoall gradient")
+    x = torch.ones(2 * size, 2, requires_grad=True)
+    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+    assert_equal(x.grad, torch.ones(2 * size, 2), "reducescatter gradient")
+
+
+def check_allgather_broadcast_alltoall_reducescatter(rank, size):
+    for dtype in ALL_DTYPES:
+        parts = [rank_tensor(r, (r + 1, 2), dtype, 9) for r in range(size)]
+        assert_equal(hvd.allgather(parts[rank]), torch.cat(parts), f"allgather {dtype}")
+        outs = hvd.grouped_allgather([parts[rank], parts[rank][:1]])
+        assert_equal(outs[1], torch.cat([p[:1] for p in parts]), f"grouped allgather {dtype}")
+        for root in range(size):
+            t = rank_tensor(rank, (3, 2), dtype, 4)
+            assert_equal(hvd.broadcast(t, root), rank_tensor(root, (3, 2), dtype, 4), f"broadcast {dtype}")
+            hvd.broadcast_(t, root)
+            assert_equal(t, rank_tensor(root, (3, 2), dtype, 4), f"broadcast_ {dtype}")
+        splits = [(rank + d) % 2 + 1 for d in range(size)]
+        data = rank_tensor(rank, (sum(splits), 3), dtype, 6)
+        out, received = hvd.alltoall(data, splits=splits)
+        expected, exp_splits = [], []
+        for src in range(size):
+            s = [(src + d) % 2 + 1 for d in range(size)]
+            start = sum(s[:rank])
+            expected.append(rank_tensor(src, (sum(s), 3), dtype, 6)[start:start + s[rank]])
+            exp_splits.append(s[rank])
+        assert_equal(out, torch.cat(expected), f"alltoall {dtype}")
+        assert received.tolist() == exp_splits, received
+        if dtype != torch.bool:
+            rows = 2 * size + 1
+            full = [rank_tensor(r, (rows, 2), dtype, 8) for r in range(size)]
+            summed = reduce_ref(full, hvd.Sum)
+            counts = [rows // size + (1 if i < rows % size else 0) for i in range(size)]
+            start = sum(counts[:rank])
+            assert_equal(hvd.reducescatter(full[rank], op=hvd.Sum), summed[start:start + counts[rank]],
+                         f"reducescatter {dtype}")
+            outs = hvd.grouped_reducescatter([full[rank], full[rank]], op=hvd.Sum)
+            assert_equal(outs[1], summed[start:start + counts[rank]], f"grouped reducescatter {dtype}")
+    try:
+        hvd.reducescatter(torch.tensor(1.0))
+        raise AssertionError("scalar reducescatter should raise")
+    except hvd.HorovodInternalError:
+        pass
+
+
+def check_objects_and_helpers(rank, size):
+    assert hvd.broadcast_object({"from": rank, "data": [1, 2]}, root_rank=size - 1) == {"from": size - 1, "data": [1, 2]}
+    assert hvd.allgather_object(("r", rank)) == [("r", r) for r in range(size)]
+    model = torch.nn.Linear(3, 2)
+    torch.manual_seed(rank)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    assert all(torch.equal(gathered[0], g) for g in gathered), "broadcast_parameters"
+    opt = torch.optim.Adam(model.parameters(), lr=0.1 * (rank + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.1, opt.param_groups[0]["lr"]
+    sparse = torch.sparse_coo_tensor([[rank]], [float(rank + 1)], (size,))
+    result = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Sum)()
+    assert_equal(result.to_dense(), torch.arange(1, size + 1, dtype=torch.float32), "sparse allreduce")
+
+
+def check_ordering(rank, size):
+    # Ranks submit the same named tensors in different orders; names match them up.
+    names = [f"order.{i}" for i in range(25)]
+    order = names if rank % 2 == 0 else names[::-1]
+    handles = {n: hvd.allreduce_async(torch.full((4,), float(int(n.split('.')[1]))), name=n, op=hvd.Sum) for n in order}
+    for n, h in handles.items():
+        assert_equal(hvd.synchronize(h), torch.full((4,), float(int(n.split('.')[1]) * size)), f"ordering {n}")
+
+
+def check_duplicate_name(rank, size):
+    if size == 1:
+        return  # alone, an op completes before a second submit can race it; 2+ ranks test this
+    # Rank 0's op stays in flight until the others submit theirs, which they do only after
+    # rank 0 has tried the duplicate and told them so.
+    if rank == 0:
+        h = hvd.allreduce_async(torch.zeros(8), name="dup")
+        try:
+            hvd.allreduce_async(torch.zeros(8), name="dup")
+            raise AssertionError("duplicate name in flight should raise ValueError")
+        except ValueError as err:
+            assert "dup" in str(err)
+        hvd.broadcast_object("checked", root_rank=0, name="dup.sync")
+    else:
+        hvd.broadcast_object(None, root_rank=0, name="dup.sync")
+        h = hvd.allreduce_async(torch.zeros(8), name="dup")
+    hvd.synchronize(h)
+    hvd.synchronize(hvd.allreduce_async(torch.zeros(8), name="dup"))  # allowed again once done
+
+
+def check_process_sets(rank, size):
+    evens = hvd.add_process_set([r for r in range(size) if r % 2 == 0])
+    odds = hvd.add_process_set([r for r in range(size) if r % 2 == 1]) if size > 1 else None
+    mine = evens if rank % 2 == 0 else odds
+    assert mine.included() and mine.rank() == mine.ranks.index(rank)
+    out = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=mine)
+    assert out.item() == float(sum(mine.ranks)), out
+    root = mine.ranks[-1]
+    assert hvd.broadcast(torch.tensor([rank]), root, process_set=mine).item() == root
+    assert hvd.allgather(torch.tensor([rank]), process_set=mine).tolist() == mine.ranks
+    hvd.barrier(process_set=mine)
+    hvd.remove_process_set(evens)
+    if odds is not None:
+        hvd.remove_process_set(odds)
+    assert evens.process_set_id is None
+    hvd.barrier()
+
+
+def check_join(rank, size):
+    # Rank 0 joins at once; the others allreduce twice more and see rank 0 contribute zeros.
+    if rank == 0:
+        last = hvd.join()
+    else:
+        for i in range(2):
+            out = hvd.allreduce(torch.ones(3), op=hvd.Sum, name=f"join.ar.{i}")
+            assert_equal(out, torch.full((3,), float(size - 1)), "allreduce with a joined rank")
+        last = hvd.join()
+    assert last == (size - 1 if size > 1 else 0), last
+
+
+def check_timeline(rank, size):
+    path = os.path.join(tempfile.gettempdir(), f"hpdl-timeline-{os.getpid()}.json")
+    hvd.start_timeline(path)
+    for i in range(3):
+        hvd.allreduce(torch.ones(10), name=f"tl.{i}")
+    hvd.grouped_allreduce([torch.ones(3), torch.ones(4)], name="tlgroup")
+    hvd.stop_timeline()
+    if rank == 0:
+        records = json.load(open(path))
+        assert "start_time_since_epoch_in_micros" in records[0]["args"], records[0]
+        names = {r.get("name") for r in records}
+        for phase in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE"):
+            assert phase in names, (phase, names)
+        if size > 1:
+            assert any(n and n.endswith("_ALLREDUCE") and n != "NEGOTIATE_ALLREDUCE" and n != "ALLREDUCE" for n in names), names
+            assert "MEMCPY_IN_FUSION_BUFFER" in names and "MEMCPY_OUT_FUSION_BUFFER" in names, names
+        pids = {r["args"]["name"]: r["pid"] for r in records if r.get("name") == "process_name" and r["pid"]}
+        assert "tl.0" in pids and "tlgroup.1" in pids, pids
+        os.unlink(path)
+
+
+def main():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    assert (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (rank, size, 0, 1)
+    assert hvd.is_initialized() and hvd.is_homogeneous()
+    assert hvd.mpi_built() in (True, False) and isinstance(hvd.nccl_built(), int)
+    check_allreduce(rank, size)
+    check_autograd(rank, size)
+    check_allgather_broadcast_alltoall_reducescatter(rank, size)
+    check_objects_and_helpers(rank, size)
+    check_ordering(rank, size)
+    check_duplicate_name(rank, size)
+    check_process_sets(rank, size)
+    check_timeline(rank, size)
+    check_join(rank, size)
+    stats = runtime.engine().stats()
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    # init() again after shutdown() works
+    hvd.init()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again").tolist() == [float(size)] * 2
+    hvd.shutdown()
+    if rank == 0:
+        print(f"OK torch api: size={size} stats={stats}")
+
+
+if __name__ == "__main__":
+    run_main(main)

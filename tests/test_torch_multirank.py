@@ -1,0 +1,70 @@
+"""hpdl.torch on several ranks: every function, engine behaviour, and failures that never hang."""
+
+import json
+
+import pytest
+
+from ranks import LAYOUT_IDS, LAYOUTS, run_plain_ranks, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+def test_every_function_against_reference(launcher, n):
+    result = run_ranks("torch_api.py", n, launcher, timeout=240)
+    assert "OK torch api" in result.stdout
+
+
+@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+def test_fusion_cache_and_poll(launcher, n):
+    result = run_ranks("engine_behaviour.py", n, launcher)
+    assert "OK engine behaviour" in result.stdout
+
+
+def test_cache_disabled_takes_the_full_path():
+    result = run_ranks("engine_behaviour.py", 2, "mpiexec", env={"HPDL_CACHE_CAPACITY": "0"})
+    assert "cache_hits=0" in result.stdout
+
+
+def test_timeline_from_environment(tmp_path):
+    path = tmp_path / "timeline.json"
+    run_ranks("engine_behaviour.py", 2, "mpiexec", env={"HPDL_TIMELINE": str(path)})
+    records = json.loads(path.read_text())
+    assert "start_time_since_epoch_in_micros" in records[0]["args"]
+    names = {r.get("name") for r in records}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER"} <= names
+
+
+@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)])
+def test_mismatches_raise_on_every_rank(launcher, n):
+    result = run_ranks("engine_failures.py", n, launcher, args=["mismatch"], timeout=120)
+    out = result.stdout
+    for what in ("shape", "dtype", "root", "op"):
+        assert out.count(f"RAISED {what} ") == n, out
+    assert "tensor 'shape.t': rank 0 has [2]; rank 1 has [3]" in out
+    assert "Mismatched allreduce data types for tensor 'dtype.t'" in out
+    assert "Mismatched broadcast root ranks for tensor 'root.t'" in out
+    assert out.count("CONTINUED") == n
+
+
+def test_stalled_rank_is_named_then_every_rank_raises():
+    env = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "3"}
+    result = run_ranks("engine_failures.py", 3, "mpiexec", args=["stall"], env=env, timeout=60)
+    assert "stalled.tensor: missing rank 1" in result.stderr  # the warning, on rank 0
+    for rank in range(3):
+        assert f"RAISED stall rank={rank}: collectives stalled for more than 3 s" in result.stdout, result.stdout
+    assert result.stdout.count("stalled.tensor: missing rank 1") == 3
+
+
+def test_killed_rank_makes_the_survivors_raise():
+    # Without a supervising launcher (which would kill them), the survivors must raise on
+    # their own, from the backend's error, well before the stall timeout.
+    results = run_plain_ranks("engine_failures.py", 3, args=["kill"], env={"HPDL_STALL_TIMEOUT": "30"}, timeout=60)
+    assert results[1].returncode == -9
+    for rank in (0, 2):
+        assert f"RAISED kill rank={rank}" in results[rank].stdout, results[rank].stdout + results[rank].stderr
+
+
+def test_killed_rank_under_mpiexec_ends_the_job():
+    result = run_ranks("engine_failures.py", 3, "mpiexec", args=["kill"], timeout=60, expect_ok=False)
+    assert result.returncode != 0
