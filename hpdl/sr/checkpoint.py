@@ -1,0 +1,189 @@
+"""Checkpoints: plain dicts saved atomically and loaded with ``torch.load(weights_only=True)``.
+
+A checkpoint is a dict of tensors and primitives (dict, list, tuple, str, int, float, bool,
+None). Nothing else is allowed in, so ``weights_only=True`` can load every checkpoint and
+loading never runs pickled code. Layout::
+
+    {"format": "hpdl.sr.checkpoint", "version": 1,
+     "meta": {"model_name": "edsr_baseline", "scale": 2, "config": {...EDSRConfig...}},
+     "model": state_dict, ...whatever the trainer adds (optimizer, sampler, rng, config)}
+
+Plain state dicts, such as EDSR-PyTorch's published ``edsr_baseline_x2-*.pt``, load too: their
+model and scale are inferred from the tensor shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from hpdl.sr._atomic import atomic_write
+from hpdl.sr.errors import CheckpointError
+from hpdl.sr.models import EDSR, build_model_from_config, config_from_state_dict
+
+__all__ = [
+    "FORMAT",
+    "capture_rng_state",
+    "load_checkpoint",
+    "load_model",
+    "make_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+FORMAT = "hpdl.sr.checkpoint"
+VERSION = 1
+
+PathLike = Union[str, os.PathLike]
+_PRIMITIVES = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def make_checkpoint(model: EDSR, /, **extra: Any) -> Dict[str, Any]:
+    """Return a checkpoint dict of ``model`` (weights on CPU, its config as metadata) plus ``extra``."""
+    config = model.config
+    checkpoint: Dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "meta": {"model_name": config.name, "scale": config.scale, "config": config.to_dict()},
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+    }
+    clash = set(extra) & set(checkpoint)
+    if clash:
+        raise ValueError(f"reserved checkpoint keys: {', '.join(sorted(clash))}")
+    checkpoint.update(extra)
+    return checkpoint
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    # Fail at save time, with the offending key, rather than at resume time in weights_only load.
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; use str or int keys")
+            _check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PRIMITIVES):
+        raise TypeError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__name__}; checkpoints hold only "
+            "tensors and plain Python values (convert arrays to tensors or lists)"
+        )
+
+
+def save_checkpoint(path: PathLike, checkpoint: Dict[str, Any]) -> Path:
+    """Write ``checkpoint`` atomically: temp file in the same dir, fsync, rename over ``path``."""
+    _check_plain(checkpoint, "checkpoint")
+    return atomic_write(path, lambda f: torch.save(checkpoint, f), fsync=True)
+
+
+def load_checkpoint(
+    path: PathLike,
+    *,
+    model_name: Optional[str] = None,
+    scale: Optional[int] = None,
+    map_location: Union[str, torch.device] = "cpu",
+) -> Dict[str, Any]:
+    """Load a checkpoint safely; check it is for ``model_name`` / ``scale`` when they are given."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # zip, pickle and EOF errors all mean the file is unusable
+        raise CheckpointError(f"{path}: {_load_failure(err)}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a checkpoint (holds a {type(obj).__name__}, not a dict)")
+    if obj.get("format") != FORMAT:
+        obj = _wrap_state_dict(obj, path)
+    meta = obj.get("meta")
+    if not isinstance(meta, dict) or "model_name" not in meta or "scale" not in meta or "model" not in obj:
+        raise CheckpointError(f"{path}: checkpoint lacks its model metadata or weights")
+    have = f"{meta['model_name']} x{meta['scale']}"
+    if (model_name is not None and _norm(meta["model_name"]) != _norm(model_name)) or (
+        scale is not None and int(meta["scale"]) != int(scale)
+    ):
+        want = f"{model_name or meta['model_name']} x{scale or meta['scale']}"
+        raise CheckpointError(f"{path}: checkpoint is for {have}, not {want}")
+    return obj
+
+
+def _load_failure(err: BaseException) -> str:
+    if "Weights only load failed" in str(err):
+        found = re.search(r"unsupported GLOBAL (\S+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        return f"refused: holds Python objects{what} besides tensors and plain values, which could run code"
+    return f"not a readable checkpoint (truncated or corrupt?): {_reason(err)}"
+
+
+def _reason(err: BaseException) -> str:
+    # torch's messages run to paragraphs; the first sentence says what went wrong.
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text.split(". ")[0].rstrip(".")
+
+
+def _norm(name: str) -> str:
+    return str(name).strip().lower().replace("-", "_")
+
+
+def _wrap_state_dict(obj: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    # A bare state dict (EDSR-PyTorch's release files): recognise the model by its shapes.
+    if not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: neither an hpdl checkpoint nor a model state dict")
+    config = config_from_state_dict(obj)
+    if config is None:
+        raise CheckpointError(f"{path}: state dict is not an EDSR model")
+    meta = {"model_name": config.name, "scale": config.scale, "config": config.to_dict()}
+    return {"format": FORMAT, "version": VERSION, "meta": meta, "model": obj}
+
+
+def load_model(
+    path: PathLike,
+    *,
+    model_name: Optional[str] = None,
+    scale: Optional[int] = None,
+    device: Union[str, torch.device] = "cpu",
+) -> Tuple[EDSR, Dict[str, Any]]:
+    """Build the checkpoint's model, load its weights, and return ``(model in eval mode, checkpoint)``."""
+    checkpoint = load_checkpoint(path, model_name=model_name, scale=scale)
+    meta = checkpoint["meta"]
+    try:
+        model = build_model_from_config(meta["config"])
+        state = {k.removeprefix("module."): v for k, v in checkpoint["model"].items()}
+        model.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(
+            f"{path}: weights do not fit {meta['model_name']} x{meta['scale']}: {_reason(err)}"
+        ) from None
+    return model.to(device).eval(), checkpoint
+
+
+def capture_rng_state() -> Dict[str, Any]:
+    """Return the Python, NumPy and torch RNG states in checkpoint-safe form."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Dict[str, Any]) -> None:
+    """Restore RNG states captured by ``capture_rng_state``."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,167 @@
+"""``hpdl sr``: evaluate and upscale with EDSR checkpoints (``train`` is registered by the trainer).
+
+torch and the ``hpdl.sr`` modules are imported inside the handlers so that ``hpdl --help``
+stays fast. Every bad input ends as one ``CliError`` line naming the file, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Callable
+
+from hpdl.cli import CliError
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add ``hpdl sr`` and its subcommands."""
+    sr = subparsers.add_parser(
+        "sr",
+        help="super-resolution with EDSR: evaluate, upscale (and train)",
+        description="EDSR super-resolution: evaluate checkpoints on DIV2K, benchmark sets, "
+        "image folders or the embedded photos, and upscale images of any size.",
+    )
+    sr.set_defaults(func=lambda args: _print_help(sr))
+    sr_sub = sr.add_subparsers(dest="sr_command", metavar="SUBCOMMAND")
+    _register_train(sr_sub)
+    _register_eval(sr_sub)
+    _register_upscale(sr_sub)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _register_train(sr_sub: Any) -> None:
+    """Register ``hpdl sr train``: the trainer's spot, empty until the trainer lands."""
+    # TRAINER: add the `train` subparser here (e.g. `from hpdl.sr import train;
+    # train.register(sr_sub)`), with its handler importing torch lazily like the ones below.
+
+
+def _register_eval(sr_sub: Any) -> None:
+    p = sr_sub.add_parser(
+        "eval",
+        help="measure PSNR/SSIM of a checkpoint (and of bicubic) on a dataset",
+        description="Measure PSNR and SSIM of a checkpoint and of bicubic upscaling. DATA is "
+        "'embedded' (scikit-image photos, held-out split), a DIV2K root (images 801-900), a "
+        "benchmark set (HR/ + LR_bicubic/X<s>/) or a folder of HR images (LR made by bicubic).",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or an EDSR state dict")
+    p.add_argument("--data", default="embedded", help="dataset folder or 'embedded' (default)")
+    p.add_argument("--scale", type=int, choices=(2, 3, 4), help="expected scale (default: the checkpoint's)")
+    p.add_argument(
+        "--space",
+        choices=("y", "rgb"),
+        help="measure on Y (shave scale) or RGB (shave scale+6); default rgb for DIV2K, y otherwise",
+    )
+    p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
+    p.add_argument("--tile", type=int, help="run the model in exact tiles of N LR pixels (bounds memory)")
+    p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900")
+    p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
+                   help="on an undecodable image: fail (default) or skip it with a warning")
+    p.add_argument("--cache-dir", help="decode cache and embedded photos (default ~/.cache/hpdl/sr)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
+    p.set_defaults(func=_guarded(_run_eval))
+
+
+def _register_upscale(sr_sub: Any) -> None:
+    p = sr_sub.add_parser(
+        "upscale",
+        help="super-resolve one image of any size",
+        description="Super-resolve an image with a checkpoint, in exact overlapping tiles.",
+    )
+    p.add_argument("input", help="input (LR) image")
+    p.add_argument("output", help="output image (.png recommended)")
+    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or an EDSR state dict")
+    p.add_argument("--tile", type=int, default=256, help="tile size in LR pixels; 0 = whole image (default 256)")
+    p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.set_defaults(func=_guarded(_run_upscale))
+
+
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    # The sr errors' messages already name the file; OSError covers unwritable outputs.
+    def run(args: argparse.Namespace) -> int:
+        from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
+
+        try:
+            return handler(args)
+        except (SRDataError, CheckpointError, ModelMismatchError) as err:
+            raise CliError(str(err)) from None
+        except OSError as err:
+            where = f"{err.filename}: " if err.filename else ""
+            raise CliError(f"{where}{err.strerror or err}") from None
+
+    return run
+
+
+def _device(name: Any) -> str:
+    import torch
+
+    if not name:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise CliError(f"unknown device {name!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"device {name!r} requested but CUDA is not available")
+    return name
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from hpdl.sr.checkpoint import load_model
+    from hpdl.sr.datasets import build_val_dataset, parse_range
+    from hpdl.sr.evaluate import evaluate, format_table
+
+    if args.tile is not None and args.tile < 1:
+        raise CliError(f"--tile must be >= 1, got {args.tile}")
+    try:
+        index_range = parse_range(args.index_range) if args.index_range else None
+    except ValueError as err:
+        raise CliError(f"--range: {err}") from None
+    model, _ = load_model(args.ckpt, scale=args.scale, device=_device(args.device))
+    pairs = build_val_dataset(
+        args.data, model.scale, cache_dir=args.cache_dir, index_range=index_range,
+        on_bad_image=args.on_bad_image,
+    )
+    space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
+    result = evaluate(
+        model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
+        progress=True,
+    )
+    if args.json:
+        record = result.to_dict()
+        record.update(checkpoint=str(args.ckpt), data=str(args.data), model=model.config.name)
+        print(json.dumps(record, indent=2, allow_nan=True))
+    else:
+        print(f"{model.config.describe()} on {args.data} ({len(pairs)} images)")
+        print(format_table(result))
+    return 0
+
+
+def _run_upscale(args: argparse.Namespace) -> int:
+    from PIL import Image
+
+    from hpdl.sr.checkpoint import load_model
+    from hpdl.sr.images import read_image, write_image
+    from hpdl.sr.upscale import upscale_image
+
+    if args.tile < 0:
+        raise CliError(f"--tile must be >= 0, got {args.tile}")
+    # Check the output name before minutes of inference, not after.
+    suffix = os.path.splitext(args.output)[1].lower()
+    if suffix not in Image.registered_extensions():
+        raise CliError(f"{args.output}: unknown image extension {suffix!r} (use .png)")
+    image = read_image(args.input)
+    model, _ = load_model(args.ckpt, device=_device(args.device))
+    out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble)
+    write_image(args.output, out)
+    (h, w), (sh, sw) = image.shape[:2], out.shape[:2]
+    print(f"wrote {args.output}: {sw}x{sh} (x{model.scale} of {w}x{h})")
+    return 0

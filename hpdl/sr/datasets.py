@@ -1,0 +1,369 @@
+"""Super-resolution datasets: find LR/HR pairs on disk, serve whole pairs or random patches.
+
+Layouts, chosen by ``open_pairs(data, ...)`` from what ``data`` contains:
+
+- ``embedded``: scikit-image's photographs (see ``images.EMBEDDED_TRAIN`` / ``EMBEDDED_VAL``),
+  served as a plain folder;
+- DIV2K: ``DIV2K_train_HR/0001.png`` with ``DIV2K_train_LR_bicubic/X2/0001x2.png``; images
+  1-800 train, 801-900 validate (``DIV2K_valid_*`` folders are searched too);
+- benchmark: ``Set5/HR/baby.png`` with ``Set5/LR_bicubic/X2/babyx2.png``;
+- any other folder: its images are HR, and LR is made by antialiased bicubic downscaling.
+
+Every pair is decoded (or found in the cache) and checked when the dataset is built, in the
+main process, so bad files fail early with their name instead of inside a DataLoader worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hpdl.sr.errors import CorruptImageError, SRDataError
+from hpdl.sr.images import (
+    IMAGE_EXTENSIONS,
+    ImageCache,
+    bicubic_downscale,
+    default_cache_dir,
+    list_images,
+    prepare_embedded,
+)
+from hpdl.sr.transforms import NUM_DIHEDRAL, dihedral_array
+
+__all__ = [
+    "DIV2K_TRAIN_RANGE",
+    "DIV2K_VAL_RANGE",
+    "ImagePairs",
+    "PairSource",
+    "TrainPatches",
+    "benchmark_sources",
+    "build_train_dataset",
+    "build_val_dataset",
+    "detect_layout",
+    "div2k_sources",
+    "folder_sources",
+    "open_pairs",
+    "parse_range",
+]
+
+DIV2K_TRAIN_RANGE = (1, 800)
+DIV2K_VAL_RANGE = (801, 900)
+BAD_IMAGE_POLICIES = ("fail", "skip")
+
+PathLike = Union[str, Path]
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSource:
+    """One HR image and its LR file (``lr=None``: make LR by bicubic downscaling)."""
+
+    name: str
+    hr: Path
+    lr: Optional[Path] = None
+
+
+def parse_range(text: str) -> Tuple[int, int]:
+    """Parse an inclusive image index range such as ``"801-900"``."""
+    try:
+        first, last = (int(part) for part in text.split("-", 1))
+    except ValueError:
+        raise ValueError(f"expected an index range like 801-900, got {text!r}") from None
+    if not 1 <= first <= last:
+        raise ValueError(f"bad index range {text!r}")
+    return first, last
+
+
+def div2k_sources(root: PathLike, scale: int, index_range: Tuple[int, int]) -> List[PairSource]:
+    """List DIV2K pairs ``first..last`` (inclusive) under ``root``."""
+    root = Path(root)
+    sources = []
+    for i in range(index_range[0], index_range[1] + 1):
+        stem = f"{i:04d}"
+        for part in ("train", "valid"):
+            hr = root / f"DIV2K_{part}_HR" / f"{stem}.png"
+            if hr.exists():
+                lr = root / f"DIV2K_{part}_LR_bicubic" / f"X{scale}" / f"{stem}x{scale}.png"
+                break
+        else:
+            raise SRDataError(f"{root / 'DIV2K_train_HR' / (stem + '.png')}: missing DIV2K image {i}")
+        _require_lr(hr, lr)
+        sources.append(PairSource(stem, hr, lr))
+    return sources
+
+
+def benchmark_sources(root: PathLike, scale: int) -> List[PairSource]:
+    """List the pairs of a benchmark set laid out as ``HR/x.png`` + ``LR_bicubic/X{s}/xx{s}.png``."""
+    root = Path(root)
+    lr_dir = root / "LR_bicubic" / f"X{scale}"
+    if not lr_dir.is_dir():
+        raise SRDataError(f"{lr_dir}: no LR images for scale {scale}")
+    sources = []
+    for hr in _nonempty(list_images(root / "HR"), root / "HR"):
+        lr = lr_dir / f"{hr.stem}x{scale}{hr.suffix}"
+        _require_lr(hr, lr)
+        sources.append(PairSource(hr.stem, hr, lr))
+    return sources
+
+
+def folder_sources(folder: PathLike) -> List[PairSource]:
+    """List every image under ``folder`` as an HR image whose LR is made on the fly."""
+    folder = Path(folder)
+    images = _nonempty(list_images(folder), folder)
+    return [PairSource(str(p.relative_to(folder).with_suffix("")), p, None) for p in images]
+
+
+def _require_lr(hr: Path, lr: Path) -> None:
+    if not lr.exists():
+        raise SRDataError(f"{hr}: HR image without its LR image {lr}")
+
+
+def _nonempty(images: List[Path], folder: Path) -> List[Path]:
+    if not images:
+        raise SRDataError(f"{folder}: no images found (looked for {', '.join(IMAGE_EXTENSIONS)})")
+    return images
+
+
+def detect_layout(data: PathLike) -> str:
+    """Return ``embedded``, ``div2k``, ``benchmark`` or ``folder`` for a ``--data`` value."""
+    if str(data) == "embedded":
+        return "embedded"
+    path = Path(data)
+    if not path.exists():
+        raise SRDataError(f"{path}: no such directory (give a dataset folder or 'embedded')")
+    if not path.is_dir():
+        raise SRDataError(f"{path}: not a directory (give a dataset folder or 'embedded')")
+    if (path / "DIV2K_train_HR").is_dir() or (path / "DIV2K_valid_HR").is_dir():
+        return "div2k"
+    if (path / "HR").is_dir() and (path / "LR_bicubic").is_dir():
+        return "benchmark"
+    return "folder"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    name: str
+    hr_source: Path
+    hr_file: str  # cache entries (.npy), memory-mapped on access
+    lr_file: str
+    lr_size: Tuple[int, int]  # (height, width)
+
+
+class ImagePairs(Dataset):
+    """Whole LR/HR pairs as float ``(3, H, W)`` tensors in [0, 255]: the validation samples."""
+
+    def __init__(
+        self,
+        sources: Sequence[PairSource],
+        scale: int,
+        *,
+        cache: Optional[ImageCache] = None,
+        on_bad_image: str = "fail",
+        layout: str = "folder",
+    ) -> None:
+        if on_bad_image not in BAD_IMAGE_POLICIES:
+            raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
+        self.scale = int(scale)
+        self.layout = layout
+        cache = cache or ImageCache()
+        self._pairs: List[_Pair] = []
+        for source in sources:
+            pair = self._load(source, cache, skip_corrupt=on_bad_image == "skip")
+            if pair is not None:
+                self._pairs.append(pair)
+        if not self._pairs:
+            where = sources[0].hr.parent if sources else "dataset"
+            raise SRDataError(f"{where}: no usable images")
+
+    def _load(self, source: PairSource, cache: ImageCache, skip_corrupt: bool) -> Optional[_Pair]:
+        s = self.scale
+        try:
+            hr = cache.image(source.hr)
+            if source.lr is None:
+                if hr.shape[0] < s or hr.shape[1] < s:
+                    raise SRDataError(
+                        f"{source.hr}: image of {hr.shape[1]}x{hr.shape[0]} is smaller than scale {s}"
+                    )
+                lr = cache.derived(source.hr, f"bicubic-x{s}", lambda: bicubic_downscale(hr, s))
+            else:
+                lr = cache.image(source.lr)
+        except CorruptImageError as err:
+            if not skip_corrupt:
+                raise
+            warnings.warn(f"skipping {err}", RuntimeWarning, stacklevel=3)
+            return None
+        (hh, hw), (lh, lw) = hr.shape[:2], lr.shape[:2]
+        if (lh, lw) != (hh // s, hw // s) or lh == 0 or lw == 0:
+            raise SRDataError(
+                f"{source.lr}: LR is {lw}x{lh} but HR {source.hr} is {hw}x{hh}, "
+                f"so x{s} needs LR {hw // s}x{hh // s}"
+            )
+        return _Pair(source.name, source.hr, str(hr.filename), str(lr.filename), (lh, lw))
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    @property
+    def names(self) -> List[str]:
+        """Return the image names (file stems) in dataset order."""
+        return [p.name for p in self._pairs]
+
+    def lr_size(self, index: int) -> Tuple[int, int]:
+        """Return ``(height, width)`` of LR image ``index``."""
+        return self._pairs[index].lr_size
+
+    def source(self, index: int) -> Path:
+        """Return the HR source file of pair ``index``."""
+        return self._pairs[index].hr_source
+
+    def arrays(self, index: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Return memory-mapped uint8 ``(H, W, 3)`` LR and HR, HR cropped to ``scale`` x LR."""
+        pair = self._pairs[index]
+        lh, lw = pair.lr_size
+        lr = np.load(pair.lr_file, mmap_mode="r")
+        hr = np.load(pair.hr_file, mmap_mode="r")[: lh * self.scale, : lw * self.scale]
+        return lr, hr
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        lr, hr = self.arrays(index)
+        return _to_tensor(lr), _to_tensor(hr)
+
+
+def _to_tensor(image: np.ndarray) -> torch.Tensor:
+    # HWC uint8 (possibly a flipped view) -> contiguous CHW float32 in [0, 255].
+    return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))).to(torch.float32)
+
+
+class TrainPatches(Dataset):
+    """Random aligned LR/HR patches (LR ``P``, HR ``P * scale``) with the 8 dihedral transforms.
+
+    Each epoch visits every image ``repeat`` times. A sample's crop and transform depend only on
+    ``(seed, epoch, index)``, not on the worker that draws it or on earlier samples, so a
+    resumed run draws the same patches. DataLoader workers hold copies of this object: call
+    ``set_epoch`` before iterating, and keep ``persistent_workers=False`` (the default) so that
+    each epoch's workers see the new epoch.
+    """
+
+    def __init__(
+        self,
+        pairs: ImagePairs,
+        patch_size: int = 48,
+        *,
+        repeat: int = 1,
+        augment: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if patch_size < 1 or repeat < 1:
+            raise ValueError(f"patch_size and repeat must be >= 1, got {patch_size}, {repeat}")
+        self.pairs = pairs
+        self.scale = pairs.scale
+        self.patch_size = int(patch_size)
+        self.repeat = int(repeat)
+        self.augment = augment
+        self.seed = int(seed)
+        self.epoch = 0
+        for i in range(len(pairs)):
+            lh, lw = pairs.lr_size(i)
+            if lh < patch_size or lw < patch_size:
+                raise SRDataError(
+                    f"{pairs.source(i)}: LR image of {lw}x{lh} is smaller than the "
+                    f"{patch_size}x{patch_size} training patch (x{self.scale})"
+                )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw this epoch's crops and transforms (call before creating the epoch's iterator)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.pairs) * self.repeat
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.epoch, int(index)])
+        lr, hr = self.pairs.arrays(int(index) % len(self.pairs))
+        p, s = self.patch_size, self.scale
+        y = int(rng.integers(0, lr.shape[0] - p + 1))
+        x = int(rng.integers(0, lr.shape[1] - p + 1))
+        lr = lr[y : y + p, x : x + p]
+        hr = hr[y * s : (y + p) * s, x * s : (x + p) * s]
+        if self.augment:
+            k = int(rng.integers(0, NUM_DIHEDRAL))
+            lr, hr = dihedral_array(lr, k), dihedral_array(hr, k)
+        return _to_tensor(lr), _to_tensor(hr)
+
+
+def _sources(data: PathLike, layout: str, scale: int, split: str, index_range, cache_dir) -> List[PairSource]:
+    if layout == "embedded":
+        return folder_sources(prepare_embedded(cache_dir)[split])
+    if layout == "div2k":
+        default = DIV2K_TRAIN_RANGE if split == "train" else DIV2K_VAL_RANGE
+        return div2k_sources(data, scale, index_range or default)
+    if layout == "benchmark":
+        return benchmark_sources(data, scale)
+    return folder_sources(data)
+
+
+def open_pairs(
+    data: PathLike,
+    scale: int,
+    split: str = "val",
+    *,
+    cache_dir: Optional[PathLike] = None,
+    index_range: Optional[Tuple[int, int]] = None,
+    on_bad_image: str = "fail",
+) -> ImagePairs:
+    """Find, decode (once) and check the pairs of ``data`` (a folder or ``"embedded"``).
+
+    Args:
+        data: dataset folder in one of the layouts above, or ``"embedded"``.
+        split: ``"train"`` or ``"val"``; picks the DIV2K range and the embedded split, and is
+            ignored by benchmark sets and plain folders (which are used whole).
+        cache_dir: root of the decode cache and of the embedded PNGs (default
+            ``default_cache_dir()``).
+        index_range: DIV2K image numbers, inclusive (default 1-800 train, 801-900 val).
+        on_bad_image: ``"fail"`` on an undecodable file, or ``"skip"`` it with a warning.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    layout = detect_layout(data)
+    sources = _sources(data, layout, int(scale), split, index_range, root)
+    return ImagePairs(
+        sources, scale, cache=ImageCache(root / "decoded"), on_bad_image=on_bad_image, layout=layout
+    )
+
+
+def build_train_dataset(
+    data: PathLike,
+    scale: int,
+    *,
+    patch_size: int = 48,
+    repeat: int = 1,
+    augment: bool = True,
+    seed: int = 0,
+    cache_dir: Optional[PathLike] = None,
+    index_range: Optional[Tuple[int, int]] = None,
+    on_bad_image: str = "fail",
+) -> TrainPatches:
+    """Build the training patches of ``data`` (see ``open_pairs`` for the arguments)."""
+    pairs = open_pairs(
+        data, scale, "train", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image
+    )
+    return TrainPatches(pairs, patch_size, repeat=repeat, augment=augment, seed=seed)
+
+
+def build_val_dataset(
+    data: PathLike,
+    scale: int,
+    *,
+    cache_dir: Optional[PathLike] = None,
+    index_range: Optional[Tuple[int, int]] = None,
+    on_bad_image: str = "fail",
+) -> ImagePairs:
+    """Build the whole-image validation pairs of ``data`` (see ``open_pairs``)."""
+    return open_pairs(
+        data, scale, "val", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image
+    )

@@ -1,0 +1,75 @@
+"""Exact tiled inference, self-ensemble, and the dihedral transforms."""
+
+import numpy as np
+import pytest
+import torch
+
+from hpdl.sr.models import EDSRConfig, build_model_from_config, receptive_field_radius
+from hpdl.sr.transforms import dihedral_array, dihedral_tensor, inverse_dihedral_tensor
+from hpdl.sr.upscale import forward_tiled, self_ensemble, upscale, upscale_image
+
+
+def small_baseline(scale, seed=0):
+    torch.manual_seed(seed)
+    return build_model_from_config(EDSRConfig("edsr_baseline_small", scale, 3, 16, 1.0)).eval()
+
+
+@pytest.mark.parametrize("scale", [2, 3, 4])
+def test_tiled_equals_whole_image_pass(scale):
+    model = small_baseline(scale)
+    lr = torch.rand(1, 3, 45, 67, generator=torch.Generator().manual_seed(scale)) * 255  # odd size
+    with torch.no_grad():
+        whole = model(lr)
+        tiled = forward_tiled(model, lr, tile=16)
+        too_little = forward_tiled(model, lr, tile=16, overlap=receptive_field_radius(model) - 1)
+    assert tiled.shape == whole.shape == (1, 3, 45 * scale, 67 * scale)
+    assert (tiled - whole).abs().max().item() < 1e-4
+    # one pixel less overlap than the receptive-field radius is no longer exact
+    assert (too_little - whole).abs().max().item() > 1e-3
+
+
+def test_tile_larger_than_image_and_batches():
+    model = small_baseline(2)
+    lr = torch.rand(2, 3, 9, 11) * 255
+    with torch.no_grad():
+        assert torch.equal(forward_tiled(model, lr, tile=64), model(lr))
+        assert (forward_tiled(model, lr, tile=4) - model(lr)).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="tile must be >= 1"):
+        forward_tiled(model, lr, tile=0)
+
+
+def test_dihedral_transforms_agree_and_invert():
+    img = np.arange(2 * 3 * 3).reshape(2, 3, 3)
+    t = torch.from_numpy(img.transpose(2, 0, 1).copy())
+    results = set()
+    for k in range(8):
+        a = dihedral_array(img, k)
+        b = dihedral_tensor(t, k)
+        assert torch.equal(torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1))), b)
+        assert torch.equal(inverse_dihedral_tensor(b, k), t)
+        results.add(tuple(b.flatten().tolist()) + tuple(b.shape))
+    assert len(results) == 8
+    with pytest.raises(ValueError):
+        dihedral_tensor(t, 8)
+
+
+def test_self_ensemble_of_an_equivariant_model_is_the_model():
+    up = torch.nn.Upsample(scale_factor=2, mode="nearest")
+    x = torch.rand(1, 3, 5, 7)
+    assert torch.allclose(self_ensemble(up, x), up(x))
+    calls = []
+    self_ensemble(lambda z: calls.append(z.shape) or up(z), x)
+    assert len(calls) == 8 and (1, 3, 7, 5) in calls
+
+
+def test_upscale_with_ensemble_and_tiles_and_uint8_images():
+    model = small_baseline(3)
+    lr = torch.rand(3, 13, 10) * 255
+    plain = upscale(model, lr)
+    assert plain.shape == (3, 39, 30)
+    ens = upscale(model, lr, ensemble=True)
+    assert (upscale(model, lr, ensemble=True, tile=5) - ens).abs().max() < 1e-4
+    assert not torch.allclose(ens, plain)
+    img = (np.random.default_rng(0).random((13, 10, 3)) * 255).astype(np.uint8)
+    out = upscale_image(model, img, tile=4)
+    assert out.dtype == np.uint8 and out.shape == (39, 30, 3)
