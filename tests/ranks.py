@@ -21,6 +21,34 @@ LAYOUTS = [("mpiexec", 1), ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)]
 LAYOUT_IDS = [f"{launcher}-{n}" for launcher, n in LAYOUTS]
 
 
+def _descendants(pid: int) -> list:
+    """Every process below ``pid`` (launchers may start ranks in sessions of their own)."""
+    children: Dict[int, list] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """Kill ``pid`` and all its descendants, so a hung job leaves nothing behind."""
+    for victim in _descendants(pid) + [pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def launch_argv(launcher: str, n: int, script: Sequence[str]) -> list:
     """The argv that starts ``script`` on ``n`` ranks under ``launcher``."""
     if launcher == "mpiexec":
@@ -79,6 +107,7 @@ def run_ranks(
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
     for key in [k for k in full_env if k.startswith("HPDL_") and k not in ("HPDL_VENV", "HPDL_TORCH_SPEC")]:
         del full_env[key]
+    full_env["HPDL_TEST_TIMEOUT"] = str(timeout)
     full_env.update(env or {})
     argv = launch_argv(launcher, n, [str(SCRIPTS / script), *args])
     proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -86,7 +115,7 @@ def run_ranks(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"{script} on {n} ranks ({launcher}) did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
     result = subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -42,17 +42,23 @@ class AllreduceOptions:
     large_above: int = 8192  # OSU switches to the large-message counts above 8 KiB
     rounds: int = 1
     paths: Sequence[str] = ("backend",)
+    tensors: int = 1  # tensors of the given size reduced per timed call (submitted together)
 
 
-# A path maps a message (a tensor of the given size) to a zero-argument call that reduces it.
-PathFactory = Callable[[torch.Tensor], Callable[[], None]]
+# A path maps the messages of one timed call (tensors of the given size) to a zero-argument
+# call that reduces them all: one after the other for the raw paths, submitted together for
+# the engine (which may fuse them).
+PathFactory = Callable[[List[torch.Tensor]], Callable[[], None]]
 
 
 def _backend_path(comm) -> PathFactory:
     from hpdl.comm import ReduceOp
 
-    def make(tensor: torch.Tensor) -> Callable[[], None]:
-        return lambda: comm.allreduce(tensor, ReduceOp.SUM)
+    def make(tensors: List[torch.Tensor]) -> Callable[[], None]:
+        if len(tensors) == 1:
+            tensor = tensors[0]
+            return lambda: comm.allreduce(tensor, ReduceOp.SUM)
+        return lambda: [comm.allreduce(t, ReduceOp.SUM) for t in tensors]
 
     return make
 
@@ -60,14 +66,19 @@ def _backend_path(comm) -> PathFactory:
 def _mpi4py_path(mpi_comm) -> PathFactory:
     from mpi4py import MPI
 
-    def make(tensor: torch.Tensor) -> Callable[[], None]:
+    def make(tensors: List[torch.Tensor]) -> Callable[[], None]:
         import numpy as np
 
-        if tensor.dtype not in _NUMPY_NAMES:
-            raise ValueError(f"mpi4py path has no numpy dtype for {tensor.dtype}")
-        send = np.ones(tensor.numel(), dtype=_NUMPY_NAMES[tensor.dtype])
-        recv = np.empty_like(send)
-        return lambda: mpi_comm.Allreduce(send, recv, op=MPI.SUM)
+        if tensors[0].dtype not in _NUMPY_NAMES:
+            raise ValueError(f"mpi4py path has no numpy dtype for {tensors[0].dtype}")
+        pairs = []
+        for t in tensors:
+            send = np.ones(t.numel(), dtype=_NUMPY_NAMES[t.dtype])
+            pairs.append((send, np.empty_like(send)))
+        if len(pairs) == 1:
+            send, recv = pairs[0]
+            return lambda: mpi_comm.Allreduce(send, recv, op=MPI.SUM)
+        return lambda: [mpi_comm.Allreduce(send, recv, op=MPI.SUM) for send, recv in pairs]
 
     return make
 
@@ -75,9 +86,18 @@ def _mpi4py_path(mpi_comm) -> PathFactory:
 def _engine_path() -> PathFactory:
     import hpdl.torch as hvd
 
-    def make(tensor: torch.Tensor) -> Callable[[], None]:
-        name = f"bench.allreduce.{tensor.numel()}"
-        return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+    def make(tensors: List[torch.Tensor]) -> Callable[[], None]:
+        names = [f"bench.allreduce.{t.numel()}.{i}" for i, t in enumerate(tensors)]
+        if len(tensors) == 1:
+            tensor, name = tensors[0], names[0]
+            return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+
+        def call() -> None:
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in zip(tensors, names)]
+            for handle in handles:
+                hvd.synchronize(handle)
+
+        return call
 
     return make
 
@@ -114,7 +134,8 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
         large = size > opts.large_above
         warmup = opts.warmup_large if large else opts.warmup_small
         iterations = opts.iterations_large if large else opts.iterations_small
-        calls = {name: factory(torch.ones(count, dtype=dtype)) for name, factory in paths.items()}
+        calls = {name: factory([torch.ones(count, dtype=dtype) for _ in range(opts.tensors)])
+                 for name, factory in paths.items()}
         rounds: Dict[str, List[float]] = {name: [] for name in paths}
         names = list(paths)
         for r in range(opts.rounds):
@@ -125,9 +146,9 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
             mine = median(rounds[name])
             everyone = comm.allgather_object(mine)
             avg = sum(everyone) / p
-            algbw = size / avg / 1e9
+            algbw = size * opts.tensors / avg / 1e9
             records.append({
-                "path": name, "size": size, "avg_us": avg * 1e6, "min_us": min(everyone) * 1e6,
+                "path": name, "size": size, "tensors": opts.tensors, "avg_us": avg * 1e6, "min_us": min(everyone) * 1e6,
                 "max_us": max(everyone) * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (p - 1) / p,
                 "iterations": iterations, "rounds": opts.rounds,
             })
@@ -162,7 +183,9 @@ def format_records(records: List[dict], ranks: int, backend: str, dtype: str) ->
              f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}")
             for r in records if r["path"] == path
         ]
-        out.append(f"# hpdl allreduce benchmark: path={path} backend={backend} ranks={ranks} dtype={dtype}")
+        many = records[0].get("tensors", 1)
+        per_call = f" tensors_per_call={many} (Size per tensor, time per call)" if many > 1 else ""
+        out.append(f"# hpdl allreduce benchmark: path={path} backend={backend} ranks={ranks} dtype={dtype}{per_call}")
         out.append(format_table(["Size", "Avg(us)", "Min(us)", "Max(us)", "algbw(GB/s)", "busbw(GB/s)"], rows))
         out.append("")
     if len(paths) > 1:

@@ -15,6 +15,7 @@ def register(subparsers) -> None:
     )
     sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     _register_allreduce(sub)
+    _register_synthetic(sub)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 
@@ -42,6 +43,9 @@ def _register_allreduce(sub) -> None:
                    help="comma-separated paths measured in one run: backend (hpdl's raw backend "
                         "collective), engine (hpdl.torch.allreduce through negotiation and fusion), "
                         "mpi4py (raw mpi4py Allreduce on numpy buffers) (default: backend)")
+    p.add_argument("--tensors", type=int, default=1,
+                   help="tensors of each size reduced per timed call: one after the other on the raw "
+                        "paths, submitted together on the engine path (which fuses them) (default 1)")
     p.add_argument("--rounds", type=int, default=None,
                    help="alternating rounds per size, the median is reported (default 1, or 3 with several paths)")
     p.add_argument("--backend", default=None, help="mpi, gloo or nccl (default: from the launcher or HPDL_BACKEND)")
@@ -67,8 +71,10 @@ def _run_allreduce(args) -> int:
         min_bytes=min_bytes, max_bytes=max_bytes, dtype=args.dtype,
         iterations_small=args.iterations, iterations_large=args.iterations_large,
         warmup_small=args.warmup, warmup_large=args.warmup_large,
-        rounds=args.rounds or (3 if len(paths) > 1 else 1), paths=tuple(paths),
+        rounds=args.rounds or (3 if len(paths) > 1 else 1), paths=tuple(paths), tensors=args.tensors,
     )
+    if args.tensors < 1:
+        raise CliError("--tensors must be at least 1")
     comm = _benchmark_communicator(args.backend)
     if "engine" in paths:
         import hpdl.torch as hvd
@@ -90,6 +96,63 @@ def _run_allreduce(args) -> int:
         import hpdl.torch as hvd
 
         hvd.shutdown()
+    return 0
+
+
+def _register_synthetic(sub) -> None:
+    p = sub.add_parser(
+        "synthetic",
+        help="training throughput (img/s) on random data, as Horovod's synthetic benchmark",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Training throughput on one fixed random batch (no data loading) with\n"
+            "hvd.DistributedOptimizer, as Horovod's pytorch_synthetic_benchmark.py: warm-up batches,\n"
+            "then --num-iters timed iterations of --num-batches-per-iter batches; img/sec per rank is\n"
+            "the mean over iterations +- 1.96 sigma. --compare alternates hpdl with DistributedDataParallel\n"
+            "(ddp, over gloo) or with the no-communication ceiling (every rank trains alone, all at once)\n"
+            "and reports medians over --repeats runs and the ratio.\n\n"
+            "examples:\n"
+            "  hpdl run -np 2 -- hpdl bench synthetic --model resnet50 --batch-size 8\n"
+            "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling"
+        ),
+    )
+    p.add_argument("--model", default="resnet50", help="edsr-baseline, edsr or resnet50 (default: resnet50)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per rank per batch (default 32)")
+    p.add_argument("--scale", type=int, default=2, help="EDSR upscaling factor: 2, 3 or 4 (default 2)")
+    p.add_argument("--patch", type=int, default=48, help="EDSR LR patch size in pixels (default 48)")
+    p.add_argument("--num-iters", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per iteration (default 10)")
+    p.add_argument("--num-warmup", "--num-warmup-batches", dest="num_warmup", type=int, default=10,
+                   help="untimed warm-up batches (default 10)")
+    p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to float16 for the allreduce")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default=None,
+                   help="sgd (lr 0.01 x ranks, as Horovod) or adam (lr 1e-4, the EDSR recipe); "
+                        "default: adam for EDSR, sgd for resnet50")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
+    p.add_argument("--compare", default="",
+                   help="baselines to alternate with: ddp (DistributedDataParallel over gloo), ceiling (no "
+                        "communication, every rank alone), or both as ddp,ceiling")
+    p.add_argument("--repeats", type=int, default=5, help="alternating runs per mode with --compare (default 5)")
+    p.add_argument("--json", action="store_true", help="print the record as JSON instead of text")
+    p.set_defaults(func=_run_synthetic)
+
+
+def _run_synthetic(args) -> int:
+    from hpdl.bench.synthetic import SyntheticOptions, run_synthetic
+    from hpdl.cli import CliError
+
+    try:
+        opts = SyntheticOptions(
+            model=args.model, batch_size=args.batch_size, scale=args.scale, patch=args.patch,
+            num_iters=args.num_iters, num_batches_per_iter=args.num_batches_per_iter, num_warmup=args.num_warmup,
+            fp16_allreduce=args.fp16_allreduce, optimizer=args.optimizer, threads=args.threads,
+            compare=tuple(c.strip() for c in args.compare.split(",") if c.strip()), repeats=args.repeats,
+        )
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    record = run_synthetic(opts, json_output=args.json)
+    if record is not None and args.json:
+        print(json.dumps(record, indent=1))
     return 0
 
 

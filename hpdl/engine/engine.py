@@ -64,9 +64,7 @@ class Engine:
         self._sets: Dict[int, _ProcessSet] = {0: _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)))}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
-        self._handles_in_queue: Dict[int, Handle] = {}
         self._in_flight: set = set()
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._shutdown_requested = False
         self._stopped = threading.Event()
@@ -87,27 +85,28 @@ class Engine:
     def submit(self, request: Request) -> Handle:
         """Queue a request; return its handle. Raises ValueError for a name already in flight."""
         key = (request.process_set_id, request.name)
-        with self._lock:
-            if self._failure is not None:
-                raise HorovodInternalError(self._failure)
-            if self._stopped.is_set() or self._shutdown_requested:
-                raise HorovodInternalError("hpdl has been shut down; call hvd.init() again first")
-            ps = self._sets.get(request.process_set_id)
-            if ps is None:
-                raise ValueError(f"process set {request.process_set_id} does not exist (removed or never added)")
-            if ps.controller is None:
-                raise ValueError(f"rank {self.rank} is not a member of process set {request.process_set_id} "
-                                 f"(ranks {ps.ranks})")
-            if key in self._in_flight:
-                raise ValueError(
-                    f"a collective named {request.name!r} is already in flight on this rank; "
-                    "wait for it (synchronize) before submitting another with the same name")
-            self._in_flight.add(key)
-            handle = Handle(request.name)
-            handle.add_done_callback(lambda _h, key=key: self._in_flight.discard(key))
-            was_idle = not self._queue
-            self._queue.append(request)
-            self._handles_in_queue[id(request)] = handle
+        # No lock here: deque.append and set operations are atomic under the GIL, and a lock
+        # shared with the engine thread would make every submission wait for a thread switch.
+        if self._failure is not None:
+            raise HorovodInternalError(self._failure)
+        if self._shutdown_requested or self._stopped.is_set():
+            raise HorovodInternalError("hpdl has been shut down; call hvd.init() again first")
+        ps = self._sets.get(request.process_set_id)
+        if ps is None:
+            raise ValueError(f"process set {request.process_set_id} does not exist (removed or never added)")
+        if ps.controller is None:
+            raise ValueError(f"rank {self.rank} is not a member of process set {request.process_set_id} "
+                             f"(ranks {ps.ranks})")
+        in_flight = self._in_flight
+        if key in in_flight:
+            raise ValueError(
+                f"a collective named {request.name!r} is already in flight on this rank; "
+                "wait for it (synchronize) before submitting another with the same name")
+        in_flight.add(key)
+        handle = request.handle = Handle(request.name)
+        handle.add_done_callback(lambda _h: in_flight.discard(key))
+        was_idle = not self._queue
+        self._queue.append(request)
         if self.bus.active:
             self.bus.emit(ev.Event(ev.QUEUED, request.kind.value, (request.name,), ev.now_us(),
                                    nbytes=request.nbytes, rank=self.rank, process_set_id=request.process_set_id))
@@ -192,12 +191,16 @@ class Engine:
             self._stopped.set()
 
     def _drain(self) -> None:
-        with self._lock:
-            while self._queue:
-                request = self._queue.popleft()
-                ps = self._sets[request.process_set_id]
-                ps.pending[request.name] = request
-                ps.handles[request.name] = self._handles_in_queue.pop(id(request))
+        queue = self._queue
+        while queue:
+            request = queue.popleft()
+            ps = self._sets.get(request.process_set_id)
+            if ps is None:  # removed while the request waited in the queue
+                request.handle.set_error(HorovodInternalError(
+                    f"process set {request.process_set_id} was removed before {request.name!r} ran"))
+                continue
+            ps.pending[request.name] = request
+            ps.handles[request.name] = request.handle
 
     def _cycle(self) -> bool:
         """Run one cycle over every process set; return True when the engine must stop."""
@@ -293,8 +296,7 @@ class Engine:
 
     def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True) -> None:
         """Enter the failed state: every pending and future request raises ``message``."""
-        with self._lock:
-            self._failure = message
+        self._failure = message
         waiting = any(ps.pending for ps in self._sets.values()) or bool(self._queue)
         if log_it:
             log.error("%s", message)

@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_OP, SIG_SCALES, SIG_SHAPE, Response
+from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_OP, SIG_SCALES, Response
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -23,10 +23,7 @@ def dtype_of(response: Response) -> torch.dtype:
 
 
 def numel_of(response: Response) -> int:
-    n = 1
-    for d in response.signature[SIG_SHAPE]:
-        n *= d
-    return n
+    return response.numel
 
 
 def fusion_key(response: Response) -> Tuple:

@@ -2,44 +2,56 @@
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Optional
+import _thread
+from typing import Any, Callable, List, Optional
 
 from hpdl.engine.errors import HorovodInternalError
 
 
 class Handle:
-    """The pending result of one request; ``poll`` and ``wait`` are safe from any thread."""
+    """The pending result of one request; ``poll`` and ``wait`` are safe from any thread.
 
-    __slots__ = ("name", "_done", "_result", "_error", "_callbacks", "_lock")
+    Built on a bare lock, held until completion: a handle is created per tensor per step, and
+    a ``threading.Event`` costs ten times as much to create.
+    """
+
+    __slots__ = ("name", "_lock", "_result", "_error", "_callbacks")
 
     def __init__(self, name: str):
         self.name = name
-        self._done = threading.Event()
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
         self._result: Any = None
         self._error: Optional[BaseException] = None
-        self._callbacks: list = []
-        self._lock = threading.Lock()
+        self._callbacks: Optional[List[Callable[["Handle"], None]]] = None
 
     def poll(self) -> bool:
         """Return True once the result (or an error) is available."""
-        return self._done.is_set()
+        return not self._lock.locked()
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done; return the result or raise the request's error."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
+        if self._lock.locked():
+            if not self._lock.acquire(True, -1 if timeout is None else timeout):
+                raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
+            self._lock.release()
         if self._error is not None:
             raise self._error
         return self._result
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Call ``fn(handle)`` when done (at once if already done), on the completing thread."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
+        """Call ``fn(handle)`` when done (at once if already done), on the completing thread.
+
+        Register callbacks before the handle can complete (the engine registers its own before
+        queueing the request); one registered later than completion runs at once.
+        """
+        if not self._lock.locked():
+            fn(self)
+            return
+        if self._callbacks is None:
+            self._callbacks = [fn]
+        else:
+            self._callbacks.append(fn)
 
     def set_result(self, result: Any) -> None:
         self._finish(result, None)
@@ -52,11 +64,11 @@ class Handle:
         self._finish(None, error)
 
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._result, self._error = result, error
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+        if not self._lock.locked():
+            return  # completed already (an error racing a result): the first one stands
+        self._result, self._error = result, error
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            for fn in callbacks:
+                fn(self)
+        self._lock.release()

@@ -32,26 +32,46 @@ class Op(enum.Enum):
     PRODUCT = "product"
 
 
-@dataclasses.dataclass
+_DTYPE_NAMES = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32 (cached: it is asked for every request)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 class Request:
     """One named collective submitted by this rank.
 
     ``tensor`` is this rank's input (contiguous); ``output`` receives the result in place for
     allreduce and broadcast (it may be ``tensor`` itself); other kinds allocate their output.
-    ``group`` = (group name, member count) asks that all members be negotiated and fused together.
+    ``group`` = (group name, member count) asks that all members be negotiated and fused
+    together. A plain class with slots: one is made per tensor per training step.
     """
 
-    kind: RequestKind
-    name: str
-    tensor: Optional[torch.Tensor] = None
-    output: Optional[torch.Tensor] = None
-    op: Op = Op.SUM
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root: int = 0
-    splits: Optional[Tuple[int, ...]] = None
-    process_set_id: int = 0
-    group: Optional[Tuple[str, int]] = None
+    __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits",
+                 "process_set_id", "group", "handle", "_signature")
+
+    def __init__(self, kind: RequestKind, name: str, tensor: Optional[torch.Tensor] = None,
+                 output: Optional[torch.Tensor] = None, op: Op = Op.SUM, prescale: float = 1.0,
+                 postscale: float = 1.0, root: int = 0, splits: Optional[Tuple[int, ...]] = None,
+                 process_set_id: int = 0, group: Optional[Tuple[str, int]] = None):
+        self.kind = kind
+        self.name = name
+        self.tensor = tensor
+        self.output = output
+        self.op = op
+        self.prescale = prescale
+        self.postscale = postscale
+        self.root = root
+        self.splits = splits
+        self.process_set_id = process_set_id
+        self.group = group
+        self.handle = None  # set by the engine at submission
+        self._signature: Optional[Tuple[Any, ...]] = None
 
     def signature(self) -> Tuple[Any, ...]:
         """What must agree across ranks, as a hashable tuple (also the response-cache key part).
@@ -59,17 +79,25 @@ class Request:
         For allgather and alltoall only the trailing dimensions must agree; the first dimension
         and the splits still belong to the signature so that a change invalidates the cache.
         """
+        sig = self._signature
+        if sig is None:
+            sig = self._signature = self._make_signature()
+        return sig
+
+    def _make_signature(self) -> Tuple[Any, ...]:
         t = self.tensor
+        kind = self.kind
         if t is None:
-            return (self.kind.value, None, None, None, None, self.root, None, self.splits, self.group)
+            return (kind.value, None, None, None, None, self.root, None, self.splits, self.group)
+        reduces = kind in (RequestKind.ALLREDUCE, RequestKind.REDUCESCATTER)
         return (
-            self.kind.value,
-            str(t.dtype).replace("torch.", ""),
+            kind.value,
+            dtype_name(t.dtype),
             tuple(t.shape),
             t.device.type,
-            self.op.value if self.kind in (RequestKind.ALLREDUCE, RequestKind.REDUCESCATTER) else None,
-            self.root if self.kind == RequestKind.BROADCAST else None,
-            (self.prescale, self.postscale) if self.kind in (RequestKind.ALLREDUCE, RequestKind.REDUCESCATTER) else None,
+            self.op.value if reduces else None,
+            self.root if kind == RequestKind.BROADCAST else None,
+            (self.prescale, self.postscale) if reduces else None,
             self.splits,
             self.group,
         )
@@ -99,6 +127,15 @@ class Response:
     error: Optional[str] = None
     joined: Tuple[int, ...] = ()
     last_joined: int = -1
+    numel: int = dataclasses.field(init=False, default=0)  # of one member's tensor (allreduce)
+
+    def __post_init__(self) -> None:
+        sig = self.signature
+        if sig[SIG_SHAPE] is not None:
+            n = 1
+            for d in sig[SIG_SHAPE]:
+                n *= d
+            self.numel = n
 
     @property
     def signature(self) -> Tuple[Any, ...]:

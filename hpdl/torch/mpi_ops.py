@@ -38,7 +38,12 @@ def _name(kind: str, name: Optional[str]) -> str:
     return name if name is not None else f"{kind}.noname.{next(_counters[kind])}"
 
 
+_SUPPORTED_OPS = frozenset((Average, Sum, Min, Max, Product))
+
+
 def _resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:
+    if average is None and op in _SUPPORTED_OPS:
+        return op
     if op is not None and average is not None:
         raise ValueError("the op parameter supersedes average; give only one of them")
     if op is None:
@@ -64,11 +69,19 @@ def _in_place(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[torch.Tenso
     """A contiguous target for an in-place op and the step that writes the result back."""
     # Write through a detached view: parameters are leaves that require grad, and the engine's
     # write is not part of any autograd graph.
-    base = tensor.detach()
+    base = tensor.detach() if tensor.requires_grad else tensor
     if base.is_contiguous():
-        return base, lambda out: tensor
+        return base, _returning(tensor)
     work = base.contiguous()
     return work, lambda out: (base.copy_(out), tensor)[1]
+
+
+def _returning(tensor: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    return lambda _out: tensor
+
+
+def _first(results: List[Any]) -> Any:
+    return results[0]
 
 
 def poll(handle: AsyncHandle) -> bool:
@@ -97,7 +110,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     output = torch.empty_like(source)
     handle = _submit(_allreduce_request(source, output, _name("allreduce", name), op, prescale_factor,
                                         postscale_factor, process_set))
-    return AsyncHandle([handle], lambda results: results[0])
+    return AsyncHandle([handle], _first)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -238,7 +251,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
     handle = _submit(_allgather_request(tensor, _name("allgather", name), process_set))
-    return AsyncHandle([handle], lambda results: results[0])
+    return AsyncHandle([handle], _first)
 
 
 class _Allgather(torch.autograd.Function):
@@ -295,7 +308,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     output = torch.empty_like(source)
     request = Request(RequestKind.BROADCAST, _name("broadcast", name), tensor=source, output=output,
                       root=_set_root(root_rank, process_set), process_set_id=_set_id(process_set))
-    return AsyncHandle([_submit(request)], lambda results: results[0])
+    return AsyncHandle([_submit(request)], _first)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -355,7 +368,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Union[None, Sequence[int], torc
                              f"summing to dim 0 of the tensor ({tensor.shape[0]})")
     request = Request(RequestKind.ALLTOALL, _name("alltoall", name), tensor=tensor, splits=split_tuple,
                       process_set_id=_set_id(process_set))
-    return AsyncHandle([_submit(request)], lambda results: results[0])
+    return AsyncHandle([_submit(request)], _first)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -398,7 +411,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Op
     op = _resolve_op(None, op)
     request = _reducescatter_request(tensor, _name("reducescatter", name), op, prescale_factor, postscale_factor,
                                      process_set)
-    return AsyncHandle([_submit(request)], lambda results: results[0])
+    return AsyncHandle([_submit(request)], _first)
 
 
 class _Reducescatter(torch.autograd.Function):

@@ -25,6 +25,7 @@ class _State:
     topology: Topology
     comm: Communicator
     engine: Engine
+    homogeneous: bool
 
 
 _state: Optional[_State] = None
@@ -73,10 +74,13 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
                 world.close()
                 raise ValueError(f"rank {topology.rank} is not in the ranks given to init(comm={list(comm)})")
             world = sub
+        # Everything that talks to the world communicator from this thread happens before the
+        # engine starts: afterwards the engine thread alone uses it.
         local_rank, local_size, cross_rank, cross_size = world.node_layout()
         topology = Topology(world.rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.launcher)
+        homogeneous = len(set(world.allgather_object(local_size))) == 1
         engine = Engine(settings, world)
-        _state = _State(settings, topology, world, engine)
+        _state = _State(settings, topology, world, engine, homogeneous)
         if settings.timeline:
             engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if not _atexit_registered:
@@ -149,9 +153,7 @@ def cross_rank() -> int:
 
 def is_homogeneous() -> bool:
     """Return whether every node runs the same number of ranks."""
-    state = _require()
-    sizes = state.comm.allgather_object(state.topology.local_size) if state.topology.size > 1 else [1]
-    return len(set(sizes)) == 1
+    return _require().homogeneous
 
 
 def backend_name() -> str:

@@ -40,8 +40,15 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 def run_main(main) -> None:
     """Run ``main()``; on any exception print it and exit 1 at once, so no rank is left waiting."""
+    import faulthandler
+
+    budget = float(os.environ.get("HPDL_TEST_TIMEOUT", "0"))
+    if budget > 10:
+        # Print every thread's stack shortly before the harness kills a hung job.
+        faulthandler.dump_traceback_later(budget - 5, exit=False)
     try:
         main()
+        faulthandler.cancel_dump_traceback_later()
     except BaseException:  # noqa: BLE001 - any failure must end this rank visibly
         rank = os.environ.get("PMI_RANK", os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?")))
         sys.stderr.write(f"[rank {rank}] FAILED\n{traceback.format_exc()}")

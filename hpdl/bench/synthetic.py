@@ -1,0 +1,273 @@
+"""Synthetic training throughput, after Horovod's ``pytorch_synthetic_benchmark.py``.
+
+Every rank trains the same model on one fixed random batch (no data loading), with
+``hvd.DistributedOptimizer`` after ``broadcast_parameters`` / ``broadcast_optimizer_state``;
+after warm-up batches it times ``num_iters`` iterations of ``num_batches_per_iter`` batches
+and reports images per second per rank (mean and 1.96 sigma over iterations, as Horovod).
+
+With ``compare`` it alternates runs of hpdl with runs of one or more baselines in the same job
+layout (hpdl, ddp, ceiling, hpdl, ...), ``repeats`` times each, and reports the medians and
+the ratios hpdl/baseline:
+- ``ddp``: the same training with ``torch.nn.parallel.DistributedDataParallel`` over gloo;
+- ``ceiling``: every rank trains its own model with no communication at all, at the same time
+  as the others (N independent single-process runs): the throughput hpdl can at best reach.
+Between runs nothing of the other mode keeps running: hpdl is initialised and shut down
+around each of its runs, so its engine thread never competes with a baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from hpdl.bench.models import MODELS, build_workload, count_parameters
+from hpdl.bench.stats import format_table, median, spread
+
+__all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
+
+COMPARE = ("ddp", "ceiling")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticOptions:
+    """What to train and how long; defaults follow Horovod's synthetic benchmark."""
+
+    model: str = "resnet50"
+    batch_size: int = 32
+    scale: int = 2
+    patch: int = 48
+    num_iters: int = 10
+    num_batches_per_iter: int = 10
+    num_warmup: int = 10
+    fp16_allreduce: bool = False
+    optimizer: Optional[str] = None  # "sgd" or "adam"; None: the model's usual one
+    threads: int = 1
+    compare: Tuple[str, ...] = ()  # baselines: "ddp", "ceiling"
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        for name in ("batch_size", "patch", "num_iters", "num_batches_per_iter", "threads", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.num_warmup < 0:
+            raise ValueError(f"num-warmup must be >= 0, got {self.num_warmup}")
+        if self.scale not in (2, 3, 4):
+            raise ValueError(f"scale must be 2, 3 or 4, got {self.scale}")
+        if self.optimizer not in (None, "sgd", "adam"):
+            raise ValueError(f"optimizer must be sgd or adam, got {self.optimizer!r}")
+        unknown = [c for c in self.compare if c not in COMPARE]
+        if unknown or len(set(self.compare)) != len(self.compare):
+            raise ValueError(f"compare takes distinct baselines among {', '.join(COMPARE)}, got {','.join(self.compare)}")
+
+
+def _optimizer_kind(opts: SyntheticOptions) -> str:
+    """The optimizer asked for, else the model's usual one."""
+    return opts.optimizer or ("adam" if opts.model.startswith("edsr") else "sgd")
+
+
+def _optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.01 * size)  # Horovod's benchmark: lr scaled by size
+    return torch.optim.Adam(params, lr=1e-4)  # the EDSR recipe
+
+
+def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str], None]) -> List[float]:
+    """Run warm-up then the timed iterations; return img/s per iteration on this rank."""
+    log("Running warmup...")
+    for _ in range(opts.num_warmup):
+        step()
+    log("Running benchmark...")
+    rates = []
+    for i in range(opts.num_iters):
+        start = time.perf_counter()
+        for _ in range(opts.num_batches_per_iter):
+            step()
+        rate = opts.batch_size * opts.num_batches_per_iter / (time.perf_counter() - start)
+        log(f"Iter #{i}: {rate:.2f} img/sec per rank")
+        rates.append(rate)
+    return rates
+
+
+def _train_loop(model, optimizer, workload) -> Callable[[], None]:
+    def step() -> None:
+        optimizer.zero_grad()
+        workload.loss(model(workload.inputs), workload.targets).backward()
+        optimizer.step()
+
+    return step
+
+
+def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
+    import hpdl.torch as hvd
+
+    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    model = workload.model
+    optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
+    compression = hvd.Compression.fp16 if opts.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return _timed(opts, _train_loop(model, optimizer, workload), log)
+
+
+def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    # As hpdl: no per-forward buffer broadcast (BatchNorm statistics stay local, as in Horovod).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # newer torch renames broadcast_buffers
+        model = DistributedDataParallel(workload.model, broadcast_buffers=False)
+    if opts.fp16_allreduce:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
+    return _timed(opts, _train_loop(model, optimizer, workload), log)
+
+
+def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
+    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    optimizer = _optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
+    return _timed(opts, _train_loop(workload.model, optimizer, workload), log)
+
+
+def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
+    workload = build_workload(opts.model, 1, opts.scale, opts.patch)
+    params, nbytes = count_parameters(workload.model)
+    optimizer = _optimizer_kind(opts)
+    return [
+        f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if "edsr" in opts.model else "")
+        + f" ({params:,} parameters, {nbytes / 2**20:.1f} MiB of gradients)",
+        f"Batch size: {opts.batch_size} per rank; optimizer {optimizer}; "
+        f"{'fp16' if opts.fp16_allreduce else 'no'} compression",
+        f"Number of ranks: {size} ({backend}), {opts.threads} thread(s) per rank",
+    ]
+
+
+def _summary(rates: List[float]) -> Dict[str, float]:
+    # Horovod's figures: mean over iterations, +- 1.96 standard deviations.
+    mean = statistics.fmean(rates)
+    return {"mean": mean, "conf": 1.96 * statistics.pstdev(rates) if len(rates) > 1 else 0.0}
+
+
+def _base_record(opts: SyntheticOptions, size: int, backend: str) -> Dict[str, Any]:
+    record = {"benchmark": "synthetic", "ranks": size, "backend": backend, "unit": "img/sec per rank"}
+    record.update(dataclasses.asdict(opts))
+    record["optimizer"] = _optimizer_kind(opts)
+    return record
+
+
+def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any]]:
+    """hpdl alone, printing as Horovod's benchmark does."""
+    import hpdl.torch as hvd
+    from hpdl.torch.runtime import backend_name
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    log = print if rank == 0 and not json_output else (lambda _line: None)
+    for line in _header(opts, size, backend_name()):
+        log(line)
+    rates = _run_hpdl(opts, log)
+    summary = _summary(rates)
+    log(f"Img/sec per rank: {summary['mean']:.2f} +-{summary['conf']:.2f}")
+    log(f"Total img/sec on {size} ranks: {size * summary['mean']:.2f} +-{size * summary['conf']:.2f}")
+    record = _base_record(opts, size, backend_name())
+    record.update(iterations=rates, img_sec_per_rank=summary["mean"], img_sec_per_rank_conf=summary["conf"],
+                  total_img_sec=size * summary["mean"], total_img_sec_conf=size * summary["conf"])
+    hvd.shutdown()
+    return record if rank == 0 else None
+
+
+def _control_communicator():
+    """A world communicator for barriers and results, independent of hpdl's engine."""
+    from hpdl.comm import choose_backend, create_world, discover_topology
+    from hpdl.comm.mpi import mpi_available
+    from hpdl.config import Settings
+
+    settings = Settings.from_env()
+    topology = discover_topology()
+    name = choose_backend(settings.backend, topology, mpi_available())
+    if name == "mpi":
+        from mpi4py import MPI
+
+        return create_world("mpi", topology, mpi_comm=MPI.COMM_WORLD.Dup()), topology
+    import torch.distributed as dist
+
+    from hpdl.comm.torch_dist import TorchCommunicator
+
+    create_world("gloo", topology, timeout_s=settings.stall_timeout_s)  # the default group, if not there yet
+    # A group of its own: hpdl's engine runs on the default group, and two threads issuing
+    # collectives on one gloo group interleave them differently on each rank (a deadlock).
+    return TorchCommunicator("gloo", group=dist.new_group(backend="gloo")), topology
+
+
+def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any]]:
+    """Alternate hpdl and a baseline; report medians over ``repeats`` runs and the ratio."""
+    import torch.distributed as dist
+
+    import hpdl.torch as hvd
+    from hpdl.comm.torch_dist import init_process_group
+    from hpdl.torch.runtime import backend_name
+
+    control, topology = _control_communicator()
+    rank, size = control.rank, control.size
+    if "ddp" in opts.compare and not dist.is_initialized():
+        init_process_group("gloo", topology.rank, topology.size, timeout_s=600)
+    log = print if rank == 0 and not json_output else (lambda _line: None)
+    hvd.init()
+    backend = backend_name()
+    hvd.shutdown()
+    for line in _header(opts, size, backend):
+        log(line)
+    log(f"Comparing hpdl with {' and '.join(opts.compare)}: {opts.repeats} alternating runs each of "
+        f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
+    baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling}
+    runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
+    quiet = lambda _line: None  # noqa: E731 - iteration lines only in single runs
+    for repeat in range(opts.repeats):
+        for mode in runs:
+            control.barrier()
+            if mode == "hpdl":
+                hvd.init()
+                rates = _run_hpdl(opts, quiet)
+                control.barrier()  # every rank done before any engine stops
+                hvd.shutdown()
+            else:
+                rates = baselines[mode](opts, quiet)
+            # The mean over ranks of each rank's mean: equal for lockstep modes, fairer for
+            # the ceiling whose ranks run independently.
+            value = statistics.fmean(control.allgather_object(statistics.fmean(rates)))
+            runs[mode].append(value)
+            log(f"Run {repeat + 1}/{opts.repeats} {mode}: {value:.2f} img/sec per rank")
+    control.barrier()
+    control.close()
+
+    medians = {mode: median(values) for mode, values in runs.items()}
+    spreads = {mode: spread(values) for mode, values in runs.items()}
+    ratios = {name: medians["hpdl"] / medians[name] for name in opts.compare}
+    rows = [[mode, f"{medians[mode]:.2f}", f"+-{spreads[mode]:.2f}", f"{size * medians[mode]:.2f}",
+             " ".join(f"{v:.2f}" for v in runs[mode])] for mode in runs]
+    log(format_table(["mode", "median img/sec per rank", "spread", f"total on {size} ranks", "runs"], rows))
+    for name, ratio in ratios.items():
+        log(f"Ratio hpdl/{name}: {ratio:.3f}")
+    record = _base_record(opts, size, backend)
+    record.update(runs=runs, median=medians, spread=spreads, ratio=ratios)
+    return record if rank == 0 else None
+
+
+def run_synthetic(opts: SyntheticOptions, json_output: bool = False) -> Optional[Dict[str, Any]]:
+    """Run the benchmark in the current job; print on rank 0 and return its record there (None elsewhere)."""
+    torch.set_num_threads(opts.threads)
+    if not opts.compare:
+        return _single(opts, json_output)
+    return _compare(opts, json_output)
