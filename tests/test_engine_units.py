@@ -1,0 +1,123 @@
+"""Engine pieces that need no other rank: cache, fusion plan, validation, handles, timeline."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hpdl.engine import events as ev
+from hpdl.engine.cache import ResponseCache
+from hpdl.engine.errors import HorovodInternalError
+from hpdl.engine.fusion import FusionBuffers, plan_fusion
+from hpdl.engine.handle import Handle
+from hpdl.engine.negotiation import validate
+from hpdl.engine.request import Op, Request, RequestKind, Response
+from hpdl.engine.timeline import Timeline
+
+
+def allreduce_response(name, numel, dtype=torch.float32, op=Op.SUM, group=None, ranks=2):
+    req = Request(RequestKind.ALLREDUCE, name, tensor=torch.zeros(numel, dtype=dtype), op=op, group=group)
+    return Response(name, RequestKind.ALLREDUCE, tuple([req.signature()] * ranks))
+
+
+def test_cache_bits_round_trip():
+    cache = ResponseCache(100, rank=0)
+    words = np.zeros(cache.words, dtype=np.int64)
+    cache.encode([0, 31, 32, 63, 99], words)
+    assert ResponseCache.decode(words) == [0, 31, 32, 63, 99]
+
+
+def test_cache_positions_are_deterministic_lru():
+    a, b = ResponseCache(2, rank=0), ResponseCache(2, rank=1)
+    for cache in (a, b):
+        for name in ("x", "y"):
+            cache.put(allreduce_response(name, 4))
+        cache.touch(cache.lookup("x", allreduce_response("x", 4).signatures[0]))
+        cache.put(allreduce_response("z", 4))  # evicts y, the least recently used
+    assert a.names() == b.names() == {"x": 0, "z": 1}
+
+
+def test_cache_miss_on_changed_signature():
+    cache = ResponseCache(4, rank=0)
+    cache.put(allreduce_response("x", 4))
+    assert cache.lookup("x", allreduce_response("x", 4).signatures[0]) == 0
+    assert cache.lookup("x", allreduce_response("x", 5).signatures[0]) is None
+
+
+def test_fusion_respects_threshold_and_compatibility():
+    small = [allreduce_response(f"s{i}", 256) for i in range(10)]  # 1 KiB each
+    other = allreduce_response("d", 256, dtype=torch.float64)
+    big = allreduce_response("big", 1 << 20)
+    batches = plan_fusion(small[:5] + [other] + small[5:] + [big], threshold=4096)
+    names = [[r.name for r in b] for b in batches]
+    assert names == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"], ["d"], ["s8", "s9"], ["big"]]
+
+
+def test_fusion_keeps_groups_together():
+    group = [allreduce_response(f"g.{i}", 256, group=("g", 3)) for i in range(3)]
+    lone = allreduce_response("lone", 512)
+    batches = plan_fusion([lone] + group, threshold=3 * 1024)
+    assert [[r.name for r in b] for b in batches] == [["lone"], ["g.0", "g.1", "g.2"]]
+
+
+def test_fusion_buffer_is_reused():
+    buffers = FusionBuffers()
+    a = buffers.get(torch.float32, torch.device("cpu"), 10, capacity_bytes=4096)
+    b = buffers.get(torch.float32, torch.device("cpu"), 1000, capacity_bytes=4096)
+    assert a.data_ptr() == b.data_ptr() and (buffers.hits, buffers.misses) == (1, 1)
+
+
+def test_validation_names_tensor_field_and_ranks():
+    sig = lambda shape, dtype=torch.float32: Request(RequestKind.ALLREDUCE, "w", tensor=torch.zeros(shape, dtype=dtype)).signature()
+    assert validate("w", {0: sig((2,)), 1: sig((2,))}) is None
+    message = validate("w", {0: sig((2,)), 1: sig((3,)), 2: sig((3,))})
+    assert message == "Mismatched allreduce tensor shapes for tensor 'w': rank 0 has [2]; ranks 1, 2 have [3]"
+    assert "data types" in validate("w", {0: sig((2,)), 1: sig((2,), torch.float64)})
+    gather = lambda rows: Request(RequestKind.ALLGATHER, "g", tensor=torch.zeros(rows, 3)).signature()
+    assert validate("g", {0: gather(1), 1: gather(5)}) is None  # first dims may differ
+
+
+def test_handle_result_error_and_callbacks():
+    h = Handle("x")
+    seen = []
+    h.add_done_callback(lambda handle: seen.append(handle.name))
+    assert not h.poll()
+    threading.Timer(0.05, h.set_result, args=(42,)).start()
+    assert h.wait() == 42 and h.poll() and seen == ["x"]
+    e = Handle("y")
+    e.set_error(ValueError("boom"))
+    with pytest.raises(HorovodInternalError, match="y: boom"):
+        e.wait()
+    with pytest.raises(TimeoutError):
+        Handle("z").wait(timeout=0.01)
+
+
+def test_timeline_is_chrome_trace(tmp_path):
+    path = tmp_path / "t.json"
+    timeline = Timeline(str(path))
+    t = ev.now_us()
+    timeline.observe(ev.Event(ev.QUEUED, "allreduce", ("a",), t))
+    timeline.observe(ev.Event(ev.NEGOTIATED, "allreduce", ("a",), t + 10))
+    timeline.observe(ev.Event(ev.COLLECTIVE, "allreduce", ("a",), t + 11, duration_us=5, nbytes=64, op="MPI_ALLREDUCE"))
+    timeline.observe(ev.Event(ev.DONE, "allreduce", ("a",), t + 20))
+    timeline.close()
+    records = json.loads(path.read_text())
+    assert "start_time_since_epoch_in_micros" in records[0]["args"]
+    phases = [(r.get("name"), r["ph"]) for r in records[1:]]
+    assert ("NEGOTIATE_ALLREDUCE", "B") in phases and ("ALLREDUCE", "B") in phases and ("MPI_ALLREDUCE", "X") in phases
+    assert sum(1 for _, ph in phases if ph == "E") == 2
+
+
+def test_event_bus_inactive_without_observers():
+    bus = ev.EventBus()
+    assert not bus.active
+    got = []
+    observer = got.append
+    bus.add(observer)
+    with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=("a",)):
+        pass
+    assert bus.active and got[0].phase == ev.COLLECTIVE
+    bus.remove(observer)
+    assert not bus.active
