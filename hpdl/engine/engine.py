@@ -48,7 +48,6 @@ class _ProcessSet:
         self.ranks = list(ranks)
         self.controller = controller  # None when this rank is not a member
         self.pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
-        self.handles: Dict[str, Handle] = {}
 
 
 class Engine:
@@ -103,8 +102,7 @@ class Engine:
                 f"a collective named {request.name!r} is already in flight on this rank; "
                 "wait for it (synchronize) before submitting another with the same name")
         in_flight.add(key)
-        handle = request.handle = Handle(request.name)
-        handle.add_done_callback(lambda _h: in_flight.discard(key))
+        handle = request.handle = Handle(request.name, in_flight, key)
         was_idle = not self._queue
         self._queue.append(request)
         if self.bus.active:
@@ -192,15 +190,16 @@ class Engine:
 
     def _drain(self) -> None:
         queue = self._queue
+        now = time.monotonic()
         while queue:
             request = queue.popleft()
+            request.arrival = now
             ps = self._sets.get(request.process_set_id)
             if ps is None:  # removed while the request waited in the queue
                 request.handle.set_error(HorovodInternalError(
                     f"process set {request.process_set_id} was removed before {request.name!r} ran"))
                 continue
             ps.pending[request.name] = request
-            ps.handles[request.name] = request.handle
 
     def _cycle(self) -> bool:
         """Run one cycle over every process set; return True when the engine must stop."""
@@ -240,26 +239,26 @@ class Engine:
         if not result.responses:
             return
         requests: Dict[str, Request] = {}
-        handles: Dict[str, Handle] = {}
+        pending = ps.pending
         for response in result.responses:
-            request = ps.pending.pop(response.name, None)
+            request = pending.pop(response.name, None)
             if request is not None:
                 requests[response.name] = request
-                handles[response.name] = ps.handles.pop(response.name)
         if self.bus.active:
             t = ev.now_us()
             for response in result.responses:
                 self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
                                        process_set_id=ps.id, cycle=self.cycles))
-        self.executor.run(ps.controller.comm, ps.id, result.responses, requests, handles, self.cycles, self._special)
+        self.executor.run(ps.controller.comm, ps.id, result.responses, requests, self.cycles, self._special)
         if self.bus.active:
             t = ev.now_us()
             for response in result.responses:
                 self.bus.emit(ev.Event(ev.DONE, response.kind.value, (response.name,), t, rank=self.rank,
                                        process_set_id=ps.id, cycle=self.cycles))
 
-    def _special(self, response: Response, request: Optional[Request], handle: Optional[Handle]) -> None:
+    def _special(self, response: Response, request: Optional[Request]) -> None:
         """Run the responses that change the engine itself: join and process-set changes."""
+        handle = request.handle if request is not None else None
         if response.kind == RequestKind.JOIN:
             if handle is not None:
                 handle.set_result(response.last_joined)
@@ -285,9 +284,9 @@ class Engine:
     # -- failure ---------------------------------------------------------------------------
 
     def _fail_set(self, ps: _ProcessSet, message: str) -> None:
-        for name in list(ps.pending):
-            ps.pending.pop(name)
-            ps.handles.pop(name).set_error(HorovodInternalError(message))
+        pending, ps.pending = ps.pending, collections.OrderedDict()
+        for request in pending.values():
+            request.handle.set_error(HorovodInternalError(message))
 
     def _fail_pending(self, message: str) -> None:
         self._drain()

@@ -13,8 +13,7 @@ import torch
 from hpdl.comm import Communicator, ReduceOp, even_split
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
-from hpdl.engine.fusion import FusionBuffers, dtype_of, numel_of, plan_fusion
-from hpdl.engine.handle import Handle
+from hpdl.engine.fusion import FusionBuffers, dtype_of, plan_fusion
 from hpdl.engine.request import SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
 
 _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.MIN.value: ReduceOp.MIN,
@@ -22,6 +21,8 @@ _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.M
 
 
 _VIEW_CACHE_SIZE = 256
+_AVERAGE = Op.AVERAGE.value
+_ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
 
 
 def scale_(tensor: torch.Tensor, factor: float) -> None:
@@ -49,59 +50,66 @@ class Executor:
         self.bytes_reduced = 0
 
     def run(self, comm: Communicator, process_set_id: int, responses: List[Response],
-            requests: Dict[str, Request], handles: Dict[str, Handle], cycle: int,
-            special: Callable[[Response, Optional[Request], Optional[Handle]], None]) -> None:
+            requests: Dict[str, Request], cycle: int,
+            special: Callable[[Response, Optional[Request]], None]) -> None:
         """Run ``responses``; complete the handles of this rank's requests.
 
         Args:
-            requests, handles: this rank's requests by name (a joined rank has none).
+            requests: this rank's requests by name (a joined rank has none); each carries its
+                handle.
             special: runs responses the engine itself handles (join, process sets).
         """
         allreduces: List[Response] = []
+        others: List[Response] = []
         for response in responses:
             if response.error is not None:
-                handle = handles.get(response.name)
-                if handle is not None:
-                    handle.set_error(HorovodInternalError(response.error))
-            elif response.kind == RequestKind.ALLREDUCE:
+                request = requests.get(response.name)
+                if request is not None:
+                    request.handle.set_error(HorovodInternalError(response.error))
+            elif response.kind is RequestKind.ALLREDUCE:
                 allreduces.append(response)
+            else:
+                others.append(response)
         for batch in plan_fusion(allreduces, self.fusion_threshold):
-            self._guard(batch, handles, lambda: self._allreduce(comm, process_set_id, batch, requests, handles, cycle))
-        for response in responses:
-            if response.error is not None or response.kind == RequestKind.ALLREDUCE:
-                continue
-            request, handle = requests.get(response.name), handles.get(response.name)
-            if response.kind in (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET):
-                self._guard([response], handles, lambda: special(response, request, handle))
-            elif request is not None:
-                self._guard([response], handles, lambda: self._other(comm, process_set_id, response, request, handle, cycle))
+            try:
+                self._allreduce(comm, process_set_id, batch, requests, cycle)
+            except Exception as err:  # a failed backend call fails its requests, not the engine
+                self._fail(batch, requests, err)
+        for response in others:
+            request = requests.get(response.name)
+            try:
+                if response.kind in _ENGINE_KINDS:
+                    special(response, request)
+                elif request is not None:
+                    self._other(comm, process_set_id, response, request, cycle)
+            except Exception as err:
+                self._fail([response], requests, err)
 
-    def _guard(self, batch: List[Response], handles: Dict[str, Handle], fn) -> None:
-        try:
-            fn()
-        except Exception as err:  # a failed backend call fails its requests, not the engine
-            for response in batch:
-                handle = handles.get(response.name)
-                if handle is not None:
-                    handle.set_error(HorovodInternalError(
-                        f"{response.kind.value} of tensor {response.name!r} failed: {err}"))
+    @staticmethod
+    def _fail(batch: List[Response], requests: Dict[str, Request], err: Exception) -> None:
+        for response in batch:
+            request = requests.get(response.name)
+            if request is not None:
+                request.handle.set_error(HorovodInternalError(
+                    f"{response.kind.value} of tensor {response.name!r} failed: {err}"))
 
     # -- allreduce -------------------------------------------------------------------------
 
     def _allreduce(self, comm: Communicator, ps: int, batch: List[Response], requests: Dict[str, Request],
-                   handles: Dict[str, Handle], cycle: int) -> None:
+                   cycle: int) -> None:
         first = batch[0].signature
         dtype = dtype_of(batch[0])
         op_name = first[SIG_OP]
         prescale, postscale = first[SIG_SCALES]
-        if op_name == Op.AVERAGE.value:
+        if op_name == _AVERAGE:
             postscale = postscale / comm.size
         backend_op = _BACKEND_OPS[op_name]
-        names = tuple(r.name for r in batch)
         outputs: List[torch.Tensor] = []
         inputs: List[torch.Tensor] = []
+        members: List[Optional[Request]] = []
         for response in batch:
             request = requests.get(response.name)
+            members.append(request)
             if request is None:  # this rank has joined: contribute zeros of the agreed shape
                 zeros = torch.zeros(response.signature[SIG_SHAPE], dtype=dtype, device=response.signature[SIG_DEVICE])
                 inputs.append(zeros)
@@ -109,7 +117,9 @@ class Executor:
             else:
                 inputs.append(request.tensor)
                 outputs.append(request.output if request.output is not None else request.tensor)
-        nbytes = sum(t.numel() for t in inputs) * dtype.itemsize
+        nbytes = sum(r.nbytes for r in batch)
+        bus = self.bus
+        names = tuple(r.name for r in batch)
         op_label = f"{comm.name.upper()}_ALLREDUCE"
         if len(batch) == 1:
             # One tensor: reduce it where it lies, no fusion-buffer copies.
@@ -117,7 +127,7 @@ class Executor:
             if target is not inputs[0]:
                 target.copy_(inputs[0])
             scale_(target, prescale)
-            with ev.Span(self.bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
+            with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=1):
                 comm.allreduce(target, backend_op)
             scale_(target, postscale)
@@ -125,27 +135,27 @@ class Executor:
             total = sum(r.numel for r in batch)
             buffer = self.buffers.get(dtype, inputs[0].device, total, self.fusion_threshold)
             views = self._views(buffer, batch, names)
-            with ev.Span(self.bus, phase=ev.MEMCPY_IN, kind="allreduce", names=names, nbytes=nbytes,
+            with ev.Span(bus, phase=ev.MEMCPY_IN, kind="allreduce", names=names, nbytes=nbytes,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
-                torch._foreach_copy_(views, inputs)
+                if all(t.dim() == 1 for t in inputs):
+                    torch.cat(inputs, out=buffer)  # one kernel: three times faster than 200 copies
+                else:
+                    torch._foreach_copy_(views, inputs)
             scale_(buffer, prescale)
-            with ev.Span(self.bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
+            with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
                 comm.allreduce(buffer, backend_op)
             scale_(buffer, postscale)
-            with ev.Span(self.bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
+            with ev.Span(bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
                 torch._foreach_copy_(outputs, views)
             self.fused_calls += 1
         self.backend_calls += 1
         self.tensors_reduced += len(batch)
         self.bytes_reduced += nbytes
-        for response, out in zip(batch, outputs):
-            handle = handles.get(response.name)
-            if handle is not None:
-                handle.set_result(out)
-
-    # -- the other collectives -------------------------------------------------------------
+        for request, out in zip(members, outputs):
+            if request is not None:
+                request.handle.set_result(out)
 
     def _views(self, buffer: torch.Tensor, batch: List[Response], names: tuple) -> List[torch.Tensor]:
         """Views of the fusion buffer shaped like the batch's tensors, cached per batch layout.
@@ -166,8 +176,7 @@ class Executor:
             self._view_cache[key] = views
         return views
 
-    def _other(self, comm: Communicator, ps: int, response: Response, request: Request,
-               handle: Optional[Handle], cycle: int) -> None:
+    def _other(self, comm: Communicator, ps: int, response: Response, request: Request, cycle: int) -> None:
         kind = response.kind
         tensor = request.tensor
         nbytes = request.nbytes
@@ -197,7 +206,7 @@ class Executor:
             elif kind == RequestKind.REDUCESCATTER:
                 prescale, postscale = response.signature[SIG_SCALES]
                 op_name = response.signature[SIG_OP]
-                if op_name == Op.AVERAGE.value:
+                if op_name == _AVERAGE:
                     postscale = postscale / comm.size
                 source = tensor
                 if prescale != 1.0:
@@ -210,8 +219,7 @@ class Executor:
             else:  # pragma: no cover - every kind is dispatched above
                 raise HorovodInternalError(f"unknown request kind {kind}")
         self.backend_calls += 1
-        if handle is not None:
-            handle.set_result(result)
+        request.handle.set_result(result)
 
     def stats(self) -> Dict[str, int]:
         return {

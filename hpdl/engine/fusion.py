@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_OP, SIG_SCALES, Response
+from hpdl.engine.request import SIG_DTYPE, Response
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -22,16 +22,6 @@ def dtype_of(response: Response) -> torch.dtype:
     return _DTYPES[response.signature[SIG_DTYPE]]
 
 
-def numel_of(response: Response) -> int:
-    return response.numel
-
-
-def fusion_key(response: Response) -> Tuple:
-    """Responses with equal keys may share one fused allreduce."""
-    sig = response.signature
-    return (sig[SIG_DTYPE], sig[SIG_DEVICE], sig[SIG_OP], sig[SIG_SCALES], response.joined)
-
-
 def plan_fusion(responses: List[Response], threshold: int) -> List[List[Response]]:
     """Split allreduce responses into fused batches of at most ``threshold`` bytes.
 
@@ -40,25 +30,24 @@ def plan_fusion(responses: List[Response], threshold: int) -> List[List[Response
     they alone exceed the threshold. A response larger than the threshold runs alone.
     """
     batches: List[List[Response]] = []
-    open_batches: Dict[Tuple, Tuple[List[Response], int]] = {}
-    units: List[List[Response]] = []
-    for response in responses:
-        group = response.signature[SIG_GROUP]
-        if group is not None and units and units[-1][0].signature[SIG_GROUP] == group:
-            units[-1].append(response)
-        else:
-            units.append([response])
-    for unit in units:
-        key = fusion_key(unit[0])
-        size = sum(numel_of(r) * dtype_of(r).itemsize for r in unit)
-        current = open_batches.get(key)
+    open_batches: Dict[Tuple, List] = {}  # fusion key -> [batch, bytes]
+    index, count = 0, len(responses)
+    while index < count:
+        first = responses[index]
+        unit_end = index + 1
+        if first.group is not None:  # a group's members are adjacent: take them as one unit
+            while unit_end < count and responses[unit_end].group == first.group:
+                unit_end += 1
+        size = first.nbytes if unit_end == index + 1 else sum(r.nbytes for r in responses[index:unit_end])
+        current = open_batches.get(first.fusion_key)
         if current is not None and current[1] + size <= threshold:
-            current[0].extend(unit)
-            open_batches[key] = (current[0], current[1] + size)
-            continue
-        batch = list(unit)
-        batches.append(batch)
-        open_batches[key] = (batch, size)
+            current[0].extend(responses[index:unit_end])
+            current[1] += size
+        else:
+            batch = responses[index:unit_end]
+            batches.append(batch)
+            open_batches[first.fusion_key] = [batch, size]
+        index = unit_end
     return batches
 
 

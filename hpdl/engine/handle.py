@@ -15,10 +15,16 @@ class Handle:
     a ``threading.Event`` costs ten times as much to create.
     """
 
-    __slots__ = ("name", "_lock", "_result", "_error", "_callbacks")
+    __slots__ = ("name", "_lock", "_result", "_error", "_callbacks", "_registry", "_key")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, registry: Optional[set] = None, key: Any = None):
+        """Args:
+            registry, key: ``key`` is removed from the set ``registry`` just before the handle
+                completes (the engine's names in flight), so a waiter can reuse the name at once.
+        """
         self.name = name
+        self._registry = registry
+        self._key = key
         self._lock = _thread.allocate_lock()
         self._lock.acquire()
         self._result: Any = None
@@ -67,6 +73,8 @@ class Handle:
         if not self._lock.locked():
             return  # completed already (an error racing a result): the first one stands
         self._result, self._error = result, error
+        if self._registry is not None:
+            self._registry.discard(self._key)
         callbacks, self._callbacks = self._callbacks, None
         if callbacks:
             for fn in callbacks:

@@ -111,7 +111,6 @@ class Controller:
         self.stall_check_interval = min(stall_warning_s / 2, 5.0)
         self._vector = np.zeros(2 + self.cache.words, dtype=np.int64)
         self._vector_tensor = torch.from_numpy(self._vector)
-        self._arrival: Dict[str, float] = {}
         self._last_full = 0.0
         self._incomplete_since: Dict[str, float] = {}
         self._warned_at: Dict[str, float] = {}
@@ -126,20 +125,20 @@ class Controller:
         """Agree with the other members on what to run now; collective over the set."""
         now = time.monotonic()
         positions: List[int] = []
+        lookup = self.cache.lookup
+        join = RequestKind.JOIN
         for name, request in pending.items():
-            if name not in self._arrival:
-                self._arrival[name] = now
-            if request.kind == RequestKind.JOIN:
+            if request.kind is join:
                 flags |= FLAG_JOINED
                 continue
-            position = self.cache.lookup(name, request.signature())
+            position = lookup(name, request.signature())
             if position is None:
                 flags |= FLAG_UNCACHED
             else:
                 positions.append(position)
         if pending:
             flags |= FLAG_PENDING
-            oldest = min(self._arrival[n] for n in pending)
+            oldest = next(iter(pending.values())).arrival  # pending is in arrival order
             if now - oldest > self.stall_check_interval and now - self._last_full > self.stall_check_interval:
                 flags |= FLAG_STALL_CHECK
         if self._abort is not None:
@@ -160,17 +159,20 @@ class Controller:
             self._full_exchange(pending, flags, now, result)
         else:
             self._fast(result)
-        for response in result.responses:
-            self._arrival.pop(response.name, None)
         return result
 
     def _fast(self, result: CycleResult) -> None:
         self.fast_negotiations += 1
-        responses = [self.cache.get(p) for p in ResponseCache.decode(self._vector[2:])]
-        responses = _complete_groups(responses)
-        for response in responses:
-            self.cache.touch(self.cache.lookup(response.name, response.signatures[self.rank]))
-        self.cache.hits += len(responses)
+        positions = ResponseCache.decode(self._vector[2:])
+        cache = self.cache
+        responses = _complete_groups([cache.get(p) for p in positions])
+        if len(responses) == len(positions):
+            for position in positions:
+                cache.touch(position)
+        else:  # a partial group stays pending: touch only what runs
+            for response in responses:
+                cache.touch(cache.lookup(response.name, response.signatures[self.rank]))
+        cache.hits += len(responses)
         result.responses = responses
 
     def _full_exchange(self, pending: "OrderedDict[str, Request]", flags: int, now: float, result: CycleResult) -> None:
@@ -266,14 +268,13 @@ def _complete_groups(responses: List[Response]) -> List[Response]:
     """Keep grouped responses only when every member of their group is ready, members adjacent."""
     groups: Dict[Tuple[str, int], List[Response]] = {}
     for response in responses:
-        group = response.signature[SIG_GROUP] if len(response.signature) > SIG_GROUP else None
-        if group is not None:
-            groups.setdefault(group, []).append(response)
+        if response.group is not None:
+            groups.setdefault(response.group, []).append(response)
     if not groups:
         return responses
     out, emitted = [], set()
     for response in responses:
-        group = response.signature[SIG_GROUP] if len(response.signature) > SIG_GROUP else None
+        group = response.group
         if group is None:
             out.append(response)
         elif group not in emitted and len(groups[group]) >= group[1]:

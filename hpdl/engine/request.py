@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Any, Optional, Tuple
 
@@ -53,7 +52,7 @@ class Request:
     """
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits",
-                 "process_set_id", "group", "handle", "_signature")
+                 "process_set_id", "group", "handle", "arrival", "_signature")
 
     def __init__(self, kind: RequestKind, name: str, tensor: Optional[torch.Tensor] = None,
                  output: Optional[torch.Tensor] = None, op: Op = Op.SUM, prescale: float = 1.0,
@@ -71,6 +70,7 @@ class Request:
         self.process_set_id = process_set_id
         self.group = group
         self.handle = None  # set by the engine at submission
+        self.arrival = 0.0  # time.monotonic() when the engine thread took it from the queue
         self._signature: Optional[Tuple[Any, ...]] = None
 
     def signature(self) -> Tuple[Any, ...]:
@@ -85,18 +85,20 @@ class Request:
         return sig
 
     def _make_signature(self) -> Tuple[Any, ...]:
+        # Enum's .value is a descriptor call; ._value_ is the plain attribute behind it, and
+        # this runs once per tensor per step.
         t = self.tensor
         kind = self.kind
         if t is None:
-            return (kind.value, None, None, None, None, self.root, None, self.splits, self.group)
-        reduces = kind in (RequestKind.ALLREDUCE, RequestKind.REDUCESCATTER)
+            return (kind._value_, None, None, None, None, self.root, None, self.splits, self.group)
+        reduces = kind is RequestKind.ALLREDUCE or kind is RequestKind.REDUCESCATTER
         return (
-            kind.value,
+            kind._value_,
             dtype_name(t.dtype),
             tuple(t.shape),
-            t.device.type,
-            self.op.value if reduces else None,
-            self.root if kind == RequestKind.BROADCAST else None,
+            "cpu" if t.is_cpu else t.device.type,
+            self.op._value_ if reduces else None,
+            self.root if kind is RequestKind.BROADCAST else None,
             (self.prescale, self.postscale) if reduces else None,
             self.splits,
             self.group,
@@ -111,36 +113,48 @@ class Request:
 SIG_KIND, SIG_DTYPE, SIG_SHAPE, SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SPLITS, SIG_GROUP = range(9)
 
 
-@dataclasses.dataclass
 class Response:
     """A collective every member agreed to run now, in the same order on every rank.
 
     ``signatures[r]`` is member r's request signature (the per-rank first dimensions of an
     allgather and the splits of an alltoall come from there). ``error`` makes every rank fail
     the request with that message instead of running it. ``joined`` lists members that have
-    called join() and contribute zeros.
+    called join() and contribute zeros. What fusion asks of a response on every step (its
+    representative signature, element count, bytes, fusion key) is computed once here, since
+    cached responses are reused step after step.
     """
 
-    name: str
-    kind: RequestKind
-    signatures: Tuple[Tuple[Any, ...], ...]
-    error: Optional[str] = None
-    joined: Tuple[int, ...] = ()
-    last_joined: int = -1
-    numel: int = dataclasses.field(init=False, default=0)  # of one member's tensor (allreduce)
+    __slots__ = ("name", "kind", "signatures", "error", "joined", "last_joined", "signature", "numel",
+                 "nbytes", "group", "fusion_key")
 
-    def __post_init__(self) -> None:
-        sig = self.signature
+    def __init__(self, name: str, kind: RequestKind, signatures: Tuple[Optional[Tuple[Any, ...]], ...],
+                 error: Optional[str] = None, joined: Tuple[int, ...] = (), last_joined: int = -1):
+        self.name = name
+        self.kind = kind
+        self.signatures = signatures
+        self.error = error
+        self.joined = joined
+        self.last_joined = last_joined
+        # The signature of the first member that submitted a request (joined ones did not).
+        sig = next((s for s in signatures if s is not None), None)
+        if sig is None:
+            sig = (kind.value, None, None, None, None, None, None, None, None)
+        self.signature = sig
+        numel = 0
         if sig[SIG_SHAPE] is not None:
-            n = 1
+            numel = 1
             for d in sig[SIG_SHAPE]:
-                n *= d
-            self.numel = n
+                numel *= d
+        self.numel = numel
+        self.nbytes = numel * _ITEMSIZE.get(sig[SIG_DTYPE], 0)
+        self.group = sig[SIG_GROUP]
+        # Responses with equal keys may share one fused allreduce.
+        self.fusion_key = (sig[SIG_DTYPE], sig[SIG_DEVICE], sig[SIG_OP], sig[SIG_SCALES], joined)
 
-    @property
-    def signature(self) -> Tuple[Any, ...]:
-        """The signature of the first member that submitted a request (joined ones did not)."""
-        for sig in self.signatures:
-            if sig is not None:
-                return sig
-        return (self.kind.value, None, None, None, None, None, None, None, None)
+    def __repr__(self) -> str:
+        return f"Response({self.name!r}, {self.kind.value}, error={self.error!r})"
+
+
+_ITEMSIZE = {dtype_name(d): d.itemsize for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool)}

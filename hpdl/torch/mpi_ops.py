@@ -24,13 +24,19 @@ _counters: Dict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
 
 
 class AsyncHandle:
-    """What the ``*_async`` functions return: engine handles plus the step that builds the result."""
+    """What the ``*_async`` functions return: engine handles plus the step that builds the result.
 
-    __slots__ = ("handles", "finish")
+    ``finish`` turns the handles' results into the caller's result; an in-place operation on a
+    contiguous tensor just returns that tensor (``inplace``), the common case kept cheap.
+    """
 
-    def __init__(self, handles: List[Handle], finish: Callable[[List[Any]], Any]):
+    __slots__ = ("handles", "finish", "inplace")
+
+    def __init__(self, handles: List[Handle], finish: Optional[Callable[[List[Any]], Any]],
+                 inplace: Optional[torch.Tensor] = None):
         self.handles = handles
         self.finish = finish
+        self.inplace = inplace
 
 
 def _name(kind: str, name: Optional[str]) -> str:
@@ -38,12 +44,9 @@ def _name(kind: str, name: Optional[str]) -> str:
     return name if name is not None else f"{kind}.noname.{next(_counters[kind])}"
 
 
-_SUPPORTED_OPS = frozenset((Average, Sum, Min, Max, Product))
-
-
 def _resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:
-    if average is None and op in _SUPPORTED_OPS:
-        return op
+    if average is None and isinstance(op, Op) and op is not Adasum:
+        return op  # the common case, first: this runs once per tensor per step
     if op is not None and average is not None:
         raise ValueError("the op parameter supersedes average; give only one of them")
     if op is None:
@@ -56,7 +59,10 @@ def _resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:
 
 
 def _submit(request: Request) -> Handle:
-    return runtime._require().engine.submit(request)
+    state = runtime._state
+    if state is None:
+        runtime._require()  # raises the "not initialized" error
+    return state.engine.submit(request)
 
 
 def _contiguous(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -91,6 +97,9 @@ def poll(handle: AsyncHandle) -> bool:
 
 def synchronize(handle: AsyncHandle) -> Any:
     """Wait for ``handle`` and return the operation's result (raising its error, if any)."""
+    if handle.finish is None:
+        handle.handles[0].wait()
+        return handle.inplace
     return handle.finish([h.wait() for h in handle.handles])
 
 
@@ -118,9 +127,16 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start reducing ``tensor`` in place; return a handle."""
     op = _resolve_op(average, op)
+    # This runs once per gradient per step: the common case (contiguous) is kept short.
+    work = tensor.detach() if tensor.requires_grad else tensor
+    if name is None:
+        name = _name("allreduce", None)
+    if work.is_contiguous():
+        request = Request(RequestKind.ALLREDUCE, name, work, work, op, prescale_factor, postscale_factor, 0, None,
+                          _set_id(process_set))
+        return AsyncHandle([_submit(request)], None, tensor)
     work, write_back = _in_place(tensor)
-    handle = _submit(_allreduce_request(work, work, _name("allreduce", name), op, prescale_factor,
-                                        postscale_factor, process_set))
+    handle = _submit(_allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set))
     return AsyncHandle([handle], lambda results: write_back(results[0]))
 
 

@@ -127,4 +127,5 @@ def _reset_process_sets() -> None:
 
 
 def _set_id(process_set: ProcessSet) -> int:
-    return process_set._registered()
+    set_id = process_set.process_set_id
+    return set_id if set_id is not None else process_set._registered()
