@@ -43,24 +43,35 @@ class StallAbort(HorovodInternalError):
 class _ProcessSet:
     """One process set as the engine sees it on this rank."""
 
-    def __init__(self, set_id: int, ranks: Sequence[int], controller: Optional[Controller]):
+    def __init__(self, set_id: int, ranks: Sequence[int], controller: Optional[Controller],
+                 data_comm: Optional[Communicator] = None):
         self.id = set_id
         self.ranks = list(ranks)
         self.controller = controller  # None when this rank is not a member
+        # Where the collectives themselves run: the controller's group, or a node-aware
+        # wrapper of it (hierarchical allreduce).
+        self.data_comm = data_comm if data_comm is not None else (controller.comm if controller else None)
         self.pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
 
 
 class Engine:
     """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
 
-    def __init__(self, settings: Settings, comm: Communicator):
+    def __init__(self, settings: Settings, comm: Communicator, data_comm: Optional[Communicator] = None):
+        """Start the engine thread on ``comm`` (the world group).
+
+        Args:
+            data_comm: run the global set's collectives here instead of on ``comm`` (e.g. a
+                HierarchicalCommunicator); negotiation always uses ``comm``.
+        """
         self.settings = settings
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
         self.bus = ev.EventBus()
         self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold)
-        self._sets: Dict[int, _ProcessSet] = {0: _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)))}
+        world = _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
+        self._sets: Dict[int, _ProcessSet] = {0: world}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
         self._in_flight: set = set()
@@ -133,6 +144,10 @@ class Engine:
     def process_set_comm(self, set_id: int) -> Optional[Communicator]:
         ps = self._sets.get(set_id)
         return None if ps is None or ps.controller is None else ps.controller.comm
+
+    def process_set_data_comm(self, set_id: int) -> Optional[Communicator]:
+        ps = self._sets.get(set_id)
+        return None if ps is None else ps.data_comm
 
     def process_set_ids(self) -> List[int]:
         return sorted(self._sets)
@@ -249,7 +264,7 @@ class Engine:
             for response in result.responses:
                 self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
                                        process_set_id=ps.id, cycle=self.cycles))
-        self.executor.run(ps.controller.comm, ps.id, result.responses, requests, self.cycles, self._special)
+        self.executor.run(ps.data_comm, ps.id, result.responses, requests, self.cycles, self._special)
         if self.bus.active:
             t = ev.now_us()
             for response in result.responses:

@@ -79,7 +79,12 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         local_rank, local_size, cross_rank, cross_size = world.node_layout()
         topology = Topology(world.rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.launcher)
         homogeneous = len(set(world.allgather_object(local_size))) == 1
-        engine = Engine(settings, world)
+        data_comm = None
+        if settings.hierarchical_allreduce:
+            from hpdl.comm.hierarchical import HierarchicalCommunicator
+
+            data_comm = HierarchicalCommunicator(world, world.host_names())
+        engine = Engine(settings, world, data_comm)
         _state = _State(settings, topology, world, engine, homogeneous)
         if settings.timeline:
             engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)
@@ -101,6 +106,9 @@ def shutdown() -> None:
     if state is None:
         return
     state.engine.shutdown()
+    data_comm = state.engine.process_set_data_comm(0)
+    if data_comm is not state.comm:
+        data_comm.close()
     state.comm.close()
     from hpdl.torch.process_sets import _reset_process_sets
 
