@@ -1,4 +1,4 @@
-"""``hpdl sr``: evaluate and upscale with EDSR checkpoints (``train`` is registered by the trainer).
+"""``hpdl sr``: train EDSR, evaluate checkpoints and upscale images.
 
 torch and the ``hpdl.sr`` modules are imported inside the handlers so that ``hpdl --help``
 stays fast. Every bad input ends as one ``CliError`` line naming the file, never a traceback.
@@ -7,8 +7,10 @@ stays fast. Every bad input ends as one ``CliError`` line naming the file, never
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 from typing import Any, Callable
 
 from hpdl.cli import CliError
@@ -37,9 +39,50 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 
 def _register_train(sr_sub: Any) -> None:
-    """Register ``hpdl sr train``: the trainer's spot, empty until the trainer lands."""
-    # TRAINER: add the `train` subparser here (e.g. `from hpdl.sr import train;
-    # train.register(sr_sub)`), with its handler importing torch lazily like the ones below.
+    from hpdl.sr.config import config_names  # no torch: cheap enough for --help
+
+    p = sr_sub.add_parser(
+        "train",
+        help="train EDSR data-parallel (alone or under hpdl run / mpiexec / srun / torchrun)",
+        description="Train EDSR from a YAML config (a packaged name such as 'demo', "
+        "'edsr_baseline_x2', or a path) with KEY=VALUE overrides, e.g. "
+        "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes "
+        "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs and a summary.",
+        epilog=f"packaged configs: {', '.join(config_names())}. The keys and their meaning: "
+        "TrainConfig in hpdl/sr/config.py.",
+    )
+    p.add_argument("--config", required=True, help="packaged config name or YAML file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings that replace the config's")
+    p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; 'auto': OUT_DIR/last.pt if present")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    # Every rank runs this; rank 0 alone reports. Errors in input reach all ranks alike (the
+    # trainer makes sure of that), so the other ranks can exit quietly with the same status.
+    from hpdl.comm import discover_topology
+    from hpdl.sr.config import ConfigError, load_config
+    from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
+    from hpdl.sr.train import TrainError, format_summary, train
+
+    reporter = discover_topology().rank == 0
+    try:
+        overrides = list(args.overrides) + ([f"resume={args.resume}"] if args.resume else [])
+        cfg = load_config(args.config, overrides)
+        # With --json, stdout carries the summary alone: progress notes go to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            summary = train(cfg)
+    except (ConfigError, TrainError, SRDataError, CheckpointError, ModelMismatchError) as err:
+        if not reporter:
+            raise SystemExit(2) from None
+        raise CliError(str(err)) from None
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        raise CliError(f"{where}{err.strerror or err}") from None
+    if reporter:
+        print(json.dumps(summary, indent=2) if args.json else format_summary(summary), flush=True)
+    return 0
 
 
 def _register_eval(sr_sub: Any) -> None:
