@@ -56,8 +56,6 @@ class Settings:
     mpi_cuda_aware: str = dataclasses.field(
         default="auto", metadata={"env": "HPDL_MPI_CUDA_AWARE"}
     )
-    log_level: str = dataclasses.field(default="warning", metadata={"env": "HPDL_LOG_LEVEL"})
-    profile: str = dataclasses.field(default="", metadata={"env": "HPDL_PROFILE"})
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

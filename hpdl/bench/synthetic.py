@@ -212,7 +212,7 @@ def _control_communicator():
 
 
 def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any]]:
-    """Alternate hpdl and a baseline; report medians over ``repeats`` runs and the ratio."""
+    """Alternate hpdl and the baselines; report medians over ``repeats`` runs and the ratios."""
     import torch.distributed as dist
 
     import hpdl.torch as hvd
