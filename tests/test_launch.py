@@ -344,8 +344,8 @@ def test_settings_are_validated_before_launch():
 
 
 def test_existing_hpdl_variables_are_passed_on_and_overridden():
-    argv, env = run(np=2, cache_capacity=8, env={"HPDL_LOG_LEVEL": "info", "HPDL_CACHE_CAPACITY": "4"})
-    assert argv[:7] == ["mpiexec", "-genv", "HPDL_LOG_LEVEL", "info", "-genv", "HPDL_CACHE_CAPACITY", "8"]
+    argv, env = run(np=2, cache_capacity=8, env={"HPDL_STALL_WARNING": "30", "HPDL_CACHE_CAPACITY": "4"})
+    assert argv[:7] == ["mpiexec", "-genv", "HPDL_STALL_WARNING", "30", "-genv", "HPDL_CACHE_CAPACITY", "8"]
     assert env["HPDL_CACHE_CAPACITY"] == "8"
 
 
