@@ -1,0 +1,285 @@
+"""DistributedOptimizer's contract beyond equivalence: misuse errors, unused parameters,
+skip_synchronize, broadcasting state, isinstance and state_dict, sparse gradients.
+
+Usage: optimizer_behaviour.py [check ...]  (default: all); prints "OK <check>" on rank 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _common import run_main
+from optimizer_models import (
+    assert_close, assert_ranks_equal, batch, flat_params, loss_fn, make_pair, shard,
+)
+
+import hpdl.torch as hvd
+
+
+def _train_step(model, opt, step: int) -> None:
+    x, y = batch(step)
+    opt.zero_grad()
+    loss_fn(model, shard(x, hvd.rank(), hvd.size()), shard(y, hvd.rank(), hvd.size())).backward()
+    opt.step()
+
+
+def check_isinstance_and_state_dict() -> None:
+    model, _ = make_pair(seed=1)
+    base = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.Adam) and isinstance(opt, torch.optim.Optimizer), type(opt).__mro__
+    assert opt.param_groups is base.param_groups and opt.defaults == base.defaults
+    assert type(hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()))) is type(opt), "class not cached"
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters())
+    for step in range(2):
+        _train_step(model, opt, step)
+    saved = opt.state_dict()
+    assert saved["state"] and saved["state"][0]["step"].item() == 2, saved["state"].keys()
+    # A new DistributedOptimizer over the same model takes over the hooks and loads the state.
+    again = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=5.0),
+                                     named_parameters=model.named_parameters())
+    again.load_state_dict(saved)
+    assert again.param_groups[0]["lr"] == 1e-3
+    restored = again.state_dict()
+    for pid, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(restored["state"][pid][key], value), (pid, key)
+    _train_step(model, again, 2)  # hooks belong to `again` now: reduced once, no name clash
+    assert again.state_dict()["state"][0]["step"].item() == 3
+    assert_ranks_equal(model, "state_dict")
+
+
+def check_zero_grad_pending_raises() -> None:
+    model, _ = make_pair(seed=2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = batch(0)
+    loss_fn(model, shard(x, hvd.rank(), hvd.size()), shard(y, hvd.rank(), hvd.size())).backward()
+    try:
+        opt.zero_grad()
+    except AssertionError as err:
+        assert "zero_grad" in str(err) and "step()" in str(err), err
+    else:
+        raise AssertionError("zero_grad() with pending allreduces did not raise")
+    opt.step()
+    opt.zero_grad()  # fine once step() has waited
+    assert_ranks_equal(model, "zero_grad")
+
+    # A second backward before step() (backward_passes_per_step=1) is refused too.
+    loss_fn(model, x, y).backward()
+    try:
+        loss_fn(model, x, y).backward()
+    except AssertionError as err:
+        assert "backward_passes_per_step" in str(err), err
+    else:
+        raise AssertionError("two backward passes before step() did not raise")
+    opt.synchronize()
+    opt.zero_grad()
+
+
+def check_duplicate_names_raise() -> None:
+    model, _ = make_pair(seed=3)
+    named = [("same", p) for p in model.parameters()]
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named)
+    except ValueError as err:
+        assert "same" in str(err), err
+    else:
+        raise AssertionError("duplicate names did not raise")
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[1:])
+    except ValueError as err:
+        assert "not named" in str(err), err
+    else:
+        raise AssertionError("a parameter missing from named_parameters did not raise")
+
+
+class WithExtra(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.extra = nn.Linear(3, 2)
+
+    def forward(self, x, use_extra: bool):
+        out = self.body(x).sum()
+        return out + self.extra(x).sum() if use_extra else out
+
+
+def check_unused_parameter() -> None:
+    """A parameter only some ranks use: the others submit zeros; nobody hangs."""
+    torch.manual_seed(0)
+    model = WithExtra()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    size = hvd.size()
+    for step, user in enumerate([0, size - 1]):
+        opt.zero_grad()
+        x = torch.ones(4, 3)
+        model(x, use_extra=hvd.rank() == user).backward()
+        opt.synchronize()
+        # d(sum(W x + b))/dW = 4 in every entry on the using rank, 0 elsewhere: average 4/size.
+        expected = torch.full((2, 3), 4.0 / size)
+        assert torch.allclose(model.extra.weight.grad, expected), (step, model.extra.weight.grad)
+        assert torch.allclose(model.body.weight.grad, torch.full((4, 3), 4.0)), model.body.weight.grad
+        with opt.skip_synchronize():
+            opt.step()
+    assert_ranks_equal(model, "unused")
+
+
+def check_skip_synchronize() -> None:
+    """synchronize(), clip, step() inside skip_synchronize: as one process clipping the average."""
+    rank, size = hvd.rank(), hvd.size()
+    model, reference = make_pair(seed=4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_fn(model, shard(x, rank, size), shard(y, rank, size)).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning inside skip_synchronize
+            with opt.skip_synchronize():
+                opt.step()
+        ref_opt.zero_grad()
+        loss_fn(reference, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step()
+        assert_close(model, reference, f"skip_synchronize step {step}", 1e-5, 1e-6)
+    assert_ranks_equal(model, "skip")
+
+    # step() after synchronize() without the context warns, and does not reduce again.
+    summed = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                      named_parameters=model.named_parameters(), op=hvd.Sum)
+    summed.zero_grad()
+    x, y = batch(9)
+    loss_fn(model, shard(x, rank, size), shard(y, rank, size)).backward()
+    summed.synchronize()
+    after_sync = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summed.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, after_sync[n]), f"{n}: gradient reduced a second time"
+
+
+def check_broadcast_state() -> None:
+    """Ranks that start different end equal after broadcast_parameters + broadcast_optimizer_state."""
+    rank = hvd.rank()
+    model, _ = make_pair(seed=100 + rank)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3 * (rank + 1)),
+                                   named_parameters=model.named_parameters())
+    if rank % 2:  # some ranks already have state, different from the others'
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank))
+        opt._local_step()
+        opt.zero_grad()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 1e-3, opt.param_groups[0]["lr"]
+    assert_ranks_equal(model, "broadcast.params")
+    state = opt.state_dict()["state"]
+    for pid in sorted(state):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            mine = state[pid][key].reshape(-1).double()
+            root = hvd.broadcast(mine, 0, name=f"check.state.{pid}.{key}")
+            assert torch.equal(mine, root), (pid, key)
+    for step in range(2):
+        _train_step(model, opt, step)
+    assert_ranks_equal(model, "broadcast.trained")
+
+
+class SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, idx, use_embedding: bool = True):
+        if not use_embedding:
+            return self.head(torch.zeros(idx.shape[0], 4))
+        return self.head(self.embed(idx).mean(1))
+
+
+def check_sparse() -> None:
+    """Sparse embedding gradients: allgather-based, and as dense; both equal one process."""
+    rank, size = hvd.rank(), hvd.size()
+    for as_dense in (False, True):
+        torch.manual_seed(5)
+        model = SparseNet()
+        reference = SparseNet()
+        reference.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(), sparse_as_dense=as_dense)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, 10, (12, 3), generator=gen)
+            y = torch.randint(0, 3, (12,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(model(shard(idx, rank, size)), shard(y, rank, size)).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(idx), y).backward()
+            ref_opt.step()
+            assert_close(model, reference, f"sparse(as_dense={as_dense}) step {step}", 1e-5, 1e-6)
+        # The last rank leaves the embedding out: it must still take part in its reduction.
+        opt.zero_grad()
+        F.cross_entropy(model(shard(idx, rank, size), use_embedding=rank != size - 1), shard(y, rank, size)).backward()
+        opt.step()
+        assert_ranks_equal(model, f"sparse.{as_dense}")
+
+
+def check_process_set() -> None:
+    """Reducing among a subset: members agree; a rank outside steps on its own gradients."""
+    rank, size = hvd.rank(), hvd.size()
+    if size < 2:
+        return
+    subset = hvd.add_process_set([0, 1])
+    model, _ = make_pair(seed=6)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=subset)
+    x, y = batch(0)
+    opt.zero_grad()
+    loss_fn(model, shard(x, rank, size), shard(y, rank, size)).backward()
+    opt.step()
+    mine = flat_params(model)
+    if subset.included():
+        other = hvd.broadcast(mine, 0, name="check.subset", process_set=subset)
+        assert torch.equal(mine, other), "process set members differ"
+    hvd.remove_process_set(subset)
+
+
+CHECKS = {
+    "isinstance-state-dict": check_isinstance_and_state_dict,
+    "zero-grad-pending": check_zero_grad_pending_raises,
+    "duplicate-names": check_duplicate_names_raise,
+    "unused-parameter": check_unused_parameter,
+    "skip-synchronize": check_skip_synchronize,
+    "broadcast-state": check_broadcast_state,
+    "sparse": check_sparse,
+    "process-set": check_process_set,
+}
+
+
+def main() -> None:
+    hvd.init()
+    for name in sys.argv[1:] or list(CHECKS):
+        CHECKS[name]()
+        if hvd.rank() == 0:
+            print(f"OK {name}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    run_main(main)

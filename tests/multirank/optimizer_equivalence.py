@@ -1,0 +1,121 @@
+"""N ranks, each training on its shard of a batch, equal one process training on the whole batch.
+
+For every scenario, after every step: the parameters agree with a one-process reference (to
+float32 tolerance, looser with 16-bit compression) and are bitwise equal across ranks. Odd
+ranks list their parameters and compute the two branches in the other order, so gradients
+reach the engine in a different order than on even ranks.
+
+Usage: optimizer_equivalence.py [scenario ...]  (default: all); prints "OK <scenario>".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from _common import run_main
+from optimizer_models import assert_close, assert_ranks_equal, batch, loss_fn, make_pair, params_for, shard
+
+import hpdl.torch as hvd
+
+STEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    optimizer: Callable[..., torch.optim.Optimizer]  # optimizer(params, summed_over) (see sgd, adam)
+    op: Any = hvd.Average
+    backward_passes: int = 1
+    compression: Any = hvd.Compression.none
+    predivide: float = 1.0
+    groups: Optional[str] = None  # "int" or "list"
+    named: bool = True
+    reverse_odd: bool = True
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+
+def sgd(params, summed_over=1):
+    # With op=Sum the gradient is summed_over times the average: divide lr to match.
+    return torch.optim.SGD(params, lr=0.1 / summed_over, momentum=0.9)
+
+
+def adam(params, summed_over=1):
+    # Adam is invariant to the gradient's scale except through eps: scale eps with it. eps is
+    # well above float32 noise: Adam's first steps are about lr * sign(grad), and a gradient
+    # entry that is zero up to rounding could otherwise flip sign between the two runs.
+    return torch.optim.Adam(params, lr=0.01, eps=1e-4 * summed_over)
+
+
+SCENARIOS: List[Scenario] = [
+    Scenario("sgd-average", sgd),
+    Scenario("sgd-sum", sgd, op=hvd.Sum),
+    Scenario("adam-average", adam),
+    Scenario("adam-sum", adam, op=hvd.Sum),
+    Scenario("sgd-accumulate2", sgd, backward_passes=2),
+    Scenario("adam-accumulate2", adam, backward_passes=2),
+    Scenario("sgd-fp16", sgd, compression=hvd.Compression.fp16, rtol=1e-2, atol=1e-3),
+    Scenario("adam-bf16", adam, compression=hvd.Compression.bf16, rtol=2e-2, atol=5e-3),
+    Scenario("sgd-predivide", sgd, predivide=2.0),
+    Scenario("sgd-groups-int", sgd, groups="int"),
+    Scenario("adam-groups-list", adam, groups="list"),
+    Scenario("sgd-unnamed", sgd, named=False, reverse_odd=False),
+]
+
+
+def run_scenario(sc: Scenario) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    reverse = sc.reverse_odd and rank % 2 == 1
+    model, reference = make_pair(seed=7, reverse=reverse)
+    summed_over = size if sc.op == hvd.Sum else 1
+    groups: Any = None
+    if sc.groups == "int":
+        groups = 3
+    elif sc.groups == "list":
+        groups = [[model.stem.weight, model.stem.bias], [model.right.weight, model.left.weight, model.head.bias]]
+        if reverse:
+            groups = [g[::-1] for g in groups[::-1]]
+    named = list(model.named_parameters())
+    if reverse:
+        named = named[::-1]
+    opt = hvd.DistributedOptimizer(
+        sc.optimizer(params_for(model, reverse), summed_over), named_parameters=named if sc.named else None,
+        compression=sc.compression, backward_passes_per_step=sc.backward_passes, op=sc.op,
+        gradient_predivide_factor=sc.predivide, groups=groups)
+    ref_opt = sc.optimizer(list(reference.parameters()))
+
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        xs, ys = shard(x, rank, size), shard(y, rank, size)
+        k = sc.backward_passes
+        for micro in range(k):  # equal micro-batches, each loss scaled by 1/k: their mean
+            (loss_fn(model, shard(xs, micro, k), shard(ys, micro, k)) / k).backward()
+        opt.step()
+
+        ref_opt.zero_grad()
+        loss_fn(reference, x, y).backward()
+        ref_opt.step()
+
+        what = f"{sc.name} step {step}"
+        assert_close(model, reference, what, sc.rtol, sc.atol)
+        assert_ranks_equal(model, f"{sc.name}.{step}")
+
+
+def main() -> None:
+    hvd.init()
+    wanted = sys.argv[1:] or [s.name for s in SCENARIOS]
+    by_name: Dict[str, Scenario] = {s.name: s for s in SCENARIOS}
+    for name in wanted:
+        run_scenario(by_name[name])
+        if hvd.rank() == 0:
+            print(f"OK {name}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,83 @@
+"""`hpdl bench synthetic` and its models: architecture facts, argument errors, output format.
+
+Only the format is checked: timing figures belong to docs/perf.md, not to tests.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from hpdl.bench.models import build_workload, count_parameters, resnet50
+from hpdl.bench.synthetic import SyntheticOptions
+from hpdl.cli import main
+from ranks import run_ranks
+
+TINY = ["--model", "edsr-baseline", "--batch-size", "1", "--patch", "8", "--num-iters", "2",
+        "--num-batches-per-iter", "1", "--num-warmup", "1"]
+
+
+def test_resnet50_matches_torchvision():
+    model = resnet50()
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+    keys = model.state_dict().keys()
+    for key in ("conv1.weight", "layer1.0.downsample.1.running_mean", "layer3.5.conv3.weight",
+                "layer4.2.bn3.bias", "fc.weight"):
+        assert key in keys
+    assert [len(getattr(model, f"layer{i}")) for i in range(1, 5)] == [3, 4, 6, 3]
+    with torch.no_grad():
+        assert model.eval()(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
+@pytest.mark.parametrize("name,params,hr", [("edsr-baseline", 1_369_859, 2 * 12), ("edsr", 40_729_603, 2 * 12)])
+def test_edsr_workloads(name, params, hr):
+    workload = build_workload(name, batch_size=2, scale=2, patch=12)
+    assert count_parameters(workload.model)[0] == params
+    assert workload.inputs.shape == (2, 3, 12, 12) and workload.targets.shape == (2, 3, hr, hr)
+    assert 0 <= workload.inputs.min() and workload.inputs.max() <= 255
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"model": "vgg16"}, {"scale": 5}, {"compare": ("nccl",)}, {"compare": ("ddp", "ddp")},
+                                    {"num_warmup": -1}, {"repeats": 0}])
+def test_option_errors(kwargs):
+    with pytest.raises(ValueError):
+        SyntheticOptions(**kwargs)
+
+
+def test_cli_error_is_one_line(capsys):
+    assert main(["bench", "synthetic", "--batch-size", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hpdl: error: batch-size must be at least 1, got 0"]
+
+
+@pytest.mark.multirank
+def test_single_run_prints_horovod_lines_on_rank_0_only():
+    out = run_ranks("bench_synthetic.py", 2, "mpiexec", args=TINY, timeout=180).stdout
+    assert re.search(r"^Iter #0: \d+\.\d+ img/sec per rank$", out, re.M), out
+    assert re.search(r"^Img/sec per rank: \d+\.\d+ \+-\d+\.\d+$", out, re.M), out
+    assert re.search(r"^Total img/sec on 2 ranks: \d+\.\d+ \+-\d+\.\d+$", out, re.M), out
+    assert out.count("Iter #1:") == 1 and out.count("Model: edsr-baseline") == 1, out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["ddp", "ceiling"]), ("torchrun", 2, ["ddp"])])
+def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
+    args = TINY + ["--compare", ",".join(compare), "--repeats", "2", "--json"]
+    out = run_ranks("bench_synthetic.py", n, launcher, args=args, timeout=240).stdout
+    record = json.loads(out[out.index("{"):])
+    assert record["benchmark"] == "synthetic" and record["ranks"] == n and record["compare"] == compare
+    assert sorted(record["runs"]) == sorted(["hpdl", *compare])
+    for name in compare:
+        assert len(record["runs"]["hpdl"]) == 2 and len(record["runs"][name]) == 2
+        assert record["ratio"][name] == pytest.approx(record["median"]["hpdl"] / record["median"][name])
+
+
+@pytest.mark.multirank
+def test_compare_ceiling_text():
+    out = run_ranks("bench_synthetic.py", 3, "mpiexec", args=TINY + ["--compare", "ceiling", "--repeats", "2"],
+                    timeout=240).stdout
+    assert re.search(r"^Run 2/2 ceiling: \d+\.\d+ img/sec per rank$", out, re.M), out
+    assert re.search(r"^ceiling +\d+\.\d+ +\+-\d+\.\d+ +\d+\.\d+ ", out, re.M), out
+    assert re.search(r"^Ratio hpdl/ceiling: \d+\.\d{3}$", out, re.M), out
+    assert out.count("Ratio") == 1, out

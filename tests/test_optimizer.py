@@ -1,0 +1,156 @@
+"""DistributedOptimizer and compression in one process, without MPI or hvd.init()."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hpdl.torch as hvd
+from hpdl.torch.compression import Compression
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize("compressor,wire,tol", [(Compression.fp16, torch.float16, 1e-3),
+                                                 (Compression.bf16, torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compression_round_trip(compressor, wire, tol, dtype):
+    t = torch.randn(100, dtype=dtype)
+    sent, ctx = compressor.compress(t)
+    assert sent.dtype == wire
+    back = compressor.decompress(sent, ctx)
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.allclose(back, t, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("compressor", [Compression.none, Compression.fp16, Compression.bf16])
+def test_compression_leaves_integers_and_none_alone(compressor):
+    ints = torch.arange(10)
+    sent, ctx = compressor.compress(ints)
+    assert sent is ints and compressor.decompress(sent, ctx) is ints
+    t = torch.randn(5)
+    sent, ctx = Compression.none.compress(t)
+    assert sent is t and Compression.none.decompress(sent, ctx) is t
+
+
+def test_isinstance_shared_state_and_cached_class():
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD)
+    assert opt.param_groups is base.param_groups and opt.state is base.state and opt.defaults is base.defaults
+    other = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert type(other) is type(opt)
+    assert type(hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()))) is not type(opt)
+
+
+def test_local_step_and_state_dict_round_trip():
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt._local_step()  # no allreduce, no hvd.init() needed
+    saved = opt.state_dict()
+    assert saved["state"][0]["step"].item() == 1
+    fresh = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=5.0),
+                                     named_parameters=model.named_parameters())
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == 0.1
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+    # load_state_dict re-runs torch's step patching: it must leave our step unwrapped.
+    assert type(fresh).step.__qualname__.endswith("_DistributedOptimizerMixin.step")
+
+
+def test_zero_grad_without_pending_work_is_fine():
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_discarded_optimizer_hooks_do_nothing():
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    del opt
+    gc.collect()
+    # Without hvd.init() a live hook would fail; a discarded optimizer's hook is inert.
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_backward_without_init_explains():
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="init"):
+        model(torch.randn(2, 4)).sum().backward()
+    del opt
+
+
+def test_scheduler_wrapper_on_the_original_is_not_copied():
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(base, step_size=1)  # patches base.step on the instance
+    assert "step" in base.__dict__
+    opt = hvd.DistributedOptimizer(base)
+    assert "step" not in opt.__dict__
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert "step" in opt.__dict__ and scheduler.optimizer is opt
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step"),
+    ({"backward_passes_per_step": 1.5}, ValueError, "backward_passes_per_step"),
+    ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, ValueError, "gradient_predivide_factor"),
+    ({"gradient_predivide_factor": -1.0}, ValueError, "gradient_predivide_factor"),
+    ({"op": hvd.Adasum}, NotImplementedError, "Adasum"),
+    ({"op": "sum"}, ValueError, "op"),
+    ({"groups": 0}, ValueError, "groups"),
+    ({"groups": [[1, 2]]}, ValueError, "torch.Tensor"),
+    ({"groups": [[torch.zeros(3)]]}, ValueError, "does not update"),
+    ({"compression": object()}, ValueError, "compress"),
+])
+def test_argument_errors(kwargs, error, match):
+    model = _model()
+    with pytest.raises(error, match=match):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_name_errors():
+    model = _model()
+    params = list(model.parameters())
+    opt = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="Found duplicates: w"):
+        hvd.DistributedOptimizer(opt(), named_parameters=[("w", p) for p in params])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(opt(), named_parameters=list(model.named_parameters())[:-1])
+    with pytest.raises(ValueError, match="sequence of tuples"):
+        hvd.DistributedOptimizer(opt(), named_parameters=params)
+    with pytest.raises(ValueError, match="only appear once"):
+        hvd.DistributedOptimizer(opt(), groups=[[params[0]], [params[0]]])
+
+
+def test_wrapping_twice_or_a_non_optimizer_fails():
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="already"):
+        hvd.DistributedOptimizer(opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hvd.DistributedOptimizer(model)
+
+
+def test_added_param_group_is_tracked():
+    model = _model()
+    extra = nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.add_param_group({"params": [extra]})
+    assert opt._names[extra] == "allreduce.noname.1.0" and extra in opt._delay

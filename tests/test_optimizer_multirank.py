@@ -1,0 +1,35 @@
+"""DistributedOptimizer on several ranks, under mpiexec (MPI) and torchrun (gloo)."""
+
+import pytest
+
+from ranks import LAYOUT_IDS, LAYOUTS, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+EQUIVALENCE = [
+    "sgd-average", "sgd-sum", "adam-average", "adam-sum", "sgd-accumulate2", "adam-accumulate2", "sgd-fp16",
+    "adam-bf16", "sgd-predivide", "sgd-groups-int", "adam-groups-list", "sgd-unnamed",
+]
+BEHAVIOUR = [
+    "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
+    "broadcast-state", "sparse", "process-set",
+]
+
+
+def _assert_all_ok(stdout: str, names) -> None:
+    missing = [name for name in names if f"OK {name}\n" not in stdout]
+    assert not missing, f"no OK line for {missing}:\n{stdout}"
+
+
+@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+def test_equivalence_with_one_process(launcher, n):
+    # Average and Sum, SGD and Adam, accumulation, 16-bit compression, predivide, groups,
+    # unnamed parameters; odd ranks produce gradients in another order.
+    result = run_ranks("optimizer_equivalence.py", n, launcher, timeout=240)
+    _assert_all_ok(result.stdout, EQUIVALENCE)
+
+
+@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+def test_behaviour(launcher, n):
+    result = run_ranks("optimizer_behaviour.py", n, launcher, timeout=240)
+    _assert_all_ok(result.stdout, BEHAVIOUR)
