@@ -18,6 +18,7 @@ around each of its runs, so its engine thread never competes with a baseline.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -78,6 +79,12 @@ def _optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4)  # the EDSR recipe
 
 
+def _rate(value: float) -> str:
+    """Format img/s with three significant digits (EDSR runs below 1 img/s on a CPU core)."""
+    digits = 1 if value <= 0 else max(1, 2 - math.floor(math.log10(value)))
+    return f"{value:.{digits}f}"
+
+
 def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str], None]) -> List[float]:
     """Run warm-up then the timed iterations; return img/s per iteration on this rank."""
     log("Running warmup...")
@@ -90,7 +97,7 @@ def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str]
         for _ in range(opts.num_batches_per_iter):
             step()
         rate = opts.batch_size * opts.num_batches_per_iter / (time.perf_counter() - start)
-        log(f"Iter #{i}: {rate:.2f} img/sec per rank")
+        log(f"Iter #{i}: {_rate(rate)} img/sec per rank")
         rates.append(rate)
     return rates
 
@@ -179,8 +186,8 @@ def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any
         log(line)
     rates = _run_hpdl(opts, log)
     summary = _summary(rates)
-    log(f"Img/sec per rank: {summary['mean']:.2f} +-{summary['conf']:.2f}")
-    log(f"Total img/sec on {size} ranks: {size * summary['mean']:.2f} +-{size * summary['conf']:.2f}")
+    log(f"Img/sec per rank: {_rate(summary['mean'])} +-{_rate(summary['conf'])}")
+    log(f"Total img/sec on {size} ranks: {_rate(size * summary['mean'])} +-{_rate(size * summary['conf'])}")
     record = _base_record(opts, size, backend_name())
     record.update(iterations=rates, img_sec_per_rank=summary["mean"], img_sec_per_rank_conf=summary["conf"],
                   total_img_sec=size * summary["mean"], total_img_sec_conf=size * summary["conf"])
@@ -248,15 +255,15 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
             # the ceiling whose ranks run independently.
             value = statistics.fmean(control.allgather_object(statistics.fmean(rates)))
             runs[mode].append(value)
-            log(f"Run {repeat + 1}/{opts.repeats} {mode}: {value:.2f} img/sec per rank")
+            log(f"Run {repeat + 1}/{opts.repeats} {mode}: {_rate(value)} img/sec per rank")
     control.barrier()
     control.close()
 
     medians = {mode: median(values) for mode, values in runs.items()}
     spreads = {mode: spread(values) for mode, values in runs.items()}
     ratios = {name: medians["hpdl"] / medians[name] for name in opts.compare}
-    rows = [[mode, f"{medians[mode]:.2f}", f"+-{spreads[mode]:.2f}", f"{size * medians[mode]:.2f}",
-             " ".join(f"{v:.2f}" for v in runs[mode])] for mode in runs]
+    rows = [[mode, _rate(medians[mode]), f"+-{_rate(spreads[mode])}", _rate(size * medians[mode]),
+             " ".join(_rate(v) for v in runs[mode])] for mode in runs]
     log(format_table(["mode", "median img/sec per rank", "spread", f"total on {size} ranks", "runs"], rows))
     for name, ratio in ratios.items():
         log(f"Ratio hpdl/{name}: {ratio:.3f}")
