@@ -121,3 +121,49 @@ def test_event_bus_inactive_without_observers():
     assert bus.active and got[0].phase == ev.COLLECTIVE
     bus.remove(observer)
     assert not bus.active
+
+
+class _DoublingComm:
+    """A stand-in for a 2-rank communicator whose peer holds the same values: SUM doubles."""
+
+    name = "fake"
+    rank = 0
+    size = 2
+
+    def __init__(self):
+        self.calls = []
+
+    def allreduce(self, tensor, op):
+        self.calls.append(tensor.numel())
+        tensor.mul_(2)
+
+
+@pytest.mark.parametrize("count", [3, 40])  # scaled while copying out, and by a pass over the buffer
+def test_fused_average_writes_the_mean_into_every_output(count):
+    from hpdl.engine.execution import Executor
+
+    executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20)
+    requests, responses = {}, []
+    for i in range(count):
+        tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3) + i
+        req = Request(RequestKind.ALLREDUCE, f"t{i}", tensor=tensor, output=torch.empty_like(tensor),
+                      op=Op.AVERAGE, prescale=0.5, postscale=3.0)
+        req.handle = Handle(req.name)
+        requests[req.name] = req
+        responses.append(Response(req.name, RequestKind.ALLREDUCE, (req.signature(), req.signature())))
+    comm = _DoublingComm()
+    executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
+    assert comm.calls == [6 * count]  # one fused backend call
+    for i in range(count):
+        expected = (torch.arange(6, dtype=torch.float32).reshape(2, 3) + i) * 0.5 * 2 * 3.0 / 2
+        torch.testing.assert_close(requests[f"t{i}"].handle.wait(), expected)
+        torch.testing.assert_close(requests[f"t{i}"].tensor, torch.arange(6, dtype=torch.float32).reshape(2, 3) + i)
+
+
+def test_waiting_on_a_handle_calls_its_on_wait_hook():
+    woken = []
+    h = Handle("w", on_wait=lambda: woken.append(1))
+    threading.Timer(0.05, h.set_result, args=(1,)).start()
+    assert h.wait() == 1 and woken == [1]
+    h.wait()  # already done: no hook
+    assert woken == [1]

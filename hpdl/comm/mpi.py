@@ -126,7 +126,7 @@ def _wait_politely(request) -> None:
     compute thread needs. Peers usually arrive within microseconds, so the request is first
     polled in a tight loop for a short budget (each Test also drives MPI's progress; a
     ``sleep(0)`` here costs ~100 µs, as it hands the core away); then a back-off of real
-    sleeps, up to 0.5 ms, takes over.
+    sleeps, up to 2 ms, takes over.
     """
     deadline = time.perf_counter() + _SPIN_SECONDS
     while not request.Test():
@@ -137,10 +137,13 @@ def _wait_politely(request) -> None:
     delay = 5e-5
     while not request.Test():
         time.sleep(delay)
-        delay = min(delay * 2, 5e-4)
+        delay = min(delay * 2, _MAX_SLEEP)
 
 
 _SPIN_SECONDS = 1e-4
+# Each wake-up costs tens of microseconds of CPU on a virtual machine; a late peer (its engine
+# thread descheduled by the compute) is better waited for with few, longer sleeps.
+_MAX_SLEEP = 2e-3
 
 
 class MPICommunicator(Communicator):

@@ -5,6 +5,20 @@ Every call of the API becomes a named :class:`Request` on the queue and returns 
 the other members of each process set which requests are ready everywhere (see
 negotiation.py), runs them fused (execution.py) and completes the handles. A cycle starts every
 ``cycle_time_ms`` and at once when a request arrives at an idle engine.
+
+Pacing. A cycle is a collective round: every member's engine thread must take part, and on a
+machine whose cores are all busy computing (data-parallel training), each round costs CPU
+time taken from the compute, more so when a peer's thread is descheduled and the others poll
+for it. So rounds happen when they can achieve something:
+- a rank with nothing pending sleeps until its next submission wakes it (at most
+  ``_IDLE_PAUSE_CAP_S``): in data-parallel training every rank submits the same tensors, so
+  the round a peer started is joined when this rank's own gradient arrives, not by a timer;
+- a rank whose pending requests a round could not run (a peer has not submitted them yet)
+  doubles its pause after each such fruitless round, up to ``_BUSY_PAUSE_CAP_S``;
+- a full negotiation or a process set with work keeps every rank at the cycle time, and a
+  caller starting to wait on a handle cuts a doubled pause short.
+A request submitted to an idle engine thus still starts a cycle at once, and the cycle time
+bounds the latency of a collective whose ranks are all ready.
 """
 
 from __future__ import annotations
@@ -27,8 +41,8 @@ from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Resp
 
 log = logging.getLogger("hpdl.engine")
 
-_IDLE_CYCLES_BEFORE_BACKOFF = 50
-_IDLE_SLEEP_S = 0.005  # between cycles once nothing has been pending anywhere for a while
+_BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
+_IDLE_PAUSE_CAP_S = 0.02  # pause of a rank with nothing pending (its own submissions wake it at once)
 
 
 class StallAbort(HorovodInternalError):
@@ -81,7 +95,9 @@ class Engine:
         self._failure: Optional[str] = None
         self._main_thread_id = threading.main_thread().ident
         self.cycles = 0
-        self._idle_cycles = 0
+        self._fruitless = 0  # consecutive rounds that agreed nothing with no new local request
+        self._idle = True  # nothing pending on this rank: a submission wakes the engine at once
+        self._hot = False  # the last round started a negotiation that needs quick rounds
         self._timeline = None
         self._thread = threading.Thread(target=self._run, name="hpdl-engine", daemon=True)
         self._thread.start()
@@ -113,15 +129,21 @@ class Engine:
                 f"a collective named {request.name!r} is already in flight on this rank; "
                 "wait for it (synchronize) before submitting another with the same name")
         in_flight.add(key)
-        handle = request.handle = Handle(request.name, in_flight, key)
-        was_idle = not self._queue
+        handle = request.handle = Handle(request.name, in_flight, key, self.expedite)
         self._queue.append(request)
         if self.bus.active:
             self.bus.emit(ev.Event(ev.QUEUED, request.kind.value, (request.name,), ev.now_us(),
                                    nbytes=request.nbytes, rank=self.rank, process_set_id=request.process_set_id))
-        if was_idle:
+        if self._idle:
+            self._idle = False
             self._wake.set()
         return handle
+
+    def expedite(self) -> None:
+        """Someone waits for a result: run the next cycle after at most the cycle time."""
+        if self._fruitless:
+            self._fruitless = 0
+            self._wake.set()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
@@ -189,11 +211,24 @@ class Engine:
         try:
             while True:
                 started = time.monotonic()
-                self._drain()
-                if self._cycle():
+                arrived = self._drain()
+                progressed = self._cycle()
+                if progressed is None:
                     break
                 self.cycles += 1
-                pause = _IDLE_SLEEP_S if self._idle_cycles > _IDLE_CYCLES_BEFORE_BACKOFF else cycle_s
+                if self._idle:
+                    # Nothing pending here: the next local submission wakes the engine. Peers
+                    # with work wait for this rank's next round, which they get at once if they
+                    # submit the same tensors (the data-parallel case) and within the idle cap
+                    # otherwise.
+                    self._fruitless = 0
+                    pause = cycle_s if self._hot else max(_IDLE_PAUSE_CAP_S, cycle_s)
+                elif progressed or arrived:
+                    self._fruitless = 0
+                    pause = cycle_s
+                else:
+                    self._fruitless = fruitless = min(self._fruitless + 1, 30)
+                    pause = min(cycle_s * (1 << fruitless), max(_BUSY_PAUSE_CAP_S, cycle_s))
                 remaining = pause - (time.monotonic() - started)
                 if remaining > 0:
                     self._wake.wait(remaining)
@@ -203,9 +238,11 @@ class Engine:
         finally:
             self._stopped.set()
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Move submitted requests to their process set's pending table; return how many."""
         queue = self._queue
         now = time.monotonic()
+        count = len(queue)
         while queue:
             request = queue.popleft()
             request.arrival = now
@@ -215,9 +252,14 @@ class Engine:
                     f"process set {request.process_set_id} was removed before {request.name!r} ran"))
                 continue
             ps.pending[request.name] = request
+        return count
 
-    def _cycle(self) -> bool:
-        """Run one cycle over every process set; return True when the engine must stop."""
+    def _cycle(self) -> Optional[bool]:
+        """Run one cycle over every process set.
+
+        Returns None when the engine must stop, else whether anything ran or must run soon
+        (a full negotiation, a process set with work, a join in progress).
+        """
         world = self._sets[0]
         flags = FLAG_SHUTDOWN if self._shutdown_requested else 0
         sets_pending = 0
@@ -227,12 +269,15 @@ class Engine:
         result = world.controller.cycle(world.pending, flags, sets_pending)
         if result.shutdown:
             self._fail_pending("hpdl has been shut down (hvd.shutdown() was called on some rank)")
-            return True
+            return None
         if result.abort is not None:
             self._fail(result.abort, log_it=self.rank == 0)
-            return True
+            return None
         self._execute(world, result)
-        busy = result.any_pending
+        # Negotiations in flight (full exchanges, process sets with work) need every rank's
+        # next round soon, even a rank with nothing of its own pending.
+        self._hot = result.full or bool(result.sets_pending)
+        progressed = bool(result.responses) or self._hot
         for set_id in sorted(self._sets):
             ps = self._sets.get(set_id)
             if set_id == 0 or ps is None or ps.controller is None:
@@ -240,15 +285,18 @@ class Engine:
             if set_id < 32 and not (result.sets_pending >> set_id) & 1:
                 continue
             sub = ps.controller.cycle(ps.pending)
-            busy = busy or sub.any_pending
+            progressed = progressed or bool(sub.responses) or sub.full
+            self._hot = self._hot or sub.full
             if sub.abort is not None:
                 self._fail_set(ps, sub.abort)
                 continue
             self._execute(ps, sub)
-        self._idle_cycles = 0 if busy or result.sets_pending else self._idle_cycles + 1
+        idle = self._idle = not any(ps.pending for ps in self._sets.values())
+        if idle and self._queue:  # a submission raced the flag: do not sleep on it
+            self._wake.set()
         if self._timeline is not None and self._timeline.mark_cycles:
             self.bus.emit(ev.Event(ev.CYCLE, "cycle", (), ev.now_us(), rank=self.rank, cycle=self.cycles))
-        return False
+        return progressed
 
     def _execute(self, ps: _ProcessSet, result: CycleResult) -> None:
         if not result.responses:

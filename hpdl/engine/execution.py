@@ -21,6 +21,7 @@ _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.M
 
 
 _VIEW_CACHE_SIZE = 256
+_SCALE_ON_COPY_MAX = 16  # fused batches up to this many tensors scale while copying out
 _AVERAGE = Op.AVERAGE.value
 _ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
 
@@ -145,10 +146,19 @@ class Executor:
             with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
                 comm.allreduce(buffer, backend_op)
-            scale_(buffer, postscale)
+            # Scaling while copying out saves a pass over the buffer (memory bandwidth is what
+            # a CPU rank's compute shares with its engine); one call per tensor only pays off
+            # for batches of large tensors.
+            scale_on_copy = postscale != 1.0 and dtype.is_floating_point and len(batch) <= _SCALE_ON_COPY_MAX
+            if not scale_on_copy:
+                scale_(buffer, postscale)
             with ev.Span(bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
-                torch._foreach_copy_(outputs, views)
+                if scale_on_copy:
+                    for out, view in zip(outputs, views):
+                        torch.mul(view, postscale, out=out)
+                else:
+                    torch._foreach_copy_(outputs, views)
             self.fused_calls += 1
         self.backend_calls += 1
         self.tensors_reduced += len(batch)

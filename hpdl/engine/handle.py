@@ -15,14 +15,18 @@ class Handle:
     a ``threading.Event`` costs ten times as much to create.
     """
 
-    __slots__ = ("name", "_lock", "_result", "_error", "_callbacks", "_registry", "_key")
+    __slots__ = ("name", "_lock", "_result", "_error", "_callbacks", "_registry", "_key", "_on_wait")
 
-    def __init__(self, name: str, registry: Optional[set] = None, key: Any = None):
+    def __init__(self, name: str, registry: Optional[set] = None, key: Any = None,
+                 on_wait: Optional[Callable[[], None]] = None):
         """Args:
             registry, key: ``key`` is removed from the set ``registry`` just before the handle
                 completes (the engine's names in flight), so a waiter can reuse the name at once.
+            on_wait: called when a caller starts blocking on the unfinished handle (the engine
+                then stops pacing its cycles down).
         """
         self.name = name
+        self._on_wait = on_wait
         self._registry = registry
         self._key = key
         self._lock = _thread.allocate_lock()
@@ -38,6 +42,8 @@ class Handle:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done; return the result or raise the request's error."""
         if self._lock.locked():
+            if self._on_wait is not None:
+                self._on_wait()
             if not self._lock.acquire(True, -1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
             self._lock.release()
