@@ -56,6 +56,9 @@ class Settings:
     mpi_cuda_aware: str = dataclasses.field(
         default="auto", metadata={"env": "HPDL_MPI_CUDA_AWARE"}
     )
+    # How much lower than the compute the engine thread runs (a nice increment, 0-19); auto:
+    # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine.py, Pacing).
+    engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -70,6 +73,20 @@ class Settings:
             raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
         if self.mpi_cuda_aware not in ("auto", "0", "1"):
             raise SettingsError(f"HPDL_MPI_CUDA_AWARE must be auto, 0 or 1, got {self.mpi_cuda_aware!r}")
+        if self.engine_nice != "auto" and not (self.engine_nice.isdigit() and 0 <= int(self.engine_nice) <= 19):
+            raise SettingsError(f"HPDL_ENGINE_NICE must be auto or an integer from 0 to 19, got {self.engine_nice!r}")
+
+    def resolve_engine_nice(self, local_size: int, threads_per_rank: int, cpus: int, cuda: bool) -> int:
+        """The engine thread's nice increment: explicit, or 19 for CPU ranks that fill the cores.
+
+        When every core runs a rank's compute, each moment the engine thread runs (polling for
+        a late peer, copying, negotiating) is taken from the compute; at the lowest priority it
+        runs in the gaps instead (measured: docs/perf.md). With GPUs the cores are not the
+        bottleneck and the engine must react at once, so it keeps normal priority.
+        """
+        if self.engine_nice != "auto":
+            return int(self.engine_nice)
+        return 19 if not cuda and local_size * threads_per_rank >= cpus else 0
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Settings":

@@ -28,6 +28,8 @@ def test_unknown_variable_is_rejected_by_name():
     ({"HPDL_BACKEND": "carrier-pigeon"}, "backend"),
     ({"HPDL_CACHE_CAPACITY": "-1"}, "HPDL_CACHE_CAPACITY"),
     ({"HPDL_HIERARCHICAL_ALLREDUCE": "maybe"}, "HPDL_HIERARCHICAL_ALLREDUCE"),
+    ({"HPDL_ENGINE_NICE": "20"}, "HPDL_ENGINE_NICE"),
+    ({"HPDL_ENGINE_NICE": "low"}, "HPDL_ENGINE_NICE"),
 ])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(SettingsError, match=match):
@@ -37,3 +39,32 @@ def test_bad_values_name_the_variable(env, match):
 def test_unknown_override_is_rejected():
     with pytest.raises(SettingsError, match="fusion"):
         Settings.from_env({}, fusion=1)
+
+
+def test_engine_nice_lowers_priority_only_where_cpu_ranks_fill_the_cores():
+    auto = Settings.from_env({})
+    assert auto.resolve_engine_nice(local_size=2, threads_per_rank=1, cpus=2, cuda=False) == 19
+    assert auto.resolve_engine_nice(local_size=1, threads_per_rank=1, cpus=8, cuda=False) == 0
+    assert auto.resolve_engine_nice(local_size=8, threads_per_rank=4, cpus=8, cuda=True) == 0
+    fixed = Settings.from_env({"HPDL_ENGINE_NICE": "5"})
+    assert fixed.resolve_engine_nice(local_size=1, threads_per_rank=1, cpus=8, cuda=True) == 5
+
+
+def test_engine_thread_runs_at_the_configured_nice(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, hpdl.torch as hvd\n"
+        "from hpdl.torch import runtime\n"
+        "hvd.init()\n"
+        "tid = runtime.engine()._thread.native_id\n"
+        "print(os.getpriority(os.PRIO_PROCESS, tid) - os.getpriority(os.PRIO_PROCESS, 0))\n"
+        "hvd.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_"))}
+    env["HPDL_ENGINE_NICE"] = "7"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "7"

@@ -18,7 +18,9 @@ for it. So rounds happen when they can achieve something:
 - a full negotiation or a process set with work keeps every rank at the cycle time, and a
   caller starting to wait on a handle cuts a doubled pause short.
 A request submitted to an idle engine thus still starts a cycle at once, and the cycle time
-bounds the latency of a collective whose ranks are all ready.
+bounds the latency of a collective whose ranks are all ready. Where the ranks' compute fills
+the CPU cores, the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so
+its polling and copies use the gaps the compute leaves instead of preempting it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -43,6 +46,15 @@ log = logging.getLogger("hpdl.engine")
 
 _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
 _IDLE_PAUSE_CAP_S = 0.02  # pause of a rank with nothing pending (its own submissions wake it at once)
+
+
+def _lower_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux: per-thread priorities)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (AttributeError, OSError) as err:  # not Linux, or not permitted: run at normal priority
+        log.debug("could not lower the engine thread's priority: %s", err)
 
 
 class StallAbort(HorovodInternalError):
@@ -71,13 +83,16 @@ class _ProcessSet:
 class Engine:
     """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
 
-    def __init__(self, settings: Settings, comm: Communicator, data_comm: Optional[Communicator] = None):
+    def __init__(self, settings: Settings, comm: Communicator, data_comm: Optional[Communicator] = None,
+                 thread_nice: int = 0):
         """Start the engine thread on ``comm`` (the world group).
 
         Args:
             data_comm: run the global set's collectives here instead of on ``comm`` (e.g. a
                 HierarchicalCommunicator); negotiation always uses ``comm``.
+            thread_nice: lower the engine thread's CPU priority by this nice increment.
         """
+        self.thread_nice = thread_nice
         self.settings = settings
         self.comm = comm
         self.rank = comm.rank
@@ -100,7 +115,9 @@ class Engine:
         self._hot = False  # the last round started a negotiation that needs quick rounds
         self._timeline = None
         self._thread = threading.Thread(target=self._run, name="hpdl-engine", daemon=True)
+        self._started = threading.Event()
         self._thread.start()
+        self._started.wait()  # the thread has set its priority
 
     def _controller(self, comm: Communicator, set_id: int, ranks: Sequence[int]) -> Controller:
         s = self.settings
@@ -208,6 +225,9 @@ class Engine:
 
     def _run(self) -> None:
         cycle_s = self.settings.cycle_time_ms / 1000.0
+        if self.thread_nice > 0:
+            _lower_priority(self.thread_nice)
+        self._started.set()
         try:
             while True:
                 started = time.monotonic()

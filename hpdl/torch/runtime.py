@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import threading
 from typing import Any, List, Optional, Sequence, Union
 
@@ -84,7 +85,9 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             from hpdl.comm.hierarchical import HierarchicalCommunicator
 
             data_comm = HierarchicalCommunicator(world, world.host_names())
-        engine = Engine(settings, world, data_comm)
+        nice = settings.resolve_engine_nice(local_size, torch.get_num_threads(), os.cpu_count() or 1,
+                                            torch.cuda.is_available())
+        engine = Engine(settings, world, data_comm, thread_nice=nice)
         _state = _State(settings, topology, world, engine, homogeneous)
         if settings.timeline:
             engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)

@@ -72,7 +72,11 @@ def main():
     if sys.argv[1] == "mismatch":
         hvd.shutdown()
     else:
-        os._exit(0)  # the engine has failed: leave without the collective shutdown
+        # The engine has failed: leave without the collective shutdown, but not before the
+        # stalled rank (told in the same round, then woken from its sleep) has reported: the
+        # launcher may kill the remaining ranks as soon as one leaves without finalizing.
+        time.sleep(1.0)
+        os._exit(0)
 
 
 if __name__ == "__main__":
