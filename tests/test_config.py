@@ -1,5 +1,9 @@
 """Settings come from HPDL_* variables and arguments, once; unknown names are rejected."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hpdl.config import Settings, SettingsError
@@ -50,11 +54,7 @@ def test_engine_nice_lowers_priority_only_where_cpu_ranks_fill_the_cores():
     assert fixed.resolve_engine_nice(local_size=1, threads_per_rank=1, cpus=8, cuda=True) == 5
 
 
-def test_engine_thread_runs_at_the_configured_nice(tmp_path):
-    import os
-    import subprocess
-    import sys
-
+def test_engine_thread_runs_at_the_configured_nice():
     script = (
         "import os, hpdl.torch as hvd\n"
         "from hpdl.torch import runtime\n"

@@ -278,7 +278,7 @@ class Engine:
         """Run one cycle over every process set.
 
         Returns None when the engine must stop, else whether anything ran or must run soon
-        (a full negotiation, a process set with work, a join in progress).
+        (a full negotiation, which joins also cause, or a process set with work).
         """
         world = self._sets[0]
         flags = FLAG_SHUTDOWN if self._shutdown_requested else 0
@@ -297,7 +297,7 @@ class Engine:
         # Negotiations in flight (full exchanges, process sets with work) need every rank's
         # next round soon, even a rank with nothing of its own pending.
         self._hot = result.full or bool(result.sets_pending)
-        progressed = bool(result.responses) or self._hot
+        ran = bool(result.responses)
         for set_id in sorted(self._sets):
             ps = self._sets.get(set_id)
             if set_id == 0 or ps is None or ps.controller is None:
@@ -305,7 +305,7 @@ class Engine:
             if set_id < 32 and not (result.sets_pending >> set_id) & 1:
                 continue
             sub = ps.controller.cycle(ps.pending)
-            progressed = progressed or bool(sub.responses) or sub.full
+            ran = ran or bool(sub.responses)
             self._hot = self._hot or sub.full
             if sub.abort is not None:
                 self._fail_set(ps, sub.abort)
@@ -316,7 +316,7 @@ class Engine:
             self._wake.set()
         if self._timeline is not None and self._timeline.mark_cycles:
             self.bus.emit(ev.Event(ev.CYCLE, "cycle", (), ev.now_us(), rank=self.rank, cycle=self.cycles))
-        return progressed
+        return ran or self._hot
 
     def _execute(self, ps: _ProcessSet, result: CycleResult) -> None:
         if not result.responses:
