@@ -6,6 +6,7 @@ the CPU, so an nccl job never puts tiny host-side messages through CUDA.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import List, Optional, Sequence, Tuple
@@ -49,11 +50,17 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> 
     Rendezvous follows torch's ``env://`` convention (MASTER_ADDR, MASTER_PORT). Under an MPI
     launcher that sets neither, rank 0's host name and a free port are shared through MPI.
 
+    A group created here is destroyed at interpreter exit (after ``hvd.shutdown()``, which
+    atexit runs first since it is registered later): left to the C++ static destructors, gloo
+    aborts the process ("terminate called without an active exception") in about one exit in
+    ten on a loaded machine. It outlives ``shutdown()`` so that ``init()`` can run again.
+
     Returns:
-        whether this call created the group (and so should destroy it at shutdown).
+        whether this call created the group.
     """
     if dist.is_initialized():
         return False
+    atexit.register(_destroy_default_group)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         # torchrun (or the user) set up the rendezvous; under torchrun the agent's store is reused.
@@ -65,6 +72,14 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> 
         addr, port = _rendezvous_through_mpi(rank)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size, timeout=timeout)
     return True
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # exiting anyway; a failed tear-down must not mask the exit status
+            pass
 
 
 def _free_port() -> int:
