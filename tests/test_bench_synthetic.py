@@ -63,7 +63,7 @@ def test_single_run_prints_horovod_lines_on_rank_0_only():
 @pytest.mark.multirank
 @pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["ddp", "ceiling"]), ("torchrun", 2, ["ddp"])])
 def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
-    args = TINY + ["--compare", ",".join(compare), "--repeats", "2", "--json"]
+    args = TINY + ["--compare", ",".join(compare), "--repeats", "2", "--json", "--breakdown"]
     out = run_ranks("bench_synthetic.py", n, launcher, args=args, timeout=240).stdout
     record = json.loads(out[out.index("{"):])
     assert record["benchmark"] == "synthetic" and record["ranks"] == n and record["compare"] == compare
@@ -71,13 +71,26 @@ def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
     for name in compare:
         assert len(record["runs"]["hpdl"]) == 2 and len(record["runs"][name]) == 2
         assert record["ratio"][name] == pytest.approx(record["median"]["hpdl"] / record["median"][name])
+    # The breakdown: every mode, every rank; a wait phase for hpdl only; the phases' means add
+    # up to the step's mean.
+    phases = record["phases_ms"]
+    assert sorted(phases) == sorted(["hpdl", *compare]) and all(len(ranks) == n for ranks in phases.values())
+    for mode, ranks in phases.items():
+        for entry in ranks:
+            assert (entry["wait"] is not None) == (mode == "hpdl"), (mode, entry)
+            parts = [entry[p]["mean_ms"] for p in ("forward", "backward", "wait", "update") if entry[p]]
+            assert all(part >= 0 for part in parts) and entry["step"]["mean_ms"] == pytest.approx(sum(parts))
 
 
 @pytest.mark.multirank
 def test_compare_ceiling_text():
-    out = run_ranks("bench_synthetic.py", 3, "mpiexec", args=TINY + ["--compare", "ceiling", "--repeats", "2"],
-                    timeout=240).stdout
+    out = run_ranks("bench_synthetic.py", 3, "mpiexec",
+                    args=TINY + ["--compare", "ceiling", "--repeats", "2", "--breakdown"], timeout=240).stdout
     assert re.search(r"^Run 2/2 ceiling: \d+\.\d+ img/sec per rank$", out, re.M), out
     assert re.search(r"^ceiling +\d+\.\d+ +\+-\d+\.\d+ +\d+\.\d+ ", out, re.M), out
     assert re.search(r"^Ratio hpdl/ceiling: \d+\.\d{3}$", out, re.M), out
     assert out.count("Ratio") == 1, out
+    for rank in range(3):
+        assert re.search(rf"^hpdl +{rank}( +\d+\.\d \(\d+\.\d\)){{5}}$", out, re.M), out
+        assert re.search(rf"^ceiling +{rank}( +\d+\.\d \(\d+\.\d\)){{2}} +- +\d+\.\d \(\d+\.\d\)"
+                         rf" +\d+\.\d \(\d+\.\d\)$", out, re.M), out

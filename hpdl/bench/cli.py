@@ -133,6 +133,9 @@ def _register_synthetic(sub) -> None:
                    help="baselines to alternate with: ddp (DistributedDataParallel over gloo), ceiling (no "
                         "communication, every rank alone), or both as ddp,ceiling")
     p.add_argument("--repeats", type=int, default=5, help="alternating runs per mode with --compare (default 5)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also report per rank where a batch's time goes: forward, backward, the wait for the "
+                        "gradients' allreduces after backward, and the optimizer update")
     p.add_argument("--json", action="store_true", help="print the record as JSON instead of text")
     p.set_defaults(func=_run_synthetic)
 
@@ -147,6 +150,7 @@ def _run_synthetic(args) -> int:
             num_iters=args.num_iters, num_batches_per_iter=args.num_batches_per_iter, num_warmup=args.num_warmup,
             fp16_allreduce=args.fp16_allreduce, optimizer=args.optimizer, threads=args.threads,
             compare=tuple(c.strip() for c in args.compare.split(",") if c.strip()), repeats=args.repeats,
+            breakdown=args.breakdown,
         )
     except ValueError as err:
         raise CliError(str(err)) from None

@@ -11,6 +11,10 @@ the ratios hpdl/baseline:
 - ``ddp``: the same training with ``torch.nn.parallel.DistributedDataParallel`` over gloo;
 - ``ceiling``: every rank trains its own model with no communication at all, at the same time
   as the others (N independent single-process runs): the throughput hpdl can at best reach.
+With ``breakdown`` it also reports, per mode and rank, where a timed batch's time went: forward
+(with ``zero_grad`` and the loss), backward, the wait for the gradients' allreduces still
+running after backward (hpdl's ``synchronize()``; DDP waits inside backward, the ceiling has
+nothing to wait for), and the optimizer update.
 Between runs nothing of the other mode keeps running: hpdl is initialised and shut down
 around each of its runs, so its engine thread never competes with a baseline.
 """
@@ -32,6 +36,10 @@ from hpdl.bench.stats import format_table, median, spread
 __all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
 
 COMPARE = ("ddp", "ceiling")
+PHASES = ("forward", "backward", "wait", "update")
+
+# Per timed batch, the seconds of each phase of PHASES (wait None where the mode has none).
+PhaseTimes = Tuple[float, float, Optional[float], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,7 @@ class SyntheticOptions:
     threads: int = 1
     compare: Tuple[str, ...] = ()  # baselines: "ddp", "ceiling"
     repeats: int = 5
+    breakdown: bool = False  # time the phases of every timed batch
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -85,11 +94,17 @@ def _rate(value: float) -> str:
     return f"{value:.{digits}f}"
 
 
-def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str], None]) -> List[float]:
-    """Run warm-up then the timed iterations; return img/s per iteration on this rank."""
+def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str], None],
+           phases: Optional[List[PhaseTimes]] = None) -> List[float]:
+    """Run warm-up then the timed iterations; return img/s per iteration on this rank.
+
+    ``phases``, the list the step appends its phase times to, keeps the timed batches only.
+    """
     log("Running warmup...")
     for _ in range(opts.num_warmup):
         step()
+    if phases is not None:
+        phases.clear()
     log("Running benchmark...")
     rates = []
     for i in range(opts.num_iters):
@@ -102,16 +117,48 @@ def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str]
     return rates
 
 
-def _train_loop(model, optimizer, workload) -> Callable[[], None]:
-    def step() -> None:
+def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] = None,
+                synchronize: bool = False) -> Callable[[], None]:
+    """One training batch; with ``phases``, timed phase by phase.
+
+    Args:
+        synchronize: the optimizer is hpdl's: time its wait for the gradients apart, with
+            ``synchronize()`` then ``step()`` under ``skip_synchronize()`` (what ``step()`` does).
+    """
+    if phases is None:
+        def step() -> None:
+            optimizer.zero_grad()
+            workload.loss(model(workload.inputs), workload.targets).backward()
+            optimizer.step()
+
+        return step
+
+    clock = time.perf_counter
+
+    def timed_step() -> None:
+        start = clock()
         optimizer.zero_grad()
-        workload.loss(model(workload.inputs), workload.targets).backward()
-        optimizer.step()
+        loss = workload.loss(model(workload.inputs), workload.targets)
+        forward_end = clock()
+        loss.backward()
+        backward_end = clock()
+        wait = None
+        if synchronize:
+            optimizer.synchronize()
+            wait = clock() - backward_end
+            update_start = clock()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            update_start = clock()
+            optimizer.step()
+        phases.append((forward_end - start, backward_end - forward_end, wait, clock() - update_start))
 
-    return step
+    return timed_step
 
 
-def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
+def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
+              phases: Optional[List[PhaseTimes]] = None) -> List[float]:
     import hpdl.torch as hvd
 
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
@@ -122,10 +169,11 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]
                                          compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    return _timed(opts, _train_loop(model, optimizer, workload), log)
+    return _timed(opts, _train_loop(model, optimizer, workload, phases, synchronize=True), log, phases)
 
 
-def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
+def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
+             phases: Optional[List[PhaseTimes]] = None) -> List[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -139,13 +187,45 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
-    return _timed(opts, _train_loop(model, optimizer, workload), log)
+    return _timed(opts, _train_loop(model, optimizer, workload, phases), log, phases)
 
 
-def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None]) -> List[float]:
+def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
+                 phases: Optional[List[PhaseTimes]] = None) -> List[float]:
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
     optimizer = _optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
-    return _timed(opts, _train_loop(workload.model, optimizer, workload), log)
+    return _timed(opts, _train_loop(workload.model, optimizer, workload, phases), log, phases)
+
+
+def _breakdown(per_rank: List[List[PhaseTimes]]) -> List[Dict[str, Optional[Dict[str, float]]]]:
+    """Per rank and phase (and the whole step), the median and mean over batches, in ms."""
+    out = []
+    for batches in per_rank:
+        entry: Dict[str, Optional[Dict[str, float]]] = {}
+        columns = list(zip(*batches)) if batches else [() for _ in PHASES]
+        for name, values in zip(PHASES, columns):
+            if not values or values[0] is None:
+                entry[name] = None
+                continue
+            entry[name] = {"median_ms": 1e3 * median(list(values)), "mean_ms": 1e3 * statistics.fmean(values)}
+        steps = [sum(v for v in batch if v is not None) for batch in batches]
+        entry["step"] = ({"median_ms": 1e3 * median(steps), "mean_ms": 1e3 * statistics.fmean(steps)}
+                         if steps else None)
+        out.append(entry)
+    return out
+
+
+def _breakdown_lines(breakdowns: Dict[str, List[Dict[str, Optional[Dict[str, float]]]]]) -> List[str]:
+    def cell(value: Optional[Dict[str, float]]) -> str:
+        return "-" if value is None else f"{value['median_ms']:.1f} ({value['mean_ms']:.1f})"
+
+    rows = [[mode, str(rank), *(cell(entry[name]) for name in (*PHASES, "step"))]
+            for mode, ranks in breakdowns.items() for rank, entry in enumerate(ranks)]
+    return [
+        "Step breakdown, ms per batch: median (mean) over the timed batches. wait: the gradients'",
+        "allreduces still running after backward (DDP waits inside backward; the ceiling has none).",
+        format_table(["mode", "rank", *PHASES, "step"], rows),
+    ]
 
 
 def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
@@ -184,13 +264,19 @@ def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any
     log = print if rank == 0 and not json_output else (lambda _line: None)
     for line in _header(opts, size, backend_name()):
         log(line)
-    rates = _run_hpdl(opts, log)
+    phases: Optional[List[PhaseTimes]] = [] if opts.breakdown else None
+    rates = _run_hpdl(opts, log, phases)
     summary = _summary(rates)
     log(f"Img/sec per rank: {_rate(summary['mean'])} +-{_rate(summary['conf'])}")
     log(f"Total img/sec on {size} ranks: {_rate(size * summary['mean'])} +-{_rate(size * summary['conf'])}")
     record = _base_record(opts, size, backend_name())
     record.update(iterations=rates, img_sec_per_rank=summary["mean"], img_sec_per_rank_conf=summary["conf"],
                   total_img_sec=size * summary["mean"], total_img_sec_conf=size * summary["conf"])
+    if phases is not None:
+        breakdown = {"hpdl": _breakdown(hvd.allgather_object(phases))}
+        for line in _breakdown_lines(breakdown):
+            log(line)
+        record["phases_ms"] = breakdown
     hvd.shutdown()
     return record if rank == 0 else None
 
@@ -240,17 +326,23 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
     baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling}
     runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
+    # Per mode and rank, the phase times of every timed batch of every run.
+    phase_log: Dict[str, List[List[PhaseTimes]]] = {mode: [[] for _ in range(size)] for mode in runs}
     quiet = lambda _line: None  # noqa: E731 - iteration lines only in single runs
     for repeat in range(opts.repeats):
         for mode in runs:
             control.barrier()
+            phases: Optional[List[PhaseTimes]] = [] if opts.breakdown else None
             if mode == "hpdl":
                 hvd.init()
-                rates = _run_hpdl(opts, quiet)
+                rates = _run_hpdl(opts, quiet, phases)
                 control.barrier()  # every rank done before any engine stops
                 hvd.shutdown()
             else:
-                rates = baselines[mode](opts, quiet)
+                rates = baselines[mode](opts, quiet, phases)
+            if phases is not None:
+                for rank_log, rank_phases in zip(phase_log[mode], control.allgather_object(phases)):
+                    rank_log.extend(rank_phases)
             # The mean over ranks of each rank's mean: equal for lockstep modes, fairer for
             # the ceiling whose ranks run independently.
             value = statistics.fmean(control.allgather_object(statistics.fmean(rates)))
@@ -269,6 +361,11 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         log(f"Ratio hpdl/{name}: {ratio:.3f}")
     record = _base_record(opts, size, backend)
     record.update(runs=runs, median=medians, spread=spreads, ratio=ratios)
+    if opts.breakdown:
+        breakdowns = {mode: _breakdown(per_rank) for mode, per_rank in phase_log.items()}
+        for line in _breakdown_lines(breakdowns):
+            log(line)
+        record["phases_ms"] = breakdowns
     return record if rank == 0 else None
 
 
