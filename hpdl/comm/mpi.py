@@ -204,6 +204,15 @@ class MPICommunicator(Communicator):
         host.copy_(tensor.reshape(-1))
         return host
 
+    def _staged_send_and_output(self, tensor: torch.Tensor, out_shape: Tuple[int, ...]):
+        """For a collective with a new output: the buffer to send (``tensor``, or its pinned host
+        copy where MPI cannot read device memory) and an empty output where MPI can write it
+        (moved to ``tensor``'s device by the caller)."""
+        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
+        out = torch.empty(out_shape, dtype=tensor.dtype, device=device)
+        send = self._host_staging(tensor)
+        return (tensor if send is None else send), out
+
     def _run_on_host(self, tensor: torch.Tensor, fn) -> None:
         staged = self._host_staging(tensor)
         if staged is None:
@@ -230,11 +239,7 @@ class MPICommunicator(Communicator):
         row = _row_numel(tensor)
         counts = [d * row for d in first_dims]
         displs = np.cumsum([0] + counts[:-1]).tolist()
-        shape = (sum(first_dims),) + tuple(tensor.shape[1:])
-        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
-        out = torch.empty(shape, dtype=tensor.dtype, device=device)
-        send = self._host_staging(tensor)
-        send = tensor if send is None else send
+        send, out = self._staged_send_and_output(tensor, (sum(first_dims),) + tuple(tensor.shape[1:]))
         mpitype = self._types[tensor.dtype]
         self._comm.Allgatherv(self._spec(send.contiguous()), [self._raw(out), (counts, displs), mpitype])
         return out.to(tensor.device)
@@ -253,11 +258,7 @@ class MPICommunicator(Communicator):
             recv_splits = received.tolist()
         recv_splits = [int(s) for s in recv_splits]
         row = _row_numel(tensor)
-        out_shape = (sum(recv_splits),) + tuple(tensor.shape[1:])
-        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
-        out = torch.empty(out_shape, dtype=tensor.dtype, device=device)
-        send = self._host_staging(tensor)
-        send = tensor if send is None else send
+        send, out = self._staged_send_and_output(tensor, (sum(recv_splits),) + tuple(tensor.shape[1:]))
         mpitype = self._types[tensor.dtype]
         scounts = [s * row for s in splits]
         rcounts = [s * row for s in recv_splits]
@@ -272,10 +273,7 @@ class MPICommunicator(Communicator):
     ) -> torch.Tensor:
         counts = list(counts) if counts is not None else even_split(tensor.shape[0], self._size)
         row = _row_numel(tensor)
-        device = "cpu" if tensor.is_cuda and not self.cuda_aware else tensor.device
-        out = torch.empty((counts[self._rank],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=device)
-        send = self._host_staging(tensor)
-        send = tensor if send is None else send
+        send, out = self._staged_send_and_output(tensor, (counts[self._rank],) + tuple(tensor.shape[1:]))
         mpitype = self._types[tensor.dtype]
         self._comm.Reduce_scatter(
             [self._raw(send), send.numel(), mpitype],
