@@ -141,16 +141,15 @@ def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] =
         loss = workload.loss(model(workload.inputs), workload.targets)
         forward_end = clock()
         loss.backward()
-        backward_end = clock()
+        backward_end = update_start = clock()
         wait = None
         if synchronize:
             optimizer.synchronize()
-            wait = clock() - backward_end
             update_start = clock()
+            wait = update_start - backward_end
             with optimizer.skip_synchronize():
                 optimizer.step()
         else:
-            update_start = clock()
             optimizer.step()
         phases.append((forward_end - start, backward_end - forward_end, wait, clock() - update_start))
 

@@ -44,7 +44,7 @@ def _from_rows_of_bytes(data: torch.Tensor, like: torch.Tensor, rows: int) -> to
     return data.view(like.dtype).reshape((rows,) + tuple(like.shape[1:]))
 
 
-def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> bool:
+def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> None:
     """Initialise torch.distributed's default group unless the user already did.
 
     Rendezvous follows torch's ``env://`` convention (MASTER_ADDR, MASTER_PORT). Under an MPI
@@ -54,24 +54,20 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> 
     atexit runs first since it is registered later): left to the C++ static destructors, gloo
     aborts the process ("terminate called without an active exception") in about one exit in
     ten on a loaded machine. It outlives ``shutdown()`` so that ``init()`` can run again.
-
-    Returns:
-        whether this call created the group.
     """
     if dist.is_initialized():
-        return False
+        return
     atexit.register(_destroy_default_group)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         # torchrun (or the user) set up the rendezvous; under torchrun the agent's store is reused.
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
-        return True
+        return
     if size == 1:
         addr, port = "127.0.0.1", _free_port()
     else:
         addr, port = _rendezvous_through_mpi(rank)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size, timeout=timeout)
-    return True
 
 
 def _destroy_default_group() -> None:

@@ -34,7 +34,6 @@ FLAG_UNCACHED = 1  # a pending request is not cached (or its signature changed)
 FLAG_STALL_CHECK = 2  # a request has waited long: exchange metadata to see who is missing
 FLAG_JOINED = 4  # this rank has called join()
 FLAG_SHUTDOWN = 8  # this rank is shutting down: every rank stops
-FLAG_PENDING = 16  # this rank has anything pending (idle detection)
 FLAG_ABORT = 32  # rank 0 declared a stall timeout: the message travels in a full exchange
 _FULL = FLAG_UNCACHED | FLAG_STALL_CHECK | FLAG_JOINED | FLAG_ABORT
 _MASK = 0xFFFFFFFF
@@ -50,7 +49,6 @@ class CycleResult:
     responses: List[Response]
     shutdown: bool = False
     abort: Optional[str] = None
-    any_pending: bool = False
     sets_pending: int = 0  # bit i: some member has requests pending for process set i
     full: bool = False
 
@@ -137,7 +135,6 @@ class Controller:
             else:
                 positions.append(position)
         if pending:
-            flags |= FLAG_PENDING
             oldest = next(iter(pending.values())).arrival  # pending is in arrival order
             if now - oldest > self.stall_check_interval and now - self._last_full > self.stall_check_interval:
                 flags |= FLAG_STALL_CHECK
@@ -151,7 +148,7 @@ class Controller:
         self.cache.encode(positions, vector[2:])
         self.comm.allreduce_control(self._vector_tensor, ReduceOp.BAND)
         any_flags = ~int(vector[0]) & _MASK
-        result = CycleResult([], any_pending=bool(any_flags & FLAG_PENDING), sets_pending=~int(vector[1]) & _MASK)
+        result = CycleResult([], sets_pending=~int(vector[1]) & _MASK)
         if any_flags & FLAG_SHUTDOWN:
             result.shutdown = True
             return result
