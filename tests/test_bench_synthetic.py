@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpdl.bench.models import build_workload, count_parameters, resnet50
-from hpdl.bench.synthetic import SyntheticOptions
+from hpdl.bench.synthetic import SyntheticOptions, _train_loop
 from hpdl.cli import main
 from ranks import run_ranks
 
@@ -60,8 +60,33 @@ def test_single_run_prints_horovod_lines_on_rank_0_only():
     assert out.count("Iter #1:") == 1 and out.count("Model: edsr-baseline") == 1, out
 
 
+@pytest.mark.parametrize("timed", [False, True])
+def test_lockstep_batch_waits_between_backward_and_update(timed):
+    """The lockstep baseline's barrier sits where hpdl's synchronize() does, once per batch."""
+    calls = []
+    model = torch.nn.Linear(4, 1)
+    model.weight.register_hook(lambda grad: calls.append("backward"))
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            calls.append("update")
+            return super().step(closure)
+
+    workload = type("Workload", (), {"inputs": torch.ones(2, 4), "targets": torch.zeros(2, 1),
+                                     "loss": staticmethod(torch.nn.functional.mse_loss)})()
+    phases = [] if timed else None
+    step = _train_loop(model, Recording(model.parameters(), lr=0.1), workload, phases,
+                       barrier=lambda: calls.append("barrier"))
+    step()
+    step()
+    assert calls == ["backward", "barrier", "update"] * 2
+    if timed:
+        assert len(phases) == 2 and all(wait is not None and wait >= 0 for _, _, wait, _ in phases)
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["ddp", "ceiling"]), ("torchrun", 2, ["ddp"])])
+@pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["ddp", "ceiling", "lockstep"]),
+                                                ("torchrun", 2, ["ddp", "lockstep"])])
 def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
     args = TINY + ["--compare", ",".join(compare), "--repeats", "2", "--json", "--breakdown"]
     out = run_ranks("bench_synthetic.py", n, launcher, args=args, timeout=240).stdout
@@ -71,13 +96,15 @@ def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
     for name in compare:
         assert len(record["runs"]["hpdl"]) == 2 and len(record["runs"][name]) == 2
         assert record["ratio"][name] == pytest.approx(record["median"]["hpdl"] / record["median"][name])
-    # The breakdown: every mode, every rank; a wait phase for hpdl only; the phases' means add
-    # up to the step's mean.
+        per_run = sorted(h / b for h, b in zip(record["runs"]["hpdl"], record["runs"][name]))
+        assert record["paired_ratio"][name] == pytest.approx((per_run[0] + per_run[1]) / 2)
+    # The breakdown: every mode, every rank; a wait phase for hpdl and lockstep only; the
+    # phases' means add up to the step's mean.
     phases = record["phases_ms"]
     assert sorted(phases) == sorted(["hpdl", *compare]) and all(len(ranks) == n for ranks in phases.values())
     for mode, ranks in phases.items():
         for entry in ranks:
-            assert (entry["wait"] is not None) == (mode == "hpdl"), (mode, entry)
+            assert (entry["wait"] is not None) == (mode in ("hpdl", "lockstep")), (mode, entry)
             parts = [entry[p]["mean_ms"] for p in ("forward", "backward", "wait", "update") if entry[p]]
             assert all(part >= 0 for part in parts) and entry["step"]["mean_ms"] == pytest.approx(sum(parts))
 
@@ -88,7 +115,7 @@ def test_compare_ceiling_text():
                     args=TINY + ["--compare", "ceiling", "--repeats", "2", "--breakdown"], timeout=240).stdout
     assert re.search(r"^Run 2/2 ceiling: \d+\.\d+ img/sec per rank$", out, re.M), out
     assert re.search(r"^ceiling +\d+\.\d+ +\+-\d+\.\d+ +\d+\.\d+ ", out, re.M), out
-    assert re.search(r"^Ratio hpdl/ceiling: \d+\.\d{3}$", out, re.M), out
+    assert re.search(r"^Ratio hpdl/ceiling: \d+\.\d{3} \(median of the 2 runs' ratios: \d+\.\d{3}\)$", out, re.M), out
     assert out.count("Ratio") == 1, out
     for rank in range(3):
         assert re.search(rf"^hpdl +{rank}( +\d+\.\d \(\d+\.\d\)){{5}}$", out, re.M), out

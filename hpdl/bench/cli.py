@@ -109,11 +109,12 @@ def _register_synthetic(sub) -> None:
             "hvd.DistributedOptimizer, as Horovod's pytorch_synthetic_benchmark.py: warm-up batches,\n"
             "then --num-iters timed iterations of --num-batches-per-iter batches; img/sec per rank is\n"
             "the mean over iterations +- 1.96 sigma. --compare alternates hpdl with DistributedDataParallel\n"
-            "(ddp, over gloo) or with the no-communication ceiling (every rank trains alone, all at once)\n"
-            "and reports medians over --repeats runs and the ratio.\n\n"
+            "(ddp, over gloo), the no-communication ceiling (every rank trains alone, all at once) or\n"
+            "lockstep (the ceiling plus a barrier after each backward: the most any synchronous\n"
+            "data-parallel method can reach) and reports medians over --repeats runs and the ratios.\n\n"
             "examples:\n"
             "  hpdl run -np 2 -- hpdl bench synthetic --model resnet50 --batch-size 8\n"
-            "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling"
+            "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling,lockstep"
         ),
     )
     p.add_argument("--model", default="resnet50", help="edsr-baseline, edsr or resnet50 (default: resnet50)")
@@ -130,12 +131,13 @@ def _register_synthetic(sub) -> None:
                         "default: adam for EDSR, sgd for resnet50")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     p.add_argument("--compare", default="",
-                   help="baselines to alternate with: ddp (DistributedDataParallel over gloo), ceiling (no "
-                        "communication, every rank alone), or both as ddp,ceiling")
+                   help="comma-separated baselines to alternate with: ddp (DistributedDataParallel over gloo), "
+                        "ceiling (no communication, every rank alone), lockstep (the ceiling with the ranks "
+                        "waiting for each other after each backward)")
     p.add_argument("--repeats", type=int, default=5, help="alternating runs per mode with --compare (default 5)")
     p.add_argument("--breakdown", action="store_true",
-                   help="also report per rank where a batch's time goes: forward, backward, the wait for the "
-                        "gradients' allreduces after backward, and the optimizer update")
+                   help="also report per rank where a batch's time goes: forward, backward, the wait after "
+                        "backward (for the gradients' allreduces, or lockstep's barrier), and the optimizer update")
     p.add_argument("--json", action="store_true", help="print the record as JSON instead of text")
     p.set_defaults(func=_run_synthetic)
 

@@ -6,15 +6,20 @@ after warm-up batches it times ``num_iters`` iterations of ``num_batches_per_ite
 and reports images per second per rank (mean and 1.96 sigma over iterations, as Horovod).
 
 With ``compare`` it alternates runs of hpdl with runs of one or more baselines in the same job
-layout (hpdl, ddp, ceiling, hpdl, ...), ``repeats`` times each, and reports the medians and
+layout (hpdl, ddp, ceiling, lockstep, hpdl, ...), ``repeats`` times each, and reports the medians and
 the ratios hpdl/baseline:
 - ``ddp``: the same training with ``torch.nn.parallel.DistributedDataParallel`` over gloo;
 - ``ceiling``: every rank trains its own model with no communication at all, at the same time
-  as the others (N independent single-process runs): the throughput hpdl can at best reach.
+  as the others (N independent single-process runs): the most the machine can do;
+- ``lockstep``: as the ceiling, but after each backward every rank waits for all the others
+  (a barrier, no data exchanged), as synchronous data-parallel training must: the most any
+  synchronous method can reach, so hpdl/lockstep isolates the cost of the communication itself
+  from the cost of keeping the ranks in step (uneven ranks, and ranks that run the same layers
+  at the same moment competing for shared caches and memory bandwidth).
 With ``breakdown`` it also reports, per mode and rank, where a timed batch's time went: forward
-(with ``zero_grad`` and the loss), backward, the wait for the gradients' allreduces still
-running after backward (hpdl's ``synchronize()``; DDP waits inside backward, the ceiling has
-nothing to wait for), and the optimizer update.
+(with ``zero_grad`` and the loss), backward, the wait after backward (hpdl: ``synchronize()``,
+the gradients' allreduces still running; lockstep: the barrier; DDP waits inside backward,
+the ceiling has nothing to wait for), and the optimizer update.
 Between runs nothing of the other mode keeps running: hpdl is initialised and shut down
 around each of its runs, so its engine thread never competes with a baseline.
 """
@@ -35,7 +40,7 @@ from hpdl.bench.stats import format_table, median, spread
 
 __all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
 
-COMPARE = ("ddp", "ceiling")
+COMPARE = ("ddp", "ceiling", "lockstep")
 PHASES = ("forward", "backward", "wait", "update")
 
 # Per timed batch, the seconds of each phase of PHASES (wait None where the mode has none).
@@ -56,7 +61,7 @@ class SyntheticOptions:
     fp16_allreduce: bool = False
     optimizer: Optional[str] = None  # "sgd" or "adam"; None: the model's usual one
     threads: int = 1
-    compare: Tuple[str, ...] = ()  # baselines: "ddp", "ceiling"
+    compare: Tuple[str, ...] = ()  # baselines among COMPARE
     repeats: int = 5
     breakdown: bool = False  # time the phases of every timed batch
 
@@ -118,17 +123,20 @@ def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str]
 
 
 def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] = None,
-                synchronize: bool = False) -> Callable[[], None]:
+                synchronize: bool = False, barrier: Optional[Callable[[], None]] = None) -> Callable[[], None]:
     """One training batch; with ``phases``, timed phase by phase.
 
     Args:
         synchronize: the optimizer is hpdl's: time its wait for the gradients apart, with
             ``synchronize()`` then ``step()`` under ``skip_synchronize()`` (what ``step()`` does).
+        barrier: wait for every rank between backward and the update (the lockstep baseline).
     """
     if phases is None:
         def step() -> None:
             optimizer.zero_grad()
             workload.loss(model(workload.inputs), workload.targets).backward()
+            if barrier is not None:
+                barrier()
             optimizer.step()
 
         return step
@@ -150,6 +158,10 @@ def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] =
             with optimizer.skip_synchronize():
                 optimizer.step()
         else:
+            if barrier is not None:
+                barrier()
+                update_start = clock()
+                wait = update_start - backward_end
             optimizer.step()
         phases.append((forward_end - start, backward_end - forward_end, wait, clock() - update_start))
 
@@ -190,10 +202,20 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
 
 
 def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
-                 phases: Optional[List[PhaseTimes]] = None) -> List[float]:
+                 phases: Optional[List[PhaseTimes]] = None,
+                 barrier: Optional[Callable[[], None]] = None) -> List[float]:
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
     optimizer = _optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
-    return _timed(opts, _train_loop(workload.model, optimizer, workload, phases), log, phases)
+    return _timed(opts, _train_loop(workload.model, optimizer, workload, phases, barrier=barrier), log, phases)
+
+
+def _polite_barrier(control) -> Callable[[], None]:
+    """A barrier over ``control`` that sleeps while it waits (MPI's Barrier would spin on a
+    core that a rank still computing may need)."""
+    from hpdl.comm import ReduceOp
+
+    token = torch.zeros(1, dtype=torch.int64)
+    return lambda: control.allreduce_control(token, ReduceOp.SUM)
 
 
 def _breakdown(per_rank: List[List[PhaseTimes]]) -> List[Dict[str, Optional[Dict[str, float]]]]:
@@ -221,8 +243,8 @@ def _breakdown_lines(breakdowns: Dict[str, List[Dict[str, Optional[Dict[str, flo
     rows = [[mode, str(rank), *(cell(entry[name]) for name in (*PHASES, "step"))]
             for mode, ranks in breakdowns.items() for rank, entry in enumerate(ranks)]
     return [
-        "Step breakdown, ms per batch: median (mean) over the timed batches. wait: the gradients'",
-        "allreduces still running after backward (DDP waits inside backward; the ceiling has none).",
+        "Step breakdown, ms per batch: median (mean) over the timed batches. wait: after backward,",
+        "for the gradients' allreduces (hpdl) or the other ranks (lockstep); DDP waits inside backward.",
         format_table(["mode", "rank", *PHASES, "step"], rows),
     ]
 
@@ -323,7 +345,9 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         log(line)
     log(f"Comparing hpdl with {' and '.join(opts.compare)}: {opts.repeats} alternating runs each of "
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
-    baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling}
+    barrier = _polite_barrier(control)
+    baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling,
+                 "lockstep": lambda o, log_, ph: _run_ceiling(o, log_, ph, barrier=barrier)}
     runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
     # Per mode and rank, the phase times of every timed batch of every run.
     phase_log: Dict[str, List[List[PhaseTimes]]] = {mode: [[] for _ in range(size)] for mode in runs}
@@ -353,13 +377,16 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
     medians = {mode: median(values) for mode, values in runs.items()}
     spreads = {mode: spread(values) for mode, values in runs.items()}
     ratios = {name: medians["hpdl"] / medians[name] for name in opts.compare}
+    # The same ratio taken within each repeat (runs minutes apart see different machine speeds,
+    # runs side by side nearly the same), then the median: steadier on a drifting machine.
+    paired = {name: median([h / b for h, b in zip(runs["hpdl"], runs[name])]) for name in opts.compare}
     rows = [[mode, _rate(medians[mode]), f"+-{_rate(spreads[mode])}", _rate(size * medians[mode]),
              " ".join(_rate(v) for v in runs[mode])] for mode in runs]
     log(format_table(["mode", "median img/sec per rank", "spread", f"total on {size} ranks", "runs"], rows))
     for name, ratio in ratios.items():
-        log(f"Ratio hpdl/{name}: {ratio:.3f}")
+        log(f"Ratio hpdl/{name}: {ratio:.3f} (median of the {opts.repeats} runs' ratios: {paired[name]:.3f})")
     record = _base_record(opts, size, backend)
-    record.update(runs=runs, median=medians, spread=spreads, ratio=ratios)
+    record.update(runs=runs, median=medians, spread=spreads, ratio=ratios, paired_ratio=paired)
     if opts.breakdown:
         breakdowns = {mode: _breakdown(per_rank) for mode, per_rank in phase_log.items()}
         for line in _breakdown_lines(breakdowns):
