@@ -39,6 +39,10 @@ class Settings:
     fusion_threshold: int = dataclasses.field(
         default=64 * 1024 * 1024, metadata={"env": "HPDL_FUSION_THRESHOLD"}
     )
+    # An allreduce at least this large is reduced where it lies, never copied through the
+    # fusion buffer: fusing it would save one call's overhead (tens of microseconds) and cost
+    # two copies of it (see fusion.py). 0: every tensor may be fused.
+    inplace_threshold: int = dataclasses.field(default=1024 * 1024, metadata={"env": "HPDL_INPLACE_THRESHOLD"})
     cache_capacity: int = dataclasses.field(default=1024, metadata={"env": "HPDL_CACHE_CAPACITY"})
     stall_warning_s: float = dataclasses.field(
         default=60.0, metadata={"env": "HPDL_STALL_WARNING"}
@@ -67,6 +71,8 @@ class Settings:
             raise SettingsError(f"HPDL_CYCLE_TIME must be >= 0 ms, got {self.cycle_time_ms}")
         if self.fusion_threshold < 0:
             raise SettingsError(f"HPDL_FUSION_THRESHOLD must be >= 0 bytes, got {self.fusion_threshold}")
+        if self.inplace_threshold < 0:
+            raise SettingsError(f"HPDL_INPLACE_THRESHOLD must be >= 0 bytes, got {self.inplace_threshold}")
         if self.cache_capacity < 0:
             raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
         if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:

@@ -31,6 +31,7 @@ def test_unknown_variable_is_rejected_by_name():
     ({"HPDL_CYCLE_TIME": "fast"}, "HPDL_CYCLE_TIME"),
     ({"HPDL_BACKEND": "carrier-pigeon"}, "backend"),
     ({"HPDL_CACHE_CAPACITY": "-1"}, "HPDL_CACHE_CAPACITY"),
+    ({"HPDL_INPLACE_THRESHOLD": "-1"}, "HPDL_INPLACE_THRESHOLD"),
     ({"HPDL_HIERARCHICAL_ALLREDUCE": "maybe"}, "HPDL_HIERARCHICAL_ALLREDUCE"),
     ({"HPDL_ENGINE_NICE": "20"}, "HPDL_ENGINE_NICE"),
     ({"HPDL_ENGINE_NICE": "low"}, "HPDL_ENGINE_NICE"),

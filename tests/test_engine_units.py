@@ -55,6 +55,19 @@ def test_fusion_respects_threshold_and_compatibility():
     assert names == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"], ["d"], ["s8", "s9"], ["big"]]
 
 
+def test_fusion_leaves_large_tensors_in_place():
+    """From the in-place threshold up a tensor runs alone (no copies); smaller ones still fuse,
+    and a fixed group stays fused whatever its members' sizes."""
+    small = [allreduce_response(f"s{i}", 256) for i in range(3)]  # 1 KiB each
+    large = [allreduce_response(f"l{i}", 1024) for i in range(2)]  # 4 KiB each: at the threshold
+    group = [allreduce_response(f"g.{i}", 1024, group=("g", 2)) for i in range(2)]
+    responses = [small[0], large[0], small[1], large[1], small[2]] + group
+    batches = plan_fusion(responses, threshold=1 << 20, inplace_threshold=4096)
+    assert [[r.name for r in b] for b in batches] == [["s0", "s1", "s2", "g.0", "g.1"], ["l0"], ["l1"]]
+    unlimited = plan_fusion(responses, threshold=1 << 20, inplace_threshold=0)
+    assert [[r.name for r in b] for b in unlimited] == [["s0", "l0", "s1", "l1", "s2", "g.0", "g.1"]]
+
+
 def test_fusion_keeps_groups_together():
     group = [allreduce_response(f"g.{i}", 256, group=("g", 3)) for i in range(3)]
     lone = allreduce_response("lone", 512)

@@ -98,7 +98,7 @@ class Engine:
         self.rank = comm.rank
         self.size = comm.size
         self.bus = ev.EventBus()
-        self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold)
+        self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold)
         world = _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
         self._sets: Dict[int, _ProcessSet] = {0: world}
         self._next_set_id = 1

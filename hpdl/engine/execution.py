@@ -39,10 +39,11 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 class Executor:
     """Carries out responses for one engine; owns the fusion buffers and the counters."""
 
-    def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int):
+    def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int, inplace_threshold: int = 0):
         self.bus = bus
         self.rank = rank
         self.fusion_threshold = fusion_threshold
+        self.inplace_threshold = inplace_threshold
         self.buffers = FusionBuffers()
         self._view_cache: Dict[tuple, List[torch.Tensor]] = {}
         self.backend_calls = 0
@@ -71,7 +72,7 @@ class Executor:
                 allreduces.append(response)
             else:
                 others.append(response)
-        for batch in plan_fusion(allreduces, self.fusion_threshold):
+        for batch in plan_fusion(allreduces, self.fusion_threshold, self.inplace_threshold):
             try:
                 self._allreduce(comm, process_set_id, batch, requests, cycle)
             except Exception as err:  # a failed backend call fails its requests, not the engine

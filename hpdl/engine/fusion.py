@@ -1,5 +1,11 @@
 """Tensor fusion: pack many small allreduces into one buffer and reduce them with one call.
 
+Fusion saves per-call overhead at the price of copying every member into the buffer and back.
+For a large tensor the trade turns: on a CPU node, the 140 gradients of EDSR (155 MiB, most
+of them 2.4 MB) were reduced in 161 ms through 64 MiB fusion buffers and in 71 ms with every
+tensor from 1 MiB up reduced in place, one call each (docs/perf.md). So tensors of at least
+``inplace_threshold`` bytes run alone, where they lie; the smaller ones are fused.
+
 The plan is a pure function of the agreed response list, so every rank fuses the same tensors
 in the same order (ranks that fused differently would exchange mismatched messages). Buffers
 are allocated once per (dtype, device) and reused; hits and misses are counted.
@@ -22,12 +28,13 @@ def dtype_of(response: Response) -> torch.dtype:
     return _DTYPES[response.signature[SIG_DTYPE]]
 
 
-def plan_fusion(responses: List[Response], threshold: int) -> List[List[Response]]:
+def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: int = 0) -> List[List[Response]]:
     """Split allreduce responses into fused batches of at most ``threshold`` bytes.
 
     Compatible responses are packed in response order (a later compatible one may join an
     earlier batch, as Horovod looks ahead); a group's members always share one batch unless
-    they alone exceed the threshold. A response larger than the threshold runs alone.
+    they alone exceed the threshold. A response larger than the threshold, or (outside a
+    group) of at least ``inplace_threshold`` bytes when that is not 0, runs alone.
     """
     batches: List[List[Response]] = []
     open_batches: Dict[Tuple, List] = {}  # fusion key -> [batch, bytes]
@@ -38,7 +45,12 @@ def plan_fusion(responses: List[Response], threshold: int) -> List[List[Response
         if first.group is not None:  # a group's members are adjacent: take them as one unit
             while unit_end < count and responses[unit_end].group == first.group:
                 unit_end += 1
-        size = first.nbytes if unit_end == index + 1 else sum(r.nbytes for r in responses[index:unit_end])
+        alone = unit_end == index + 1
+        size = first.nbytes if alone else sum(r.nbytes for r in responses[index:unit_end])
+        if alone and inplace_threshold and size >= inplace_threshold:
+            batches.append([first])
+            index = unit_end
+            continue
         current = open_batches.get(first.fusion_key)
         if current is not None and current[1] + size <= threshold:
             current[0].extend(responses[index:unit_end])
