@@ -27,6 +27,7 @@ around each of its runs, so its engine thread never competes with a baseline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -151,17 +152,15 @@ def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] =
         loss.backward()
         backward_end = update_start = clock()
         wait = None
-        if synchronize:
-            optimizer.synchronize()
+        wait_for_ranks = optimizer.synchronize if synchronize else barrier
+        if wait_for_ranks is not None:
+            wait_for_ranks()
             update_start = clock()
             wait = update_start - backward_end
+        if synchronize:
             with optimizer.skip_synchronize():
                 optimizer.step()
         else:
-            if barrier is not None:
-                barrier()
-                update_start = clock()
-                wait = update_start - backward_end
             optimizer.step()
         phases.append((forward_end - start, backward_end - forward_end, wait, clock() - update_start))
 
@@ -347,7 +346,7 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
     barrier = _polite_barrier(control)
     baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling,
-                 "lockstep": lambda o, log_, ph: _run_ceiling(o, log_, ph, barrier=barrier)}
+                 "lockstep": functools.partial(_run_ceiling, barrier=barrier)}
     runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
     # Per mode and rank, the phase times of every timed batch of every run.
     phase_log: Dict[str, List[List[PhaseTimes]]] = {mode: [[] for _ in range(size)] for mode in runs}
@@ -366,8 +365,8 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
             if phases is not None:
                 for rank_log, rank_phases in zip(phase_log[mode], control.allgather_object(phases)):
                     rank_log.extend(rank_phases)
-            # The mean over ranks of each rank's mean: equal for lockstep modes, fairer for
-            # the ceiling whose ranks run independently.
+            # The mean over ranks of each rank's mean: equal for modes whose ranks run in step,
+            # fairer for the ceiling whose ranks run independently.
             value = statistics.fmean(control.allgather_object(statistics.fmean(rates)))
             runs[mode].append(value)
             log(f"Run {repeat + 1}/{opts.repeats} {mode}: {_rate(value)} img/sec per rank")

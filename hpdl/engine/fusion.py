@@ -2,7 +2,7 @@
 
 Fusion saves per-call overhead at the price of copying every member into the buffer and back.
 For a large tensor the trade turns: on a CPU node, the 140 gradients of EDSR (155 MiB, most
-of them 2.4 MB) were reduced in 161 ms through 64 MiB fusion buffers and in 71 ms with every
+of them 2.4 MB) were reduced in 170 ms through 64 MiB fusion buffers and in 65 ms with every
 tensor from 1 MiB up reduced in place, one call each (docs/perf.md). So tensors of at least
 ``inplace_threshold`` bytes run alone, where they lie; the smaller ones are fused.
 
