@@ -154,3 +154,42 @@ def test_added_param_group_is_tracked():
         warnings.simplefilter("error")
         opt.add_param_group({"params": [extra]})
     assert opt._names[extra] == "allreduce.noname.1.0" and extra in opt._delay
+
+
+def test_synchronize_blocks_once_on_the_last_submitted_gradient(monkeypatch):
+    """step() waits for the last-submitted allreduce first, so the caller wakes once per step."""
+    import threading
+
+    from hpdl.engine import Handle
+    from hpdl.torch import mpi_ops
+    from hpdl.torch import optimizer as optimizer_module
+
+    submitted, blocked_on = [], []
+    first_block = threading.Event()
+
+    def on_wait(name):
+        blocked_on.append(name)
+        first_block.set()
+
+    def fake_allreduce_async_(tensor, name, **kwargs):
+        handle = Handle(name, on_wait=lambda: on_wait(name))
+        submitted.append((handle, tensor))
+        return mpi_ops.AsyncHandle([handle], None, inplace=tensor)
+
+    monkeypatch.setattr(optimizer_module.mpi_ops, "allreduce_async_", fake_allreduce_async_)
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(submitted) == 4
+
+    def complete_in_submission_order():
+        first_block.wait(10)
+        for handle, tensor in submitted:
+            handle.set_result(tensor)
+
+    completer = threading.Thread(target=complete_in_submission_order)
+    completer.start()
+    opt.step()
+    completer.join()
+    assert blocked_on == [submitted[-1][0].name]

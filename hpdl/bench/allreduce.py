@@ -94,6 +94,9 @@ def _engine_path() -> PathFactory:
 
         def call() -> None:
             handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in zip(tensors, names)]
+            # The last first, as DistributedOptimizer.synchronize waits: one wake-up, not one per tensor.
+            for engine_handle in handles[-1].handles:
+                engine_handle.wait_done()
             for handle in handles:
                 hvd.synchronize(handle)
 

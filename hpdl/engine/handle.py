@@ -39,14 +39,18 @@ class Handle:
         """Return True once the result (or an error) is available."""
         return not self._lock.locked()
 
-    def wait(self, timeout: Optional[float] = None) -> Any:
-        """Block until done; return the result or raise the request's error."""
+    def wait_done(self, timeout: Optional[float] = None) -> None:
+        """Block until done, neither returning the result nor raising its error."""
         if self._lock.locked():
             if self._on_wait is not None:
                 self._on_wait()
             if not self._lock.acquire(True, -1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
             self._lock.release()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until done; return the result or raise the request's error."""
+        self.wait_done(timeout)
         if self._error is not None:
             raise self._error
         return self._result
