@@ -439,4 +439,5 @@ def test_run_two_ranks_through_mpiexec():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.split()) == ["0", "1"], done.stdout
+    # mpiexec forwards the ranks' output in chunks that may interleave ("01\n\n"): compare digits.
+    assert sorted(c for c in done.stdout if c.isdigit()) == ["0", "1"], done.stdout
