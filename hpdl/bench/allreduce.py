@@ -85,6 +85,7 @@ def _mpi4py_path(mpi_comm) -> PathFactory:
 
 def _engine_path() -> PathFactory:
     import hpdl.torch as hvd
+    from hpdl.torch.mpi_ops import wait_done
 
     def make(tensors: List[torch.Tensor]) -> Callable[[], None]:
         names = [f"bench.allreduce.{t.numel()}.{i}" for i, t in enumerate(tensors)]
@@ -94,9 +95,7 @@ def _engine_path() -> PathFactory:
 
         def call() -> None:
             handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in zip(tensors, names)]
-            # The last first, as DistributedOptimizer.synchronize waits: one wake-up, not one per tensor.
-            for engine_handle in handles[-1].handles:
-                engine_handle.wait_done()
+            wait_done(handles[-1])  # the last first, as DistributedOptimizer waits
             for handle in handles:
                 hvd.synchronize(handle)
 

@@ -95,6 +95,16 @@ def poll(handle: AsyncHandle) -> bool:
     return all(h.poll() for h in handle.handles)
 
 
+def wait_done(handle: AsyncHandle) -> None:
+    """Block until ``handle``'s operation finished, without building its result or raising its error.
+
+    Waiting on the last of many handles first, then synchronizing them all, wakes the caller
+    once instead of once per handle (handles complete roughly in submission order).
+    """
+    for engine_handle in handle.handles:
+        engine_handle.wait_done()
+
+
 def synchronize(handle: AsyncHandle) -> Any:
     """Wait for ``handle`` and return the operation's result (raising its error, if any)."""
     if handle.finish is None:

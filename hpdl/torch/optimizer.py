@@ -234,14 +234,11 @@ class _DistributedOptimizerMixin:
                         self._pending[p] = self._submit(p)
                     elif group not in self._pending:
                         self._pending[group] = self._submit_group(group)
-            # Wait for the last-submitted allreduce first: handles complete roughly in submission
-            # order, so the others are then done and the caller wakes once, not once per
+            # The last-submitted allreduce first: the caller then wakes once, not once per
             # gradient (each wake-up takes a core from transfers still running).
-            for submitted in reversed(self._pending.values()):
-                if not submitted.sparse:
-                    for handle in submitted.handle.handles:
-                        handle.wait_done()
-                    break
+            last = next((s for s in reversed(self._pending.values()) if not s.sparse), None)
+            if last is not None:
+                mpi_ops.wait_done(last.handle)
             for submitted in self._pending.values():
                 self._finish(submitted)
         finally:
