@@ -229,6 +229,13 @@ class TorchCommunicator(Communicator):
                 dist.destroy_process_group(self._group)
             except Exception:  # the world group may already be gone at shutdown
                 pass
+        # Drop every reference to the process groups, so that destroying them (for the world
+        # group: at interpreter exit, see init_process_group) really frees them, which joins
+        # gloo's worker threads while Python still runs. A group kept alive into interpreter
+        # finalization lets a worker release its last collective's tensors there: that needs
+        # the GIL, which a finalizing interpreter no longer grants (the thread is ended, and
+        # C++ aborts: "terminate called without an active exception").
+        self._group = self._control = None
 
     def describe(self) -> str:
         return f"{self.name} (torch.distributed, torch {torch.__version__})"
