@@ -12,6 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from hpdl import __version__
+from hpdl.config import SettingsError
 
 
 class CliError(Exception):
@@ -51,12 +52,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         result = args.func(args)
     except CliError as err:
-        print(f"hpdl: error: {err}", file=sys.stderr)
-        return err.code
+        return _error(str(err), err.code)
+    except SettingsError as err:  # an HPDL_* variable, read where the runtime starts
+        return _error(str(err), 2)
     except KeyboardInterrupt:
         print("hpdl: interrupted", file=sys.stderr)
         return 130
     return int(result or 0)
+
+
+def _error(message: str, code: int) -> int:
+    """Print ``message`` as the one error line (on rank 0 only, when run as ranks of a job)."""
+    from hpdl.comm.topology import discover_topology
+
+    try:
+        reporting = discover_topology().rank == 0
+    except ValueError:  # the launcher's variables themselves are unreadable: say it anyway
+        reporting = True
+    if reporting:
+        print(f"hpdl: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

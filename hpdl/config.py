@@ -8,6 +8,8 @@ deeper in the code reads the environment. Unknown ``HPDL_*`` variables are rejec
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
 from typing import Any, Dict, Mapping, Optional
 
@@ -19,6 +21,13 @@ _PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_
 
 class SettingsError(ValueError):
     """A setting has an unknown name or a value that cannot be used."""
+
+
+def _parse_finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # inf overflows timers and counters; nan compares false to every bound
+        raise ValueError("expected a finite number")
+    return value
 
 
 def _parse_bool(text: str) -> bool:
@@ -65,6 +74,10 @@ class Settings:
     engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SettingsError(f"{field.metadata['env']} must be a finite number, got {value}")
         if self.backend not in BACKENDS:
             raise SettingsError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.cycle_time_ms < 0:
@@ -101,9 +114,9 @@ class Settings:
         fields = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in env if k.startswith("HPDL_") and k not in fields and k not in _PASSTHROUGH)
         if unknown:
-            raise SettingsError(
-                f"unknown setting {unknown[0]}; known: {', '.join(sorted(fields))}"
-            )
+            close = difflib.get_close_matches(unknown[0], fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(fields))}"
+            raise SettingsError(f"unknown setting {unknown[0]}{hint}")
         values: Dict[str, Any] = {}
         for var, field in fields.items():
             if var not in env:
@@ -113,9 +126,9 @@ class Settings:
                 if field.type in ("bool", bool):
                     values[field.name] = _parse_bool(text)
                 elif field.type in ("int", int):
-                    values[field.name] = int(float(text)) if text.strip() else field.default
+                    values[field.name] = int(_parse_finite(text)) if text.strip() else field.default
                 elif field.type in ("float", float):
-                    values[field.name] = float(text)
+                    values[field.name] = _parse_finite(text)
                 else:
                     values[field.name] = text.strip()
             except ValueError as err:

@@ -118,10 +118,16 @@ def checksums(paths: Iterable[Path]) -> Dict[str, str]:
 
 
 def launch(launcher: str, n: int, script: str, *args: str) -> List[str]:
-    """argv running tests/multirank/``script`` on ``n`` ranks under ``launcher``."""
+    """argv running tests/multirank/``script`` on ``n`` ranks under ``launcher``.
+
+    ``plain`` starts the ranks with torchrun's variables and no agent that would end the
+    others when one fails: the job must end by itself.
+    """
     path = str(SCRIPTS / script)
     if launcher == "mpiexec":
         return ["mpiexec", "-n", str(n), sys.executable, path, *args]
+    if launcher == "plain":
+        return [sys.executable, str(Path(__file__).parent / "plain_ranks.py"), str(n), path, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
             "--no-python", sys.executable, path, *args]
 
@@ -152,3 +158,68 @@ def test_mismatch_error_exits_the_same_way_every_time_under_torchrun():
     assert all("terminate called" not in e for e in errors), next(e for e in errors if "terminate called" in e)
     assert codes == [1] * 15, codes
     assert all("Mismatched allreduce tensor shapes for tensor 'bad.shape'" in e for e in errors)
+
+
+STALL_ENV = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "4"}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case,launcher,where", [
+    ("stall-c", "mpiexec", "os.read(read_end, 1)"),
+    ("stall-c", "torchrun", "os.read(read_end, 1)"),
+    ("stall-sleep", "mpiexec", "time.sleep(90)"),
+    ("stall-sleep", "plain", "time.sleep(90)"),
+], ids=["c-code-mpiexec", "c-code-torchrun", "sleep-mpiexec", "sleep-no-agent"])
+def test_a_stalled_rank_ends_the_whole_job(case, launcher, where):
+    # Rank 1 never submits: it sits in C code or sleeps far longer than the test allows. The
+    # whole job must end after the stall timeout plus the abort grace period (run_job fails on
+    # a job still running at its timeout, or on any process of it left behind), non-zero, with
+    # the survivor's error printed and the stalled rank's stack showing where it was stuck.
+    result = run_job(launch(launcher, 2, "bad_input_jobs.py", case), env=STALL_ENV, timeout=75)
+    assert result.returncode != 0, result.stderr
+    assert "collectives stalled for more than 4 s (HPDL_STALL_TIMEOUT)" in result.stderr
+    assert "HorovodInternalError" in result.stderr  # the survivor's own error, printed before the end
+    assert "hpdl: rank 1 stopped submitting collectives" in result.stderr
+    assert where in result.stderr, result.stderr  # the stalled rank's stack, at the line it was stuck on
+    assert "went on" not in result.stdout
+
+
+# == One clear line, exit 2, no traceback: settings ================================================
+
+COMMANDS = {
+    "run": ["run", "-np", "1", "--dry-run", "--", "true"],
+    "sr-train": ["sr", "train", "--config", "demo", "total_updates=1"],
+    "bench-allreduce": ["bench", "allreduce", "--max-size", "8"],
+    "bench-synthetic": ["bench", "synthetic", "--model", "edsr-baseline"],
+}
+# Each command once, each kind of bad value once (the parsing is shared: one place decides).
+BAD_SETTINGS = [
+    ("sr-train", {"HPDL_FUSION_TRESHOLD": "1"}, "unknown setting HPDL_FUSION_TRESHOLD (did you mean HPDL_FUSION_THRESHOLD?)"),
+    ("bench-synthetic", {"HPDL_CYCLE_TIME": "inf"}, "HPDL_CYCLE_TIME='inf': expected a finite number"),
+    ("bench-allreduce", {"HPDL_CYCLE_TIME": "nan"}, "HPDL_CYCLE_TIME='nan': expected a finite number"),
+    ("run", {"HPDL_FUSION_THRESHOLD": "inf"}, "HPDL_FUSION_THRESHOLD='inf': expected a finite number"),
+    ("sr-train", {"HPDL_STALL_TIMEOUT": "-inf"}, "HPDL_STALL_TIMEOUT='-inf': expected a finite number"),
+]
+
+
+@pytest.mark.parametrize("command,env,message", BAD_SETTINGS,
+                         ids=[f"{c}-{next(iter(e))}={next(iter(e.values()))}" for c, e, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_one_line_under_every_command(command, env, message, tmp_path):
+    args = COMMANDS[command] + ([f"out_dir={tmp_path / 'run'}"] if command == "sr-train" else [])
+    assert_one_line_error(hpdl(*args, env=env), message)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multirank
+def test_a_bad_setting_is_reported_once_by_a_job_of_two_ranks():
+    result = run_job(["mpiexec", "-n", "2", sys.executable, "-m", "hpdl", "bench", "allreduce", "--max-size", "8"],
+                     env={"HPDL_CYCLE_TIME": "inf"})
+    assert_one_line_error(result, "HPDL_CYCLE_TIME='inf'")
+
+
+def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message():
+    result = run_job([sys.executable, "-c", "import hpdl.torch as hvd; hvd.init()"], env={"HPDL_CYCLE_TIME": "inf"})
+    assert result.returncode == 1
+    assert result.stderr.count("Traceback") == 1 and "During handling" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == \
+        "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"

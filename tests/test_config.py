@@ -69,3 +69,18 @@ def test_engine_thread_runs_at_the_configured_nice():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "7"
+
+
+def test_non_finite_numbers_are_rejected_from_variables_and_arguments():
+    for text in ("inf", "-inf", "nan", "1e999"):
+        with pytest.raises(SettingsError, match="finite"):
+            Settings.from_env({"HPDL_CYCLE_TIME": text})
+        with pytest.raises(SettingsError, match="finite"):
+            Settings.from_env({"HPDL_CACHE_CAPACITY": text})
+    with pytest.raises(SettingsError, match="HPDL_STALL_TIMEOUT must be a finite number"):
+        Settings(stall_timeout_s=float("inf"))
+
+
+def test_a_misspelt_variable_is_answered_with_the_name_it_resembles():
+    with pytest.raises(SettingsError, match=r"HPDL_FUSION_TRESHOLD \(did you mean HPDL_FUSION_THRESHOLD\?\)"):
+        Settings.from_env({"HPDL_FUSION_TRESHOLD": "1"})

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
 import pickle
 import socket
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -147,6 +148,13 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:
         """Release the group's resources (the world group may outlive this call)."""
+
+    def abort(self, code: int) -> NoReturn:
+        """End the whole job at once, from any thread, even while a peer is stuck: never returns.
+
+        The default ends this process; a backend whose launcher needs telling (MPI) overrides it.
+        """
+        os._exit(code)
 
     def describe(self) -> str:
         """One line naming the backend and its library, for logs and ``hpdl check``."""

@@ -11,7 +11,7 @@ Every other collective goes to the flat world communicator unchanged.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,6 +99,9 @@ class HierarchicalCommunicator(Communicator):
         for group in (self.local, self.cross):
             if group is not None:
                 group.close()
+
+    def abort(self, code: int) -> NoReturn:
+        self.world.abort(code)
 
     def describe(self) -> str:
         return f"{self.world.describe()}, hierarchical over {self.nodes} node(s)"

@@ -9,8 +9,9 @@ use user-defined operations that reduce the raw 16-bit words with torch.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -310,6 +311,12 @@ class MPICommunicator(Communicator):
             except MPI.Exception:
                 pass
         self._pinned.clear()
+
+    def abort(self, code: int) -> NoReturn:
+        # On the world communicator, whatever group this is: the launcher then ends every rank,
+        # including one blocked in C code that no exception can reach.
+        MPI.COMM_WORLD.Abort(code)
+        os._exit(code)  # pragma: no cover - MPI_Abort does not return
 
     def describe(self) -> str:
         aware = "CUDA-aware" if self.cuda_aware else "not CUDA-aware"

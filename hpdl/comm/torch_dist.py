@@ -9,7 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -236,6 +236,15 @@ class TorchCommunicator(Communicator):
         # the GIL, which a finalizing interpreter no longer grants (the thread is ended, and
         # C++ aborts: "terminate called without an active exception").
         self._group = self._control = None
+
+    def abort(self, code: int) -> NoReturn:
+        if self.name == "nccl":
+            try:  # abort the communicators, so no kernel waits on the GPU for a lost peer
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # ending anyway
+                pass
+        # gloo has nothing to abort: its peers see the connection close and fail at once.
+        os._exit(code)
 
     def describe(self) -> str:
         return f"{self.name} (torch.distributed, torch {torch.__version__})"

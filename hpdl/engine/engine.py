@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hpdl.comm import Communicator
 from hpdl.config import Settings
+from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
@@ -383,9 +384,12 @@ class Engine:
         if log_it:
             log.error("%s", message)
         self._fail_pending(message)
-        if not waiting and cause is None:
-            # This rank is the one that stopped submitting: it has no handle to raise through,
-            # so raise in its main thread, as every surviving rank must.
+        # This rank is the one that stopped submitting: it has no handle to raise through.
+        stalled = not waiting and cause is None
+        # The job cannot go on: make sure it ends, even where no exception can reach.
+        abort.arm(self.comm, self.rank, message, stalled)
+        if stalled:
+            # Raise in its main thread, as every surviving rank does (if it is running Python).
             self._raise_in_main_thread(message)
 
     def _raise_in_main_thread(self, message: str) -> None:

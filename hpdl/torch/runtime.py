@@ -17,7 +17,7 @@ import torch
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
 from hpdl.comm.mpi import MPI, mpi_available, mpi_cuda_aware
 from hpdl.config import Settings
-from hpdl.engine import Engine
+from hpdl.engine import Engine, abort
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         if settings.timeline:
             engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_at_exit)
             _atexit_registered = True
     if process_sets not in (None, "dynamic"):
         from hpdl.torch.process_sets import add_process_set
@@ -116,6 +116,13 @@ def shutdown() -> None:
     from hpdl.torch.process_sets import _reset_process_sets
 
     _reset_process_sets()
+
+
+def _at_exit() -> None:
+    # After a failure that ended the engine, a normal exit would wait for a peer that may never
+    # come (MPI_Finalize); the error has been printed by now, so the job is aborted instead.
+    abort.abort_if_failed()
+    shutdown()
 
 
 def is_initialized() -> bool:

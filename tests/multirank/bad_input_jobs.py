@@ -3,11 +3,15 @@ real script would, so tests/test_bad_input.py can check exit codes, messages and
 
 Usage: bad_input_jobs.py CASE
   mismatch     every rank allreduces a tensor of another shape and does not catch the error
+  stall-c      rank 1 blocks in C code (os.read on an empty pipe) while the others allreduce
+  stall-sleep  rank 1 sleeps 90 s in Python while the others allreduce
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 
@@ -18,7 +22,24 @@ def mismatch() -> None:
     hvd.allreduce(torch.ones(2 + hvd.rank()), name="bad.shape")
 
 
-CASES = {"mismatch": mismatch}
+def stall(block) -> None:
+    if hvd.rank() == 1:
+        block()
+    else:
+        hvd.allreduce(torch.ones(3), name="stalled.tensor")
+    print(f"rank {hvd.rank()} went on", flush=True)
+
+
+def read_empty_pipe() -> None:
+    read_end, _write_end = os.pipe()
+    os.read(read_end, 1)
+
+
+CASES = {
+    "mismatch": mismatch,
+    "stall-c": lambda: stall(read_empty_pipe),
+    "stall-sleep": lambda: stall(lambda: time.sleep(90)),
+}
 
 
 if __name__ == "__main__":
