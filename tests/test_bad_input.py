@@ -169,7 +169,8 @@ STALL_ENV = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "4"}
     ("stall-c", "torchrun", "os.read(read_end, 1)"),
     ("stall-sleep", "mpiexec", "time.sleep(90)"),
     ("stall-sleep", "plain", "time.sleep(90)"),
-], ids=["c-code-mpiexec", "c-code-torchrun", "sleep-mpiexec", "sleep-no-agent"])
+    ("stall-set", "mpiexec", "os.read(read_end, 1)"),
+], ids=["c-code-mpiexec", "c-code-torchrun", "sleep-mpiexec", "sleep-no-agent", "c-code-process-set"])
 def test_a_stalled_rank_ends_the_whole_job(case, launcher, where):
     # Rank 1 never submits: it sits in C code or sleeps far longer than the test allows. The
     # whole job must end after the stall timeout plus the abort grace period (run_job fails on

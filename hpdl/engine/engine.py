@@ -308,8 +308,10 @@ class Engine:
             sub = ps.controller.cycle(ps.pending)
             ran = ran or bool(sub.responses)
             self._hot = self._hot or sub.full
-            if sub.abort is not None:
+            if sub.abort is not None:  # a stall timeout within the set: the job is stuck as a whole
+                stalled = not ps.pending
                 self._fail_set(ps, sub.abort)
+                self._end_job(sub.abort, stalled)
                 continue
             self._execute(ps, sub)
         idle = self._idle = not any(ps.pending for ps in self._sets.values())
@@ -384,12 +386,15 @@ class Engine:
         if log_it:
             log.error("%s", message)
         self._fail_pending(message)
-        # This rank is the one that stopped submitting: it has no handle to raise through.
-        stalled = not waiting and cause is None
-        # The job cannot go on: make sure it ends, even where no exception can reach.
+        # This rank is the one that stopped submitting when it had nothing pending.
+        self._end_job(message, stalled=not waiting and cause is None)
+
+    def _end_job(self, message: str, stalled: bool) -> None:
+        """The job cannot go on: make sure it ends, even where no exception can reach."""
         abort.arm(self.comm, self.rank, message, stalled)
         if stalled:
-            # Raise in its main thread, as every surviving rank does (if it is running Python).
+            # A stalled rank has no handle to raise through: raise in its main thread, as every
+            # surviving rank does (it arrives if that thread is running Python).
             self._raise_in_main_thread(message)
 
     def _raise_in_main_thread(self, message: str) -> None:

@@ -5,6 +5,7 @@ Usage: bad_input_jobs.py CASE
   mismatch     every rank allreduces a tensor of another shape and does not catch the error
   stall-c      rank 1 blocks in C code (os.read on an empty pipe) while the others allreduce
   stall-sleep  rank 1 sleeps 90 s in Python while the others allreduce
+  stall-set    as stall-c, in a process set of ranks 0 and 1
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ def mismatch() -> None:
     hvd.allreduce(torch.ones(2 + hvd.rank()), name="bad.shape")
 
 
-def stall(block) -> None:
+def stall(block, process_set=None) -> None:
     if hvd.rank() == 1:
         block()
     else:
-        hvd.allreduce(torch.ones(3), name="stalled.tensor")
+        hvd.allreduce(torch.ones(3), name="stalled.tensor", process_set=process_set or hvd.global_process_set)
     print(f"rank {hvd.rank()} went on", flush=True)
 
 
@@ -39,6 +40,7 @@ CASES = {
     "mismatch": mismatch,
     "stall-c": lambda: stall(read_empty_pipe),
     "stall-sleep": lambda: stall(lambda: time.sleep(90)),
+    "stall-set": lambda: stall(read_empty_pipe, hvd.add_process_set([0, 1])),
 }
 
 
