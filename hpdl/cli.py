@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the full ``hpdl`` argument parser."""
     from hpdl.bench import cli as bench_cli
     from hpdl.launch import cli as launch_cli
+    from hpdl.launch import emulate
     from hpdl.sr import cli as sr_cli
 
     parser = argparse.ArgumentParser(
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hpdl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     launch_cli.register(sub)
+    emulate.register(sub)
     bench_cli.register(sub)
     sr_cli.register(sub)
     return parser

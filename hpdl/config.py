@@ -16,7 +16,9 @@ from typing import Any, Dict, Mapping, Optional
 BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
 
 # Variables read elsewhere on purpose (by launchers or tests), accepted without being settings.
-_PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS"}
+_PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS",
+                # where `hpdl run` finds the hosts and how it reaches them (set by `hpdl emulate`)
+                "HPDL_HOSTFILE", "HPDL_RSH"}
 
 
 class SettingsError(ValueError):
