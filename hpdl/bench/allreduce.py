@@ -5,8 +5,9 @@ Follows osu_allreduce's method: sizes doubling from 4 B, per-size warm-up and it
 rank's average reduced to avg/min/max over ranks. Bandwidth columns follow nccl-tests:
 algbw = size / time and busbw = algbw * 2 (p-1) / p.
 
-Several paths can be measured in one run (the raw backend collective, mpi4py on numpy buffers,
-and the hpdl engine); they alternate round by round and the median round is reported, so that
+Several paths can be measured in one run (the raw backend collective, the same done
+hierarchically (within each node, across nodes, within again), mpi4py on numpy buffers, and the
+hpdl engine); they alternate round by round and the median round is reported, so that
 a shared machine's drifting load hits every path alike.
 """
 
@@ -157,8 +158,11 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
     return records
 
 
+PATHS = ("backend", "hierarchical", "mpi4py", "engine")
+
+
 def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:
-    """Create the named paths: ``backend`` (hpdl's raw backend), ``mpi4py``, ``engine``."""
+    """Create the named paths (``PATHS``); collective over ``comm`` (hierarchical builds groups)."""
     factories: Dict[str, PathFactory] = {}
     for name in names:
         if name == "backend":
@@ -170,8 +174,13 @@ def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:
             factories[name] = _mpi4py_path(mpi_comm)
         elif name == "engine":
             factories[name] = _engine_path()
+        elif name == "hierarchical":
+            from hpdl.comm.hierarchical import HierarchicalCommunicator
+
+            # The backend's allreduce, node-aware: within each node, across nodes, within again.
+            factories[name] = _backend_path(HierarchicalCommunicator(comm, comm.host_names()))
         else:
-            raise ValueError(f"unknown path {name!r}; choose from backend, mpi4py, engine")
+            raise ValueError(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
     return factories
 
 

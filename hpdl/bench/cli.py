@@ -41,7 +41,8 @@ def _register_allreduce(sub) -> None:
     p.add_argument("--warmup-large", type=int, default=10, help="warm-up iterations above 8 KiB (default 10)")
     p.add_argument("--paths", default="backend",
                    help="comma-separated paths measured in one run: backend (hpdl's raw backend "
-                        "collective), engine (hpdl.torch.allreduce through negotiation and fusion), "
+                        "collective), hierarchical (the same within each node, across nodes, then within "
+                        "again), engine (hpdl.torch.allreduce through negotiation and fusion), "
                         "mpi4py (raw mpi4py Allreduce on numpy buffers) (default: backend)")
     p.add_argument("--tensors", type=int, default=1,
                    help="tensors of each size reduced per timed call: one after the other on the raw "
