@@ -83,7 +83,7 @@ _registry_lock = threading.Lock()
 def subscribe(observer: Observer) -> None:
     """Deliver every event of this process's engines, present and future, to ``observer``."""
     with _registry_lock:
-        if any(o is observer for o in _subscribers):
+        if observer in _subscribers:  # equality: a bound method is a new object at each access
             return
         _subscribers.append(observer)
         for bus in list(_buses):
@@ -93,7 +93,7 @@ def subscribe(observer: Observer) -> None:
 def unsubscribe(observer: Observer) -> None:
     """Stop delivering events to ``observer`` (subscribed with :func:`subscribe`)."""
     with _registry_lock:
-        _subscribers[:] = [o for o in _subscribers if o is not observer]
+        _subscribers[:] = [o for o in _subscribers if o != observer]
         for bus in list(_buses):
             bus._refresh()
 
@@ -129,7 +129,7 @@ class EventBus:
     def remove(self, observer: Observer) -> None:
         """Stop delivering to an observer given to :meth:`add`."""
         with _registry_lock:
-            self._own = [o for o in self._own if o is not observer]
+            self._own = [o for o in self._own if o != observer]
             self._refresh()
 
     def emit(self, event: Event) -> None:

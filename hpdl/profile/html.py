@@ -89,6 +89,8 @@ def _size_plot(a: Analysis, bench: Optional[BenchCurve]) -> str:
 
 
 def _steps_plot(a: Analysis) -> str:
+    from matplotlib.ticker import MaxNLocator
+
     ranks = a.ranks[:_MAX_RANK_PLOTS]
     fig = _figure(height=1.6 + 1.4 * len(ranks))
     axes = fig.subplots(len(ranks), 1, sharex=True, squeeze=False)[:, 0]
@@ -103,6 +105,7 @@ def _steps_plot(a: Analysis) -> str:
     axes[0].set_title("Per step: compute and exposed communication (start-up step left out)")
     axes[0].legend(fontsize=7, loc="upper right")
     axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     return _svg(fig)
 
 
