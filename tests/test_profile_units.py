@@ -200,7 +200,10 @@ def test_report_and_compare_text():
     assert "32 MiB-64 MiB" in text and "exposed comm ms" in text and "Findings" in text
     compare = render_compare(before, "a.json", after, "b.json")
     row = next(line for line in compare.splitlines() if line.startswith("32 MiB-64 MiB"))
-    assert "-50%" in row
+    assert "-50%" in row and "settings: the same" in compare
+    tuned = make_profile(fusion_threshold=32 * MiB)
+    assert "settings changed: fusion_threshold 67108864 -> 33554432" in render_compare(
+        before, "a.json", Analysis(tuned), "b.json")
 
 
 def test_timeline_tracks_and_phases():

@@ -138,6 +138,10 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
 def render_compare(a: Analysis, path_a: str, b: Analysis, path_b: str) -> str:
     """The terminal comparison of run A (before) and run B (after)."""
     parts = [f"A: {job_line(a, path_a)}", f"B: {job_line(b, path_b)}"]
+    sa, sb = a.job.get("settings", {}), b.job.get("settings", {})
+    changed = [f"{key} {sa.get(key, '-')} -> {sb.get(key, '-')}" for key in sorted({*sa, *sb})
+               if sa.get(key) != sb.get(key)]
+    parts.append(f"settings changed: {', '.join(changed)}" if changed else "settings: the same")
     for t in compare_tables(a, b):
         parts += ["", t.title, format_table(t.header, t.rows)]
     return "\n".join(parts)
