@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -29,6 +30,8 @@ def _rows(rank: dict, table: str) -> list:
 @pytest.fixture(scope="module")
 def edsr_profile(tmp_path_factory):
     """An unchanged EDSR-baseline Horovod script, profiled by HPDL_PROFILE alone (a relative path)."""
+    if shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not found (pip install 'hpdl[mpi]')")
     cwd = tmp_path_factory.mktemp("edsr")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HPDL_PROFILE": "p.json"}
     result = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(SCRIPTS / "profile_train.py"), "5"],

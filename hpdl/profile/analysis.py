@@ -74,6 +74,7 @@ class Row:
     volume: float = 0.0  # bytes of all calls
     nbytes: int = 0
     share: float = 0.0
+    kind: str = ""
 
     @property
     def mean_us(self) -> float:
@@ -156,7 +157,7 @@ class Analysis:
         self.fusion = self._fusion()
 
     def _row(self, rows: Dict[Any, Row], key: Any, label: str, message: Dict[str, Any]) -> None:
-        row = rows.setdefault(key, Row(label, nbytes=message["bytes"]))
+        row = rows.setdefault(key, Row(label, nbytes=message["bytes"], kind=message["kind"]))
         n = len(self.ranks)
         row.calls += message["calls"] / n
         row.time_us += message["backend_us"] / n
@@ -262,4 +263,4 @@ class Analysis:
 
     def latency_points(self) -> List[Tuple[int, float, Optional[float], str]]:
         """(bytes, mean backend latency µs, bus bandwidth GB/s, kind) per distinct message, for plots."""
-        return [(row.nbytes, row.mean_us, row.busbw_gbps, row.label.split(" ", 1)[0]) for row in self.by_message]
+        return [(row.nbytes, row.mean_us, row.busbw_gbps, row.kind) for row in self.by_message]

@@ -21,7 +21,6 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from hpdl.engine import Op
-from hpdl.engine import events as ev
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.compression import Compression
 from hpdl.torch.mpi_ops import Adasum, Average, AsyncHandle
@@ -295,9 +294,7 @@ class _DistributedOptimizerMixin:
                 self.synchronize()
         self._synchronized = False
         result = super().step(closure)
-        state = runtime._state
-        if state is not None:
-            ev.mark_step(state.engine.bus, state.topology.rank)  # a step boundary, when profiled
+        runtime.profile_step()  # a step boundary, when profiled
         return result
 
     # _patch_step_function() (run again by load_state_dict) must not wrap this step in the

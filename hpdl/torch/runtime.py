@@ -271,7 +271,7 @@ def stop_profile() -> None:
 
 
 def profile_step() -> None:
-    """Mark the end of a training step in the profile (loops without DistributedOptimizer)."""
+    """Mark the end of a training step in the profile (DistributedOptimizer.step() does; loops without it call this)."""
     state = _state
     if state is not None:
         ev.mark_step(state.engine.bus, state.topology.rank)
