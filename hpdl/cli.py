@@ -28,12 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     from hpdl.bench import cli as bench_cli
     from hpdl.launch import cli as launch_cli
     from hpdl.launch import emulate
+    from hpdl.profile import cli as profile_cli
     from hpdl.sr import cli as sr_cli
 
     parser = argparse.ArgumentParser(
         prog="hpdl",
         description="Data-parallel training for PyTorch across processes and machines: "
-        "launch jobs, check the installation, benchmark, and train super-resolution models.",
+        "launch jobs, check the installation, benchmark, profile communication, and train "
+        "super-resolution models.",
     )
     parser.add_argument("--version", action="version", version=f"hpdl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.register(sub)
     bench_cli.register(sub)
     sr_cli.register(sub)
+    profile_cli.register(sub)
     return parser
 
 

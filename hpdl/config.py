@@ -62,6 +62,9 @@ class Settings:
         default=1800.0, metadata={"env": "HPDL_STALL_TIMEOUT"}
     )
     timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
+    # Record every collective and step of every rank; rank 0 writes them to this JSON file at
+    # shutdown (docs/profile.md).
+    profile: str = dataclasses.field(default="", metadata={"env": "HPDL_PROFILE"})
     timeline_mark_cycles: bool = dataclasses.field(
         default=False, metadata={"env": "HPDL_TIMELINE_MARK_CYCLES"}
     )

@@ -224,3 +224,57 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
     assert result.stderr.count("Traceback") == 1 and "During handling" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == \
         "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"
+
+
+# == hpdl profile: files that are not (readable) profiles ==========================================
+
+def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
+    """A valid profile and damaged or foreign files beside it, by name."""
+    import json
+
+    from test_profile_units import make_profile
+
+    text = json.dumps(make_profile())
+    newer = make_profile()
+    newer["version"] = 99
+    bad_table = make_profile()
+    bad_table["ranks"][1]["steps"]["columns"] = ["step"]
+    files = {
+        "good.json": text,
+        "truncated.json": text[: len(text) // 2],
+        "foreign.json": json.dumps({"traceEvents": []}),
+        "list.json": "[1, 2, 3]",
+        "newer.json": json.dumps(newer),
+        "bad_table.json": json.dumps(bad_table),
+        "bench_foreign.json": json.dumps({"benchmark": "synthetic", "records": []}),
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
+    return {name: tmp_path / name for name in [*files, "binary.json"]}
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["report", "{truncated}"], ["truncated.json", "not complete JSON", "truncated"]),
+    (["report", "{foreign}"], ["foreign.json", "is not an hpdl profile"]),
+    (["report", "{list}"], ["list.json", "is not an hpdl profile"]),
+    (["report", "{binary}"], ["binary.json", "not"]),
+    (["report", "{newer}"], ["newer.json", "schema version 99", "upgrade hpdl"]),
+    (["report", "{bad_table}"], ["bad_table.json", "ranks[1].steps"]),
+    (["report", "{dir}/absent.json"], ["absent.json", "cannot read profile"]),
+    (["report", "{good}", "--buckets", "16M,1M"], ["--buckets", "16M,1M"]),
+    (["report", "{good}", "--bench", "{truncated}"], ["--bench", "truncated.json"]),
+    (["report", "{good}", "--bench", "{bench_foreign}"], ["--bench", "bench_foreign.json"]),
+    (["report", "{good}", "--html", "{dir}/no/such/dir/r.html"], ["cannot write", "r.html"]),
+    (["compare", "{good}", "{truncated}"], ["truncated.json", "not complete JSON"]),
+    (["timeline", "{newer}", "-o", "{dir}/t.json"], ["newer.json", "schema version 99"]),
+    (["timeline", "{good}", "-o", "{dir}/no/such/dir/t.json"], ["cannot write", "t.json"]),
+], ids=["truncated", "foreign", "list", "binary", "newer-version", "bad-table", "missing", "buckets",
+        "bench-truncated", "bench-foreign", "html-unwritable", "compare-truncated", "timeline-newer",
+        "timeline-unwritable"])
+def test_profile_command_bad_input_is_one_line(tmp_path, args, fragments):
+    files = _profile_inputs(tmp_path)
+    before = checksums(files.values())
+    argv = [arg.format(dir=tmp_path, **{path.stem: path for path in files.values()}) for arg in args]
+    assert_one_line_error(hpdl("profile", *argv, timeout=60), *fragments)
+    assert checksums(files.values()) == before

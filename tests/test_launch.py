@@ -412,6 +412,16 @@ def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path
     )
 
 
+def test_cli_profile_sets_an_absolute_hpdl_profile_for_every_rank(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: MPICH_TEXT)
+    assert main(["run", "-np", "2", "--profile", "out/p.json", "--dry-run", "--", "python", "train.py"]) == 0
+    profile = os.path.join(str(tmp_path), "out", "p.json")
+    assert capsys.readouterr().out.strip() == (
+        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 python train.py")
+
+
 def test_cli_run_help_explains_options(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["run", "--help"])
@@ -419,7 +429,7 @@ def test_cli_run_help_explains_options(capsys):
     text = capsys.readouterr().out
     for option in ("-np", "--hostfile", "-H", "--backend", "--launcher", "--mpi-args", "--dry-run",
                    "--timeline", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity",
-                   "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "examples:"):
+                   "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "--profile", "examples:"):
         assert option in text
 
 

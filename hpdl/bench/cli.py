@@ -112,7 +112,8 @@ def _register_synthetic(sub) -> None:
             "the mean over iterations +- 1.96 sigma. --compare alternates hpdl with DistributedDataParallel\n"
             "(ddp, over gloo), the no-communication ceiling (every rank trains alone, all at once) or\n"
             "lockstep (the ceiling plus a barrier after each backward: the most any synchronous\n"
-            "data-parallel method can reach) and reports medians over --repeats runs and the ratios.\n\n"
+            "data-parallel method can reach) or profiled (hpdl with the communication profiler on)\n"
+            "and reports medians over --repeats runs and the ratios.\n\n"
             "examples:\n"
             "  hpdl run -np 2 -- hpdl bench synthetic --model resnet50 --batch-size 8\n"
             "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling,lockstep"
@@ -134,7 +135,8 @@ def _register_synthetic(sub) -> None:
     p.add_argument("--compare", default="",
                    help="comma-separated baselines to alternate with: ddp (DistributedDataParallel over gloo), "
                         "ceiling (no communication, every rank alone), lockstep (the ceiling with the ranks "
-                        "waiting for each other after each backward)")
+                        "waiting for each other after each backward), profiled (hpdl with the communication "
+                        "profiler recording: hpdl/profiled is its cost)")
     p.add_argument("--repeats", type=int, default=5, help="alternating runs per mode with --compare (default 5)")
     p.add_argument("--breakdown", action="store_true",
                    help="also report per rank where a batch's time goes: forward, backward, the wait after "

@@ -46,6 +46,7 @@ class RunOptions:
     launcher: str = "auto"
     mpi_args: Tuple[str, ...] = ()
     timeline: Optional[str] = None
+    profile: Optional[str] = None
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
     cache_capacity: Optional[int] = None
@@ -64,6 +65,7 @@ def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[
     given = {
         "HPDL_BACKEND": options.backend,
         "HPDL_TIMELINE": os.path.join(cwd, options.timeline) if options.timeline else None,
+        "HPDL_PROFILE": os.path.join(cwd, options.profile) if options.profile else None,
         "HPDL_FUSION_THRESHOLD": (
             None if options.fusion_threshold_mb is None
             else str(int(round(options.fusion_threshold_mb * 1024 * 1024)))

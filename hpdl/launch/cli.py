@@ -39,6 +39,7 @@ _RUN_EPILOG = """\
 examples:
   hpdl run -np 4 -- python train.py --epochs 10
   hpdl run -np 8 -H node1:4,node2:4 --timeline trace.json -- python train.py
+  hpdl run -np 2 --profile p.json -- python train.py   # then: hpdl profile report p.json
   hpdl run --hostfile hosts.txt --backend gloo -- python -m hpdl.sr train
   hpdl run -np 2 --dry-run -- python train.py      # print the command, run nothing
 
@@ -92,6 +93,9 @@ def register(subparsers) -> None:
     knobs = run.add_argument_group("settings passed to every rank")
     knobs.add_argument("--timeline", metavar="FILE",
                        help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute)")
+    knobs.add_argument("--profile", metavar="FILE",
+                       help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
+                            "read it with `hpdl profile report FILE` (HPDL_PROFILE; made absolute)")
     knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
                        help="fuse tensors into buffers of up to MB mebibytes (HPDL_FUSION_THRESHOLD; 0 disables)")
     knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
@@ -144,6 +148,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         launcher=args.launcher,
         mpi_args=mpi_args,
         timeline=args.timeline,
+        profile=args.profile,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         cache_capacity=args.cache_capacity,
