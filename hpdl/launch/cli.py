@@ -67,7 +67,9 @@ def register(subparsers) -> None:
         help="comma-separated hosts with their slot counts, e.g. node1:4,node2:4 (slots default to 1)",
     )
     hosts.add_argument(
-        "--hostfile", metavar="FILE",
+        # -hostfile is horovodrun's and mpirun's spelling; without it argparse would read
+        # "-h ostfile" and stop at the help flag.
+        "--hostfile", "-hostfile", metavar="FILE",
         help="file of hosts, one per line: 'host slots=N', 'host:N' or 'host'",
     )
     how = run.add_argument_group("launcher")
@@ -157,7 +159,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Handle `hpdl run`: build the launcher command, then print it or exec it."""
     try:
         options = options_from_args(args)
-        argv, env = build_run(options, os.environ, detect_launchers(os.environ))
+        argv, env = build_run(options, os.environ, detect_launchers(os.environ, probe_srun=options.launcher == "srun"))
     except LaunchError as err:
         raise CliError(str(err)) from None
     if args.dry_run:
