@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import pytest
 
-from ranks import ROOT, SCRIPTS, kill_tree
+from ranks import ROOT, SCRIPTS, kill_tree, processes_with_env
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -39,20 +39,7 @@ def _clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 def _tagged_processes(tag: str) -> List[int]:
     """Pids of live processes whose environment carries ``tag`` (a job's leftovers)."""
-    needle = f"{_JOB_TAG}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    with open(f"/proc/{entry}/stat") as s:
-                        if s.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    return processes_with_env(f"{_JOB_TAG}={tag}")
 
 
 def run_job(argv: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 60,
