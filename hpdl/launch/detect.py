@@ -3,10 +3,11 @@
 The MPI flavour decides the syntax of every option we pass (``-n`` or ``-np``, ``-genv K V``
 or ``-x K=V``), so it is read from ``mpiexec --version``, as accelerate does, rather than
 guessed from the mpi4py in this interpreter, which may be built against another MPI.
-Inside a Slurm allocation srun is asked which MPI plugins it has and which one the site made
-the default, since srun's own default ("none" on a stock install) starts MPICH tasks as
-worlds of one. The parsers of these outputs are pure; :func:`detect_launchers` is the one
-function that looks at PATH and runs programs, and the builders take its result as an argument.
+Inside a Slurm allocation (or when srun is asked for by name) srun is asked which MPI
+plugins it has and which one the site made the default, since srun's own default ("none" on
+a stock install) starts MPICH tasks as worlds of one. The parsers of these outputs are pure;
+:func:`detect_launchers` is the one function that looks at PATH and runs programs, and the
+builders take its result as an argument.
 """
 
 from __future__ import annotations
