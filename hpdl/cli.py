@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from hpdl import __version__
 from hpdl.config import SettingsError
@@ -23,6 +23,17 @@ class CliError(Exception):
         self.code = code
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, like every other hpdl error.
+
+    Subcommand parsers are made of the same class, so an invalid value anywhere in the tree
+    (``--iterations abc``, a missing option value) ends in ``hpdl: error: ...`` and exit 2.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"hpdl: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the full ``hpdl`` argument parser."""
     from hpdl.bench import cli as bench_cli
@@ -31,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hpdl.profile import cli as profile_cli
     from hpdl.sr import cli as sr_cli
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpdl",
         description="Data-parallel training for PyTorch across processes and machines: "
         "launch jobs, check the installation, benchmark, profile communication, and train "

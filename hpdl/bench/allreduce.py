@@ -27,6 +27,7 @@ DTYPES = {
 }
 _NUMPY_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+PATHS = ("backend", "hierarchical", "engine", "mpi4py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,30 @@ class AllreduceOptions:
     rounds: int = 1
     paths: Sequence[str] = ("backend",)
     tensors: int = 1  # tensors of the given size reduced per timed call (submitted together)
+
+    def __post_init__(self) -> None:
+        # Checked here, before any rank communicates, so a bad value ends every rank at once.
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown --dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        elem = DTYPES[self.dtype].itemsize
+        if self.min_bytes > self.max_bytes:
+            raise ValueError(f"--min-size ({self.min_bytes} B) is larger than --max-size ({self.max_bytes} B): "
+                             "no message size to measure")
+        if self.max_bytes < elem:
+            raise ValueError(f"--max-size ({self.max_bytes} B) is smaller than one {self.dtype} element ({elem} B)")
+        if self.min_bytes % elem:
+            raise ValueError(f"--min-size ({self.min_bytes} B) is not a whole number of {self.dtype} elements "
+                             f"({elem} B each)")
+        for flag, value, least in (("--iterations", self.iterations_small, 1),
+                                   ("--iterations-large", self.iterations_large, 1),
+                                   ("--warmup", self.warmup_small, 0), ("--warmup-large", self.warmup_large, 0),
+                                   ("--rounds", self.rounds, 1), ("--tensors", self.tensors, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
+        if not self.paths or any(p not in PATHS for p in self.paths) or len(set(self.paths)) != len(self.paths):
+            raise ValueError(f"--paths takes distinct paths among {', '.join(PATHS)}, got {','.join(self.paths)!r}")
+        if "mpi4py" in self.paths and DTYPES[self.dtype] not in _NUMPY_NAMES:
+            raise ValueError(f"the mpi4py path has no numpy type for --dtype {self.dtype}")
 
 
 # A path maps the messages of one timed call (tensors of the given size) to a zero-argument
@@ -70,8 +95,6 @@ def _mpi4py_path(mpi_comm) -> PathFactory:
     def make(tensors: List[torch.Tensor]) -> Callable[[], None]:
         import numpy as np
 
-        if tensors[0].dtype not in _NUMPY_NAMES:
-            raise ValueError(f"mpi4py path has no numpy dtype for {tensors[0].dtype}")
         pairs = []
         for t in tensors:
             send = np.ones(t.numel(), dtype=_NUMPY_NAMES[t.dtype])
@@ -156,9 +179,6 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
                 "iterations": iterations, "rounds": opts.rounds,
             })
     return records
-
-
-PATHS = ("backend", "hierarchical", "mpi4py", "engine")
 
 
 def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:

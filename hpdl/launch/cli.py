@@ -32,6 +32,14 @@ Launcher choice (unless --launcher says otherwise):
       of its MPI (MPICH, Open MPI, MVAPICH2 or Intel MPI, read from `mpiexec --version`);
       torchrun if there is no mpiexec, the backend is auto and the job stays on this host.
 
+Under srun, hpdl passes the MPI plugin the MPI found needs (--mpi=pmi2 for MPICH, Intel MPI
+and MVAPICH2; --mpi=pmix for Open MPI when srun lists it) unless --mpi-args, SLURM_MPI_TYPE
+or the site's MpiDefault names one.
+
+Launchers are looked for beside the Python running hpdl too. When its directory is not on
+PATH (an environment used without activating it, as from cron or an IDE), the ranks get it
+first on their PATH, so `python` in COMMAND is this Python; --dry-run shows that PATH.
+
 Settings options become HPDL_* environment variables on every rank; HPDL_* variables already
 set are passed on too, and all are checked before anything starts."""
 
@@ -43,7 +51,8 @@ examples:
   hpdl run --hostfile hosts.txt --backend gloo -- python -m hpdl.sr train
   hpdl run -np 2 --dry-run -- python train.py      # print the command, run nothing
 
-hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment.
+hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment
+(-hostfile, horovodrun's spelling, is --hostfile).
 Open MPI refuses more ranks than cores unless told --mpi-args=--oversubscribe (write
 the "=" when the value starts with "-")."""
 
@@ -68,7 +77,9 @@ def register(subparsers) -> None:
         help="comma-separated hosts with their slot counts, e.g. node1:4,node2:4 (slots default to 1)",
     )
     hosts.add_argument(
-        "--hostfile", metavar="FILE",
+        # -hostfile is horovodrun's and mpirun's spelling; without it argparse would read
+        # "-h ostfile" and stop at the help flag.
+        "--hostfile", "-hostfile", metavar="FILE",
         help="file of hosts, one per line: 'host slots=N', 'host:N' or 'host'",
     )
     how = run.add_argument_group("launcher")
@@ -84,7 +95,8 @@ def register(subparsers) -> None:
     how.add_argument(
         "--mpi-args", default="", metavar="'ARGS'",
         help="extra arguments for mpiexec or srun, given as one quoted string that is split "
-        "as a shell would split it (for example the Open MPI option --oversubscribe)",
+        "as a shell would split it (for example the Open MPI option --oversubscribe, or srun's "
+        "--mpi=pmix instead of the plugin hpdl picks)",
     )
     how.add_argument(
         "--dry-run", action="store_true",
@@ -162,7 +174,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Handle `hpdl run`: build the launcher command, then print it or exec it."""
     try:
         options = options_from_args(args)
-        argv, env = build_run(options, os.environ, detect_launchers(os.environ))
+        argv, env = build_run(options, os.environ, detect_launchers(os.environ, probe_srun=options.launcher == "srun"))
     except LaunchError as err:
         raise CliError(str(err)) from None
     if args.dry_run:

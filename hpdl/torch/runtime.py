@@ -16,6 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
+from hpdl.comm.topology import WorldSizeError, check_world_size
 from hpdl.comm.mpi import MPI, mpi_available, mpi_cuda_aware
 from hpdl.config import Settings
 from hpdl.engine import Engine, abort
@@ -75,6 +76,12 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
         world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
                              cuda_aware=aware)
+        if comm is None or isinstance(comm, (list, tuple, range)):  # the launcher's world, not a user's comm
+            try:
+                check_world_size(world.size, os.environ)
+            except WorldSizeError:
+                world.close()
+                raise
         if isinstance(comm, (list, tuple, range)):
             sub = world.split(list(comm))
             if sub is None:
