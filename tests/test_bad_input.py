@@ -149,22 +149,34 @@ def test_mismatch_error_exits_the_same_way_every_time_under_torchrun():
 
 
 STALL_ENV = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "4"}
+STALL_CASES = {
+    "c-code-mpiexec": ("stall-c", "mpiexec", "os.read(read_end, 1)"),
+    "c-code-torchrun": ("stall-c", "torchrun", "os.read(read_end, 1)"),
+    "sleep-mpiexec": ("stall-sleep", "mpiexec", "time.sleep(90)"),
+    "sleep-no-agent": ("stall-sleep", "plain", "time.sleep(90)"),
+    "c-code-process-set": ("stall-set", "mpiexec", "os.read(read_end, 1)"),
+}
+
+
+@pytest.fixture(scope="module")
+def stalled_jobs():
+    # The jobs mostly wait (for the stall timeout): run them all at once, each checked alone below.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(STALL_CASES)) as pool:
+        futures = {name: pool.submit(run_job, launch(launcher, 2, "bad_input_jobs.py", case), STALL_ENV, 75)
+                   for name, (case, launcher, _) in STALL_CASES.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case,launcher,where", [
-    ("stall-c", "mpiexec", "os.read(read_end, 1)"),
-    ("stall-c", "torchrun", "os.read(read_end, 1)"),
-    ("stall-sleep", "mpiexec", "time.sleep(90)"),
-    ("stall-sleep", "plain", "time.sleep(90)"),
-    ("stall-set", "mpiexec", "os.read(read_end, 1)"),
-], ids=["c-code-mpiexec", "c-code-torchrun", "sleep-mpiexec", "sleep-no-agent", "c-code-process-set"])
-def test_a_stalled_rank_ends_the_whole_job(case, launcher, where):
+@pytest.mark.parametrize("name", list(STALL_CASES))
+def test_a_stalled_rank_ends_the_whole_job(stalled_jobs, name):
     # Rank 1 never submits: it sits in C code or sleeps far longer than the test allows. The
     # whole job must end after the stall timeout plus the abort grace period (run_job fails on
     # a job still running at its timeout, or on any process of it left behind), non-zero, with
     # the survivor's error printed and the stalled rank's stack showing where it was stuck.
-    result = run_job(launch(launcher, 2, "bad_input_jobs.py", case), env=STALL_ENV, timeout=75)
+    result, where = stalled_jobs[name], STALL_CASES[name][2]
     assert result.returncode != 0, result.stderr
     assert "collectives stalled for more than 4 s (HPDL_STALL_TIMEOUT)" in result.stderr
     assert "HorovodInternalError" in result.stderr  # the survivor's own error, printed before the end
