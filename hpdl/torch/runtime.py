@@ -74,7 +74,7 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             # COMM_WORLD can never interleave with the engine's.
             mpi_comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
         aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
-        world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
+        world = create_world(name, topology, timeout_s=settings.stall_timeout_s, mpi_comm=mpi_comm,
                              cuda_aware=aware)
         if comm is None or isinstance(comm, (list, tuple, range)):  # the launcher's world, not a user's comm
             try:
