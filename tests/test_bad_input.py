@@ -129,7 +129,7 @@ def test_mismatch_error_exits_the_same_way_every_time_under_torchrun():
     # Three waves of five jobs at once: the load makes the exit race likelier, not rarer.
     codes, errors = [], []
     for _ in range(3):
-        tags, procs = [], []
+        procs = []
         for _ in range(5):
             env = _clean_env()
             procs.append(subprocess.Popen(launch("torchrun", 2, "bad_input_jobs.py", "mismatch"), env=env,
@@ -327,9 +327,9 @@ def test_bench_allreduce_min_above_max_ends_before_any_rank_communicates():
     (["--iterations", "many"], "argument --iterations: invalid int value: 'many'"),
 ])
 def test_bench_allreduce_invalid_values_are_one_line(args, fragment, capsys, monkeypatch):
-    from hpdl.bench import cli as bench_cli
+    from hpdl.torch import runtime
 
-    monkeypatch.setattr(bench_cli, "_benchmark_communicator", lambda *a: pytest.fail("a communicator was created"))
+    monkeypatch.setattr(runtime, "job_communicator", lambda *a: pytest.fail("a communicator was created"))
     assert _exit_code(["bench", "allreduce", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hpdl: error: ") and err.count("\n") == 1 and fragment in err, err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def register(subparsers) -> None:
@@ -88,11 +87,17 @@ def _run_allreduce(args) -> int:
     from hpdl.bench.allreduce import build_paths, format_records, run_allreduce
     from hpdl.cli import CliError
 
+    from hpdl.comm import CommError
+    from hpdl.torch.runtime import job_backend, job_communicator
+
     opts = _allreduce_options(args)
-    name, topo, settings = _benchmark_backend(args.backend)
-    if "mpi4py" in opts.paths and name != "mpi":
-        raise CliError(f"the mpi4py path needs the MPI backend, not {name} (launch with mpiexec)")
-    comm = _benchmark_communicator(name, topo, settings)
+    try:
+        name = job_backend(args.backend)  # checked before any rank communicates
+        if "mpi4py" in opts.paths and name != "mpi":
+            raise CliError(f"the mpi4py path needs the MPI backend, not {name} (launch with mpiexec)")
+        comm = job_communicator(args.backend)  # the raw paths' own; the engine, if used, has another
+    except (ValueError, CommError) as err:  # settings, backend, a world of the wrong size
+        raise CliError(str(err)) from None
     if "engine" in opts.paths:
         import hpdl.torch as hvd
 
@@ -175,37 +180,3 @@ def _run_synthetic(args) -> int:
     if record is not None and args.json:
         print(json.dumps(record, indent=1))
     return 0
-
-
-def _benchmark_backend(backend):
-    """Choose the raw paths' backend without communicating: ``(name, topology, settings)``."""
-    from hpdl.cli import CliError
-    from hpdl.comm import CommError, choose_backend, discover_topology
-    from hpdl.comm.mpi import mpi_available
-    from hpdl.config import Settings
-
-    try:
-        settings = Settings.from_env(backend=backend)
-        topo = discover_topology()
-        return choose_backend(settings.backend, topo, mpi_available()), topo, settings
-    except (ValueError, CommError) as err:
-        raise CliError(str(err)) from None
-
-
-def _benchmark_communicator(name, topo, settings):
-    """A world communicator of its own for the raw paths (the engine, if used, has another)."""
-    from hpdl.cli import CliError
-    from hpdl.comm import WorldSizeError, check_world_size, create_world
-
-    if name == "mpi":
-        from mpi4py import MPI
-
-        comm = create_world(name, topo, mpi_comm=MPI.COMM_WORLD.Dup())
-    else:
-        comm = create_world(name, topo, timeout_s=settings.stall_timeout_s)
-    try:
-        check_world_size(comm.size, os.environ)
-    except WorldSizeError as err:
-        comm.close()
-        raise CliError(str(err)) from None
-    return comm

@@ -122,6 +122,11 @@ class TorchCommunicator(Communicator):
         return self._rank
 
     @property
+    def process_group(self):
+        """The torch.distributed process group of this communicator (e.g. for DDP)."""
+        return self._group
+
+    @property
     def size(self) -> int:
         return self._size
 
