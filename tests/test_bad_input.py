@@ -226,6 +226,22 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
         "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"
 
 
+# == hpdl bench scaling: a study that cannot be run ==================================================
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "1,x"], "--ranks takes comma-separated integers, got '1,x'"),
+    (["--ranks", "0,2"], "--ranks takes distinct rank counts of at least 1, got 0,2"),
+    (["--systems", "hpdl,horovod"], "--systems takes distinct systems among hpdl, hpdl-fp16, hpdl-hier, ddp, ddp-fp16"),
+    (["--ranks", "1,4", "-H", "localhost:2"], "4 ranks do not fit the 2 slots of the hosts"),
+    (["--json", "/nonexistent/dir/s.json"], "/nonexistent/dir/s.json: its directory does not exist"),
+    (["--model", "vgg", "--ranks", "1", "--repeats", "1"], "the default job on 1 rank(s) failed (exit 2): hpdl: error: unknown model 'vgg'"),
+], ids=["ranks-not-integers", "zero-ranks", "unknown-system", "too-few-slots", "json-dir", "failing-job"])
+def test_bench_scaling_bad_requests_are_one_line(args, message, tmp_path):
+    result = hpdl("bench", "scaling", *args, cwd=tmp_path)
+    assert_one_line_error(result, message)
+    assert list(tmp_path.iterdir()) == []  # no record, no plot
+
+
 # == hpdl profile: files that are not (readable) profiles ==========================================
 
 def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:

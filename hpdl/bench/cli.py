@@ -1,5 +1,6 @@
-"""`hpdl bench`: registered benchmarks. Each runs inside the current job (start it with
-`hpdl run -np N -- hpdl bench ...` or a launcher directly) and prints on rank 0 only."""
+"""`hpdl bench`: registered benchmarks. allreduce and synthetic run inside the current job
+(start them with `hpdl run -np N -- hpdl bench ...` or a launcher directly) and print on rank 0
+only; scaling is a driver that starts such jobs itself."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import json
 def register(subparsers) -> None:
     """Add ``bench`` and its benchmark subcommands."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: allreduce (OSU-style), synthetic training throughput",
+        "bench", help="benchmarks: allreduce (OSU-style), synthetic training throughput, scaling studies",
         description="Benchmarks that run inside a job: start them with `hpdl run -np N -- hpdl bench ...`.",
     )
     sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     _register_allreduce(sub)
     _register_synthetic(sub)
+    _register_scaling(sub)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 
@@ -179,4 +181,80 @@ def _run_synthetic(args) -> int:
     record = run_synthetic(opts, json_output=args.json)
     if record is not None and args.json:
         print(json.dumps(record, indent=1))
+    return 0
+
+
+def _register_scaling(sub) -> None:
+    from hpdl.bench.scaling import SYSTEMS
+
+    p = sub.add_parser(
+        "scaling",
+        help="img/s and scaling efficiency against the number of ranks, hpdl against DDP (starts the jobs)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run `hpdl bench synthetic` at each rank count of --ranks for each system of --systems, in\n"
+            "alternating repeats, each job started with `hpdl run`; print img/s and scaling efficiency\n"
+            "(against N x the 1-rank figure and against the no-communication ceiling measured in the\n"
+            "same job), write the record as JSON and a plot as PNG. Run it from a shell, not under a\n"
+            "launcher. On several hosts (-H, or HPDL_HOSTFILE, which `hpdl emulate` sets) the ranks\n"
+            "are spread evenly over them.\n\n"
+            f"systems: {', '.join(SYSTEMS)}\n\n"
+            "examples:\n"
+            "  hpdl bench scaling --model edsr-baseline --batch-size 4 --ranks 1,2\n"
+            "  hpdl emulate --nodes 2 --rate 1gbit -- hpdl bench scaling --model edsr --batch-size 1 --patch 24 \\\n"
+            "      --systems hpdl,hpdl-fp16,ddp,ddp-fp16 --ranks 1,2"
+        ),
+    )
+    p.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default 1,2)")
+    p.add_argument("--systems", default="hpdl,ddp", help="comma-separated systems (default hpdl,ddp)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of every point (default 3)")
+    p.add_argument("-H", "--hosts", default=None, metavar="HOST[:SLOTS],...",
+                   help="hosts to spread the ranks over (default: HPDL_HOSTFILE's, else this host)")
+    p.add_argument("--json", default="scaling.json", metavar="FILE", help="record to write (default scaling.json)")
+    p.add_argument("--plot", default="scaling.png", metavar="FILE", help="PNG plot to write (default scaling.png)")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds a job may take (default 1800)")
+    synthetic = p.add_argument_group("passed to every `hpdl bench synthetic` job")
+    for flag, kind, default in (("--model", str, "edsr-baseline"), ("--batch-size", int, None), ("--patch", int, None),
+                                ("--scale", int, None), ("--num-warmup", int, None), ("--num-iters", int, None),
+                                ("--num-batches-per-iter", int, None), ("--threads", int, None),
+                                ("--optimizer", str, None)):
+        synthetic.add_argument(flag, type=kind, default=default, help=f"(default: the synthetic benchmark's)"
+                               if default is None else f"(default {default})")
+    p.set_defaults(func=_run_scaling)
+
+
+def _run_scaling(args) -> int:
+    import os
+
+    from hpdl.bench.scaling import ScalingError, ScalingOptions, format_summary, plot, run_scaling
+    from hpdl.cli import CliError
+    from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
+
+    try:
+        ranks = tuple(int(r) for r in args.ranks.split(","))
+    except ValueError:
+        raise CliError(f"--ranks takes comma-separated integers, got {args.ranks!r}") from None
+    synthetic = []
+    for name in ("model", "batch_size", "patch", "scale", "num_warmup", "num_iters", "num_batches_per_iter",
+                 "threads", "optimizer"):
+        value = getattr(args, name)
+        if value is not None:
+            synthetic += [f"--{name.replace('_', '-')}", str(value)]
+    try:
+        hosts = (parse_hosts(args.hosts) if args.hosts
+                 else read_hostfile(os.environ["HPDL_HOSTFILE"]) if os.environ.get("HPDL_HOSTFILE") else None)
+        opts = ScalingOptions(ranks=ranks, systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+                              repeats=args.repeats, hosts=tuple((h.name, h.slots) for h in hosts.hosts) if hosts else None,
+                              synthetic_args=tuple(synthetic), timeout_s=args.timeout)
+        for path in (args.json, args.plot):
+            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise CliError(f"{path}: its directory does not exist")
+        record = run_scaling(opts)
+    except (ValueError, LaunchError, ScalingError) as err:
+        raise CliError(str(err)) from None
+    print(format_summary(record))
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(record, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
     return 0
