@@ -153,7 +153,7 @@ def test_added_param_group_is_tracked():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.add_param_group({"params": [extra]})
-    assert opt._names[extra] == "allreduce.noname.1.0" and extra in opt._delay
+    assert opt._parameter_names[extra] == "allreduce.noname.1.0" and extra in opt._delay
 
 
 def test_synchronize_blocks_once_on_the_last_submitted_gradient(monkeypatch):

@@ -15,6 +15,12 @@ def test_every_function_against_reference(launcher, n):
     assert "OK torch api" in result.stdout
 
 
+def test_adasum_at_four_ranks():
+    # Two levels of the recursion (the usual layouts stop at one, or refuse three ranks).
+    result = run_ranks("torch_api.py", 4, "mpiexec", args=["adasum"], timeout=120)
+    assert result.stdout.count("OK adasum") == 4, result.stdout
+
+
 @pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
 def test_fusion_cache_and_poll(launcher, n):
     result = run_ranks("engine_behaviour.py", n, launcher)

@@ -4,6 +4,7 @@ Names and semantics follow Horovod 0.28's ``horovod.torch``; see docs/api.md for
 """
 
 from hpdl.engine import HorovodInternalError
+from hpdl.torch import process_sets as _process_sets, runtime as _runtime
 from hpdl.torch.compression import Compression, Compressor
 from hpdl.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from hpdl.torch.mpi_ops import (
@@ -19,11 +20,10 @@ from hpdl.torch.runtime import (
     is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
     rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
+from hpdl.torch.optimizer import DistributedOptimizer
+from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
-try:  # DistributedOptimizer lands with the training issue; the collectives stand alone.
-    from hpdl.torch.optimizer import DistributedOptimizer
-except ImportError:  # pragma: no cover
-    pass
+_process_sets._setup(_runtime)  # process sets ask the runtime for rank, size and the engine
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
@@ -36,5 +36,5 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "SyncBatchNorm", "synchronize",
 ]

@@ -10,14 +10,15 @@ import atexit
 import dataclasses
 import os
 import threading
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
-from hpdl.comm.mpi import MPI, mpi_available, mpi_cuda_aware
+from hpdl.comm.mpi import MPI, mpi_available
 from hpdl.config import Settings
 from hpdl.engine import Engine, abort
+from hpdl.torch import process_sets as _process_sets
 
 
 @dataclasses.dataclass
@@ -95,10 +96,8 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             atexit.register(_at_exit)
             _atexit_registered = True
     if process_sets not in (None, "dynamic"):
-        from hpdl.torch.process_sets import add_process_set
-
         for ps in process_sets:
-            add_process_set(ps)
+            _process_sets.add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -113,9 +112,7 @@ def shutdown() -> None:
     if data_comm is not state.comm:
         data_comm.close()
     state.comm.close()
-    from hpdl.torch.process_sets import _reset_process_sets
-
-    _reset_process_sets()
+    _process_sets._reset()
 
 
 def _at_exit() -> None:
@@ -227,10 +224,6 @@ def ccl_built() -> bool:
     return False
 
 
-def mpi_cuda_aware_enabled() -> bool:
-    return mpi_cuda_aware()
-
-
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Write engine events of rank 0 to ``file_path`` as a Chrome trace until stop_timeline()."""
     _require().engine.start_timeline(file_path, mark_cycles)
@@ -239,10 +232,3 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop and close the timeline started by start_timeline() or HPDL_TIMELINE."""
     _require().engine.stop_timeline()
-
-
-def ranks_of(process_set_id: int) -> List[int]:
-    ranks = _require().engine.process_set_ranks(process_set_id)
-    if ranks is None:
-        raise ValueError(f"process set {process_set_id} does not exist")
-    return ranks
