@@ -12,7 +12,7 @@ EQUIVALENCE = [
 ]
 BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
-    "broadcast-state", "sparse", "process-set",
+    "broadcast-state", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
 ]
 
 

@@ -15,6 +15,12 @@ def test_every_function_against_reference(launcher, n):
     assert "OK torch api" in result.stdout
 
 
+@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+def test_sync_batch_norm_equals_one_process_on_the_whole_batch(launcher, n):
+    result = run_ranks("sync_batch_norm.py", n, launcher, timeout=180)
+    assert f"OK sync batch norm: size={n}" in result.stdout
+
+
 def test_adasum_at_four_ranks():
     # Two levels of the recursion (the usual layouts stop at one, or refuse three ranks).
     result = run_ranks("torch_api.py", 4, "mpiexec", args=["adasum"], timeout=120)

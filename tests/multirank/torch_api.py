@@ -10,7 +10,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-from _common import ALL_DTYPES, assert_equal, rank_tensor, run_main
+from _common import ALL_DTYPES, adasum_reference, assert_equal, rank_tensor, run_main
 
 import hpdl.torch as hvd
 from hpdl.torch import runtime
@@ -73,22 +73,6 @@ def check_allreduce(rank, size):
     hvd.grouped_allreduce_(tensors, op=hvd.Max)
     assert_equal(tensors[2], torch.full((3,), float(size - 1)), "grouped in place")
     check_adasum(rank, size)
-
-
-def adasum_pair(a, b):
-    """Horovod's pairwise Adasum, evaluated directly in float64."""
-    dot, a_normsq, b_normsq = a.dot(b), a.dot(a), b.dot(b)
-    a_coeff = 1 - dot / a_normsq / 2 if a_normsq >= 1e-8 else 1.0
-    b_coeff = 1 - dot / b_normsq / 2 if b_normsq >= 1e-8 else 1.0
-    return a_coeff * a + b_coeff * b
-
-
-def adasum_reference(vectors):
-    """The recursion on whole vectors: pairs at distance 1, then 2, 4, ... (rank order)."""
-    vectors = [v.double().flatten() for v in vectors]
-    while len(vectors) > 1:
-        vectors = [adasum_pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
-    return vectors[0]
 
 
 def check_adasum(rank, size):
