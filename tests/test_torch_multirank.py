@@ -38,6 +38,15 @@ def test_cache_disabled_takes_the_full_path():
     assert "cache_hits=0" in result.stdout
 
 
+def test_horovod_variables_in_a_job_script():
+    # An alias takes effect; a variable hpdl does not honour gets one warning line, from rank 0.
+    env = {"HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_AUTOTUNE": "1"}
+    result = run_ranks("engine_behaviour.py", 2, "mpiexec", env=env)
+    assert "cache_hits=0" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "HOROVOD_" in line]
+    assert warnings == ["hpdl: warning: HOROVOD_AUTOTUNE is set but not honoured by hpdl; ignoring it"], result.stderr
+
+
 def test_timeline_from_environment(tmp_path):
     path = tmp_path / "timeline.json"
     run_ranks("engine_behaviour.py", 2, "mpiexec", env={"HPDL_TIMELINE": str(path)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 from typing import Any, Optional, Sequence, Union
 
@@ -16,7 +17,7 @@ import torch
 
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
 from hpdl.comm.mpi import MPI, mpi_available
-from hpdl.config import Settings
+from hpdl.config import Settings, horovod_variables_ignored
 from hpdl.engine import Engine, abort
 from hpdl.torch import process_sets as _process_sets
 
@@ -90,6 +91,9 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
                                             torch.cuda.is_available())
         engine = Engine(settings, world, data_comm, thread_nice=nice)
         _state = _State(settings, topology, world, engine, homogeneous)
+        if topology.rank == 0:
+            for name in horovod_variables_ignored():
+                sys.stderr.write(f"hpdl: warning: {name} is set but not honoured by hpdl; ignoring it\n")
         if settings.timeline:
             engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if not _atexit_registered:
