@@ -407,9 +407,25 @@ def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path
     assert code == 0
     timeline = os.path.join(str(tmp_path), "t.json")
     assert out == (
-        f"HPDL_TIMELINE={timeline} mpiexec -np 2 -H a:1,b:1 --bind-to none -x HPDL_TIMELINE={timeline} "
-        "-x PATH --oversubscribe python train.py --lr 0.1"
+        f"HPDL_TIMELINE={timeline} mpiexec --allow-run-as-root --tag-output -np 2 -H a:1,b:1 --bind-to none "
+        f"-x HPDL_TIMELINE={timeline} -x PATH --oversubscribe python train.py --lr 0.1"
     )
+
+
+def test_openmpi_gets_horovodruns_options():
+    from hpdl.launch.cli import with_openmpi_defaults
+
+    openmpi = info(flavour=detect.OPENMPI)
+    argv, _ = run(launchers=openmpi, np=2)
+    assert with_openmpi_defaults(argv, openmpi)[:3] == ["mpiexec", "--allow-run-as-root", "--tag-output"]
+    assert with_openmpi_defaults(argv, openmpi)[3:] == argv[1:]
+    argv, _ = run(launchers=openmpi, np=2, mpi_args=("--tag-output",))
+    assert with_openmpi_defaults(argv, openmpi).count("--tag-output") == 1
+    mpich = info()
+    argv, _ = run(launchers=mpich, np=2)
+    assert with_openmpi_defaults(argv, mpich) == argv
+    argv, _ = run(launchers=openmpi, np=2, backend="gloo")  # torchrun: no Open MPI options
+    assert argv[0] == "torchrun" and with_openmpi_defaults(argv, openmpi) == argv
 
 
 def test_cli_run_help_explains_options(capsys):
@@ -441,3 +457,28 @@ def test_run_two_ranks_through_mpiexec():
     assert done.returncode == 0, done.stderr
     # mpiexec forwards the ranks' output in chunks that may interleave ("01\n\n"): compare digits.
     assert sorted(c for c in done.stdout if c.isdigit()) == ["0", "1"], done.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_run_and_check_under_openmpi(tmp_path):
+    """Open MPI with mpi4py built against it: `hpdl check` names it, and `hpdl run` works even as root."""
+    from ranks import OPENMPI_VENV, openmpi_missing
+
+    if openmpi_missing():
+        pytest.skip(openmpi_missing())
+    (tmp_path / "mpiexec").symlink_to(shutil.which("mpiexec.openmpi"))
+    venv_bin = OPENMPI_VENV / "bin"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "SLURM_", "VIRTUAL_ENV"))}
+    env.update(PATH=os.pathsep.join([str(tmp_path), str(venv_bin), "/usr/bin", "/bin"]), PYTHONPATH=str(ROOT))
+    check = subprocess.run([str(venv_bin / "hpdl"), "check"], env=env, capture_output=True, text=True, timeout=60)
+    assert "MPI (Open MPI: Open MPI v" in check.stdout and "mpiexec (Open MPI " in check.stdout, check.stdout
+    # One write per line: --tag-output tags every chunk a rank writes.
+    script = ("import sys, hpdl.torch as hvd; hvd.init(); "
+              "sys.stdout.write(f'rank {hvd.rank()} of {hvd.size()} {hvd.mpi_enabled()}\\n')")
+    done = subprocess.run([str(venv_bin / "hpdl"), "run", "-np", "2", "--", str(venv_bin / "python"), "-c", script],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # --tag-output: each line says which rank printed it.
+    assert sorted(done.stdout.split("\n"))[1:] == ["[1,0]<stdout>:rank 0 of 2 True",
+                                                   "[1,1]<stdout>:rank 1 of 2 True"], done.stdout

@@ -4,18 +4,18 @@ import json
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, run_plain_ranks, run_ranks
+from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_plain_ranks, run_ranks
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("launcher,n", LAYOUTS + OPENMPI_LAYOUTS, ids=LAYOUT_IDS + OPENMPI_LAYOUT_IDS)
 def test_every_function_against_reference(launcher, n):
     result = run_ranks("torch_api.py", n, launcher, timeout=240)
     assert "OK torch api" in result.stdout
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 3)], ids=LAYOUT_IDS + ["openmpi-3"])
 def test_sync_batch_norm_equals_one_process_on_the_whole_batch(launcher, n):
     result = run_ranks("sync_batch_norm.py", n, launcher, timeout=180)
     assert f"OK sync batch norm: size={n}" in result.stdout
@@ -56,7 +56,7 @@ def test_timeline_from_environment(tmp_path):
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER"} <= names
 
 
-@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)])
+@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2), ("openmpi", 3)])
 def test_mismatches_raise_on_every_rank(launcher, n):
     result = run_ranks("engine_failures.py", n, launcher, args=["mismatch"], timeout=120)
     out = result.stdout
@@ -86,6 +86,7 @@ def test_killed_rank_makes_the_survivors_raise():
         assert f"RAISED kill rank={rank}" in results[rank].stdout, results[rank].stdout + results[rank].stderr
 
 
-def test_killed_rank_under_mpiexec_ends_the_job():
-    result = run_ranks("engine_failures.py", 3, "mpiexec", args=["kill"], timeout=60, expect_ok=False)
+@pytest.mark.parametrize("launcher", ["mpiexec", "openmpi"])
+def test_killed_rank_under_mpiexec_ends_the_job(launcher):
+    result = run_ranks("engine_failures.py", 3, launcher, args=["kill"], timeout=60, expect_ok=False)
     assert result.returncode != 0

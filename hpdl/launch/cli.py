@@ -11,12 +11,12 @@ import argparse
 import os
 import shlex
 import sys
-from typing import List
+from typing import List, Sequence
 
 from hpdl.cli import CliError
 from hpdl.config import BACKENDS
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
-from hpdl.launch.detect import detect_launchers
+from hpdl.launch.detect import OPENMPI, LauncherInfo, detect_launchers
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
 _RUN_DESCRIPTION = """\
@@ -157,9 +157,11 @@ def run_command(args: argparse.Namespace) -> int:
     """Handle `hpdl run`: build the launcher command, then print it or exec it."""
     try:
         options = options_from_args(args)
-        argv, env = build_run(options, os.environ, detect_launchers(os.environ))
+        info = detect_launchers(os.environ)
+        argv, env = build_run(options, os.environ, info)
     except LaunchError as err:
         raise CliError(str(err)) from None
+    argv = with_openmpi_defaults(argv, info)
     if args.dry_run:
         print(format_command(argv, env, os.environ), flush=True)
         return 0
@@ -170,6 +172,19 @@ def run_command(args: argparse.Namespace) -> int:
     except OSError as err:
         raise CliError(f"cannot start {argv[0]}: {err.strerror or err}") from None
     return 1  # pragma: no cover - execvpe does not return
+
+
+# What horovodrun passes to Open MPI's mpiexec: containers commonly run as root, which Open MPI
+# refuses without the first; the second prefixes each output line with the rank it came from.
+OPENMPI_DEFAULTS = ("--allow-run-as-root", "--tag-output")
+
+
+def with_openmpi_defaults(argv: Sequence[str], info: LauncherInfo) -> List[str]:
+    """Return ``argv`` with horovodrun's Open MPI options added when it starts Open MPI's mpiexec."""
+    if info.mpi_flavour != OPENMPI or not argv or argv[0] != info.mpiexec:
+        return list(argv)
+    extra = [flag for flag in OPENMPI_DEFAULTS if flag not in argv]
+    return [argv[0], *extra, *argv[1:]]
 
 
 def check_command(args: argparse.Namespace) -> int:
