@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from hpdl import __version__
 from hpdl.config import SettingsError
@@ -23,22 +23,38 @@ class CliError(Exception):
         self.code = code
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, like every other hpdl error.
+
+    Subcommand parsers are made of the same class, so an invalid value anywhere in the tree
+    (``--iterations abc``, a missing option value) ends in ``hpdl: error: ...`` and exit 2.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"hpdl: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the full ``hpdl`` argument parser."""
     from hpdl.bench import cli as bench_cli
     from hpdl.launch import cli as launch_cli
+    from hpdl.launch import emulate
+    from hpdl.profile import cli as profile_cli
     from hpdl.sr import cli as sr_cli
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpdl",
         description="Data-parallel training for PyTorch across processes and machines: "
-        "launch jobs, check the installation, benchmark, and train super-resolution models.",
+        "launch jobs, check the installation, benchmark, profile communication, and train "
+        "super-resolution models.",
     )
     parser.add_argument("--version", action="version", version=f"hpdl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     launch_cli.register(sub)
+    emulate.register(sub)
     bench_cli.register(sub)
     sr_cli.register(sub)
+    profile_cli.register(sub)
     return parser
 
 

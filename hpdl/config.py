@@ -18,7 +18,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
 
 # Variables read elsewhere on purpose (by launchers or tests), accepted without being settings.
-_PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS"}
+_PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS",
+                # where `hpdl run` finds the hosts and how it reaches them (set by `hpdl emulate`)
+                "HPDL_HOSTFILE", "HPDL_RSH"}
 
 # Horovod's variable -> the hpdl variable it stands for; both name the same quantity in the
 # same unit (bytes, milliseconds, seconds, a path, 0/1).
@@ -96,6 +98,9 @@ class Settings:
         default=1800.0, metadata={"env": "HPDL_STALL_TIMEOUT"}
     )
     timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
+    # Record every collective and step of every rank; rank 0 writes them to this JSON file at
+    # shutdown (docs/profile.md).
+    profile: str = dataclasses.field(default="", metadata={"env": "HPDL_PROFILE"})
     timeline_mark_cycles: bool = dataclasses.field(
         default=False, metadata={"env": "HPDL_TIMELINE_MARK_CYCLES"}
     )

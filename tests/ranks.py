@@ -64,6 +64,24 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def processes_with_env(entry: str) -> list:
+    """Pids of live (not zombie) processes whose environment holds ``entry`` ("KEY=value")."""
+    needle = entry.encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{pid}/stat") as s:
+                        if s.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
 def launch_argv(launcher: str, n: int, script: Sequence[str]) -> list:
     """The argv that starts ``script`` on ``n`` ranks under ``launcher``."""
     if launcher == "mpiexec":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import pytest
 
-from ranks import ROOT, SCRIPTS, kill_tree
+from ranks import ROOT, SCRIPTS, kill_tree, processes_with_env
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -38,20 +39,7 @@ def _clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 def _tagged_processes(tag: str) -> List[int]:
     """Pids of live processes whose environment carries ``tag`` (a job's leftovers)."""
-    needle = f"{_JOB_TAG}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    with open(f"/proc/{entry}/stat") as s:
-                        if s.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    return processes_with_env(f"{_JOB_TAG}={tag}")
 
 
 def run_job(argv: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 60,
@@ -224,3 +212,163 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
     assert result.stderr.count("Traceback") == 1 and "During handling" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == \
         "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"
+
+
+# == hpdl profile: files that are not (readable) profiles ==========================================
+
+def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
+    """A valid profile and damaged or foreign files beside it, by name."""
+    import json
+
+    from test_profile_units import make_profile
+
+    text = json.dumps(make_profile())
+    newer = make_profile()
+    newer["version"] = 99
+    bad_table = make_profile()
+    bad_table["ranks"][1]["steps"]["columns"] = ["step"]
+    files = {
+        "good.json": text,
+        "truncated.json": text[: len(text) // 2],
+        "foreign.json": json.dumps({"traceEvents": []}),
+        "list.json": "[1, 2, 3]",
+        "newer.json": json.dumps(newer),
+        "bad_table.json": json.dumps(bad_table),
+        "bench_foreign.json": json.dumps({"benchmark": "synthetic", "records": []}),
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
+    return {name: tmp_path / name for name in [*files, "binary.json"]}
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["report", "{truncated}"], ["truncated.json", "not complete JSON", "truncated"]),
+    (["report", "{foreign}"], ["foreign.json", "is not an hpdl profile"]),
+    (["report", "{list}"], ["list.json", "is not an hpdl profile"]),
+    (["report", "{binary}"], ["binary.json", "not"]),
+    (["report", "{newer}"], ["newer.json", "schema version 99", "upgrade hpdl"]),
+    (["report", "{bad_table}"], ["bad_table.json", "ranks[1].steps"]),
+    (["report", "{dir}/absent.json"], ["absent.json", "cannot read profile"]),
+    (["report", "{good}", "--buckets", "16M,1M"], ["--buckets", "16M,1M"]),
+    (["report", "{good}", "--bench", "{truncated}"], ["--bench", "truncated.json"]),
+    (["report", "{good}", "--bench", "{bench_foreign}"], ["--bench", "bench_foreign.json"]),
+    (["report", "{good}", "--html", "{dir}/no/such/dir/r.html"], ["cannot write", "r.html"]),
+    (["compare", "{good}", "{truncated}"], ["truncated.json", "not complete JSON"]),
+    (["timeline", "{newer}", "-o", "{dir}/t.json"], ["newer.json", "schema version 99"]),
+    (["timeline", "{good}", "-o", "{dir}/no/such/dir/t.json"], ["cannot write", "t.json"]),
+], ids=["truncated", "foreign", "list", "binary", "newer-version", "bad-table", "missing", "buckets",
+        "bench-truncated", "bench-foreign", "html-unwritable", "compare-truncated", "timeline-newer",
+        "timeline-unwritable"])
+def test_profile_command_bad_input_is_one_line(tmp_path, args, fragments):
+    files = _profile_inputs(tmp_path)
+    before = checksums(files.values())
+    argv = [arg.format(dir=tmp_path, **{path.stem: path for path in files.values()}) for arg in args]
+    assert_one_line_error(hpdl("profile", *argv, timeout=60), *fragments)
+    assert checksums(files.values()) == before
+# == Launching: hpdl run, hpdl check, hpdl bench allreduce, and worlds of the wrong size ==========
+
+def _exit_code(args: Sequence[str]) -> int:
+    """``hpdl ARGS`` in this process; argparse's usage errors end in SystemExit."""
+    from hpdl.cli import main
+
+    try:
+        return main(list(args))
+    except SystemExit as stop:
+        return stop.code
+
+
+def test_bench_allreduce_min_above_max_ends_before_any_rank_communicates():
+    # Rank 0 of a two-rank gloo job whose rank 1 never comes: forming the world would wait for
+    # it, so ending at once shows the sizes were refused before any communication.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "HPDL_BACKEND": "gloo"}
+    result = hpdl("bench", "allreduce", "--min-size", "64", "--max-size", "8", env=env, timeout=40)
+    assert_one_line_error(result, "hpdl: error: --min-size (64 B) is larger than --max-size (8 B)")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--min-size", "1K", "--max-size", "512"], "--min-size (1024 B) is larger than --max-size (512 B)"),
+    (["--max-size", "2"], "is larger than --max-size (2 B)"),
+    (["--max-size", "1", "--min-size", "0"], "--max-size (1 B) is smaller than one float32 element (4 B)"),
+    (["--min-size", "6"], "--min-size (6 B) is not a whole number of float32 elements"),
+    (["--max-size", "infM"], "--max-size: not a size: 'infM'"),
+    (["--min-size", "-4"], "--min-size: not a size: '-4'"),
+    (["--min-size", "4X"], "--min-size: not a size: '4X'"),
+    (["--dtype", "float8"], "unknown --dtype 'float8'"),
+    (["--iterations", "0"], "--iterations must be at least 1, got 0"),
+    (["--iterations-large", "-2"], "--iterations-large must be at least 1, got -2"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--warmup-large", "-1"], "--warmup-large must be at least 0, got -1"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--tensors", "0"], "--tensors must be at least 1, got 0"),
+    (["--paths", ","], "--paths takes distinct paths among backend, hierarchical, engine, mpi4py, got ''"),
+    (["--paths", "backend,nccl"], "got 'backend,nccl'"),
+    (["--paths", "backend,backend"], "got 'backend,backend'"),
+    (["--paths", "mpi4py", "--dtype", "bfloat16"], "the mpi4py path has no numpy type for --dtype bfloat16"),
+    (["--paths", "mpi4py", "--backend", "gloo"], "the mpi4py path needs the MPI backend, not gloo"),
+    (["--backend", "carrier-pigeon"], "backend must be one of"),
+    (["--iterations", "many"], "argument --iterations: invalid int value: 'many'"),
+])
+def test_bench_allreduce_invalid_values_are_one_line(args, fragment, capsys, monkeypatch):
+    from hpdl.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "_benchmark_communicator", lambda *a: pytest.fail("a communicator was created"))
+    assert _exit_code(["bench", "allreduce", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpdl: error: ") and err.count("\n") == 1 and fragment in err, err
+
+
+def test_run_takes_horovodrun_single_dash_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    result = hpdl("run", "-hostfile", str(hostfile), "--backend", "gloo", "--dry-run", "--", "python", "train.py")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("torchrun --nproc-per-node 2 --standalone --no-python python train.py")
+    bad = tmp_path / "bad"
+    bad.write_text("node1 = 2\n")
+    assert_one_line_error(hpdl("run", "-hostfile", str(bad), "--", "python", "x.py"), f"{bad}:1: cannot parse")
+
+
+def test_run_from_an_environment_that_is_not_activated(tmp_path):
+    # As `.venv/bin/hpdl run` from cron, a batch script or an IDE: PATH lacks the environment.
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    if not os.access(os.path.join(bin_dir, "mpiexec"), os.X_OK):
+        pytest.skip("no mpiexec beside this interpreter (pip install 'hpdl[mpi]')")
+    env = {"PATH": "/usr/bin:/bin"}
+    dry = hpdl("run", "-np", "2", "--dry-run", "--", "python", "train.py", env=env)
+    assert dry.returncode == 0 and dry.stdout.startswith(f"PATH={bin_dir}:/usr/bin:/bin "), dry.stdout + dry.stderr
+    record = ("import os, sys, hpdl; rank = os.environ.get('PMI_RANK') or os.environ['OMPI_COMM_WORLD_RANK']; "
+              f"open(os.path.join({str(tmp_path)!r}, rank), 'w').write(sys.executable)")
+    result = hpdl("run", "-np", "2", "--", "python", "-c", record, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
+    assert {os.path.dirname(p.read_text()) for p in tmp_path.iterdir()} == {bin_dir}
+
+
+# What each task of `srun --mpi=none` sees: srun's variables, and no PMI for MPI to meet through.
+_SRUN_STEP = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+              "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize("case, env, refused", [
+    ("world", {**_SRUN_STEP, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, True),
+    ("world", {**_SRUN_STEP, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}, True),
+    # A user's own communicator is not the launcher's world.
+    ("self-world", {**_SRUN_STEP, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}, False),
+    # `python job.py` in an salloc shell or batch script: SLURM_NTASKS is the allocation's.
+    ("world", {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, False),
+], ids=["srun-none-rank0", "srun-none-rank1", "own-communicator", "allocation-shell"])
+def test_init_refuses_a_world_of_another_size_than_the_launcher_announced(case, env, refused):
+    result = run_job([sys.executable, str(SCRIPTS / "bad_input_jobs.py"), case], env={**env, "HPDL_BACKEND": "mpi"})
+    if not refused:
+        assert result.returncode == 0 and result.stdout == "rank 0 of 1\n", result.stderr
+        return
+    assert result.returncode == 1 and result.stdout == ""
+    assert ("WorldSizeError: this process is in a world of 1 rank, but the launcher announced 2 "
+            "(SLURM_STEP_NUM_TASKS=2); likely cause: srun started the tasks without an MPI plugin") in result.stderr
+    assert "`srun --mpi=pmi2`" in result.stderr

@@ -86,7 +86,7 @@ def test_lockstep_batch_waits_between_backward_and_update(timed):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["ddp", "ceiling", "lockstep"]),
-                                                ("torchrun", 2, ["ddp", "lockstep"])])
+                                                ("torchrun", 2, ["ddp", "lockstep", "profiled"])])
 def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
     args = TINY + ["--compare", ",".join(compare), "--repeats", "2", "--json", "--breakdown"]
     out = run_ranks("bench_synthetic.py", n, launcher, args=args, timeout=240).stdout
@@ -104,7 +104,7 @@ def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
     assert sorted(phases) == sorted(["hpdl", *compare]) and all(len(ranks) == n for ranks in phases.values())
     for mode, ranks in phases.items():
         for entry in ranks:
-            assert (entry["wait"] is not None) == (mode in ("hpdl", "lockstep")), (mode, entry)
+            assert (entry["wait"] is not None) == (mode in ("hpdl", "lockstep", "profiled")), (mode, entry)
             parts = [entry[p]["mean_ms"] for p in ("forward", "backward", "wait", "update") if entry[p]]
             assert all(part >= 0 for part in parts) and entry["step"]["mean_ms"] == pytest.approx(sum(parts))
 

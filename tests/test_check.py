@@ -1,8 +1,11 @@
 """Tests of `hpdl check`: the report's content, and that missing pieces never crash it."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from hpdl import __version__
 from hpdl.cli import main
@@ -57,3 +60,19 @@ def test_cli_check_exits_zero(capsys):
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "Available backends:" in out and "Available launchers:" in out
+
+
+def test_report_shows_srun_mpi_plugins_and_site_default():
+    info = LauncherInfo(srun="srun", srun_path="/usr/bin/srun", srun_mpi_plugins=frozenset({"pmi2", "none"}),
+                        srun_mpi_default="none")
+    text = "\n".join(check_report(env={}, info=info))
+    assert "[X] srun (/usr/bin/srun; MPI plugins none, pmi2, default none)" in text
+
+
+def test_report_lists_launchers_beside_the_interpreter_when_path_lacks_them():
+    # As `.venv/bin/hpdl check` from cron or an IDE: the environment's bin directory is not on PATH.
+    beside = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "mpiexec")
+    if not os.access(beside, os.X_OK):
+        pytest.skip("no mpiexec beside this interpreter (pip install 'hpdl[mpi]')")
+    text = "\n".join(check_report(env={"PATH": "/nowhere"}))
+    assert f"; {beside})" in text

@@ -20,11 +20,14 @@ from hpdl.launch import (
     build_run,
     detect_launchers,
     format_command,
+    mpi_default_from_config,
     mpi_flavour_from_version,
     mpi_version_from_version,
     parse_hostfile,
     parse_hosts,
+    ranks_path,
     read_hostfile,
+    srun_mpi_plugins_from_list,
 )
 from hpdl.launch import detect
 
@@ -74,10 +77,24 @@ Copyright 2003-2023, Intel Corporation.
 INTEL2019_TEXT = "Intel(R) MPI Library for Linux* OS, Version 2019 Update 9 Build 20200923 (id: abd58e492)\n"
 
 
-def info(flavour=detect.MPICH, mpiexec="mpiexec", torchrun="torchrun", srun=None):
+SRUN_LIST_22 = """\
+MPI plugin types are...
+\tpmix
+\tnone
+\tcray_shasta
+\tpmi2
+specific pmix plugin versions available: pmix_v4
+"""
+SRUN_LIST_OLD = "srun: MPI types are...\nsrun: none\nsrun: openmpi\nsrun: pmi2\n"
+ALL_PLUGINS = srun_mpi_plugins_from_list(SRUN_LIST_22)
+
+
+def info(flavour=detect.MPICH, mpiexec="mpiexec", torchrun="torchrun", srun=None, plugins=frozenset(),
+         mpi_default="", python_bin=""):
     return LauncherInfo(
-        mpiexec=mpiexec, mpi_flavour=flavour, torchrun=torchrun, srun=srun,
-        hostnames=frozenset({"localhost", "127.0.0.1", "vm"}), cwd="/job",
+        mpiexec=mpiexec, mpi_flavour=flavour, torchrun=torchrun, srun=srun, srun_mpi_plugins=plugins,
+        srun_mpi_default=mpi_default, hostnames=frozenset({"localhost", "127.0.0.1", "vm"}), cwd="/job",
+        python_bin=python_bin,
     )
 
 
@@ -265,6 +282,44 @@ def test_srun_inside_slurm_allocation():
     assert out["SLURM_JOB_ID"] == "42"
 
 
+def test_srun_list_and_site_default_are_parsed():
+    assert ALL_PLUGINS == {"pmix", "none", "cray_shasta", "pmi2", "pmix_v4"}
+    assert srun_mpi_plugins_from_list(SRUN_LIST_OLD) == {"none", "openmpi", "pmi2"}
+    assert srun_mpi_plugins_from_list("srun: fatal: Could not establish a configuration source\n") == frozenset()
+    config = "Configuration data as of 2026-01-01T00:00:00\nMpiDefault              = none\nMpiParams = (null)\n"
+    assert mpi_default_from_config(config) == "none"
+    assert mpi_default_from_config("") == ""
+
+
+@pytest.mark.parametrize("flavour, plugins, plugin", [
+    (detect.MPICH, ALL_PLUGINS, "pmi2"),
+    (detect.INTELMPI, ALL_PLUGINS, "pmi2"),
+    (detect.MVAPICH2, ALL_PLUGINS, "pmi2"),
+    (detect.OPENMPI, ALL_PLUGINS, "pmix"),
+    (detect.OPENMPI, frozenset({"none", "pmi2"}), None),  # srun without PMIx: leave its default
+    (detect.MPICH, frozenset(), None),  # srun could not be asked
+    (detect.UNKNOWN, ALL_PLUGINS, None),
+])
+def test_srun_gets_the_mpi_plugin_of_the_mpi_found(flavour, plugins, plugin):
+    env = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2"}
+    argv, _ = run(env=env, launchers=info(flavour=flavour, srun="srun", plugins=plugins))
+    assert argv == ["srun", "--ntasks", "2"] + ([f"--mpi={plugin}"] if plugin else []) + ["python", "train.py"]
+
+
+@pytest.mark.parametrize("mpi_args, env, mpi_default, expected", [
+    (("--mpi=none",), {}, "none", ["--mpi=none"]),
+    (("--mpi", "pmix"), {}, "none", ["--mpi", "pmix"]),
+    (("--exclusive",), {}, "none", ["--mpi=pmi2", "--exclusive"]),
+    ((), {"SLURM_MPI_TYPE": "pmix"}, "none", []),  # srun reads the user's choice itself
+    ((), {"SLURM_MPI_TYPE": "none"}, "", ["--mpi=pmi2"]),
+    ((), {}, "pmix", []),  # the site's MpiDefault
+])
+def test_srun_plugin_chosen_by_user_or_site_is_left_alone(mpi_args, env, mpi_default, expected):
+    launchers = info(srun="srun", plugins=ALL_PLUGINS, mpi_default=mpi_default)
+    argv, _ = run(np=2, mpi_args=mpi_args, env={"SLURM_JOB_ID": "42", **env}, launchers=launchers)
+    assert argv == ["srun", "--ntasks", "2"] + expected + ["python", "train.py"]
+
+
 def test_slurm_with_gloo_uses_torchrun_on_one_host():
     argv, env = run(np=2, backend="gloo", env={"SLURM_JOB_ID": "42"}, launchers=info(srun="srun"))
     assert argv[0] == "torchrun" and env["HPDL_BACKEND"] == "gloo"
@@ -317,6 +372,61 @@ def test_forced_launcher_and_its_limits():
         run(backend="gloo", mpi_args=("-x",))
     with pytest.raises(LaunchError, match="launcher torchrun was not found"):
         run(backend="gloo", launchers=info(torchrun=None))
+
+
+# --- the interpreter's directory on the ranks' PATH ----------------------------------------
+
+@pytest.mark.parametrize("path, expected", [
+    ("/usr/bin:/bin", "/venv/bin:/usr/bin:/bin"),
+    ("", "/venv/bin"),
+    ("/venv/bin:/usr/bin", "/venv/bin:/usr/bin"),
+    ("/usr/bin:/venv/bin/", "/usr/bin:/venv/bin/"),  # on PATH already: its order is the user's
+])
+def test_ranks_path(path, expected):
+    assert ranks_path(path, "/venv/bin") == expected
+    assert ranks_path(path, "") == path
+
+
+@pytest.mark.parametrize("flavour, launcher", [(detect.MPICH, "mpiexec"), (detect.OPENMPI, "mpiexec"),
+                                               (detect.MPICH, "srun"), (detect.MPICH, "torchrun")])
+def test_ranks_get_the_interpreter_directory_first_on_path(flavour, launcher):
+    launchers = info(flavour=flavour, srun="srun", python_bin="/venv/bin")
+    base = {"PATH": "/usr/bin:/bin", "HOME": "/root"}
+    argv, env = run(np=2, launcher=launcher, env=base, launchers=launchers)
+    assert env["PATH"] == "/venv/bin:/usr/bin:/bin" and env["HOME"] == "/root"
+    assert argv[-2:] == ["python", "train.py"]
+    assert format_command(argv, env, base).startswith("PATH=/venv/bin:/usr/bin:/bin ")
+
+
+def test_open_mpi_forwards_the_ranks_path_to_remote_hosts():
+    launchers = info(flavour=detect.OPENMPI, python_bin="/venv/bin")
+    argv, env = run(hosts=parse_hosts("n1,n2"), env={}, launchers=launchers)
+    assert ["-x", "PATH"] == argv[-4:-2] and env["PATH"].startswith("/venv/bin:")
+
+
+def test_detect_launchers_looks_beside_the_interpreter(tmp_path, monkeypatch):
+    for name in ("mpiexec", "torchrun"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: MPICH_TEXT)
+    found = detect_launchers({"PATH": "/nowhere"}, python_bin=str(tmp_path))
+    assert found.mpiexec_path == str(tmp_path / "mpiexec") and found.mpi_flavour == detect.MPICH
+    assert found.torchrun_path == str(tmp_path / "torchrun") and found.python_bin == str(tmp_path)
+    assert detect_launchers({"PATH": "/nowhere"}, python_bin="").mpiexec is None
+
+
+def test_detect_launchers_asks_srun_inside_an_allocation_only(tmp_path, monkeypatch):
+    for name in ("srun", "scontrol"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    asked = []
+    answers = {"--mpi=list": SRUN_LIST_22, "show": "MpiDefault = pmi2\n"}
+    monkeypatch.setattr(detect, "_output", lambda argv: asked.append(argv[1]) or answers[argv[1]])
+    env = {"PATH": str(tmp_path)}
+    assert detect_launchers(env, python_bin="").srun_mpi_plugins == frozenset() and asked == []
+    found = detect_launchers({**env, "SLURM_JOB_ID": "42"}, python_bin="")
+    assert found.srun_mpi_plugins == ALL_PLUGINS and found.srun_mpi_default == "pmi2"
+    assert detect_launchers(env, probe_srun=True, python_bin="").srun_mpi_plugins == ALL_PLUGINS
 
 
 # --- builders: ranks and settings ---------------------------------------------------------
@@ -399,6 +509,7 @@ def test_cli_missing_launcher_is_named(monkeypatch, capsys, clean_env):
 
 def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(os.path.abspath(sys.executable)), "/usr/bin"]))
     monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
     monkeypatch.setattr(detect, "_version_text", lambda exe: OPENMPI4_TEXT)
     code = main(["run", "-np", "2", "-H", "a,b", "--timeline", "t.json", "--dry-run",
@@ -428,6 +539,16 @@ def test_openmpi_gets_horovodruns_options():
     assert argv[0] == "torchrun" and with_openmpi_defaults(argv, openmpi) == argv
 
 
+def test_cli_profile_sets_an_absolute_hpdl_profile_for_every_rank(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: MPICH_TEXT)
+    assert main(["run", "-np", "2", "--profile", "out/p.json", "--dry-run", "--", "python", "train.py"]) == 0
+    profile = os.path.join(str(tmp_path), "out", "p.json")
+    assert capsys.readouterr().out.strip() == (
+        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 python train.py")
+
+
 def test_cli_run_help_explains_options(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["run", "--help"])
@@ -435,7 +556,7 @@ def test_cli_run_help_explains_options(capsys):
     text = capsys.readouterr().out
     for option in ("-np", "--hostfile", "-H", "--backend", "--launcher", "--mpi-args", "--dry-run",
                    "--timeline", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity",
-                   "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "examples:"):
+                   "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "--profile", "examples:"):
         assert option in text
 
 

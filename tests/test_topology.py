@@ -2,7 +2,10 @@
 
 import pytest
 
-from hpdl.comm import CommError, choose_backend, discover_topology, topology_from_ranks
+from hpdl.comm import (
+    CommError, WorldSizeError, announced_world_size, check_world_size, choose_backend, discover_topology,
+    topology_from_ranks,
+)
 
 
 def test_single_process():
@@ -91,3 +94,46 @@ def test_choose_backend(requested, launcher_env, mpi, expected):
 def test_choose_mpi_without_mpi4py_is_a_clear_error():
     with pytest.raises(CommError, match="mpi4py"):
         choose_backend("mpi", discover_topology({}), False)
+
+
+# --- the world size a launcher announces, checked by hvd.init() ----------------------------
+
+SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
+
+
+@pytest.mark.parametrize("env, announced", [
+    ({}, None),
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, (4, "WORLD_SIZE")),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, (3, "OMPI_COMM_WORLD_SIZE")),
+    ({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "5"}, (5, "MV2_COMM_WORLD_SIZE")),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, (2, "PMI_SIZE")),
+    ({"PMIX_RANK": "0", "PMIX_SIZE": "6"}, (6, "PMIX_SIZE")),
+    (SRUN_STEP, (2, "SLURM_STEP_NUM_TASKS")),
+    # An salloc shell or a batch script: SLURM_NTASKS is the allocation's, not this process's world.
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, None),
+    # mpiexec inside an srun step: the launcher that started this process speaks, not the step.
+    ({**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "1", "PMI_RANK": "2", "PMI_SIZE": "4"}, (4, "PMI_SIZE")),
+    ({**SRUN_STEP, "RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0"}, (8, "WORLD_SIZE")),
+])
+def test_announced_world_size(env, announced):
+    assert announced_world_size(env) == announced
+
+
+@pytest.mark.parametrize("env, size", [
+    ({}, 1), ({}, 3), (SRUN_STEP, 2), ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, 1),
+])
+def test_check_world_size_accepts_the_announced_size_or_no_announcement(env, size):
+    check_world_size(size, env)
+
+
+@pytest.mark.parametrize("env, fragments", [
+    (SRUN_STEP, ["world of 1 rank,", "announced 2 (SLURM_STEP_NUM_TASKS=2)", "srun --mpi=pmi2", "srun --mpi=pmix"]),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ["announced 2 (PMI_SIZE=2)", "mpi4py loads is not the one"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, ["announced 2 (WORLD_SIZE=2)", "torchrun starts no MPI world"]),
+])
+def test_check_world_size_names_both_sizes_the_variable_and_the_cause(env, fragments):
+    with pytest.raises(WorldSizeError) as caught:
+        check_world_size(1, env)
+    assert isinstance(caught.value, ValueError)
+    for fragment in fragments:
+        assert fragment in str(caught.value)

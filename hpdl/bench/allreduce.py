@@ -5,8 +5,9 @@ Follows osu_allreduce's method: sizes doubling from 4 B, per-size warm-up and it
 rank's average reduced to avg/min/max over ranks. Bandwidth columns follow nccl-tests:
 algbw = size / time and busbw = algbw * 2 (p-1) / p.
 
-Several paths can be measured in one run (the raw backend collective, mpi4py on numpy buffers,
-and the hpdl engine); they alternate round by round and the median round is reported, so that
+Several paths can be measured in one run (the raw backend collective, the same done
+hierarchically (within each node, across nodes, within again), mpi4py on numpy buffers, and the
+hpdl engine); they alternate round by round and the median round is reported, so that
 a shared machine's drifting load hits every path alike.
 """
 
@@ -26,6 +27,7 @@ DTYPES = {
 }
 _NUMPY_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+PATHS = ("backend", "hierarchical", "engine", "mpi4py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,30 @@ class AllreduceOptions:
     rounds: int = 1
     paths: Sequence[str] = ("backend",)
     tensors: int = 1  # tensors of the given size reduced per timed call (submitted together)
+
+    def __post_init__(self) -> None:
+        # Checked here, before any rank communicates, so a bad value ends every rank at once.
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown --dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        elem = DTYPES[self.dtype].itemsize
+        if self.min_bytes > self.max_bytes:
+            raise ValueError(f"--min-size ({self.min_bytes} B) is larger than --max-size ({self.max_bytes} B): "
+                             "no message size to measure")
+        if self.max_bytes < elem:
+            raise ValueError(f"--max-size ({self.max_bytes} B) is smaller than one {self.dtype} element ({elem} B)")
+        if self.min_bytes % elem:
+            raise ValueError(f"--min-size ({self.min_bytes} B) is not a whole number of {self.dtype} elements "
+                             f"({elem} B each)")
+        for flag, value, least in (("--iterations", self.iterations_small, 1),
+                                   ("--iterations-large", self.iterations_large, 1),
+                                   ("--warmup", self.warmup_small, 0), ("--warmup-large", self.warmup_large, 0),
+                                   ("--rounds", self.rounds, 1), ("--tensors", self.tensors, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
+        if not self.paths or any(p not in PATHS for p in self.paths) or len(set(self.paths)) != len(self.paths):
+            raise ValueError(f"--paths takes distinct paths among {', '.join(PATHS)}, got {','.join(self.paths)!r}")
+        if "mpi4py" in self.paths and DTYPES[self.dtype] not in _NUMPY_NAMES:
+            raise ValueError(f"the mpi4py path has no numpy type for --dtype {self.dtype}")
 
 
 # A path maps the messages of one timed call (tensors of the given size) to a zero-argument
@@ -69,8 +95,6 @@ def _mpi4py_path(mpi_comm) -> PathFactory:
     def make(tensors: List[torch.Tensor]) -> Callable[[], None]:
         import numpy as np
 
-        if tensors[0].dtype not in _NUMPY_NAMES:
-            raise ValueError(f"mpi4py path has no numpy dtype for {tensors[0].dtype}")
         pairs = []
         for t in tensors:
             send = np.ones(t.numel(), dtype=_NUMPY_NAMES[t.dtype])
@@ -158,7 +182,7 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
 
 
 def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:
-    """Create the named paths: ``backend`` (hpdl's raw backend), ``mpi4py``, ``engine``."""
+    """Create the named paths (``PATHS``); collective over ``comm`` (hierarchical builds groups)."""
     factories: Dict[str, PathFactory] = {}
     for name in names:
         if name == "backend":
@@ -170,8 +194,13 @@ def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:
             factories[name] = _mpi4py_path(mpi_comm)
         elif name == "engine":
             factories[name] = _engine_path()
+        elif name == "hierarchical":
+            from hpdl.comm.hierarchical import HierarchicalCommunicator
+
+            # The backend's allreduce, node-aware: within each node, across nodes, within again.
+            factories[name] = _backend_path(HierarchicalCommunicator(comm, comm.host_names()))
         else:
-            raise ValueError(f"unknown path {name!r}; choose from backend, mpi4py, engine")
+            raise ValueError(f"unknown path {name!r}; choose from {', '.join(PATHS)}")
     return factories
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,8 @@ def _register_allreduce(sub) -> None:
     p.add_argument("--warmup-large", type=int, default=10, help="warm-up iterations above 8 KiB (default 10)")
     p.add_argument("--paths", default="backend",
                    help="comma-separated paths measured in one run: backend (hpdl's raw backend "
-                        "collective), engine (hpdl.torch.allreduce through negotiation and fusion), "
+                        "collective), hierarchical (the same within each node, across nodes, then within "
+                        "again), engine (hpdl.torch.allreduce through negotiation and fusion), "
                         "mpi4py (raw mpi4py Allreduce on numpy buffers) (default: backend)")
     p.add_argument("--tensors", type=int, default=1,
                    help="tensors of each size reduced per timed call: one after the other on the raw "
@@ -53,38 +55,49 @@ def _register_allreduce(sub) -> None:
     p.set_defaults(func=_run_allreduce)
 
 
-def _run_allreduce(args) -> int:
-    from hpdl.bench.allreduce import DTYPES, AllreduceOptions, format_records, run_allreduce, build_paths
+def _allreduce_options(args):
+    """Build the validated :class:`AllreduceOptions` from the command line (CliError if invalid)."""
+    from hpdl.bench.allreduce import AllreduceOptions
+    from hpdl.cli import CliError
+
+    min_bytes, max_bytes = _size("--min-size", args.min_size), _size("--max-size", args.max_size)
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    rounds = (3 if len(paths) > 1 else 1) if args.rounds is None else args.rounds
+    try:
+        return AllreduceOptions(
+            min_bytes=min_bytes, max_bytes=max_bytes, dtype=args.dtype,
+            iterations_small=args.iterations, iterations_large=args.iterations_large,
+            warmup_small=args.warmup, warmup_large=args.warmup_large,
+            rounds=rounds, paths=paths, tensors=args.tensors,
+        )
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
+def _size(flag: str, text: str) -> int:
     from hpdl.bench.stats import parse_size
     from hpdl.cli import CliError
 
     try:
-        min_bytes, max_bytes = parse_size(args.min_size), parse_size(args.max_size)
+        return parse_size(text)
     except ValueError as err:
-        raise CliError(str(err)) from None
-    if args.dtype not in DTYPES:
-        raise CliError(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if min(args.iterations, args.iterations_large) < 1:
-        raise CliError("--iterations and --iterations-large must be at least 1")
-    opts = AllreduceOptions(
-        min_bytes=min_bytes, max_bytes=max_bytes, dtype=args.dtype,
-        iterations_small=args.iterations, iterations_large=args.iterations_large,
-        warmup_small=args.warmup, warmup_large=args.warmup_large,
-        rounds=args.rounds or (3 if len(paths) > 1 else 1), paths=tuple(paths), tensors=args.tensors,
-    )
-    if args.tensors < 1:
-        raise CliError("--tensors must be at least 1")
-    comm = _benchmark_communicator(args.backend)
-    if "engine" in paths:
+        raise CliError(f"{flag}: {err}") from None
+
+
+def _run_allreduce(args) -> int:
+    from hpdl.bench.allreduce import build_paths, format_records, run_allreduce
+    from hpdl.cli import CliError
+
+    opts = _allreduce_options(args)
+    name, topo, settings = _benchmark_backend(args.backend)
+    if "mpi4py" in opts.paths and name != "mpi":
+        raise CliError(f"the mpi4py path needs the MPI backend, not {name} (launch with mpiexec)")
+    comm = _benchmark_communicator(name, topo, settings)
+    if "engine" in opts.paths:
         import hpdl.torch as hvd
 
         hvd.init()
-    try:
-        factories = build_paths(paths, comm)
-    except ValueError as err:
-        raise CliError(str(err)) from None
-    records = run_allreduce(opts, comm, factories)
+    records = run_allreduce(opts, comm, build_paths(opts.paths, comm))
     if comm.rank == 0:
         if args.json:
             print(json.dumps({"benchmark": "allreduce", "ranks": comm.size, "backend": comm.name,
@@ -92,7 +105,7 @@ def _run_allreduce(args) -> int:
         else:
             print(format_records(records, comm.size, comm.describe(), args.dtype))
     comm.barrier()
-    if "engine" in paths:
+    if "engine" in opts.paths:
         import hpdl.torch as hvd
 
         hvd.shutdown()
@@ -111,7 +124,8 @@ def _register_synthetic(sub) -> None:
             "the mean over iterations +- 1.96 sigma. --compare alternates hpdl with DistributedDataParallel\n"
             "(ddp, over gloo), the no-communication ceiling (every rank trains alone, all at once) or\n"
             "lockstep (the ceiling plus a barrier after each backward: the most any synchronous\n"
-            "data-parallel method can reach) and reports medians over --repeats runs and the ratios.\n\n"
+            "data-parallel method can reach) or profiled (hpdl with the communication profiler on)\n"
+            "and reports medians over --repeats runs and the ratios.\n\n"
             "examples:\n"
             "  hpdl run -np 2 -- hpdl bench synthetic --model resnet50 --batch-size 8\n"
             "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling,lockstep"
@@ -133,7 +147,8 @@ def _register_synthetic(sub) -> None:
     p.add_argument("--compare", default="",
                    help="comma-separated baselines to alternate with: ddp (DistributedDataParallel over gloo), "
                         "ceiling (no communication, every rank alone), lockstep (the ceiling with the ranks "
-                        "waiting for each other after each backward)")
+                        "waiting for each other after each backward), profiled (hpdl with the communication "
+                        "profiler recording: hpdl/profiled is its cost)")
     p.add_argument("--repeats", type=int, default=5, help="alternating runs per mode with --compare (default 5)")
     p.add_argument("--breakdown", action="store_true",
                    help="also report per rank where a batch's time goes: forward, backward, the wait after "
@@ -162,17 +177,35 @@ def _run_synthetic(args) -> int:
     return 0
 
 
-def _benchmark_communicator(backend):
-    """A world communicator of its own for the raw paths (the engine, if used, has another)."""
-    from hpdl.comm import choose_backend, create_world, discover_topology
+def _benchmark_backend(backend):
+    """Choose the raw paths' backend without communicating: ``(name, topology, settings)``."""
+    from hpdl.cli import CliError
+    from hpdl.comm import CommError, choose_backend, discover_topology
     from hpdl.comm.mpi import mpi_available
     from hpdl.config import Settings
 
-    settings = Settings.from_env(backend=backend)
-    topo = discover_topology()
-    name = choose_backend(settings.backend, topo, mpi_available())
+    try:
+        settings = Settings.from_env(backend=backend)
+        topo = discover_topology()
+        return choose_backend(settings.backend, topo, mpi_available()), topo, settings
+    except (ValueError, CommError) as err:
+        raise CliError(str(err)) from None
+
+
+def _benchmark_communicator(name, topo, settings):
+    """A world communicator of its own for the raw paths (the engine, if used, has another)."""
+    from hpdl.cli import CliError
+    from hpdl.comm import WorldSizeError, check_world_size, create_world
+
     if name == "mpi":
         from mpi4py import MPI
 
-        return create_world(name, topo, mpi_comm=MPI.COMM_WORLD.Dup())
-    return create_world(name, topo, timeout_s=settings.stall_timeout_s)
+        comm = create_world(name, topo, mpi_comm=MPI.COMM_WORLD.Dup())
+    else:
+        comm = create_world(name, topo, timeout_s=settings.stall_timeout_s)
+    try:
+        check_world_size(comm.size, os.environ)
+    except WorldSizeError as err:
+        comm.close()
+        raise CliError(str(err)) from None
+    return comm

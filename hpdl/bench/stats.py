@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Iterable, List, Sequence
 
@@ -16,16 +17,18 @@ def spread(values: Sequence[float]) -> float:
     return 1.96 * float(statistics.pstdev(values)) if len(values) > 1 else 0.0
 
 
+# A plain decimal number (no sign, exponent, "inf" or "nan") and an optional unit.
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Z]*)")
+
+
 def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4``, ``64K``, ``1M``, ``64MiB``, ``1G``."""
+    """Parse a byte count such as ``4``, ``64K``, ``1M``, ``64MiB``, ``1G``, ``1.5K``."""
     units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
              "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-    stripped = text.strip().upper()
-    number = stripped.rstrip("BKMGI")
-    unit = stripped[len(number):]
-    if unit not in units or not number:
+    match = _SIZE.fullmatch(text.strip().upper())
+    if not match or match.group(2) not in units:
         raise ValueError(f"not a size: {text!r} (examples: 4, 64K, 1M, 64MiB)")
-    return int(float(number) * units[unit])
+    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def doubling_sizes(min_bytes: int, max_bytes: int) -> List[int]:

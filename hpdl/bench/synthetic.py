@@ -15,7 +15,10 @@ the ratios hpdl/baseline:
   (a barrier, no data exchanged), as synchronous data-parallel training must: the most any
   synchronous method can reach, so hpdl/lockstep isolates the cost of the communication itself
   from the cost of keeping the ranks in step (uneven ranks, and ranks that run the same layers
-  at the same moment competing for shared caches and memory bandwidth).
+  at the same moment competing for shared caches and memory bandwidth);
+- ``profiled``: hpdl with the communication profiler recording (``hvd.start_profile``), so
+  hpdl/profiled is the profiler's cost (its file is written after the timed batches, and
+  discarded).
 With ``breakdown`` it also reports, per mode and rank, where a timed batch's time went: forward
 (with ``zero_grad`` and the loss), backward, the wait after backward (hpdl: ``synchronize()``,
 the gradients' allreduces still running; lockstep: the barrier; DDP waits inside backward,
@@ -41,7 +44,7 @@ from hpdl.bench.stats import format_table, median, spread
 
 __all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
 
-COMPARE = ("ddp", "ceiling", "lockstep")
+COMPARE = ("ddp", "ceiling", "lockstep", "profiled")
 PHASES = ("forward", "backward", "wait", "update")
 
 # Per timed batch, the seconds of each phase of PHASES (wait None where the mode has none).
@@ -208,6 +211,23 @@ def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
     return _timed(opts, _train_loop(workload.model, optimizer, workload, phases, barrier=barrier), log, phases)
 
 
+def _run_profiled(opts: SyntheticOptions, log: Callable[[str], None],
+                  phases: Optional[List[PhaseTimes]] = None, control=None) -> List[float]:
+    """hpdl with the profiler recording; the profile goes to a temporary file, then away."""
+    import tempfile
+
+    import hpdl.torch as hvd
+
+    with tempfile.TemporaryDirectory(prefix="hpdl-profiled-") as tmp:
+        hvd.init()
+        hvd.start_profile(f"{tmp}/profile.json")
+        rates = _run_hpdl(opts, log, phases)
+        control.barrier()  # every rank done before the profile is gathered and the engines stop
+        hvd.stop_profile()
+        hvd.shutdown()
+    return rates
+
+
 def _polite_barrier(control) -> Callable[[], None]:
     """A barrier over ``control`` that sleeps while it waits (MPI's Barrier would spin on a
     core that a rank still computing may need)."""
@@ -346,7 +366,8 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
     barrier = _polite_barrier(control)
     baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling,
-                 "lockstep": functools.partial(_run_ceiling, barrier=barrier)}
+                 "lockstep": functools.partial(_run_ceiling, barrier=barrier),
+                 "profiled": functools.partial(_run_profiled, control=control)}
     runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
     # Per mode and rank, the phase times of every timed batch of every run.
     phase_log: Dict[str, List[List[PhaseTimes]]] = {mode: [[] for _ in range(size)] for mode in runs}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,57 @@ def discover_topology(env: Optional[Mapping[str, str]] = None) -> Topology:
         )
 
     return Topology(0, 1, 0, 1, 0, 1, "single")
+
+
+class WorldSizeError(ValueError):
+    """The world a backend formed is not the size that the launcher announced."""
+
+
+# The variable in which each launcher (as :func:`discover_topology` names it) announces the
+# world size. Slurm's SLURM_NTASKS is not among them: in a batch script or an salloc shell it
+# describes the allocation, where a plain ``python job.py`` is rightly a world of one.
+_SIZE_VARIABLES = {
+    "torchrun": ("WORLD_SIZE",),
+    "mpi-openmpi": ("OMPI_COMM_WORLD_SIZE",),
+    "mpi-mvapich2": ("MV2_COMM_WORLD_SIZE",),
+    "mpi-pmi": ("PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"),
+    "srun": ("SLURM_STEP_NUM_TASKS",),
+}
+_LIKELY_CAUSES = {
+    "SLURM_STEP_NUM_TASKS": "srun started the tasks without an MPI plugin that their MPI understands, so each "
+    "began a world of its own: start them with `srun --mpi=pmi2` (MPICH, Intel MPI, MVAPICH2) or "
+    "`srun --mpi=pmix` (Open MPI), or with `hpdl run`, which passes the plugin",
+    "WORLD_SIZE": "torchrun starts no MPI world, so backend mpi gives every rank a world of its own: "
+    "use backend gloo under torchrun, or start the ranks with mpiexec",
+}
+_MPI_MISMATCH = ("the MPI library that mpi4py loads is not the one whose launcher started the ranks (for example "
+                 "mpi4py built for Open MPI under MPICH's mpiexec): start them with the mpiexec of mpi4py's MPI")
+
+
+def announced_world_size(env: Mapping[str, str]) -> Optional[Tuple[int, str]]:
+    """Return the world size that the launcher announced and the variable holding it, or None."""
+    topology = discover_topology(env)
+    for name in _SIZE_VARIABLES.get(topology.launcher, ()):
+        if env.get(name):
+            return topology.size, name
+    return None
+
+
+def check_world_size(size: int, env: Mapping[str, str]) -> None:
+    """Raise :class:`WorldSizeError` when a world of ``size`` ranks is not the launcher's.
+
+    Args:
+        size: the size of the world communicator the backend formed.
+        env: the launcher's environment (normally ``os.environ``).
+    """
+    announced = announced_world_size(env)
+    if announced is None or announced[0] == size:
+        return
+    expected, name = announced
+    raise WorldSizeError(
+        f"this process is in a world of {size} rank{'s' if size != 1 else ''}, but the launcher announced {expected} "
+        f"({name}={env[name]}); likely cause: {_LIKELY_CAUSES.get(name, _MPI_MISMATCH)}"
+    )
 
 
 def topology_from_ranks(rank: int, hosts: Sequence[str], launcher: str) -> Topology:

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Callable, List, Optional
 
 from hpdl.comm import Communicator
 
@@ -46,6 +46,26 @@ class _Armed:
 
 _lock = threading.Lock()
 _armed: Optional[_Armed] = None
+# Run once at the failure, in the thread that detected it: last words that must not wait for an
+# exit this rank may never reach (the profiler writes this rank's part of its recording).
+_failure_hooks: List[Callable[[], None]] = []
+
+
+def add_failure_hook(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` when a failure arms the end of the job (before the grace period runs out)."""
+    if hook not in _failure_hooks:
+        _failure_hooks.append(hook)
+
+
+def remove_failure_hook(hook: Callable[[], None]) -> None:
+    if hook in _failure_hooks:
+        _failure_hooks.remove(hook)
+
+
+def remaining() -> float:
+    """Seconds until the watchdog aborts the job (infinite while nothing has failed)."""
+    armed = _armed
+    return float("inf") if armed is None else max(0.0, armed.deadline - time.monotonic())
 
 
 def arm(comm: Communicator, rank: int, message: str, stalled: bool) -> None:
@@ -62,6 +82,12 @@ def arm(comm: Communicator, rank: int, message: str, stalled: bool) -> None:
         armed = _armed = _Armed(comm, message)
     if stalled:
         _print_stacks(rank, message)
+    for hook in list(_failure_hooks):
+        try:
+            hook()
+        except Exception as err:  # noqa: BLE001 - the job must still end
+            sys.stderr.write(f"hpdl: rank {rank}: {getattr(hook, '__qualname__', hook)} at the failure failed: "
+                             f"{type(err).__name__}: {err}\n")
     threading.Thread(target=_watchdog, args=(armed, rank), name="hpdl-abort", daemon=True).start()
     faulthandler.dump_traceback_later(ABORT_GRACE_S + _C_WATCHDOG_AFTER_S, exit=True)
 

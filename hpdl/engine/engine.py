@@ -326,9 +326,13 @@ class Engine:
                 requests[response.name] = request
         if self.bus.active:
             t = ev.now_us()
+            now = time.monotonic()
             for response in result.responses:
+                request = requests.get(response.name)
+                # When the engine thread took the request from its queue, on the wall clock.
+                drained = t - (now - request.arrival) * 1e6 if request is not None else t
                 self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
-                                       process_set_id=ps.id, cycle=self.cycles))
+                                       process_set_id=ps.id, cycle=self.cycles, drained_us=drained))
         self.executor.run(ps.data_comm, ps.id, result.responses, requests, self.cycles, self._special)
         if self.bus.active:
             t = ev.now_us()

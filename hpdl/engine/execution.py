@@ -15,7 +15,7 @@ from hpdl.engine import events as ev
 from hpdl.engine.adasum import adasum_
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.fusion import FusionBuffers, dtype_of, plan_fusion
-from hpdl.engine.request import SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
+from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
 
 _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.MIN.value: ReduceOp.MIN,
                 Op.MAX.value: ReduceOp.MAX, Op.PRODUCT.value: ReduceOp.PRODUCT}
@@ -124,6 +124,9 @@ class Executor:
         bus = self.bus
         names = tuple(r.name for r in batch)
         op_label = f"{comm.name.upper()}_ALLREDUCE"
+        # What observers alone need (the profiler's tensor sizes), built only when observed.
+        described = {"sizes": tuple(r.nbytes for r in batch), "dtype": first[SIG_DTYPE],
+                     "backend": comm.name} if bus.active else {}
         if op_name == _ADASUM:
             # Adasum combines tensor by tensor where they lie: no fusion buffer.
             for target, source in zip(outputs, inputs):
@@ -132,7 +135,7 @@ class Executor:
                 scale_(target, prescale)
             with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes,
                          op=f"{comm.name.upper()}_ADASUM", rank=self.rank, process_set_id=ps, cycle=cycle,
-                         fused=len(batch)):
+                         fused=len(batch), **described):
                 adasum_(comm, outputs)
             for target in outputs:
                 scale_(target, postscale)
@@ -143,7 +146,7 @@ class Executor:
                 target.copy_(inputs[0])
             scale_(target, prescale)
             with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
-                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=1):
+                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=1, **described):
                 comm.allreduce(target, _BACKEND_OPS[op_name])
             scale_(target, postscale)
         else:
@@ -158,7 +161,7 @@ class Executor:
                     torch._foreach_copy_(views, inputs)
             scale_(buffer, prescale)
             with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
-                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
+                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch), **described):
                 comm.allreduce(buffer, _BACKEND_OPS[op_name])
             # Scaling while copying out saves a pass over the buffer (memory bandwidth is what
             # a CPU rank's compute shares with its engine); one call per tensor only pays off
@@ -205,8 +208,10 @@ class Executor:
         tensor = request.tensor
         nbytes = request.nbytes
         label = f"{comm.name.upper()}_{kind.value.upper()}"
+        described = {"sizes": (nbytes,), "dtype": response.signature[SIG_DTYPE] or "",
+                     "backend": comm.name} if self.bus.active else {}
         span = ev.Span(self.bus, phase=ev.COLLECTIVE, kind=kind.value, names=(response.name,), nbytes=nbytes,
-                       op=label, rank=self.rank, process_set_id=ps, cycle=cycle)
+                       op=label, rank=self.rank, process_set_id=ps, cycle=cycle, **described)
         result = None
         with span:
             if kind == RequestKind.ALLGATHER:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import _thread
+import time
 from typing import Any, Callable, List, Optional
 
 from hpdl.engine.errors import HorovodInternalError
+from hpdl.engine.events import WAITS
 
 
 class Handle:
@@ -44,9 +46,12 @@ class Handle:
         if self._lock.locked():
             if self._on_wait is not None:
                 self._on_wait()
+            started = time.perf_counter() if WAITS.enabled else None  # a profile counts exposed waits
             if not self._lock.acquire(True, -1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
             self._lock.release()
+            if started is not None:
+                WAITS.blocked_s += time.perf_counter() - started
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done; return the result or raise the request's error."""

@@ -14,13 +14,17 @@ from hpdl.launch.builders import (
     choose_launcher,
     format_command,
     settings_env,
+    srun_mpi_plugin,
 )
 from hpdl.launch.check import check_report, print_check
 from hpdl.launch.detect import (
     LauncherInfo,
     detect_launchers,
+    mpi_default_from_config,
     mpi_flavour_from_version,
     mpi_version_from_version,
+    ranks_path,
+    srun_mpi_plugins_from_list,
 )
 from hpdl.launch.hosts import Host, HostList, LaunchError, parse_hostfile, parse_hosts, read_hostfile
 
@@ -39,11 +43,15 @@ __all__ = [
     "choose_launcher",
     "detect_launchers",
     "format_command",
+    "mpi_default_from_config",
     "mpi_flavour_from_version",
     "mpi_version_from_version",
     "parse_hostfile",
     "parse_hosts",
     "print_check",
+    "ranks_path",
     "read_hostfile",
     "settings_env",
+    "srun_mpi_plugin",
+    "srun_mpi_plugins_from_list",
 ]

@@ -11,8 +11,15 @@ launcher and MPI flavour is tested by comparing lists. The choice of launcher:
 4. otherwise ``mpiexec``, in the syntax of its flavour (and ``torchrun`` when there is no
    mpiexec, the backend is auto and the job stays on this host).
 
+srun is given the MPI plugin that the MPI found needs (``--mpi=pmi2`` for MPICH, Intel MPI
+and MVAPICH2, ``--mpi=pmix`` for Open MPI) unless the user, SLURM_MPI_TYPE or the site's
+MpiDefault chose one (:func:`srun_mpi_plugin`).
+
 Settings options become ``HPDL_*`` variables, placed in the returned environment (which ranks
 on this host inherit) and, for mpiexec, also on its command line so remote ranks get them.
+When the running interpreter's directory is not on PATH (an environment used without being
+activated), the returned PATH starts with it, so the launcher, and ``python`` on the ranks,
+are the ones installed beside hpdl.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hpdl.config import BACKENDS, Settings, SettingsError
 from hpdl.launch.detect import (
-    FLAVOUR_NAMES, HYDRA_FLAVOURS, INTELMPI, MVAPICH2, OPENMPI, UNKNOWN, LauncherInfo,
+    FLAVOUR_NAMES, HYDRA_FLAVOURS, INTELMPI, MPICH, MVAPICH2, OPENMPI, UNKNOWN, LauncherInfo, ranks_path,
 )
 from hpdl.launch.hosts import HostList, LaunchError
 
@@ -33,6 +40,9 @@ _TORCH_BACKENDS = ("gloo", "nccl", "torch")
 # Forwarded by name to remote Open MPI ranks, whose ssh session would otherwise start with a
 # minimal environment that cannot find the virtualenv's python or its libraries.
 _OPENMPI_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+# The srun MPI plugin through which each MPI's tasks find each other; without one (srun's
+# default "none" on a stock install) every MPICH task starts as a world of its own.
+_SRUN_MPI_PLUGINS = {MPICH: "pmi2", INTELMPI: "pmi2", MVAPICH2: "pmi2", OPENMPI: "pmix"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +56,7 @@ class RunOptions:
     launcher: str = "auto"
     mpi_args: Tuple[str, ...] = ()
     timeline: Optional[str] = None
+    profile: Optional[str] = None
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
     cache_capacity: Optional[int] = None
@@ -64,6 +75,7 @@ def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[
     given = {
         "HPDL_BACKEND": options.backend,
         "HPDL_TIMELINE": os.path.join(cwd, options.timeline) if options.timeline else None,
+        "HPDL_PROFILE": os.path.join(cwd, options.profile) if options.profile else None,
         "HPDL_FUSION_THRESHOLD": (
             None if options.fusion_threshold_mb is None
             else str(int(round(options.fusion_threshold_mb * 1024 * 1024)))
@@ -140,14 +152,18 @@ def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -
 
     out_env = dict(env)
     out_env.update(hpdl_env)
+    path = ranks_path(env.get("PATH", os.defpath), info.python_bin)
+    if path != env.get("PATH"):
+        out_env["PATH"] = path  # so that `python` on the ranks is the interpreter that has hpdl
     if launcher == "mpiexec":
         if info.mpiexec is None:
             raise LaunchError("launcher mpiexec was not found on PATH (install an MPI, e.g. pip install mpich)")
-        argv = build_mpiexec(info.mpiexec, info.mpi_flavour, np, hosts, hpdl_env, options.mpi_args, command, env)
+        argv = build_mpiexec(info.mpiexec, info.mpi_flavour, np, hosts, hpdl_env, options.mpi_args, command, out_env)
     elif launcher == "srun":
         if info.srun is None:
             raise LaunchError("launcher srun was not found on PATH (is Slurm installed here?)")
-        argv = build_srun(info.srun, np, hosts, options.mpi_args, command)
+        plugin = srun_mpi_plugin(info, env, options.mpi_args)
+        argv = build_srun(info.srun, np, hosts, options.mpi_args, command, plugin)
     else:
         if info.torchrun is None:
             raise LaunchError("launcher torchrun was not found on PATH (it comes with PyTorch)")
@@ -256,11 +272,28 @@ def _intel_hosts(np: int, hosts: HostList, command: Sequence[str]) -> List[str]:
     return sections
 
 
-def build_srun(srun: str, np: int, hosts: Optional[HostList], launcher_args: Sequence[str], command: Sequence[str]) -> List[str]:
-    """Return ``srun --ntasks N [--nodelist h1,h2] [args] command``."""
+def srun_mpi_plugin(info: LauncherInfo, env: Mapping[str, str], launcher_args: Sequence[str]) -> Optional[str]:
+    """Return the ``--mpi`` plugin srun needs for the MPI found, or None to leave srun's choice.
+
+    The choice is left to srun when ``launcher_args`` name a plugin, when SLURM_MPI_TYPE picks
+    one, when the site's MpiDefault is not "none", or when srun does not list the plugin.
+    """
+    if any(arg == "--mpi" or arg.startswith("--mpi=") for arg in launcher_args):
+        return None
+    if env.get("SLURM_MPI_TYPE", "none") != "none" or info.srun_mpi_default not in ("", "none"):
+        return None
+    wanted = _SRUN_MPI_PLUGINS.get(info.mpi_flavour)
+    return wanted if wanted in info.srun_mpi_plugins else None
+
+
+def build_srun(srun: str, np: int, hosts: Optional[HostList], launcher_args: Sequence[str],
+               command: Sequence[str], mpi_plugin: Optional[str] = None) -> List[str]:
+    """Return ``srun --ntasks N [--nodelist h1,h2] [--mpi=PLUGIN] [args] command``."""
     argv = [srun, "--ntasks", str(np)]
     if hosts is not None:
         argv += ["--nodelist", ",".join(hosts.names)]
+    if mpi_plugin:
+        argv.append(f"--mpi={mpi_plugin}")
     return argv + list(launcher_args) + list(command)
 
 

@@ -63,9 +63,16 @@ def _launcher_lines(info: LauncherInfo) -> List[str]:
         lines.append(f"    [X] {info.mpiexec} ({FLAVOUR_NAMES[info.mpi_flavour]}{version}; {info.mpiexec_path})")
     else:
         lines.append("    [ ] mpiexec")
-    lines.append(f"    [X] srun ({info.srun_path})" if info.srun else "    [ ] srun")
+    lines.append(f"    [X] srun ({info.srun_path}{_srun_mpi_note(info)})" if info.srun else "    [ ] srun")
     lines.append(f"    [X] torchrun ({info.torchrun_path})" if info.torchrun else "    [ ] torchrun")
     return lines
+
+
+def _srun_mpi_note(info: LauncherInfo) -> str:
+    if not info.srun_mpi_plugins:
+        return ""
+    default = f", default {info.srun_mpi_default}" if info.srun_mpi_default else ""
+    return f"; MPI plugins {', '.join(sorted(info.srun_mpi_plugins))}{default}"
 
 
 def _topology_lines(env: Optional[Mapping[str, str]]) -> List[str]:

@@ -32,6 +32,14 @@ Launcher choice (unless --launcher says otherwise):
       of its MPI (MPICH, Open MPI, MVAPICH2 or Intel MPI, read from `mpiexec --version`);
       torchrun if there is no mpiexec, the backend is auto and the job stays on this host.
 
+Under srun, hpdl passes the MPI plugin the MPI found needs (--mpi=pmi2 for MPICH, Intel MPI
+and MVAPICH2; --mpi=pmix for Open MPI when srun lists it) unless --mpi-args, SLURM_MPI_TYPE
+or the site's MpiDefault names one.
+
+Launchers are looked for beside the Python running hpdl too. When its directory is not on
+PATH (an environment used without activating it, as from cron or an IDE), the ranks get it
+first on their PATH, so `python` in COMMAND is this Python; --dry-run shows that PATH.
+
 Settings options become HPDL_* environment variables on every rank; HPDL_* variables already
 set are passed on too, and all are checked before anything starts."""
 
@@ -39,10 +47,12 @@ _RUN_EPILOG = """\
 examples:
   hpdl run -np 4 -- python train.py --epochs 10
   hpdl run -np 8 -H node1:4,node2:4 --timeline trace.json -- python train.py
+  hpdl run -np 2 --profile p.json -- python train.py   # then: hpdl profile report p.json
   hpdl run --hostfile hosts.txt --backend gloo -- python -m hpdl.sr train
   hpdl run -np 2 --dry-run -- python train.py      # print the command, run nothing
 
-hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment.
+hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment
+(-hostfile, horovodrun's spelling, is --hostfile).
 Open MPI refuses more ranks than cores unless told --mpi-args=--oversubscribe (write
 the "=" when the value starts with "-")."""
 
@@ -67,7 +77,9 @@ def register(subparsers) -> None:
         help="comma-separated hosts with their slot counts, e.g. node1:4,node2:4 (slots default to 1)",
     )
     hosts.add_argument(
-        "--hostfile", metavar="FILE",
+        # -hostfile is horovodrun's and mpirun's spelling; without it argparse would read
+        # "-h ostfile" and stop at the help flag.
+        "--hostfile", "-hostfile", metavar="FILE",
         help="file of hosts, one per line: 'host slots=N', 'host:N' or 'host'",
     )
     how = run.add_argument_group("launcher")
@@ -83,7 +95,8 @@ def register(subparsers) -> None:
     how.add_argument(
         "--mpi-args", default="", metavar="'ARGS'",
         help="extra arguments for mpiexec or srun, given as one quoted string that is split "
-        "as a shell would split it (for example the Open MPI option --oversubscribe)",
+        "as a shell would split it (for example the Open MPI option --oversubscribe, or srun's "
+        "--mpi=pmix instead of the plugin hpdl picks)",
     )
     how.add_argument(
         "--dry-run", action="store_true",
@@ -92,6 +105,9 @@ def register(subparsers) -> None:
     knobs = run.add_argument_group("settings passed to every rank")
     knobs.add_argument("--timeline", metavar="FILE",
                        help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute)")
+    knobs.add_argument("--profile", metavar="FILE",
+                       help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
+                            "read it with `hpdl profile report FILE` (HPDL_PROFILE; made absolute)")
     knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
                        help="fuse tensors into buffers of up to MB mebibytes (HPDL_FUSION_THRESHOLD; 0 disables)")
     knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
@@ -144,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         launcher=args.launcher,
         mpi_args=mpi_args,
         timeline=args.timeline,
+        profile=args.profile,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         cache_capacity=args.cache_capacity,
@@ -157,7 +174,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Handle `hpdl run`: build the launcher command, then print it or exec it."""
     try:
         options = options_from_args(args)
-        info = detect_launchers(os.environ)
+        info = detect_launchers(os.environ, probe_srun=options.launcher == "srun")
         argv, env = build_run(options, os.environ, info)
     except LaunchError as err:
         raise CliError(str(err)) from None

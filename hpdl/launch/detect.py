@@ -3,8 +3,11 @@
 The MPI flavour decides the syntax of every option we pass (``-n`` or ``-np``, ``-genv K V``
 or ``-x K=V``), so it is read from ``mpiexec --version``, as accelerate does, rather than
 guessed from the mpi4py in this interpreter, which may be built against another MPI.
-:func:`mpi_flavour_from_version` is pure; :func:`detect_launchers` is the one function that
-looks at PATH and runs a program, and the builders take its result as an argument.
+Inside a Slurm allocation (or when srun is asked for by name) srun is asked which MPI
+plugins it has and which one the site made the default, since srun's own default ("none" on
+a stock install) starts MPICH tasks as worlds of one. The parsers of these outputs are pure;
+:func:`detect_launchers` is the one function that looks at PATH and runs programs, and the
+builders take its result as an argument.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import re
 import shutil
 import socket
 import subprocess
-from typing import FrozenSet, Mapping, Optional
+import sys
+from typing import FrozenSet, List, Mapping, Optional, Tuple
 
 MPICH = "mpich"
 OPENMPI = "openmpi"
@@ -31,6 +35,7 @@ FLAVOUR_NAMES = {
     UNKNOWN: "unknown MPI",
 }
 HYDRA_FLAVOURS = (MPICH, MVAPICH2, INTELMPI)
+_PLUGIN_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def mpi_flavour_from_version(text: str) -> str:
@@ -64,12 +69,53 @@ def mpi_version_from_version(text: str) -> str:
     return ""
 
 
+def srun_mpi_plugins_from_list(text: str) -> FrozenSet[str]:
+    """Return the MPI plugin names in what ``srun --mpi=list`` printed (any Slurm's layout).
+
+    Slurm 22 and later print a header, one tab-indented name a line and a line of specific
+    PMIx versions ("...available: pmix_v4"); older ones prefix every line with "srun: ".
+    """
+    names = set()
+    for line in text.splitlines():
+        line = line.strip()
+        line = line[len("srun:"):].strip() if line.startswith("srun:") else line
+        if "available:" in line:
+            names.update(_PLUGIN_NAME.findall(line.split("available:", 1)[1]))
+        elif _PLUGIN_NAME.fullmatch(line):
+            names.add(line)
+    return frozenset(names)
+
+
+def mpi_default_from_config(text: str) -> str:
+    """Return the site's ``MpiDefault`` in ``scontrol show config`` output, or "" if absent."""
+    match = re.search(r"^MpiDefault\s*=\s*(\S+)", text, re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def ranks_path(path: str, python_bin: str) -> str:
+    """Return the ranks' PATH: ``path`` with ``python_bin`` first when it is not on it at all.
+
+    ``python_bin`` is the directory of the running interpreter, where ``pip install hpdl[mpi]``
+    put hpdl, mpiexec and torchrun. It is missing from PATH when that environment is not
+    activated (cron, batch scripts, IDEs); an activated environment or a system interpreter
+    keeps the PATH it has, so an MPI chosen by PATH order stays chosen.
+    """
+    if not python_bin:
+        return path
+    entries = {os.path.normpath(entry) for entry in path.split(os.pathsep) if entry}
+    if os.path.normpath(python_bin) in entries:
+        return path
+    return os.pathsep.join([python_bin, path]) if path else python_bin
+
+
 @dataclasses.dataclass(frozen=True)
 class LauncherInfo:
     """The launchers found on this machine, as the builders need them.
 
     ``mpiexec``, ``srun`` and ``torchrun`` hold the command name to run (None when absent);
-    ``*_path`` fields hold where it was found, for reports.
+    ``*_path`` fields hold where it was found, for reports. ``srun_mpi_plugins`` and
+    ``srun_mpi_default`` (the site's MpiDefault) are empty when srun was not asked.
+    ``python_bin`` is the running interpreter's directory (see :func:`ranks_path`).
     """
 
     mpiexec: Optional[str] = None
@@ -78,10 +124,13 @@ class LauncherInfo:
     mpi_version_text: str = ""
     srun: Optional[str] = None
     srun_path: str = ""
+    srun_mpi_plugins: FrozenSet[str] = frozenset()
+    srun_mpi_default: str = ""
     torchrun: Optional[str] = None
     torchrun_path: str = ""
     hostnames: FrozenSet[str] = frozenset({"localhost", "127.0.0.1", "::1"})
     cwd: str = "/"
+    python_bin: str = ""
 
     @property
     def mpi_version(self) -> str:
@@ -92,15 +141,26 @@ class LauncherInfo:
         return host in self.hostnames or host.split(".")[0] in self.hostnames
 
 
-def _version_text(executable: str, timeout_s: float = 10.0) -> str:
+def _output(argv: List[str], timeout_s: float = 10.0) -> str:
     try:
         done = subprocess.run(
-            [executable, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return ""
     return done.stdout.decode("utf-8", "replace")
+
+
+def _version_text(executable: str) -> str:
+    return _output([executable, "--version"])
+
+
+def _srun_mpi(srun_path: str, path: str) -> Tuple[FrozenSet[str], str]:
+    """The MPI plugins srun lists and the site's default one (asks the controller)."""
+    plugins = srun_mpi_plugins_from_list(_output([srun_path, "--mpi=list"]))
+    scontrol = shutil.which("scontrol", path=path)
+    return plugins, mpi_default_from_config(_output([scontrol, "show", "config"])) if scontrol else ""
 
 
 def _local_names() -> FrozenSet[str]:
@@ -113,10 +173,21 @@ def _local_names() -> FrozenSet[str]:
     return frozenset(n for n in names if n)
 
 
-def detect_launchers(env: Optional[Mapping[str, str]] = None) -> LauncherInfo:
-    """Find mpiexec (or mpirun), srun and torchrun on PATH and read mpiexec's flavour."""
+def detect_launchers(env: Optional[Mapping[str, str]] = None, probe_srun: bool = False,
+                     python_bin: Optional[str] = None) -> LauncherInfo:
+    """Find mpiexec (or mpirun), srun and torchrun and read mpiexec's flavour.
+
+    Args:
+        env: the environment whose PATH to search (default ``os.environ``); the running
+            interpreter's directory is searched first when PATH lacks it (:func:`ranks_path`).
+        probe_srun: ask srun for its MPI plugins even outside a Slurm allocation (inside one,
+            with SLURM_JOB_ID set, it is always asked).
+        python_bin: the interpreter's directory (default: that of ``sys.executable``).
+    """
     env = os.environ if env is None else env
-    path = env.get("PATH", os.defpath)
+    if python_bin is None:
+        python_bin = os.path.dirname(os.path.abspath(sys.executable)) if sys.executable else ""
+    path = ranks_path(env.get("PATH", os.defpath), python_bin)
     mpiexec = mpiexec_path = None
     for name in ("mpiexec", "mpirun"):
         mpiexec_path = shutil.which(name, path=path)
@@ -126,6 +197,9 @@ def detect_launchers(env: Optional[Mapping[str, str]] = None) -> LauncherInfo:
     text = _version_text(mpiexec_path) if mpiexec_path else ""
     srun_path = shutil.which("srun", path=path)
     torchrun_path = shutil.which("torchrun", path=path)
+    plugins, mpi_default = (
+        _srun_mpi(srun_path, path) if srun_path and (probe_srun or "SLURM_JOB_ID" in env) else (frozenset(), "")
+    )
     return LauncherInfo(
         mpiexec=mpiexec,
         mpiexec_path=mpiexec_path or "",
@@ -133,8 +207,11 @@ def detect_launchers(env: Optional[Mapping[str, str]] = None) -> LauncherInfo:
         mpi_version_text=text,
         srun="srun" if srun_path else None,
         srun_path=srun_path or "",
+        srun_mpi_plugins=plugins,
+        srun_mpi_default=mpi_default,
         torchrun="torchrun" if torchrun_path else None,
         torchrun_path=torchrun_path or "",
         hostnames=_local_names(),
         cwd=os.getcwd(),
+        python_bin=python_bin,
     )

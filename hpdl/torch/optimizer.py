@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from hpdl.engine import Op
-from hpdl.torch import mpi_ops
+from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.compression import Compression
 from hpdl.torch.mpi_ops import Adasum, Average, AsyncHandle
 from hpdl.torch.process_sets import ProcessSet, global_process_set
@@ -296,7 +296,9 @@ class _DistributedOptimizerMixin:
             else:
                 self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        result = super().step(closure)
+        runtime.profile_step()  # a step boundary, when profiled
+        return result
 
     # _patch_step_function() (run again by load_state_dict) must not wrap this step in the
     # profiling hooks: the wrapped optimizer's step already runs them, once.

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import sys
 import threading
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
+from hpdl.comm.topology import WorldSizeError, check_world_size
 from hpdl.comm.mpi import MPI, mpi_available
 from hpdl.config import Settings, horovod_variables_ignored
 from hpdl.engine import Engine, abort
+from hpdl.engine import events as ev
 from hpdl.torch import process_sets as _process_sets
+
+log = logging.getLogger("hpdl")
 
 
 @dataclasses.dataclass
@@ -34,6 +39,8 @@ class _State:
 _state: Optional[_State] = None
 _lock = threading.Lock()
 _atexit_registered = False
+# Run by shutdown() on every rank while the engine still runs (the profiler gathers then).
+_shutdown_hooks: List[Callable[[], None]] = []
 
 
 def _require() -> _State:
@@ -71,6 +78,12 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
         world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
                              cuda_aware=aware)
+        if comm is None or isinstance(comm, (list, tuple, range)):  # the launcher's world, not a user's comm
+            try:
+                check_world_size(world.size, os.environ)
+            except WorldSizeError:
+                world.close()
+                raise
         if isinstance(comm, (list, tuple, range)):
             sub = world.split(list(comm))
             if sub is None:
@@ -102,11 +115,16 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
     if process_sets not in (None, "dynamic"):
         for ps in process_sets:
             _process_sets.add_process_set(ps)
+    if settings.profile:
+        start_profile(settings.profile)
 
 
 def shutdown() -> None:
     """Stop hpdl on this process (and the engines of the others); init() may be called again."""
     global _state
+    if _state is None:
+        return
+    _run_shutdown_hooks()
     with _lock:
         state, _state = _state, None
     if state is None:
@@ -119,10 +137,23 @@ def shutdown() -> None:
     _process_sets._reset()
 
 
+def _run_shutdown_hooks() -> None:
+    for hook in list(_shutdown_hooks):
+        try:
+            hook()
+        except Exception as err:  # noqa: BLE001 - shutting down must go on
+            log.error("hpdl: %s at shutdown failed: %s: %s", getattr(hook, "__qualname__", hook),
+                      type(err).__name__, err)
+
+
 def _at_exit() -> None:
     # After a failure that ended the engine, a normal exit would wait for a peer that may never
-    # come (MPI_Finalize); the error has been printed by now, so the job is aborted instead.
-    abort.abort_if_failed()
+    # come (MPI_Finalize); the error has been printed by now, so the job is aborted instead,
+    # once the hooks (the profiler's last write) have had their turn.
+    if abort.failed():
+        if _state is not None:
+            _run_shutdown_hooks()
+        abort.abort_if_failed()
     shutdown()
 
 
@@ -236,3 +267,30 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop and close the timeline started by start_timeline() or HPDL_TIMELINE."""
     _require().engine.stop_timeline()
+
+
+def start_profile(file_path: str) -> None:
+    """Record every collective and step on every rank until stop_profile() (call it on every rank).
+
+    At stop_profile() and at each shutdown() the ranks' records are gathered and rank 0
+    writes them to ``file_path``; read it with ``hpdl profile report``. HPDL_PROFILE starts
+    the same recording at init().
+    """
+    from hpdl.profile import session
+
+    _require()
+    session.start(file_path)
+
+
+def stop_profile() -> None:
+    """Write the profile started by start_profile() or HPDL_PROFILE and stop recording (every rank)."""
+    from hpdl.profile import session
+
+    session.stop()
+
+
+def profile_step() -> None:
+    """Mark the end of a training step in the profile (DistributedOptimizer.step() does; loops without it call this)."""
+    state = _state
+    if state is not None:
+        ev.mark_step(state.engine.bus, state.topology.rank)

@@ -6,6 +6,8 @@ Usage: bad_input_jobs.py CASE
   stall-c      rank 1 blocks in C code (os.read on an empty pipe) while the others allreduce
   stall-sleep  rank 1 sleeps 90 s in Python while the others allreduce
   stall-set    as stall-c, in a process set of ranks 0 and 1
+  world        print "rank R of S" after hvd.init()
+  self-world   the same after hvd.init(comm=MPI.COMM_SELF), a user's own communicator
 """
 
 from __future__ import annotations
@@ -36,8 +38,14 @@ def read_empty_pipe() -> None:
     os.read(read_end, 1)
 
 
+def world() -> None:
+    print(f"rank {hvd.rank()} of {hvd.size()}", flush=True)
+
+
 CASES = {
     "mismatch": mismatch,
+    "world": world,
+    "self-world": world,
     "stall-c": lambda: stall(read_empty_pipe),
     "stall-sleep": lambda: stall(lambda: time.sleep(90)),
     "stall-set": lambda: stall(read_empty_pipe, hvd.add_process_set([0, 1])),
@@ -45,6 +53,11 @@ CASES = {
 
 
 if __name__ == "__main__":
-    hvd.init()
+    if sys.argv[1] == "self-world":
+        from mpi4py import MPI
+
+        hvd.init(comm=MPI.COMM_SELF)
+    else:
+        hvd.init()
     CASES[sys.argv[1]]()
     hvd.shutdown()

@@ -1,0 +1,266 @@
+"""What a profile says: time by message-size class, per message and tensor, per step, per rank, fusion.
+
+Every figure is a mean over the ranks recorded (all ranks run the same collectives), except
+where a table is per rank. Communication time is the backend call's (what the study behind
+the size classes measured); bus bandwidth is ``bytes / time * factor`` as nccl-tests define it
+(allreduce ``2(p-1)/p``, allgather, reducescatter and alltoall ``(p-1)/p``, broadcast 1). The
+first step (start-up: model building, the initial broadcasts) is left out of the per-step,
+fusion and arrival figures whenever later steps exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hpdl.bench.stats import parse_size
+from hpdl.profile import schema
+
+DEFAULT_EDGES = (128 << 10, 16 << 20, 32 << 20, 64 << 20)
+
+
+def parse_buckets(text: str) -> Tuple[int, ...]:
+    """Parse ``--buckets`` (e.g. ``128K,16M,32M,64M``) into ascending class edges in bytes."""
+    edges = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not edges or any(e <= 0 for e in edges) or sorted(set(edges)) != edges:
+        raise ValueError(f"--buckets {text!r}: give increasing positive sizes, e.g. 128K,16M,32M,64M")
+    return tuple(edges)
+
+
+def format_size(nbytes: float) -> str:
+    """``131072`` -> ``128 KiB``; whole units without decimals."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def class_labels(edges: Sequence[int]) -> List[str]:
+    """Labels of the classes ``(edge[i-1], edge[i]]``: ``<= 128 KiB``, ``128 KiB-16 MiB``, ..., ``> 64 MiB``."""
+    labels = [f"<= {format_size(edges[0])}"]
+    labels += [f"{format_size(lo)}-{format_size(hi)}" for lo, hi in zip(edges, edges[1:])]
+    return labels + [f"> {format_size(edges[-1])}"]
+
+
+def class_of(nbytes: int, edges: Sequence[int]) -> int:
+    """Index of the size class of a message of ``nbytes``."""
+    for i, edge in enumerate(edges):
+        if nbytes <= edge:
+            return i
+    return len(edges)
+
+
+def bus_factor(kind: str, size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of a collective on ``size`` ranks (0: not meaningful)."""
+    if size < 2:
+        return 0.0
+    if kind == "allreduce":
+        return 2 * (size - 1) / size
+    if kind in ("allgather", "reducescatter", "alltoall"):
+        return (size - 1) / size
+    return 1.0 if kind == "broadcast" else 0.0
+
+
+@dataclasses.dataclass
+class Row:
+    """Calls and time of one group of messages (a size class, a message, a tensor), per rank."""
+
+    label: str
+    calls: float = 0.0
+    time_us: float = 0.0
+    moved: float = 0.0  # bytes times the bus factor, for bus bandwidth
+    volume: float = 0.0  # bytes of all calls
+    nbytes: int = 0
+    share: float = 0.0
+    kind: str = ""
+
+    @property
+    def mean_us(self) -> float:
+        return self.time_us / self.calls if self.calls else 0.0
+
+    @property
+    def mean_bytes(self) -> float:
+        return self.volume / self.calls if self.calls else 0.0
+
+    @property
+    def busbw_gbps(self) -> Optional[float]:
+        return self.moved / self.time_us / 1e3 if self.time_us and self.moved else None
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Medians over one rank's steps (or all ranks'), in microseconds."""
+
+    label: str
+    steps: int
+    step_us: float
+    compute_us: float
+    comm_us: float
+    exposed_us: float
+
+    @property
+    def exposed_share(self) -> float:
+        return self.exposed_us / self.step_us if self.step_us else 0.0
+
+    @property
+    def efficiency(self) -> float:
+        """compute / step: the step's pace relative to the same compute with no exposed communication."""
+        return self.compute_us / self.step_us if self.step_us else 0.0
+
+
+@dataclasses.dataclass
+class RankArrival:
+    rank: int
+    last: int  # collectives at which this rank arrived last
+    mean_late_us: float  # mean time behind the first rank to arrive
+
+
+@dataclasses.dataclass
+class Arrival:
+    collectives: int
+    median_spread_us: float
+    p90_spread_us: float
+    max_spread_us: float
+    ranks: List[RankArrival]
+
+
+@dataclasses.dataclass
+class Fusion:
+    messages_per_step: float
+    tensors_per_message: float
+    fused_share: float  # of messages carrying more than one tensor
+    fill: Optional[float]  # mean fused message / fusion threshold
+    max_fill: Optional[float]
+    reuse: Optional[float]  # fusion-buffer hits / requests
+    threshold: int
+
+
+class Analysis:
+    """Everything the report shows, computed once from a loaded profile."""
+
+    def __init__(self, profile: Dict[str, Any], edges: Sequence[int] = DEFAULT_EDGES):
+        self.profile = profile
+        self.job = profile["job"]
+        self.ranks = profile["ranks"]
+        self.size = int(self.job.get("size", len(self.ranks)))
+        self.edges = tuple(edges)
+        self.messages = [list(schema.records(r, "messages")) for r in self.ranks]
+        self.total_comm_us = sum(m["backend_us"] for ms in self.messages for m in ms) / len(self.ranks)
+        self.classes = self._classes()
+        self.by_message = self._by_message()
+        self.by_tensor = self._by_tensor()
+        self.per_rank_steps = [self._step_stats(f"rank {r['rank']}", [r]) for r in self.ranks]
+        self.steps = self._step_stats("all ranks", self.ranks)
+        self.arrival = self._arrival()
+        self.fusion = self._fusion()
+
+    def _row(self, rows: Dict[Any, Row], key: Any, label: str, message: Dict[str, Any]) -> None:
+        row = rows.setdefault(key, Row(label, nbytes=message["bytes"], kind=message["kind"]))
+        n = len(self.ranks)
+        row.calls += message["calls"] / n
+        row.time_us += message["backend_us"] / n
+        row.moved += message["bytes"] * message["calls"] * bus_factor(message["kind"], self.size) / n
+        row.volume += message["bytes"] * message["calls"] / n
+
+    def _shares(self, rows: List[Row]) -> List[Row]:
+        for row in rows:
+            row.share = row.time_us / self.total_comm_us if self.total_comm_us else 0.0
+        return rows
+
+    def _classes(self) -> List[Row]:
+        labels = class_labels(self.edges)
+        rows = {i: Row(label) for i, label in enumerate(labels)}
+        for messages in self.messages:
+            for m in messages:
+                i = class_of(m["bytes"], self.edges)
+                self._row(rows, i, labels[i], m)
+        return self._shares([rows[i] for i in range(len(labels))])
+
+    def _by_message(self) -> List[Row]:
+        rows: Dict[tuple, Row] = {}
+        for messages in self.messages:
+            for m in messages:
+                fused = f", {m['tensors']} tensors" if m["tensors"] > 1 else ""
+                label = f"{m['kind']} {format_size(m['bytes'])} {m['dtype']}{fused}"
+                self._row(rows, (m["kind"], m["dtype"], m["bytes"], m["tensors"]), label, m)
+        return self._shares(sorted(rows.values(), key=lambda r: -r.time_us))
+
+    def _by_tensor(self) -> List[Row]:
+        rows: Dict[tuple, Row] = {}
+        n = len(self.ranks)
+        for rank in self.ranks:
+            names = rank["tensors"]
+            for t in schema.records(rank, "tensors_time"):
+                name = names[t["name"]] if 0 <= t["name"] < len(names) else f"#{t['name']}"
+                row = rows.setdefault((t["kind"], name), Row(f"{name} ({t['kind']})", nbytes=t["bytes"]))
+                row.calls += t["calls"] / n
+                row.time_us += t["time_us"] / n
+        return self._shares(sorted(rows.values(), key=lambda r: -r.time_us))
+
+    @staticmethod
+    def steady(steps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The steps after the start-up step (all of them if there is nothing else)."""
+        return [s for s in steps if s["step"] > 0] or steps
+
+    def _step_stats(self, label: str, ranks: List[Dict[str, Any]]) -> Optional[StepStats]:
+        steps = [s for r in ranks for s in self.steady(list(schema.records(r, "steps")))]
+        if not steps:
+            return None
+        med = lambda values: float(statistics.median(values))  # noqa: E731
+        durations = [s["end_us"] - s["start_us"] for s in steps]
+        return StepStats(label, len(steps), med(durations),
+                         med([d - s["blocked_us"] for d, s in zip(durations, steps)]),
+                         med([s["comm_us"] for s in steps]), med([s["blocked_us"] for s in steps]))
+
+    def steady_collectives(self, rank: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """The rank's raw collectives outside the start-up step (all of them if there is nothing else)."""
+        rows = list(schema.records(rank, "collectives"))
+        return [c for c in rows if c["step"] > 0] or rows
+
+    def _arrival(self) -> Optional[Arrival]:
+        if len(self.ranks) < 2:
+            return None
+        ready: Dict[Tuple[int, int], Dict[int, float]] = {}
+        for rank in self.ranks:
+            for c in self.steady_collectives(rank):
+                ready.setdefault((c["process_set"], c["seq"]), {})[rank["rank"]] = c["ready_us"]
+        matched = [times for times in ready.values() if len(times) > 1]
+        if not matched:
+            return None
+        spreads = sorted(max(t.values()) - min(t.values()) for t in matched)
+        last = {r["rank"]: 0 for r in self.ranks}
+        late = {r["rank"]: [] for r in self.ranks}
+        for times in matched:
+            first = min(times.values())
+            last[max(times, key=times.get)] += 1
+            for rank, t in times.items():
+                late[rank].append(t - first)
+        ranks = [RankArrival(r, last[r], statistics.fmean(late[r]) if late[r] else 0.0) for r in sorted(last)]
+        return Arrival(len(matched), float(statistics.median(spreads)), spreads[int(0.9 * (len(spreads) - 1))],
+                       spreads[-1], ranks)
+
+    def _fusion(self) -> Fusion:
+        threshold = int(self.job.get("settings", {}).get("fusion_threshold", 0))
+        per_step, tensors, fused_bytes, count = [], [], [], 0
+        for rank in self.ranks:
+            per_step += [s["messages"] for s in self.steady(list(schema.records(rank, "steps")))]
+            for c in self.steady_collectives(rank):
+                count += 1
+                tensors.append(c["tensors"])
+                if c["tensors"] > 1:
+                    fused_bytes.append(c["bytes"])
+        hits = sum(r.get("engine", {}).get("fusion_buffer_hits", 0) for r in self.ranks)
+        misses = sum(r.get("engine", {}).get("fusion_buffer_misses", 0) for r in self.ranks)
+        fill = statistics.fmean(fused_bytes) / threshold if fused_bytes and threshold else None
+        return Fusion(
+            messages_per_step=float(statistics.median(per_step)) if per_step else 0.0,
+            tensors_per_message=statistics.fmean(tensors) if tensors else 0.0,
+            fused_share=len(fused_bytes) / count if count else 0.0,
+            fill=fill, max_fill=max(fused_bytes) / threshold if fused_bytes and threshold else None,
+            reuse=hits / (hits + misses) if hits + misses else None, threshold=threshold)
+
+    def latency_points(self) -> List[Tuple[int, float, Optional[float], str]]:
+        """(bytes, mean backend latency µs, bus bandwidth GB/s, kind) per distinct message, for plots."""
+        return [(row.nbytes, row.mean_us, row.busbw_gbps, row.kind) for row in self.by_message]

@@ -1,0 +1,114 @@
+"""`hpdl profile`: read a communication profile (report, compare, timeline)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hpdl.cli import CliError
+
+_DESCRIPTION = """\
+Read a communication profile: record one with `hpdl run --profile p.json -- ...`,
+HPDL_PROFILE=p.json, or hvd.start_profile() / hvd.stop_profile() (docs/profile.md).
+
+examples:
+  hpdl run -np 2 --profile p.json -- python train.py
+  hpdl profile report p.json
+  hpdl profile report p.json --bench b.json --html report.html   # b.json: hpdl bench allreduce --json
+  hpdl profile compare before.json after.json
+  hpdl profile timeline p.json -o trace.json                      # open in ui.perfetto.dev"""
+
+
+def register(subparsers) -> None:
+    """Add ``profile`` and its subcommands."""
+    profile = subparsers.add_parser(
+        "profile", help="read a communication profile: report, compare, timeline",
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = profile.add_subparsers(dest="profile_command", metavar="SUBCOMMAND")
+    buckets = dict(default="128K,16M,32M,64M", metavar="SIZES",
+                   help="edges of the message-size classes (default 128K,16M,32M,64M)")
+
+    report = sub.add_parser("report", help="time by message size, per step, per rank, fusion, findings")
+    report.add_argument("file", help="profile JSON file")
+    report.add_argument("--buckets", **buckets)
+    report.add_argument("--bench", metavar="FILE",
+                        help="`hpdl bench allreduce --json` output: compare with what the backend reaches alone")
+    report.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots")
+    report.set_defaults(func=_report)
+
+    compare = sub.add_parser("compare", help="two profiles side by side, with changes in percent")
+    compare.add_argument("before", help="profile A (before the change)")
+    compare.add_argument("after", help="profile B (after the change)")
+    compare.add_argument("--buckets", **buckets)
+    compare.set_defaults(func=_compare)
+
+    timeline = sub.add_parser("timeline", help="write a Chrome-trace / Perfetto file, one track per rank")
+    timeline.add_argument("file", help="profile JSON file")
+    timeline.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
+    timeline.set_defaults(func=_timeline)
+    profile.set_defaults(func=lambda args: profile.print_help() or 2)
+
+
+def _analysis(path: str, buckets: str):
+    from hpdl.profile.analysis import Analysis, parse_buckets
+    from hpdl.profile.schema import ProfileError, load
+
+    try:
+        edges = parse_buckets(buckets)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    try:
+        return Analysis(load(path), edges)
+    except ProfileError as err:
+        raise CliError(str(err)) from None
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as err:
+        raise CliError(f"{path}: profile has an unusable value ({type(err).__name__}: {err})") from None
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def _report(args) -> int:
+    from hpdl.profile.findings import findings, load_bench
+    from hpdl.profile.report import render
+    from hpdl.profile.schema import ProfileError
+
+    analysis = _analysis(args.file, args.buckets)
+    try:
+        bench = load_bench(args.bench) if args.bench else None
+    except ProfileError as err:
+        raise CliError(str(err)) from None
+    found = findings(analysis, bench)
+    if args.html:
+        from hpdl.profile.html import render_html
+
+        _write(args.html, render_html(analysis, args.file, found, bench))
+    print(render(analysis, args.file, found))
+    if args.html:
+        print(f"\nHTML report: {args.html}")
+    return 0
+
+
+def _compare(args) -> int:
+    from hpdl.profile.report import render_compare
+
+    print(render_compare(_analysis(args.before, args.buckets), args.before,
+                         _analysis(args.after, args.buckets), args.after))
+    return 0
+
+
+def _timeline(args) -> int:
+    from hpdl.profile.timeline import write_trace
+
+    analysis = _analysis(args.file, "128K")
+    try:
+        events = write_trace(analysis.profile, args.output)
+    except OSError as err:
+        raise CliError(f"cannot write {args.output}: {err.strerror or err}") from None
+    print(f"wrote {args.output}: {events} trace events, one track per rank (open in ui.perfetto.dev or "
+          "chrome://tracing)")
+    return 0

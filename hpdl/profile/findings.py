@@ -1,0 +1,146 @@
+"""Findings: what the profile's numbers mean, in plain words, each tied to a figure.
+
+With an ``hpdl bench allreduce --json`` file, message-size findings compare the bandwidth
+reached in the job with what the backend alone reached on this machine at that size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, List, Optional, Tuple
+
+from hpdl.profile.analysis import Analysis, format_size
+from hpdl.profile.schema import ProfileError
+
+# Bench curve: message bytes -> (mean latency µs, bus bandwidth GB/s).
+BenchCurve = Dict[int, Tuple[float, float]]
+
+
+def load_bench(path: str) -> BenchCurve:
+    """Read an ``hpdl bench allreduce --json`` file (its backend path, else its first path)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ProfileError(f"cannot read --bench file {path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProfileError(f"--bench file {path} is not JSON; write it with `hpdl bench allreduce --json`") from None
+    records = data.get("records") if isinstance(data, dict) and data.get("benchmark") == "allreduce" else None
+    if not isinstance(records, list) or not records:
+        raise ProfileError(f"--bench file {path} is not `hpdl bench allreduce --json` output (no allreduce records)")
+    try:
+        paths = [r["path"] for r in records]
+        wanted = "backend" if "backend" in paths else paths[0]
+        return {int(r["size"]): (float(r["avg_us"]), float(r["busbw_GBps"])) for r in records if r["path"] == wanted}
+    except (KeyError, TypeError, ValueError) as err:
+        raise ProfileError(f"--bench file {path}: a record lacks a usable {err}") from None
+
+
+def bench_at(curve: BenchCurve, nbytes: float) -> Optional[Tuple[int, float]]:
+    """The bench size nearest ``nbytes`` (on a log scale) and its bus bandwidth."""
+    if not curve or nbytes <= 0:
+        return None
+    size = min(curve, key=lambda s: abs(math.log(s) - math.log(nbytes)))
+    return size, curve[size][1]
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.1f} ms"
+
+
+def _size_class(a: Analysis, bench: Optional[BenchCurve]) -> Optional[str]:
+    top = max(a.classes, key=lambda r: r.time_us, default=None)
+    if top is None or not top.time_us:
+        return None
+    text = (f"{top.share:.0%} of communication time is in {top.label} messages ({top.calls:.0f} calls, "
+            f"{_ms(top.time_us)} per rank")
+    bw = top.busbw_gbps
+    if bw is None:
+        return text + ")."
+    text += f") at {bw:.2f} GB/s bus bandwidth"
+    reached = bench_at(bench, top.mean_bytes) if bench else None
+    if reached is None:
+        return text + (": run `hpdl bench allreduce --json > b.json` and give it with --bench to see "
+                       "what the backend alone reaches at that size.")
+    size, bench_bw = reached
+    text += f", against {bench_bw:.2f} GB/s that `hpdl bench allreduce` reached at {format_size(size)}"
+    if bw < 0.5 * bench_bw:
+        return text + (f": the backend alone moves such messages {bench_bw / bw:.1f}x faster; in training they "
+                       "compete with compute for cores and memory bandwidth, or wait for a late rank (see arrival).")
+    if bw >= 0.8 * bench_bw:
+        return text + (": these messages already run at the backend's speed here; only fewer bytes "
+                       "(`--fp16-allreduce`) or a faster backend (an MPI tuned for large messages) make them faster.")
+    return text + ": some of the backend's speed is lost to contention with compute."
+
+
+def _exposed(a: Analysis) -> Optional[str]:
+    s = a.steps
+    if s is None or not s.step_us:
+        return None
+    head = (f"exposed communication is {s.exposed_share:.0%} of the step ({_ms(s.exposed_us)} of "
+            f"{_ms(s.step_us)}, median over {s.steps} steps)")
+    if s.exposed_share >= 0.1:
+        return head + (": backward does not hide it; try `--fp16-allreduce` (half the bytes), or a smaller "
+                       f"HPDL_FUSION_THRESHOLD so reductions start earlier in backward (efficiency estimate "
+                       f"{s.efficiency:.0%}).")
+    return head + f": backward hides the communication; the step is bound by compute (efficiency estimate {s.efficiency:.0%})."
+
+
+def _straggler(a: Analysis) -> Optional[str]:
+    arrival, steps = a.arrival, a.steps
+    if arrival is None or not arrival.collectives:
+        return None
+    worst = max(arrival.ranks, key=lambda r: r.mean_late_us)
+    share = worst.last / arrival.collectives
+    threshold = max(1000.0, 0.05 * steps.step_us) if steps else 1000.0
+    if share >= 0.6 and worst.mean_late_us >= threshold:
+        return (f"rank {worst.rank} arrives last at {share:.0%} of collectives, {_ms(worst.mean_late_us)} behind the "
+                f"first rank on average (median spread {_ms(arrival.median_spread_us)}): it computes slower (a busy "
+                "core, uneven data) and every other rank waits for it.")
+    return (f"no rank straggles: the median spread of arrival at a collective is {_ms(arrival.median_spread_us)} "
+            f"(90th percentile {_ms(arrival.p90_spread_us)}).")
+
+
+def _small_messages(a: Analysis) -> Optional[str]:
+    small = a.classes[0]
+    per_step = a.fusion.messages_per_step
+    if small.share >= 0.3 and per_step > 20:
+        return (f"{small.share:.0%} of communication time is in {small.label} messages, {per_step:.0f} messages per "
+                "step: per-call overhead dominates; fuse more (a larger HPDL_FUSION_THRESHOLD, or a longer "
+                "HPDL_CYCLE_TIME so that more tensors are ready per cycle).")
+    return None
+
+
+def _negotiation(a: Analysis) -> Optional[str]:
+    steady = [a.steady_collectives(rank) for rank in a.ranks]
+    negotiate = sum(c["negotiate_us"] for cs in steady for c in cs) / len(a.ranks)
+    backend = sum(c["backend_us"] for cs in steady for c in cs) / len(a.ranks)
+    if backend and negotiate > backend:
+        return (f"collectives wait {_ms(negotiate)} per rank in negotiation against {_ms(backend)} in backend "
+                "calls (after start-up): ranks reach them at different times (see arrival) or the engine cycles "
+                "too slowly (HPDL_CYCLE_TIME).")
+    return None
+
+
+def _fill(a: Analysis) -> Optional[str]:
+    f = a.fusion
+    if f.max_fill is not None and f.max_fill >= 0.95:
+        return (f"fused messages reach the {format_size(f.threshold)} fusion threshold: the gradients are split "
+                "over several messages; a larger HPDL_FUSION_THRESHOLD sends fewer.")
+    if f.fill is not None and f.fill < 0.25:
+        return (f"fused messages fill {f.fill:.0%} of the {format_size(f.threshold)} fusion buffer on average "
+                f"({f.tensors_per_message:.1f} tensors per message): the buffer is larger than what is ready at once.")
+    return None
+
+
+def findings(a: Analysis, bench: Optional[BenchCurve] = None) -> List[str]:
+    """Plain-words findings, most important first."""
+    found = [_size_class(a, bench), _exposed(a), _straggler(a), _small_messages(a), _negotiation(a), _fill(a)]
+    return [f for f in found if f]
+
+
+def bench_points(curve: BenchCurve) -> List[Tuple[int, float, float]]:
+    """(bytes, latency µs, bus bandwidth GB/s) of the bench curve, by size (for plots)."""
+    return [(size, *curve[size]) for size in sorted(curve)]
+

@@ -1,0 +1,217 @@
+"""One profile recording: start it on every rank, gather the ranks' records, write the file.
+
+Started by ``HPDL_PROFILE`` (at ``hvd.init()``) or ``hvd.start_profile(path)``; every rank
+records. The recording survives ``hvd.shutdown()`` / ``hvd.init()``: at each shutdown, before
+the engine stops, the ranks' records are gathered to rank 0 through the engine (a collective
+of every rank) and rank 0 writes the whole recording so far to the file, replacing it
+atomically; ``hvd.stop_profile()`` does the same and ends the recording.
+
+When the gather is impossible (the engine failed: a stall timeout, a lost peer), each rank
+writes its own part to ``FILE.rank<N>`` instead, itself a valid profile of one rank: at once,
+from the thread that saw the failure (a stalled rank may never get further), and again, fresher,
+when its shutdown or exit runs. Rank 0 then waits for the other parts, as long as the job's
+abort grace period allows (``hpdl.engine.abort``), merges the ones it finds into ``FILE``
+(naming the missing ranks in ``job.missing_ranks``), removes them and ends the recording.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hpdl import __version__
+from hpdl.engine import abort
+from hpdl.engine import events as ev
+from hpdl.engine.errors import HorovodInternalError
+from hpdl.profile import schema
+from hpdl.profile.clock import JobClock, estimate
+from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
+
+_PART_WAIT_S = 5.0
+_SETTINGS = ("fusion_threshold", "inplace_threshold", "cycle_time_ms", "cache_capacity", "hierarchical_allreduce",
+             "engine_nice")
+# Engine counters summed over the engines a recording spans (its fusion-buffer size is a maximum).
+_SUMMED = ("cycles", "backend_calls", "fused_calls", "tensors_reduced", "bytes_reduced", "fusion_buffer_hits",
+           "fusion_buffer_misses", "fast_negotiations", "full_negotiations", "cache_hits", "cache_misses")
+
+
+class Session:
+    """The recording of this process, its file and what is known of the job."""
+
+    def __init__(self, path: str, clock: JobClock, rank: int, size: int, backend: str):
+        self.path = os.path.abspath(path)
+        self.clock = clock
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.recorder = Recorder(rank, clock.origin_us + clock.applied_offset(rank))
+        self.engine_counters: Dict[str, int] = {}
+
+    def part(self, engine_counters: Dict[str, int]) -> Dict[str, Any]:
+        """This rank's object of ``ranks`` in the file."""
+        out = self.recorder.snapshot()
+        out.update(host=self.clock.hosts[self.rank], clock_offset_us=round(self.clock.offsets_us[self.rank], 1),
+                   clock_offset_applied=self.clock.hosts[self.rank] != self.clock.hosts[0], engine=engine_counters)
+        return out
+
+    def counters(self, engine) -> Dict[str, int]:
+        """The engine counters of this recording: earlier engines' plus the running one's."""
+        total = dict(self.engine_counters)
+        for key, value in engine.stats().items():
+            if key in _SUMMED:
+                total[key] = total.get(key, 0) + value
+            elif key == "fusion_buffer_bytes":
+                total[key] = max(total.get(key, 0), value)
+        return total
+
+    def document(self, parts: List[Dict[str, Any]], settings) -> Dict[str, Any]:
+        """The whole file: job fields and the ranks' parts."""
+        present = {p["rank"] for p in parts}
+        return {
+            "format": schema.FORMAT,
+            "version": schema.VERSION,
+            "job": {
+                "size": self.size, "backend": self.backend, "hosts": self.clock.hosts,
+                "command": sys.argv, "hpdl_version": __version__, "started": self.started,
+                "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "origin_us": self.clock.origin_us,
+                "settings": {name: getattr(settings, name) for name in _SETTINGS},
+                "windows": {"steps": STEP_WINDOW, "collectives": RAW_WINDOW},
+                "missing_ranks": [r for r in range(self.size) if r not in present],
+            },
+            "ranks": sorted(parts, key=lambda p: p["rank"]),
+        }
+
+
+_session: Optional[Session] = None
+
+
+def active() -> Optional[Session]:
+    """The running recording of this process, if any."""
+    return _session
+
+
+def start(path: str) -> None:
+    """Start recording to ``path`` on every rank (a collective; hpdl must be initialized)."""
+    global _session
+    import hpdl.torch as hvd
+    from hpdl.torch import runtime
+
+    if _session is not None:
+        if _session.path == os.path.abspath(path):
+            return
+        raise ValueError(f"a profile is already recording to {_session.path}; call hvd.stop_profile() first")
+    clock = estimate()
+    _session = Session(path, clock, hvd.rank(), hvd.size(), runtime.backend_name())
+    ev.WAITS.take()
+    ev.WAITS.enabled = True
+    ev.subscribe(_session.recorder.observe)
+    runtime._shutdown_hooks.append(_at_shutdown)
+    abort.add_failure_hook(_at_failure)
+
+
+def stop() -> None:
+    """Write the profile (gathered to rank 0) and stop recording; a no-op when none runs."""
+    from hpdl.torch import runtime
+
+    session = _session
+    if session is None:
+        return
+    if runtime.is_initialized():
+        write(session)
+    _end(session)
+
+
+def _end(session: Session) -> None:
+    global _session
+    from hpdl.torch import runtime
+
+    if _session is session:
+        _session = None
+    ev.unsubscribe(session.recorder.observe)
+    ev.WAITS.enabled = False
+    if _at_shutdown in runtime._shutdown_hooks:
+        runtime._shutdown_hooks.remove(_at_shutdown)
+    abort.remove_failure_hook(_at_failure)
+
+
+def _at_failure() -> None:
+    """The engine failed: write this rank's part now, while this thread can."""
+    from hpdl.torch import runtime
+
+    session = _session
+    if session is not None:
+        _write_json(f"{session.path}.rank{session.rank}",
+                    session.document([session.part(session.counters(runtime.engine()))], runtime.settings()))
+
+
+def _at_shutdown() -> None:
+    """Write the recording so far before the engine stops; keep recording for a later init()."""
+    from hpdl.torch import runtime
+
+    if _session is not None:
+        write(_session)
+        _session.engine_counters = _session.counters(runtime.engine())  # that engine is about to stop
+
+
+def write(session: Session) -> None:
+    """Gather every rank's part to rank 0 through the engine and write the file there."""
+    from hpdl.torch import runtime
+    from hpdl.torch.functions import allgather_object
+
+    part = session.part(session.counters(runtime.engine()))
+    if abort.failed():  # no collective can run any more
+        _write_parts(session, part, runtime.settings())
+        return
+    session.recorder.paused = True  # the gather is the profiler's, not the job's
+    try:
+        parts = allgather_object(part, name="hpdl.profile.gather")
+    except HorovodInternalError:
+        _write_parts(session, part, runtime.settings())
+        return
+    finally:
+        session.recorder.paused = False
+    if session.rank == 0:
+        _write_json(session.path, session.document(parts, runtime.settings()))
+
+
+def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
+    """The failure path: every rank writes its part; rank 0 merges the parts it finds.
+
+    The recording ends here: after a failure the job is over.
+    """
+    _end(session)
+    own = f"{session.path}.rank{session.rank}"
+    _write_json(own, session.document([part], settings))
+    if session.rank != 0:
+        return
+    wanted = [f"{session.path}.rank{r}" for r in range(1, session.size)]
+    # Leave time to write the file before the job's abort, should it come first.
+    deadline = time.monotonic() + min(_PART_WAIT_S, abort.remaining() - 0.5)
+    while time.monotonic() < deadline and not all(os.path.exists(p) for p in wanted):
+        time.sleep(0.1)
+    parts = [part]
+    merged = [own]
+    for path in wanted:
+        try:
+            parts.extend(schema.load(path)["ranks"])
+            merged.append(path)
+        except schema.ProfileError:
+            continue  # absent: that rank is reported missing
+    _write_json(session.path, session.document(parts, settings))
+    for path in merged:
+        os.remove(path)
+
+
+def _write_json(path: str, document: Dict[str, Any]) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(document, separators=(",", ":")))
+    os.replace(tmp, target)

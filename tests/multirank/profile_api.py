@@ -1,0 +1,80 @@
+"""The profiler from code: start/stop, profile_step, a recording and a subscription across
+shutdown()/init(), and the failure path (the engine failed: parts written, rank 0 merges).
+
+Usage: profile_api.py {api|survive|abort} FILE. Rank 0 prints what the pytest wrapper checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from _common import run_main
+
+import hpdl.torch as hvd
+from hpdl.engine import events
+
+mode, path = sys.argv[1], sys.argv[2]
+
+
+def steps(count: int, prefix: str) -> None:
+    for i in range(count):
+        handles = [hvd.allreduce_async(torch.ones(1000 * (j + 1)), name=f"{prefix}.{j}") for j in range(3)]
+        for h in handles:
+            hvd.synchronize(h)
+        hvd.profile_step()
+
+
+def api() -> None:
+    seen = []
+    events.subscribe(seen.append)
+    hvd.init()
+    rank = hvd.rank()
+    steps(1, "before")  # not recorded: no profile yet
+    hvd.start_profile(path)
+    steps(3, "grad")
+    hvd.stop_profile()
+    steps(1, "after")  # not recorded: stopped
+    first_engine = len(seen)
+    hvd.shutdown()
+    hvd.init()  # a new engine delivers to the same subscriber
+    steps(1, "again")
+    hvd.shutdown()
+    events.unsubscribe(seen.append)
+    if rank == 0:
+        again = [e for e in seen[first_engine:] if e.phase == events.COLLECTIVE]
+        print(f"SUBSCRIBER second_engine_names={sorted({n for e in again for n in e.names})}")
+
+
+def survive() -> None:
+    # HPDL_PROFILE is set: each shutdown writes the recording so far; init() goes on with it.
+    hvd.init()
+    steps(2, "first")
+    hvd.shutdown()
+    hvd.init()
+    steps(3, "second")
+    hvd.shutdown()
+
+
+def abort() -> None:
+    # Rank 1 stops submitting: after HPDL_STALL_TIMEOUT every engine fails, so the gather at
+    # shutdown is impossible and each rank writes its part; rank 0 merges them.
+    hvd.init()
+    hvd.start_profile(path)
+    steps(2, "grad")
+    try:
+        if hvd.rank() == 1:
+            for _ in range(600):
+                time.sleep(0.05)
+        else:
+            steps(1, "stalled")
+    except hvd.HorovodInternalError:
+        print(f"RAISED rank={hvd.rank()}", flush=True)
+    hvd.shutdown()
+
+
+run_main({"api": api, "survive": survive, "abort": abort}[mode])

@@ -1,0 +1,228 @@
+"""The profiler's pieces on made-up events: subscriptions, the recorder, the analysis, findings,
+the comparison, the timeline and the HTML page."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from hpdl.engine import events as ev
+from hpdl.profile import schema
+from hpdl.profile.analysis import Analysis, class_labels, parse_buckets
+from hpdl.profile.findings import findings
+from hpdl.profile.recorder import Recorder
+from hpdl.profile.report import render, render_compare
+from hpdl.profile.timeline import trace
+
+MiB = 1 << 20
+
+
+# -- the event stream ---------------------------------------------------------------------------
+
+def test_subscription_reaches_buses_made_before_and_after_and_ends_with_unsubscribe():
+    seen = []
+    old_bus = ev.EventBus()
+    assert not old_bus.active
+    ev.subscribe(seen.append)
+    try:
+        new_bus = ev.EventBus()  # an engine started after subscribing (a later init())
+        assert old_bus.active and new_bus.active
+        old_bus.emit(ev.Event(ev.QUEUED, "allreduce", ("a",), 1.0))
+        new_bus.emit(ev.Event(ev.QUEUED, "allreduce", ("b",), 2.0))
+    finally:
+        ev.unsubscribe(seen.append)
+    assert [e.names for e in seen] == [("a",), ("b",)]
+    assert not old_bus.active and not new_bus.active
+
+
+def test_a_failing_observer_is_reported_once_and_others_still_receive(caplog):
+    def broken(event):
+        raise RuntimeError("observer bug")
+
+    seen = []
+    bus = ev.EventBus()
+    bus.add(broken)
+    bus.add(seen.append)
+    with caplog.at_level(logging.WARNING, logger="hpdl.engine.events"):
+        for t in range(3):
+            bus.emit(ev.Event(ev.QUEUED, "allreduce", ("a",), float(t)))
+    assert len(seen) == 3
+    reports = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(reports) == 1 and "observer bug" in caplog.text
+
+
+def test_mark_step_carries_the_time_blocked_since_the_last_step():
+    seen = []
+    bus = ev.EventBus()
+    bus.add(seen.append)
+    ev.WAITS.take()
+    ev.WAITS.blocked_s += 0.25
+    ev.mark_step(bus, rank=3)
+    ev.mark_step(bus, rank=3)
+    assert [e.phase for e in seen] == [ev.STEP, ev.STEP] and seen[0].rank == 3
+    assert seen[0].duration_us == pytest.approx(250_000) and seen[1].duration_us == 0
+
+
+# -- the recorder -------------------------------------------------------------------------------
+
+def feed_step(recorder: Recorder, t: float, sizes, late: float = 0.0, blocked: float = 0.0, ps: int = 0,
+              start: float = 100.0) -> float:
+    """One step: the tensors of ``sizes`` queued at ``t + late``, fused into one message; return its end."""
+    names = tuple(f"g{i}" for i in range(len(sizes)))
+    for i, name in enumerate(names):
+        recorder.observe(ev.Event(ev.QUEUED, "allreduce", (name,), t + late + i, process_set_id=ps))
+    ready = t + late + len(names) - 1
+    for name in names:
+        recorder.observe(ev.Event(ev.NEGOTIATED, "allreduce", (name,), ready + 30, drained_us=ready + 10,
+                                  process_set_id=ps))
+    common = dict(kind="allreduce", names=names, nbytes=sum(sizes), fused=len(names), process_set_id=ps)
+    begin = ready + 30
+    if len(names) > 1:
+        recorder.observe(ev.Event(ev.MEMCPY_IN, time_us=begin, duration_us=5, **common))
+    recorder.observe(ev.Event(ev.COLLECTIVE, time_us=begin + 5, duration_us=start, op="MPI_ALLREDUCE",
+                              sizes=tuple(sizes), dtype="float32", backend="mpi", **common))
+    if len(names) > 1:
+        recorder.observe(ev.Event(ev.MEMCPY_OUT, time_us=begin + 5 + start, duration_us=7, **common))
+    for name in names:
+        recorder.observe(ev.Event(ev.DONE, "allreduce", (name,), begin + 12 + start, process_set_id=ps))
+    end = begin + 20 + start
+    recorder.observe(ev.Event(ev.STEP, "step", (), end, duration_us=blocked))
+    return end
+
+
+def test_recorder_phases_of_a_fused_message_and_its_step():
+    recorder = Recorder(rank=0, zero_us=0.0)
+    recorder._step_start = 0.0
+    feed_step(recorder, 1000.0, [4 * MiB, 2 * MiB], blocked=40.0)
+    part = recorder.snapshot()
+    (c,) = list(schema.records(part, "collectives"))
+    assert c["ready_us"] == 1001.0  # the last member's submission
+    assert (c["queue_us"], c["negotiate_us"], c["copy_in_us"], c["backend_us"], c["copy_out_us"]) == (10, 20, 5, 100, 7)
+    assert c["bytes"] == 6 * MiB and c["sizes"] == [4 * MiB, 2 * MiB] and c["tensors"] == 2
+    assert [part["tensors"][i] for i in c["names"]] == ["g0", "g1"]
+    (s,) = list(schema.records(part, "steps"))
+    assert s["blocked_us"] == 40 and s["comm_us"] == 112 and s["messages"] == 1 and s["end_us"] == 1151
+    (m,) = list(schema.records(part, "messages"))
+    assert (m["calls"], m["backend_us"], m["copy_in_us"], m["copy_out_us"]) == (1, 100, 5, 7)
+    shares = {part["tensors"][t["name"]]: t["time_us"] for t in schema.records(part, "tensors_time")}
+    assert shares == pytest.approx({"g0": 100 * 4 / 6, "g1": 100 * 2 / 6}, abs=0.05)  # stored to 0.1 µs
+
+
+def test_recorder_keeps_totals_but_bounded_windows():
+    recorder = Recorder(rank=0, zero_us=0.0, raw_window=3, step_window=2)
+    t = 0.0
+    for _ in range(10):
+        t = feed_step(recorder, t + 10, [MiB])
+    part = recorder.snapshot()
+    assert len(part["collectives"]["rows"]) == 3 and part["collectives_dropped"] == 7
+    assert len(part["steps"]["rows"]) == 2 and part["steps_dropped"] == 8
+    assert list(schema.records(part, "messages"))[0]["calls"] == 10
+
+
+def test_paused_recorder_records_nothing():
+    recorder = Recorder(rank=0, zero_us=0.0)
+    recorder.paused = True
+    feed_step(recorder, 0.0, [MiB])
+    assert recorder.snapshot()["collectives"]["rows"] == []
+
+
+# -- analysis, findings, reports ------------------------------------------------------------------
+
+def make_profile(late_rank1: float = 0.0, blocked: float = 0.0, sizes=(64 * MiB,), backend_us: float = 100_000.0,
+                 steps: int = 4, fusion_threshold: int = 64 * MiB) -> dict:
+    ranks = []
+    for rank in (0, 1):
+        recorder = Recorder(rank=rank, zero_us=0.0)
+        recorder._step_start = 0.0
+        for step in range(steps):
+            feed_step(recorder, 1000.0 + step * (backend_us + 1000), list(sizes), late=late_rank1 if rank else 0.0,
+                      blocked=blocked, start=backend_us)
+        part = recorder.snapshot()
+        part.update(host="h", clock_offset_us=0.0, clock_offset_applied=False,
+                    engine={"fusion_buffer_hits": 3, "fusion_buffer_misses": 1})
+        ranks.append(part)
+    profile = {"format": schema.FORMAT, "version": schema.VERSION, "ranks": ranks,
+               "job": {"size": 2, "backend": "mpi", "hosts": ["h", "h"], "missing_ranks": [],
+                       "settings": {"fusion_threshold": fusion_threshold, "inplace_threshold": MiB}}}
+    schema.check(profile, "made-up")
+    return profile
+
+
+def test_size_classes_use_the_study_edges_and_put_64_mib_in_32_64():
+    a = Analysis(make_profile(sizes=(40 * MiB, 24 * MiB)))
+    assert [r.label for r in a.classes] == ["<= 128 KiB", "128 KiB-16 MiB", "16 MiB-32 MiB", "32 MiB-64 MiB", "> 64 MiB"]
+    top = a.classes[3]
+    assert top.calls == 4 and top.share == pytest.approx(1.0)
+    # 64 MiB in 0.1 s on 2 ranks: algbw 0.671 GB/s, busbw x 2(p-1)/p = x 1.
+    assert top.busbw_gbps == pytest.approx(64 * MiB / 0.1 / 1e9, rel=1e-3)
+    assert a.classes[2].calls == 0
+
+
+def test_buckets_parse_and_label():
+    assert parse_buckets("1K,1M") == (1024, MiB)
+    assert class_labels((1024, MiB)) == ["<= 1 KiB", "1 KiB-1 MiB", "> 1 MiB"]
+    for bad in ("", "1M,1K", "0,1K", "1K,1K", "big"):
+        with pytest.raises(ValueError):
+            parse_buckets(bad)
+
+
+def test_straggler_is_named_with_its_lateness():
+    a = Analysis(make_profile(late_rank1=8000.0))  # 8 % of a 101 ms step
+    arrival = a.arrival
+    assert arrival.collectives == 3  # the start-up step left out
+    assert arrival.ranks[1].last == 3 and arrival.ranks[1].mean_late_us == pytest.approx(8000.0)
+    assert arrival.median_spread_us == pytest.approx(8000.0)
+    text = " ".join(findings(a))
+    assert "rank 1 arrives last at 100% of collectives, 8.0 ms behind the first rank" in text
+
+
+def test_exposed_communication_finding_suggests_fp16():
+    a = Analysis(make_profile(blocked=18_200.0))  # steps of 101 ms, 18.2 ms of them blocked
+    assert a.steps.exposed_us == 18_200 and a.steps.exposed_share == pytest.approx(18_200 / a.steps.step_us)
+    text = " ".join(findings(a))
+    assert re.search(r"exposed communication is 18% of the step .*try `--fp16-allreduce`", text), text
+
+
+def test_size_finding_compares_with_the_bench_curve():
+    a = Analysis(make_profile())
+    bench = {32 * MiB: (10_000.0, 3.0), 64 * MiB: (13_000.0, 5.1)}
+    text = findings(a, bench)[0]
+    assert text.startswith("100% of communication time is in 32 MiB-64 MiB messages")
+    assert "at 0.67 GB/s bus bandwidth, against 5.10 GB/s that `hpdl bench allreduce` reached at 64 MiB" in text
+    assert "7.6x faster" in text
+
+
+def test_report_and_compare_text():
+    before, after = Analysis(make_profile()), Analysis(make_profile(backend_us=50_000.0))
+    text = render(before, "p.json", findings(before))
+    assert "32 MiB-64 MiB" in text and "exposed comm ms" in text and "Findings" in text
+    compare = render_compare(before, "a.json", after, "b.json")
+    row = next(line for line in compare.splitlines() if line.startswith("32 MiB-64 MiB"))
+    assert "-50%" in row and "settings: the same" in compare
+    tuned = make_profile(fusion_threshold=32 * MiB)
+    assert "settings changed: fusion_threshold 67108864 -> 33554432" in render_compare(
+        before, "a.json", Analysis(tuned), "b.json")
+
+
+def test_timeline_tracks_and_phases():
+    events = trace(make_profile())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    threads = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert (1, "engine") in threads and (0, "training") in threads
+    backend = [e for e in events if e["name"] == "MPI_ALLREDUCE"]
+    assert len(backend) == 8 and all(e["dur"] == 100_000 for e in backend)
+    waits = [e for e in events if e.get("cat") == "waiting"]
+    assert {e["ph"] for e in waits} == {"b", "e"} and len(waits) == 2 * 2 * 8
+
+
+def test_html_page_is_self_contained_with_plots():
+    from hpdl.profile.html import render_html
+
+    a = Analysis(make_profile(late_rank1=3000.0, blocked=10_000.0))
+    page = render_html(a, "p.json", findings(a), {MiB: (900.0, 2.0), 64 * MiB: (13_000.0, 5.1)})
+    assert page.count("<svg") == 4  # size classes, latency and bandwidth, steps, skew
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert "32 MiB-64 MiB" in page and "exposed communication is" in page
