@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hpdl.torch import mpi_ops
+from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.mpi_ops import Adasum
 from hpdl.torch.optimizer import _DistributedOptimizerMixin, _Submitted
 
@@ -62,6 +62,7 @@ class DistributedAdasumMixin(_DistributedOptimizerMixin):
         if self._fired or not self._synchronized:
             self.synchronize()
         self._synchronized = False
+        runtime.profile_step()  # a step boundary, when profiled
         return loss
 
     step.hooked = True  # type: ignore[attr-defined]  # see _DistributedOptimizerMixin.step

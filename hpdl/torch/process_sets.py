@@ -4,9 +4,9 @@ A :class:`ProcessSet` names its ranks; it gets an id when registered (``init(pro
 or :func:`add_process_set`, which every rank must call in the same order). The set of all
 ranks is :data:`global_process_set` (id 0).
 
-This module asks the runtime for the job's rank and size and for its engine; the runtime
-hands itself over with :func:`_setup` (as Horovod's ``_setup(basics)``), so the two modules
-do not import each other.
+This module asks the runtime for the job's rank and size and for its engine; hpdl.torch
+hands the runtime over with :func:`_setup` (as Horovod's ``_setup(basics)``), so the two
+modules do not import each other.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Union
 
 from hpdl.engine import Request, RequestKind
 
-_runtime: Optional[ModuleType] = None  # hpdl.torch.runtime, once it has called _setup
+_runtime: Optional[ModuleType] = None  # hpdl.torch.runtime, once hpdl.torch has called _setup
 
 
 def _setup(runtime: ModuleType) -> None:
