@@ -33,6 +33,7 @@ HOROVOD_ALIASES = {
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "HPDL_HIERARCHICAL_ALLREDUCE",
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "HPDL_STALL_WARNING",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HPDL_STALL_TIMEOUT",
+    "HOROVOD_START_TIMEOUT": "HPDL_START_TIMEOUT",
 }
 # Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never);
 # hpdl keeps its own timeout then.
@@ -97,6 +98,9 @@ class Settings:
     stall_timeout_s: float = dataclasses.field(
         default=1800.0, metadata={"env": "HPDL_STALL_TIMEOUT"}
     )
+    # How long init() waits for the ranks to meet before this rank gives up (0: no bound of
+    # its own; the backend's rendezvous then waits up to the stall timeout).
+    start_timeout_s: float = dataclasses.field(default=0.0, metadata={"env": "HPDL_START_TIMEOUT"})
     timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
     # Record every collective and step of every rank; rank 0 writes them to this JSON file at
     # shutdown (docs/profile.md).
@@ -131,6 +135,8 @@ class Settings:
             raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
         if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:
             raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
+        if self.start_timeout_s < 0:
+            raise SettingsError(f"HPDL_START_TIMEOUT must be >= 0 seconds, got {self.start_timeout_s}")
         if self.mpi_cuda_aware not in ("auto", "0", "1"):
             raise SettingsError(f"HPDL_MPI_CUDA_AWARE must be auto, 0 or 1, got {self.mpi_cuda_aware!r}")
         if self.engine_nice != "auto" and not (self.engine_nice.isdigit() and 0 <= int(self.engine_nice) <= 19):

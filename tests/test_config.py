@@ -97,6 +97,7 @@ def test_a_misspelt_variable_is_answered_with_the_name_it_resembles():
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1", "hierarchical_allreduce", True),
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30", "stall_warning_s", 30.0),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "90", "stall_timeout_s", 90.0),
+    ("HOROVOD_START_TIMEOUT", "30", "start_timeout_s", 30.0),
 ])
 def test_horovod_names_are_aliases_and_hpdl_names_win(horovod, text, field, value):
     from hpdl.config import HOROVOD_ALIASES

@@ -1,10 +1,14 @@
 """hpdl.torch on several ranks: every function, engine behaviour, and failures that never hang."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_plain_ranks, run_ranks
+from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, ROOT, run_plain_ranks, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -45,6 +49,23 @@ def test_horovod_variables_in_a_job_script():
     assert "cache_hits=0" in result.stdout
     warnings = [line for line in result.stderr.splitlines() if "HOROVOD_" in line]
     assert warnings == ["hpdl: warning: HOROVOD_AUTOTUNE is set but not honoured by hpdl; ignoring it"], result.stderr
+
+
+def test_a_rank_whose_peers_never_start_gives_up_after_the_start_timeout():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPDL_")}
+    env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), HOROVOD_START_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", "import hpdl.torch as hvd; hvd.init(); print('met')"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hpdl: error: the ranks did not all meet within 2 s of hvd.init() (HPDL_START_TIMEOUT); did every rank start?")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_timeline_from_environment(tmp_path):

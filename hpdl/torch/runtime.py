@@ -7,12 +7,13 @@ communicator and the engine); ``shutdown()`` releases it so that ``init()`` can 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -76,8 +77,9 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             # COMM_WORLD can never interleave with the engine's.
             mpi_comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
         aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
-        world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
-                             cuda_aware=aware)
+        with _ranks_meet_within(settings.start_timeout_s):
+            world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
+                                 cuda_aware=aware)
         if comm is None or isinstance(comm, (list, tuple, range)):  # the launcher's world, not a user's comm
             try:
                 check_world_size(world.size, os.environ)
@@ -117,6 +119,30 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             _process_sets.add_process_set(ps)
     if settings.profile:
         start_profile(settings.profile)
+
+
+@contextlib.contextmanager
+def _ranks_meet_within(seconds: float) -> Iterator[None]:
+    """End this process with one clear line if the block (the ranks' rendezvous) outlasts ``seconds``."""
+    if seconds <= 0:
+        yield
+        return
+    # A rendezvous waiting for a rank that never started blocks in C code, out of reach of an
+    # exception: the timer ends the process instead.
+    timer = threading.Timer(seconds, _start_timed_out, args=(seconds,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _start_timed_out(seconds: float) -> None:
+    sys.stderr.write(f"hpdl: error: the ranks did not all meet within {seconds:g} s of hvd.init() "
+                     "(HPDL_START_TIMEOUT); did every rank start?\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def shutdown() -> None:
