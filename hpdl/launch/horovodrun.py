@@ -92,9 +92,12 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
 
 
 def _typed(path: str, key: str, value: Any, kind: type) -> Any:
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, str) if kind is str else isinstance(value, (int, float)) and not isinstance(value, bool)
-        and (kind is float or float(value).is_integer()))
+    """Return ``value`` as ``kind``; YAML's own types must match (no "2" for a number, no 1 for true)."""
+    if kind is bool or kind is str:
+        ok = isinstance(value, kind)
+    else:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number and (kind is float or float(value).is_integer())
     if not ok:
         raise LaunchError(f"--config-file {path}: {key} must be {_KIND_NAMES[kind]}, got {value!r}")
     return kind(value)
