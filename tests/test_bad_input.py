@@ -149,22 +149,34 @@ def test_mismatch_error_exits_the_same_way_every_time_under_torchrun():
 
 
 STALL_ENV = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "4"}
+STALL_CASES = {
+    "c-code-mpiexec": ("stall-c", "mpiexec", "os.read(read_end, 1)"),
+    "c-code-torchrun": ("stall-c", "torchrun", "os.read(read_end, 1)"),
+    "sleep-mpiexec": ("stall-sleep", "mpiexec", "time.sleep(90)"),
+    "sleep-no-agent": ("stall-sleep", "plain", "time.sleep(90)"),
+    "c-code-process-set": ("stall-set", "mpiexec", "os.read(read_end, 1)"),
+}
+
+
+@pytest.fixture(scope="module")
+def stalled_jobs():
+    # The jobs mostly wait (for the stall timeout): run them all at once, each checked alone below.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(STALL_CASES)) as pool:
+        futures = {name: pool.submit(run_job, launch(launcher, 2, "bad_input_jobs.py", case), STALL_ENV, 75)
+                   for name, (case, launcher, _) in STALL_CASES.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case,launcher,where", [
-    ("stall-c", "mpiexec", "os.read(read_end, 1)"),
-    ("stall-c", "torchrun", "os.read(read_end, 1)"),
-    ("stall-sleep", "mpiexec", "time.sleep(90)"),
-    ("stall-sleep", "plain", "time.sleep(90)"),
-    ("stall-set", "mpiexec", "os.read(read_end, 1)"),
-], ids=["c-code-mpiexec", "c-code-torchrun", "sleep-mpiexec", "sleep-no-agent", "c-code-process-set"])
-def test_a_stalled_rank_ends_the_whole_job(case, launcher, where):
+@pytest.mark.parametrize("name", list(STALL_CASES))
+def test_a_stalled_rank_ends_the_whole_job(stalled_jobs, name):
     # Rank 1 never submits: it sits in C code or sleeps far longer than the test allows. The
     # whole job must end after the stall timeout plus the abort grace period (run_job fails on
     # a job still running at its timeout, or on any process of it left behind), non-zero, with
     # the survivor's error printed and the stalled rank's stack showing where it was stuck.
-    result = run_job(launch(launcher, 2, "bad_input_jobs.py", case), env=STALL_ENV, timeout=75)
+    result, where = stalled_jobs[name], STALL_CASES[name][2]
     assert result.returncode != 0, result.stderr
     assert "collectives stalled for more than 4 s (HPDL_STALL_TIMEOUT)" in result.stderr
     assert "HorovodInternalError" in result.stderr  # the survivor's own error, printed before the end
@@ -374,6 +386,178 @@ def test_init_refuses_a_world_of_another_size_than_the_launcher_announced(case, 
     assert "`srun --mpi=pmi2`" in result.stderr
 
 
+# == hpdl sr: train, upscale and eval with bad input =============================================
+
+def _photo(path: Path, width: int = 30, height: int = 20) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+@pytest.fixture
+def sr_files(tmp_path):
+    """A tiny x2 checkpoint and a small photo, in tmp_path."""
+    import torch
+
+    from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
+    from hpdl.sr.models import EDSRConfig, build_model_from_config
+
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0))))
+    return ckpt, _photo(tmp_path / "photo.png")
+
+
+def _tiny_training(data: Path, out_dir: Path, threads: int) -> List[str]:
+    return ["sr", "train", "--config", "demo", f"data={data / 'train'}", f"val_data={data / 'val'}",
+            f"cache_dir={data / 'cache'}", f"out_dir={out_dir}", "n_resblocks=1", "n_feats=8", "patch_size=8",
+            "batch_size=2", "repeat=2", "workers=0", "total_updates=1", "val_at_end=false", "progress=false",
+            f"threads={threads}"]
+
+
+def _per_rank_mpiexec(n: int, args: Sequence[str]) -> List[str]:
+    """mpiexec running ``hpdl ARGS`` on ``n`` ranks; each rank prints 'rank R exit S' when it ends."""
+    script = 'python -m hpdl "$@"; s=$?; echo "rank $PMI_RANK exit $s"; exit $s'
+    return ["mpiexec", "-n", str(n), "sh", "-c", script.replace("python", sys.executable), "sh", *args]
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory):
+    """A real 2-rank training run with more torch threads than cores: (data dir, out_dir, its job)."""
+    root = tmp_path_factory.mktemp("sr_earlier_run")
+    for split in ("train", "val"):
+        (root / split).mkdir()
+        for i in range(2):
+            _photo(root / split / f"{i}.png", 36 + 4 * i, 32)
+    threads = len(os.sched_getaffinity(0)) + 1
+    job = run_job(_per_rank_mpiexec(2, _tiny_training(root, root / "run", threads)), timeout=120)
+    assert job.returncode == 0, job.stderr
+    return root, root / "run", job
+
+
+@pytest.mark.multirank
+def test_sr_train_warns_once_on_rank_0_of_threads_beyond_the_cores(earlier_run):
+    _, _, job = earlier_run
+    warnings = [line for line in job.stderr.splitlines() if "threads=" in line]
+    assert len(warnings) == 1, job.stderr
+    assert warnings[0].startswith("hpdl: warning: threads=") and "more than the" in warnings[0]
+
+
+@pytest.mark.multirank
+def test_sr_train_into_an_earlier_run_is_refused_on_every_rank(earlier_run):
+    data, out_dir, _ = earlier_run
+    before = checksums([out_dir])
+    assert {"last.pt", "model.pt", "train_log.csv"} <= {Path(p).name for p in before}
+    job = run_job(_per_rank_mpiexec(2, _tiny_training(data, out_dir, 1)), timeout=120)
+    assert_one_line_error(job, f"out_dir={out_dir} holds an earlier run", "resume=auto", "overwrite=true")
+    assert sorted(job.stdout.split("\n")) == ["", "rank 0 exit 2", "rank 1 exit 2"], job.stdout
+    assert checksums([out_dir]) == before
+
+
+@pytest.mark.parametrize("link", ["same path", "symlink", "hard link"])
+def test_sr_upscale_never_writes_over_its_input(tmp_path, sr_files, link):
+    ckpt, photo = sr_files
+    output = {"same path": photo, "symlink": tmp_path / "sym.png", "hard link": tmp_path / "hard.png"}[link]
+    if link == "symlink":
+        output.symlink_to(photo)
+    elif link == "hard link":
+        os.link(photo, output)
+    before = checksums([photo])
+    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt), "--overwrite")
+    assert_one_line_error(result, f"{output}: is the input image {photo}")
+    assert checksums([photo]) == before
+
+
+def test_sr_upscale_refuses_an_existing_output_without_overwrite(tmp_path, sr_files):
+    ckpt, photo = sr_files
+    output = _photo(tmp_path / "earlier.png", 8, 8)
+    before = checksums([photo, output])
+    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt))
+    assert_one_line_error(result, f"{output}: already exists", "--overwrite")
+    assert checksums([photo, output]) == before
+
+
+def test_sr_upscale_removes_temp_files_of_dead_writers_only(tmp_path, sr_files):
+    from hpdl.sr._atomic import _temp_path
+
+    ckpt, photo = sr_files
+    output = tmp_path / "out" / "x2.png"
+    output.parent.mkdir()
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid is now free: a writer that died
+    dead = _temp_path(output, pid=finished.pid)
+    alive = _temp_path(output, pid=os.getpid())
+    other_host = output.parent / f".{output.name}.{finished.pid}@elsewhere.0123abcd.tmp"
+    for tmp in (dead, alive, other_host):
+        tmp.write_bytes(b"half an image")
+    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in output.parent.iterdir()) == sorted([output.name, alive.name, other_host.name])
+
+
+@pytest.mark.parametrize("command", ["upscale", "eval"])
+def test_sr_image_declaring_too_many_pixels_is_refused_before_decoding(tmp_path, sr_files, command):
+    from PIL import Image
+
+    ckpt, photo = sr_files
+    (tmp_path / "data").mkdir()
+    huge = tmp_path / "data" / "huge.png"
+    Image.new("1", (12000, 12000)).save(huge)  # a few KB on disk, 432 MB as RGB, 1.7 GB as float
+    assert huge.stat().st_size < 100_000
+    if command == "upscale":
+        result = hpdl("sr", "upscale", str(huge), str(tmp_path / "out.png"), "--ckpt", str(ckpt))
+    else:
+        result = hpdl("sr", "eval", "--ckpt", str(ckpt), "--data", str(tmp_path / "data"),
+                      "--cache-dir", str(tmp_path / "cache"))
+    assert_one_line_error(result, str(huge), "12000x12000", "20,000,000", "--max-pixels")
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_sr_upscale_to_a_format_pillow_cannot_write_fails_before_any_work(tmp_path, sr_files):
+    _, photo = sr_files
+    # The checkpoint does not exist: an error about the output means nothing else was done first.
+    result = hpdl("sr", "upscale", str(photo), str(tmp_path / "out.psd"), "--ckpt", str(tmp_path / "none.pt"))
+    assert_one_line_error(result, "out.psd", "cannot write", "PSD")
+    assert not (tmp_path / "out.psd").exists()
+
+
+@pytest.mark.parametrize("args,setting", [
+    (["train", "--config", "demo", "device=cpu:abc"], "device: must be"),
+    (["upscale", "{photo}", "{tmp}/out.png", "--ckpt", "{ckpt}", "--device", "meta"], "--device: must be"),
+    (["eval", "--ckpt", "{ckpt}", "--data", "{tmp}", "--device", "cpu:abc"], "--device: must be"),
+], ids=["train", "upscale", "eval"])
+def test_sr_bad_device_names_the_setting(tmp_path, sr_files, args, setting):
+    ckpt, photo = sr_files
+    argv = [a.format(photo=photo, tmp=tmp_path, ckpt=ckpt) for a in args]
+    assert_one_line_error(hpdl("sr", *argv), setting, "cpu, cuda or cuda:N")
+
+
+@pytest.mark.parametrize("kind", ["png", "pickle with code"])
+def test_sr_checkpoint_that_is_not_one_is_named_for_what_it_is(tmp_path, sr_files, kind):
+    ckpt, photo = sr_files
+    if kind == "png":
+        bad, expected = photo, "not a checkpoint (neither a zip nor a pickle file)"
+    else:
+        bad, expected = tmp_path / "evil.pt", "holds Python objects"
+        bad.write_bytes(b"\x80\x02cposix\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.")
+    before = checksums([bad])
+    result = hpdl("sr", "upscale", str(photo), str(tmp_path / "out.png"), "--ckpt", str(bad))
+    line = assert_one_line_error(result, f"{bad}: ", expected)
+    assert ("could run code" in line) == (kind != "png")
+    assert checksums([bad]) == before
+
+
+@pytest.mark.parametrize("output", ["{tmp}/afile/out.png", "/proc/hpdl-out.png"], ids=["parent is a file", "proc"])
+def test_sr_unwritable_output_is_named(tmp_path, sr_files, output):
+    ckpt, photo = sr_files
+    (tmp_path / "afile").write_text("not a directory")
+    output = output.format(tmp=tmp_path)
+    line = assert_one_line_error(hpdl("sr", "upscale", str(photo), output, "--ckpt", str(ckpt)), f"{output}: ")
+    assert ".tmp" not in line
+
+
 # == hpdl run: horovodrun's options ===============================================================
 # In this process (as the bench cases above): each case is a parse, no launcher starts.
 
@@ -410,7 +594,7 @@ def test_run_config_file_errors_name_file_and_key(case, fragment, tmp_path, caps
 @pytest.mark.parametrize("args, fragment", [
     (["--start-timeout", "-1"], "--start-timeout must be >= 0 seconds"),
     (["--ssh-identity-file", "{tmp}/no-key"], "--ssh-identity-file {tmp}/no-key: no such file"),
-    (["--gloo", "-p", "2222"], "--ssh-port and --ssh-identity-file apply to mpiexec"),
+    (["--gloo", "-p", "2222"], "--ssh-port and --ssh-identity-file apply to the ssh that starts remote ranks"),
     (["--network-interfaces", ","], "--network-interfaces ',': expected names"),
     (["--gloo", "--backend", "mpi"], "not allowed with argument --gloo"),
     (["--stall-timeout-s", "5", "--stall-check-shutdown-time-seconds", "6"], "not allowed with argument"),

@@ -4,7 +4,10 @@ Everything but the last test is pure: launchers are described by a fake Launcher
 Open MPI, Intel MPI, MVAPICH2 and Slurm are covered without being installed.
 """
 
+import dataclasses
 import os
+import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -99,7 +102,10 @@ def info(flavour=detect.MPICH, mpiexec="mpiexec", torchrun="torchrun", srun=None
 
 
 def run(command=("python", "train.py"), env=None, launchers=None, **options):
-    return build_run(RunOptions(command=tuple(command), **options), env or {}, launchers or info())
+    """``(argv, env)`` of a launch that is one command (every launch but torchrun across hosts)."""
+    commands, out_env = build_run(RunOptions(command=tuple(command), **options), env or {}, launchers or info())
+    assert len(commands) == 1, commands
+    return commands[0], out_env
 
 
 # --- hosts -------------------------------------------------------------------------------
@@ -364,14 +370,44 @@ def test_forced_launcher_and_its_limits():
     assert argv[0] == "torchrun"
     argv, _ = run(np=2, backend="gloo", launcher="mpiexec")
     assert argv == ["mpiexec", "-genv", "HPDL_BACKEND", "gloo", "-n", "2", "python", "train.py"]
-    with pytest.raises(LaunchError, match="this host only"):
-        run(hosts=parse_hosts("n1,n2"), launcher="torchrun")
     with pytest.raises(LaunchError, match="backend mpi cannot run under torchrun"):
         run(backend="mpi", launcher="torchrun")
     with pytest.raises(LaunchError, match="--mpi-args applies to mpiexec and srun"):
         run(backend="gloo", mpi_args=("-x",))
     with pytest.raises(LaunchError, match="launcher torchrun was not found"):
         run(backend="gloo", launchers=info(torchrun=None))
+
+
+# --- several hosts: the remote shell ------------------------------------------------------
+
+def test_mpiexec_reaches_the_hosts_through_the_remote_shell():
+    hosts = parse_hosts("n1:2,n2:2")
+    argv, _ = run(np=4, hosts=hosts, remote_shell="/x/node-shell")
+    assert argv == ["mpiexec", "-launcher", "ssh", "-launcher-exec", "/x/node-shell", "-n", "4", "-hosts",
+                    "n1:2,n2:2", "python", "train.py"]
+    argv, _ = run(np=4, hosts=hosts, remote_shell="/x/node-shell", launchers=info(flavour=detect.OPENMPI))
+    assert argv[:5] == ["mpiexec", "-np", "4", "--mca", "plm_rsh_agent"] and argv[5] == "/x/node-shell"
+    argv, _ = run(np=4, hosts=hosts, remote_shell="/x/rsh", launchers=info(flavour=detect.INTELMPI))
+    assert argv[1:5] == ["-bootstrap", "ssh", "-bootstrap-exec", "/x/rsh"]
+
+
+def test_torchrun_on_several_hosts_starts_one_torchrun_per_host_with_a_static_rendezvous():
+    options = RunOptions(command=("python", "train.py"), np=3, hosts=parse_hosts("n1:2,n2:2,n3:2"),
+                         launcher="torchrun", remote_shell="/x/rsh", rendezvous_port=29555)
+    env = {"PATH": "/venv/bin:/usr/bin", "HPDL_CYCLE_TIME": "2", "SECRET": "not forwarded", "GLOO_SOCKET_IFNAME": "eth0"}
+    commands, _ = build_run(options, env, info(python_bin="/venv/bin"))
+    assert len(commands) == 2  # 3 ranks fill n1, then one slot of n2; n3 gets none
+    for node_rank, (argv, host, count) in enumerate(zip(commands, ["n1", "n2"], [2, 1])):
+        assert argv[:2] == ["/x/rsh", host] and len(argv) == 3
+        words = shlex.split(argv[2])
+        assert words[:5] == ["cd", "/job", "&&", "exec", "env"]
+        assert {"GLOO_SOCKET_IFNAME=eth0", "HPDL_CYCLE_TIME=2", "PATH=/venv/bin:/usr/bin"} <= set(words)
+        assert not any(w.startswith("SECRET=") for w in words)
+        line = words[words.index("torchrun"):]
+        assert line == ["torchrun", "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", str(count),
+                        "--master-addr", "n1", "--master-port", "29555", "--no-python", "python", "train.py"]
+    commands, _ = build_run(dataclasses.replace(options, remote_shell=None), env, info())
+    assert commands[0][0] == "ssh"
 
 
 # --- the interpreter's directory on the ranks' PATH ----------------------------------------
@@ -599,6 +635,16 @@ def test_ssh_and_network_options_reach_each_mpi(version_text, expected, monkeypa
     out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "-H", "a,b", "-p", "2222", "-i", str(key),
                       "--network-interfaces", "eth1", version_text=version_text)
     assert out == expected.format(key=key)
+
+
+def test_ssh_options_reach_the_ssh_that_starts_torchrun_on_each_host(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.setattr(random, "randint", lambda a, b: 29500)
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "-H", "a,b", "--gloo", "--launcher", "torchrun", "-p", "2222",
+                      "--network-interfaces", "eth1")
+    lines = out.splitlines()
+    assert [line.split(" '")[0] for line in lines] == [
+        f"GLOO_SOCKET_IFNAME=eth1 HPDL_BACKEND=gloo NCCL_SOCKET_IFNAME=eth1 ssh -p 2222 {host}" for host in "ab"]
+    assert all("GLOO_SOCKET_IFNAME=eth1" in line for line in lines)  # passed on to every host's torchrun
 
 
 def test_config_file_fills_what_the_command_line_leaves(monkeypatch, capsys, clean_env, tmp_path):

@@ -3,11 +3,15 @@
 import os
 import pickle
 import random
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from hpdl.sr._atomic import remove_stale_temp_files
 from hpdl.sr.checkpoint import (
     capture_rng_state,
     load_checkpoint,
@@ -45,6 +49,57 @@ def test_round_trip_with_trainer_state(tmp_path):
     assert not loaded.training
 
 
+_WRITER = """
+import sys, time, torch
+from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
+from hpdl.sr.models import EDSRConfig, build_model_from_config
+
+def hangs_halfway(obj, f):
+    f.write(b"PK half a zip file")
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+
+torch.save = hangs_halfway
+save_checkpoint(sys.argv[1], make_checkpoint(build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0))))
+"""
+
+
+def _temp_files(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_temp_file_of_a_killed_write_is_removed_by_the_next_save_but_not_while_its_writer_lives(tmp_path):
+    path = save_checkpoint(tmp_path / "last.pt", make_checkpoint(tiny(), update=1))
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        left = _temp_files(tmp_path)
+        assert len(left) == 1 and left[0].startswith(".last.pt.")
+        save_checkpoint(path, make_checkpoint(tiny(), update=2))  # the writer is alive: its file stays
+        assert _temp_files(tmp_path) == left
+    finally:
+        writer.kill()  # killed mid-write: nothing can remove its temp file but the next writer
+        writer.wait()
+    assert _temp_files(tmp_path) == left
+    save_checkpoint(path, make_checkpoint(tiny(), update=3))
+    assert _temp_files(tmp_path) == [] and load_checkpoint(path)["update"] == 3
+
+
+def test_only_temp_files_of_our_naming_and_this_host_are_removed(tmp_path):
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # a pid no longer in use
+    keep = [f".last.pt.{finished.pid}@another-host.0123abcd.tmp",  # its writer may live on that host
+            f".last.pt.{finished.pid}.0123abcd.tmp",  # not our naming
+            "notes.tmp", f"last.pt.{finished.pid}@{socket.gethostname()}.0123abcd.tmp"]
+    stale = [f".last.pt.{finished.pid}@{socket.gethostname()}.0123abcd.tmp",
+             f".other.npy.{finished.pid}@{socket.gethostname()}.89abcdef.tmp"]
+    for name in keep + stale:
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_stale_temp_files(tmp_path) == 2
+    assert _temp_files(tmp_path) == sorted(keep)
+
+
 def test_rng_state_round_trip(tmp_path):
     save_checkpoint(tmp_path / "c.pt", make_checkpoint(tiny(), rng=capture_rng_state()))
     expected = (random.random(), np.random.rand(), torch.rand(2))
@@ -61,8 +116,11 @@ def test_truncated_and_corrupt_files(tmp_path):
         load_checkpoint(tmp_path / "cut.pt")
     assert "\n" not in str(err.value)
     (tmp_path / "junk.pt").write_bytes(b"hello")
-    with pytest.raises(CheckpointError, match=r"junk\.pt: not a readable checkpoint"):
+    with pytest.raises(CheckpointError, match=r"junk\.pt: not a checkpoint \(neither a zip nor a pickle file\)"):
         load_checkpoint(tmp_path / "junk.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"empty\.pt: empty file, not a checkpoint"):
+        load_checkpoint(tmp_path / "empty.pt")
     with pytest.raises(CheckpointError, match=r"nope\.pt: no such checkpoint file"):
         load_checkpoint(tmp_path / "nope.pt")
 

@@ -136,6 +136,20 @@ def test_cli_upscale(tmp_path, ckpt, capsys):
     assert np.abs(whole.astype(int) - out.astype(int)).max() <= 1
 
 
+def test_cli_upscale_overwrite_and_max_pixels(tmp_path, ckpt, capsys):
+    Image.fromarray(photo(21, 30)).save(tmp_path / "in.png")
+    (tmp_path / "out.png").write_bytes(b"an earlier result")
+    argv = ["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "out.png"), "--ckpt", str(ckpt)]
+    assert main(argv) == 2
+    assert error_line(capsys).endswith("out.png: already exists; pass --overwrite to replace it")
+    assert main(argv + ["--overwrite", "--max-pixels", "629"]) == 2
+    assert error_line(capsys).endswith("in.png: image of 30x21 (630 pixels) exceeds the limit of 629 pixels; "
+                                       "raise it with --max-pixels")
+    assert (tmp_path / "out.png").read_bytes() == b"an earlier result"
+    assert main(argv + ["--overwrite", "--max-pixels", "630"]) == 0
+    assert np.asarray(Image.open(tmp_path / "out.png")).shape == (42, 60, 3)
+
+
 def test_cli_upscale_bad_input(tmp_path, ckpt, capsys):
     (tmp_path / "torn.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     assert main(["sr", "upscale", str(tmp_path / "torn.png"), str(tmp_path / "o.png"), "--ckpt", str(ckpt)]) == 2

@@ -2,11 +2,12 @@
 
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 from hpdl.sr.datasets import (
     TrainPatches,
@@ -99,6 +100,37 @@ def test_cache_rebuilds_a_damaged_entry(tmp_path):
     (entry,) = (tmp_path / "cache").glob("*.npy")
     entry.write_bytes(b"garbage")
     assert np.array_equal(cache.image(src), rand_image(8, 8))
+
+
+def test_pixel_limit_refuses_before_decoding_and_on_cache_hits(tmp_path, monkeypatch):
+    Image.new("1", (9000, 9000)).save(tmp_path / "big.png")
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self, _load=ImageFile.ImageFile.load:
+                        decoded.append(self.size) or _load(self))
+    with pytest.raises(SRDataError, match=r"big\.png: image of 9000x9000 \(81,000,000 pixels\) exceeds the limit "
+                                          r"of 1,000,000 pixels; raise it with --max-pixels"):
+        read_image(tmp_path / "big.png", max_pixels=1_000_000)
+    assert decoded == []  # refused from the header alone
+    small = save(tmp_path / "folder" / "small.png", rand_image(4, 5))
+    assert read_image(small, max_pixels=20).shape == (4, 5, 3)
+    assert (5, 4) in decoded  # the spy sees decoding
+    with pytest.raises(SRDataError, match="small.png: image of 5x4"):
+        read_image(small, max_pixels=19)
+    # An entry decoded earlier without a limit is refused too.
+    ImageCache(tmp_path / "cache").image(small)
+    with pytest.raises(SRDataError, match="small.png: image of 5x4"):
+        ImageCache(tmp_path / "cache", max_pixels=19).image(small)
+    with pytest.raises(SRDataError, match="small.png: image of 5x4"):
+        open_pairs(small.parent, 2, cache_dir=tmp_path / "c", max_pixels=19)
+
+
+def test_pillow_bomb_limit_gives_way_to_ours(tmp_path):
+    pillows = Image.MAX_IMAGE_PIXELS
+    Image.new("1", (pillows // 9000 + 1, 9000)).save(tmp_path / "big.png")  # just past Pillow's warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_image(tmp_path / "big.png", max_pixels=2 * pillows).shape == (9000, pillows // 9000 + 1, 3)
+    assert Image.MAX_IMAGE_PIXELS == pillows  # restored
 
 
 def test_bicubic_downscale_crops_to_a_multiple_and_matches_torch():

@@ -59,11 +59,12 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     ("batch_size=0", "batch_size"), ("lr=fast", "lr"), ("lr=-1", "lr"), ("scale=5", "scale"),
     ("betas=0.9", "betas"), ("augment=maybe", "augment"), ("compression=int8", "compression"),
     ("model=vgg", "model"), ("ema_decay=1", "ema_decay"), ("val_range=900-801", "val_range"),
-    ("total_updates=1.5", "total_updates"), ("patch_size=", "patch_size"),
+    ("total_updates=1.5", "total_updates"), ("patch_size=", "patch_size"), ("device=cpu:abc", "device"),
+    ("device=meta", "device"), ("overwrite=true resume=auto", "overwrite"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^command line: {key}: "):
-        load_config("demo", [override])
+        load_config("demo", override.split())
 
 
 def test_bad_yaml_files(tmp_path):
@@ -149,17 +150,25 @@ def photo(h, w, seed):
     return np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
 
 
-def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):
+def tiny_data(root):
     for split, sizes in (("train", [(40, 36), (34, 44)]), ("val", [(32, 30), (30, 34)])):
-        (tmp_path / split).mkdir()
+        (root / split).mkdir()
         for i, (h, w) in enumerate(sizes):
-            Image.fromarray(photo(h, w, i + 7 * len(split))).save(tmp_path / split / f"{i}.png")
+            Image.fromarray(photo(h, w, i + 7 * len(split))).save(root / split / f"{i}.png")
+    return root
+
+
+def tiny_run(data, out, *extra):
+    """Run a tiny training through the command line, in a process of its own."""
+    argv = ["sr", "train", "--config", "demo", f"data={data / 'train'}", f"val_data={data / 'val'}",
+            f"cache_dir={data / 'cache'}", f"out_dir={out}", "n_resblocks=1", "n_feats=8", "patch_size=8",
+            "batch_size=2", "repeat=3", "workers=1", "log_every=2", "warmup_updates=0", "progress=false", *extra]
+    return subprocess.run([sys.executable, "-m", "hpdl", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):
     out = tmp_path / "run"
-    argv = ["sr", "train", "--config", "demo", f"data={tmp_path / 'train'}", f"val_data={tmp_path / 'val'}",
-            f"cache_dir={tmp_path / 'cache'}", f"out_dir={out}", "n_resblocks=1", "n_feats=8", "patch_size=8",
-            "batch_size=2", "repeat=3", "workers=1", "total_updates=6", "log_every=2", "ckpt_every=3",
-            "warmup_updates=0", "progress=false", "ema_decay=0.5", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "hpdl", *argv], capture_output=True, text=True, timeout=120)
+    proc = tiny_run(tiny_data(tmp_path), out, "total_updates=6", "ckpt_every=3", "ema_decay=0.5", "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)  # notes and progress went to stderr
     assert summary["updates"] == 6 and summary["world_size"] == 1 and summary["val_images"] == 2
@@ -175,3 +184,30 @@ def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):
     for key, value in model.state_dict().items():
         assert torch.equal(value, ckpt["ema"][key])
     assert (out / "config.yaml").is_file()
+
+
+def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    (out / "tb" / "old-events").parent.mkdir(exist_ok=True)
+    (out / "tb" / "old-events").write_text("curves of the earlier run")
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    again = tiny_run(data, out, "total_updates=4", "val_at_end=false")
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"hpdl: error: out_dir={out} holds an earlier run (last.pt, model.pt, train_log.csv, val_log.csv, "
+        "summary.json, config.yaml); continue it with resume=auto or start over with overwrite=true"]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+    resumed = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["updates_this_run"] == 2
+    with open(out / "train_log.csv", newline="") as f:
+        assert [r["update"] for r in csv.DictReader(f)] == ["2", "4"]  # the earlier run's row kept
+
+    over = tiny_run(data, out, "total_updates=2", "val_at_end=false", "overwrite=true", "--json")
+    assert over.returncode == 0, over.stderr
+    assert json.loads(over.stdout)["updates_this_run"] == 2 and load_checkpoint(out / "last.pt")["update"] == 2
+    with open(out / "train_log.csv", newline="") as f:
+        assert [r["update"] for r in csv.DictReader(f)] == ["2"]
+    assert not (out / "tb" / "old-events").exists()

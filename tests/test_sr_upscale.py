@@ -1,12 +1,17 @@
-"""Exact tiled inference, self-ensemble, and the dihedral transforms."""
+"""Exact tiled inference, self-ensemble, uint8 assembly, and the dihedral transforms."""
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+import tqdm.std
 
 from hpdl.sr.models import EDSRConfig, build_model_from_config, receptive_field_radius
 from hpdl.sr.transforms import dihedral_array, dihedral_tensor, inverse_dihedral_tensor
-from hpdl.sr.upscale import forward_tiled, self_ensemble, upscale, upscale_image
+from hpdl.sr.metrics import quantize
+from hpdl.sr.upscale import PROGRESS_DELAY, forward_tiled, self_ensemble, upscale, upscale_image
 
 
 def small_baseline(scale, seed=0):
@@ -73,3 +78,61 @@ def test_upscale_with_ensemble_and_tiles_and_uint8_images():
     img = (np.random.default_rng(0).random((13, 10, 3)) * 255).astype(np.uint8)
     out = upscale_image(model, img, tile=4)
     assert out.dtype == np.uint8 and out.shape == (39, 30, 3)
+
+
+@pytest.mark.parametrize("tile,ensemble", [(None, False), (7, False), (7, True)])
+def test_upscale_image_is_the_quantised_float_upscale(tile, ensemble):
+    model = small_baseline(2)
+    img = (np.random.default_rng(1).random((19, 23, 3)) * 255).astype(np.uint8)
+    expected = quantize(upscale(model, torch.from_numpy(img).permute(2, 0, 1).float(), ensemble=ensemble))
+    out = upscale_image(model, img, tile=tile, ensemble=ensemble)
+    assert out.dtype == np.uint8 and out.shape == (38, 46, 3)
+    # Float rounding in other tile shapes may move a value across a rounding boundary: one level.
+    assert np.abs(out.astype(int) - expected.permute(1, 2, 0).numpy().astype(int)).max() <= 1
+
+
+_PEAK = """
+import resource, sys, numpy as np, torch
+from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.upscale import upscale_image
+
+torch.set_num_threads(1)
+model = build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0)).eval()
+upscale_image(model, np.zeros((300, 300, 3), np.uint8), tile=128)  # warm-up: allocator, thread pools
+image = np.random.default_rng(0).integers(0, 256, (2000, 2000, 3), dtype=np.uint8)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = upscale_image(model, image, tile=128)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024, out.nbytes)
+"""
+
+
+def test_upscale_image_assembles_the_output_in_uint8():
+    # Peak memory of a fresh process: the output as float32 (the old assembly) would add 4x its
+    # uint8 size; tile by tile, little more than the uint8 output is added.
+    proc = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    grown, out_bytes = map(int, proc.stdout.split())
+    assert out_bytes == 4000 * 4000 * 3
+    assert grown < 2 * out_bytes, f"peak memory grew by {grown / 2**20:.0f} MiB for a {out_bytes / 2**20:.0f} MiB output"
+
+
+class _Clock:
+    """Stands in for tqdm's clock: each reading is ``step`` seconds after the previous one."""
+
+    def __init__(self, step):
+        self.now, self.step = 1000.0, step
+
+    def __call__(self):
+        self.now += self.step
+        return self.now
+
+
+@pytest.mark.parametrize("seconds_per_reading,shown", [(0.0, False), (PROGRESS_DELAY, True)])
+def test_progress_bar_over_tiles_appears_only_for_long_upscales(monkeypatch, capsys, seconds_per_reading, shown):
+    monkeypatch.setattr(tqdm.std, "time", _Clock(seconds_per_reading))
+    img = np.zeros((20, 20, 3), np.uint8)
+    upscale_image(small_baseline(2), img, tile=5, progress=True)
+    err = capsys.readouterr().err
+    assert ("upscale" in err and "16/16" in err) == shown, err
+    upscale_image(small_baseline(2), img, tile=5)  # progress off: never a bar
+    assert capsys.readouterr().err == ""

@@ -1,8 +1,11 @@
 """Pure builders of the command that `hpdl run` hands over to: mpiexec, srun or torchrun.
 
 :func:`build_run` takes the options, the environment and what :func:`detect_launchers` found,
-and returns ``(argv, env)`` for ``os.execvpe``; it runs nothing and reads nothing, so every
-launcher and MPI flavour is tested by comparing lists. The choice of launcher:
+and returns ``(commands, env)``: one command for ``os.execvpe``, or, for torchrun on several
+hosts, one command per host that starts torchrun there through the remote shell (torchrun has
+no way of starting itself elsewhere: its documentation has it run on every node). It runs
+nothing and reads nothing, so every launcher and MPI flavour is tested by comparing lists.
+The choice of launcher:
 
 1. ``--launcher`` other than auto: that one;
 2. inside a Slurm allocation (``SLURM_JOB_ID``) with backend auto or mpi: ``srun``;
@@ -14,6 +17,10 @@ launcher and MPI flavour is tested by comparing lists. The choice of launcher:
 srun is given the MPI plugin that the MPI found needs (``--mpi=pmi2`` for MPICH, Intel MPI
 and MVAPICH2, ``--mpi=pmix`` for Open MPI) unless the user, SLURM_MPI_TYPE or the site's
 MpiDefault chose one (:func:`srun_mpi_plugin`).
+
+Hosts are reached through a remote shell: ssh by default, or ``--remote-shell`` / ``HPDL_RSH``
+(which ``hpdl emulate`` sets to its stand-in), handed to Hydra as ``-launcher-exec``, to Open
+MPI as ``plm_rsh_agent``, and used directly to start torchrun on each host.
 
 Settings options become ``HPDL_*`` variables, placed in the returned environment (which ranks
 on this host inherit) and, for mpiexec, also on its command line so remote ranks get them.
@@ -43,6 +50,9 @@ _OPENMPI_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 # The srun MPI plugin through which each MPI's tasks find each other; without one (srun's
 # default "none" on a stock install) every MPICH task starts as a world of its own.
 _SRUN_MPI_PLUGINS = {MPICH: "pmi2", INTELMPI: "pmi2", MVAPICH2: "pmi2", OPENMPI: "pmix"}
+# Passed by name to torchrun on other hosts: a remote shell starts with a minimal environment.
+_REMOTE_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+                   "NCCL_SOCKET_IFNAME", "UCX_TLS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,8 @@ class RunOptions:
     stall_warning_s: Optional[float] = None
     stall_timeout_s: Optional[float] = None
     hierarchical_allreduce: bool = False
+    remote_shell: Optional[str] = None  # how to reach other hosts (default: ssh)
+    rendezvous_port: int = 29400  # torchrun's static rendezvous on the first host, across hosts
 
 
 def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[str, str]:
@@ -126,8 +138,11 @@ def choose_launcher(options: RunOptions, backend: str, env: Mapping[str, str], i
     return "mpiexec"
 
 
-def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -> Tuple[List[str], Dict[str, str]]:
-    """Return ``(argv, env)`` that start ``options.command`` on every rank.
+def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -> Tuple[List[List[str]], Dict[str, str]]:
+    """Return ``(commands, env)`` that start ``options.command`` on every rank.
+
+    ``commands`` holds one argv to exec, or one per host to start together (torchrun on
+    several hosts).
 
     Args:
         options: the parsed `hpdl run` options.
@@ -158,7 +173,8 @@ def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -
     if launcher == "mpiexec":
         if info.mpiexec is None:
             raise LaunchError("launcher mpiexec was not found on PATH (install an MPI, e.g. pip install mpich)")
-        argv = build_mpiexec(info.mpiexec, info.mpi_flavour, np, hosts, hpdl_env, options.mpi_args, command, out_env)
+        argv = build_mpiexec(info.mpiexec, info.mpi_flavour, np, hosts, hpdl_env, options.mpi_args, command, out_env,
+                             options.remote_shell)
     elif launcher == "srun":
         if info.srun is None:
             raise LaunchError("launcher srun was not found on PATH (is Slurm installed here?)")
@@ -169,12 +185,14 @@ def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -
             raise LaunchError("launcher torchrun was not found on PATH (it comes with PyTorch)")
         if backend == "mpi":
             raise LaunchError("backend mpi cannot run under torchrun; use --launcher mpiexec or srun")
-        if not _is_single_host(hosts, info):
-            raise LaunchError("torchrun starts ranks on this host only; use mpiexec or srun for several hosts")
         if options.mpi_args:
             raise LaunchError("--mpi-args applies to mpiexec and srun, not torchrun")
+        if not _is_single_host(hosts, info):
+            forwarded = {k: v for k, v in out_env.items() if k.startswith("HPDL_") or k in _REMOTE_FORWARD}
+            return build_torchrun_hosts(info.torchrun, np, hosts, command, forwarded, info.cwd,
+                                        options.remote_shell or "ssh", options.rendezvous_port), out_env
         argv = build_torchrun(info.torchrun, np, command)
-    return argv, out_env
+    return [argv], out_env
 
 
 def _num_ranks(options: RunOptions, env: Mapping[str, str], launcher: str) -> int:
@@ -204,16 +222,20 @@ def build_mpiexec(
     mpi_args: Sequence[str],
     command: Sequence[str],
     env: Optional[Mapping[str, str]] = None,
+    remote_shell: Optional[str] = None,
 ) -> List[str]:
     """Return the mpiexec argv in the syntax of ``flavour`` (a flavour constant of ``detect``).
 
     Args:
         hpdl_env: the ``HPDL_*`` variables to set on every rank.
         env: the launching environment, consulted for variables to forward.
+        remote_shell: the program that reaches other hosts instead of ssh.
     """
     env = {} if env is None else env
     if flavour == OPENMPI:
         argv = [mpiexec, "-np", str(np)]
+        if remote_shell:
+            argv += ["--mca", "plm_rsh_agent", remote_shell]
         if hosts is not None:
             if hosts.path and hosts.styles <= {"slots", "bare"}:
                 argv += ["--hostfile", hosts.path]
@@ -236,6 +258,9 @@ def build_mpiexec(
         if flavour == MVAPICH2 and "MV2_ENABLE_AFFINITY" not in env:
             # MVAPICH2 pins each rank to one core, starving hpdl's background engine thread.
             argv += ["-genv", "MV2_ENABLE_AFFINITY", "0"]
+        if remote_shell:  # Hydra's bootstrap: ssh's interface, this program
+            word = "-bootstrap" if flavour == INTELMPI else "-launcher"
+            argv += [word, "ssh", f"{word}-exec", remote_shell]
         argv += list(mpi_args)
         if flavour == INTELMPI and hosts is not None:
             return argv + _intel_hosts(np, hosts, command)
@@ -302,6 +327,26 @@ def build_torchrun(torchrun: str, np: int, command: Sequence[str]) -> List[str]:
     # --no-python: the command is run as given ("python train.py", "python -m pkg", a script),
     # not handed to torchrun's own interpreter as a script path.
     return [torchrun, "--nproc-per-node", str(np), "--standalone", "--no-python"] + list(command)
+
+
+def build_torchrun_hosts(torchrun: str, np: int, hosts: HostList, command: Sequence[str],
+                         forwarded: Mapping[str, str], cwd: str, remote_shell: str, port: int) -> List[List[str]]:
+    """Return one ``REMOTE_SHELL HOST 'cd CWD && exec env K=V... torchrun ...'`` per host used.
+
+    Every torchrun joins a static rendezvous on the first host (``--nnodes``, ``--node-rank``,
+    ``--master-addr``); ranks are placed host by host, slot by slot, as mpiexec places them.
+    The remote shell runs the line with a shell, as ssh does, so every word is quoted.
+    """
+    placed = hosts.fill(np)
+    first = placed[0][0]
+    variables = [f"{k}={v}" for k, v in sorted(forwarded.items())]
+    commands = []
+    for node_rank, (host, count) in enumerate(placed):
+        line = [torchrun, "--nnodes", str(len(placed)), "--node-rank", str(node_rank), "--nproc-per-node",
+                str(count), "--master-addr", first, "--master-port", str(port), "--no-python", *command]
+        remote = f"cd {shlex.quote(cwd)} && exec env {shlex.join(variables + line)}"
+        commands.append([remote_shell, host, remote])
+    return commands
 
 
 def format_command(argv: Sequence[str], env: Mapping[str, str], base_env: Mapping[str, str]) -> str:

@@ -2,7 +2,8 @@
 
 The handlers turn the namespace into :class:`RunOptions`, call the pure builder, and then
 either print the command (``--dry-run``) or ``os.execvpe`` it, so the launcher replaces this
-process and owns signals, exit codes and output from then on.
+process and owns signals, exit codes and output from then on. The one exception is torchrun on
+several hosts: one torchrun per host, started over the remote shell and waited for here.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from typing import Dict, List, Sequence
 
 from hpdl.cli import CliError
@@ -37,6 +42,10 @@ Launcher choice (unless --launcher says otherwise):
 Under srun, hpdl passes the MPI plugin the MPI found needs (--mpi=pmi2 for MPICH, Intel MPI
 and MVAPICH2; --mpi=pmix for Open MPI when srun lists it) unless --mpi-args, SLURM_MPI_TYPE
 or the site's MpiDefault names one.
+
+Other hosts are reached through ssh, or --remote-shell (HPDL_RSH). With --launcher torchrun
+on several hosts, hpdl starts one torchrun per host through it (a static rendezvous on the
+first host, --nnodes/--node-rank) and waits for them, ending the others if one fails.
 
 Launchers are looked for beside the Python running hpdl too. When its directory is not on
 PATH (an environment used without activating it, as from cron or an IDE), the ranks get it
@@ -87,7 +96,14 @@ def register(subparsers) -> None:
         # -hostfile is horovodrun's and mpirun's spelling; without it argparse would read
         # "-h ostfile" and stop at the help flag.
         "--hostfile", "-hostfile", metavar="FILE",
-        help="file of hosts, one per line: 'host slots=N', 'host:N' or 'host'",
+        help="file of hosts, one per line: 'host slots=N', 'host:N' or 'host' (default: HPDL_HOSTFILE, "
+        "which `hpdl emulate` sets)",
+    )
+    where.add_argument(
+        "--remote-shell", metavar="PROGRAM", default=None,
+        help="how to reach the other hosts, in place of ssh: given to mpiexec as its bootstrap "
+        "(Hydra's -launcher-exec, Open MPI's plm_rsh_agent) and used to start torchrun on each "
+        "host (default: HPDL_RSH, which `hpdl emulate` sets, else ssh)",
     )
     how = run.add_argument_group("launcher")
     backend = how.add_mutually_exclusive_group()
@@ -127,7 +143,8 @@ def register(subparsers) -> None:
                           "error (HPDL_START_TIMEOUT)")
     remote = run.add_argument_group("remote hosts")
     remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
-                        help="port of the ssh that mpiexec starts remote ranks with")
+                        help="port of the ssh that starts remote ranks (mpiexec's, or the one that starts "
+                             "torchrun on each host)")
     remote.add_argument("-i", "--ssh-identity-file", metavar="FILE",
                         help="identity (private key) file of that ssh")
     remote.add_argument("--network-interfaces", metavar="IF[,IF...]",
@@ -184,10 +201,10 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         raise LaunchError(f"--mpi-args {args.mpi_args!r}: {err}") from None
     if args.stall_shutdown_s:
         args.stall_timeout_s = args.stall_shutdown_s
-    if args.hostfile:
-        host_list = read_hostfile(args.hostfile)
-    elif args.hosts is not None:
+    if args.hosts is not None:
         host_list = parse_hosts(args.hosts)
+    elif args.hostfile or os.environ.get("HPDL_HOSTFILE"):
+        host_list = read_hostfile(args.hostfile or os.environ["HPDL_HOSTFILE"])
     else:
         host_list = None
     return RunOptions(
@@ -205,6 +222,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         stall_warning_s=args.stall_warning_s,
         stall_timeout_s=args.stall_timeout_s,
         hierarchical_allreduce=bool(args.hierarchical_allreduce),
+        remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
+        rendezvous_port=random.randint(20000, 29999),
     )
 
 
@@ -239,6 +258,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         start_env = dict(os.environ)
         start_env.update(apply_config_file(args))
+        start_env.update(horovodrun.interface_env(args.network_interfaces))
         if args.start_timeout is not None:
             if not args.start_timeout >= 0:
                 raise LaunchError(f"--start-timeout must be >= 0 seconds, got {args.start_timeout:g}")
@@ -248,20 +268,24 @@ def run_command(args: argparse.Namespace) -> int:
             options = dataclasses.replace(options, command=tuple(
                 horovodrun.output_wrapper(args.output_filename, options.command)))
         info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
-        argv, env = build_run(options, start_env, info)
-        remote = horovodrun.launcher_env(info, argv[0], args.ssh_port, args.ssh_identity_file,
-                                         args.network_interfaces)
+        commands, env = build_run(options, start_env, info)
+        commands, remote = horovodrun.remote_options(info, commands, args.ssh_port, args.ssh_identity_file,
+                                                     args.network_interfaces)
     except LaunchError as err:
         raise CliError(str(err)) from None
     env.update(remote)
-    forward = [name for name in horovodrun.INTERFACE_VARIABLES if name in remote]
-    argv = with_openmpi_defaults(argv, info, forward)
+    forward = list(horovodrun.INTERFACE_VARIABLES) if args.network_interfaces else []
+    commands = [with_openmpi_defaults(argv, info, forward) for argv in commands]
     if args.dry_run or args.verbose:
-        print(format_command(argv, env, os.environ), file=sys.stdout if args.dry_run else sys.stderr, flush=True)
+        for argv in commands:
+            print(format_command(argv, env, os.environ), file=sys.stdout if args.dry_run else sys.stderr, flush=True)
     if args.dry_run:
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
+    if len(commands) > 1:
+        return _run_on_every_host(commands, env)
+    argv = commands[0]
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as err:
@@ -286,6 +310,46 @@ def with_openmpi_defaults(argv: Sequence[str], info: LauncherInfo, forward: Sequ
     for name in forward:
         extra += ["-x", name]
     return [argv[0], *extra, *argv[1:]]
+
+
+def _run_on_every_host(commands: List[List[str]], env: dict) -> int:
+    """Start one launcher per host (each over the remote shell) and wait for all of them.
+
+    When one fails the others are ended too (their torchrun would wait for the lost host until
+    its rendezvous times out), SIGINT and SIGTERM are passed on, and the first failure's status
+    is returned.
+    """
+    procs = []
+    try:
+        for argv in commands:
+            procs.append(subprocess.Popen(argv, env=env))
+    except OSError as err:
+        _end(procs, signal.SIGTERM)
+        raise CliError(f"cannot start {commands[len(procs)][0]}: {err.strerror or err}") from None
+    handlers = {s: signal.signal(s, lambda signum, _f: _end(procs, signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        first_failure = 0
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed and not first_failure:
+                first_failure = failed[0]
+                _end(procs, signal.SIGTERM)
+            time.sleep(0.1)
+        codes = [p.returncode for p in procs]
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    status = first_failure or next((c for c in codes if c), 0)
+    return 128 - status if status < 0 else status
+
+
+def _end(procs: list, signum: int) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                pass
 
 
 def check_command(args: argparse.Namespace) -> int:

@@ -185,6 +185,11 @@ class EmulatedCluster:
         """The environment that tells `hpdl run` about the nodes (hostfile and remote shell)."""
         env = dict(os.environ if base is None else base)
         env.update({"HPDL_HOSTFILE": str(self.hostfile), "HPDL_RSH": str(self.shell)})
+        # The nodes share this machine's memory: without these, MPICH's UCX would pass messages
+        # between "nodes" through shared memory and gloo might pick another interface than the
+        # shaped link. Intra-node messages then go over TCP on loopback, which is not shaped.
+        env.setdefault("UCX_TLS", "tcp,self")
+        env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         return env
 
     def run(self, command: Sequence[str], node: int = 0, env: Optional[Dict[str, str]] = None) -> int:
@@ -330,7 +335,8 @@ _DESCRIPTION = """\
 Emulate a cluster on this machine and run COMMAND on its first node: NODES network
 namespaces, each with its own address, host name and /etc/hosts, joined by a bridge, every
 link shaped to RATE (tc's tbf). COMMAND sees HPDL_HOSTFILE (the nodes, SLOTS each) and
-HPDL_RSH (a stand-in for ssh into the nodes), which `hpdl run` uses, so
+HPDL_RSH (a stand-in for ssh into the nodes), which `hpdl run` uses, and UCX_TLS=tcp,self and
+GLOO_SOCKET_IFNAME=eth0 (so that traffic between nodes crosses the shaped links), so
   hpdl emulate --nodes 2 --rate 1gbit -- hpdl run -np 2 -- python job.py
 runs one rank on each node. Everything is removed afterwards, also after a failure and on
 Ctrl-C or SIGTERM. Needs root."""

@@ -4,7 +4,8 @@
   ...), read into the values of `hpdl run`'s options; the command line wins over the file.
 - ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--network-interfaces``: variables that the
   launcher or the backends read (mpiexec passes ssh options to the ssh that starts remote
-  ranks; gloo, NCCL and MPI's TCP transport keep to the named interfaces).
+  ranks; gloo, NCCL and MPI's TCP transport keep to the named interfaces), or options of the
+  ssh that starts torchrun on each host.
 - ``--output-filename DIR``: each rank runs its command through :mod:`hpdl.launch.rank_output`,
   which sends its output to ``DIR/rank.<rank>/stdout`` and ``stderr``, as horovodrun does.
 """
@@ -106,41 +107,63 @@ def _typed(path: str, key: str, value: Any, kind: type) -> Any:
 _KIND_NAMES = {bool: "true or false", str: "a string", int: "an integer", float: "a number"}
 
 
-def launcher_env(info: LauncherInfo, launcher_argv0: str, ssh_port: Optional[int], ssh_identity_file: Optional[str],
-                 network_interfaces: Optional[str]) -> Dict[str, str]:
-    """Return the variables that carry the ssh and network-interface options to the launcher and ranks.
+def _interfaces(network_interfaces: str) -> List[str]:
+    names = [n.strip() for n in network_interfaces.split(",") if n.strip()]
+    if not names:
+        raise LaunchError(f"--network-interfaces {network_interfaces!r}: expected names such as eth0,ib0")
+    return names
+
+
+def interface_env(network_interfaces: Optional[str]) -> Dict[str, str]:
+    """Return the variables that keep gloo's and NCCL's traffic to the named interfaces."""
+    if network_interfaces is None:
+        return {}
+    joined = ",".join(_interfaces(network_interfaces))
+    return {variable: joined for variable in INTERFACE_VARIABLES}
+
+
+def remote_options(info: LauncherInfo, commands: List[List[str]], ssh_port: Optional[int],
+                   ssh_identity_file: Optional[str], network_interfaces: Optional[str]
+                   ) -> Tuple[List[List[str]], Dict[str, str]]:
+    """Apply the ssh and network-interface options to the launcher commands of a job.
+
+    ``commands`` are :func:`~hpdl.launch.builders.build_run`'s: one launcher, or one remote
+    shell per host (torchrun on several hosts).
+
+    Returns:
+        the commands (with the ssh options where ssh starts them) and the variables for the
+        launcher (where mpiexec's ssh and MPI transport read them).
 
     Raises:
         LaunchError: when the launcher that will run cannot take them.
     """
-    out: Dict[str, str] = {}
-    mpiexec = info.mpiexec is not None and launcher_argv0 == info.mpiexec
+    env: Dict[str, str] = {}
+    mpiexec = len(commands) == 1 and info.mpiexec is not None and commands[0][0] == info.mpiexec
     if ssh_port is not None or ssh_identity_file is not None:
-        if not mpiexec:
-            raise LaunchError(f"--ssh-port and --ssh-identity-file apply to mpiexec, which starts remote ranks "
-                              f"through ssh; this job starts through {os.path.basename(launcher_argv0)}")
-        variable = _SSH_ARGS_VARIABLE.get(info.mpi_flavour)
-        if variable is None:
-            raise LaunchError(f"cannot tell how to pass ssh options to {info.mpiexec} (an MPI hpdl does not know)")
         if ssh_identity_file is not None and not os.path.isfile(ssh_identity_file):
             raise LaunchError(f"--ssh-identity-file {ssh_identity_file}: no such file")
-        args = (["-p", str(ssh_port)] if ssh_port is not None else []) + \
+        ssh_args = (["-p", str(ssh_port)] if ssh_port is not None else []) + \
             (["-i", os.path.abspath(ssh_identity_file)] if ssh_identity_file is not None else [])
-        out[variable] = " ".join(args)
-    if network_interfaces is not None:
-        names = [n.strip() for n in network_interfaces.split(",") if n.strip()]
-        if not names:
-            raise LaunchError(f"--network-interfaces {network_interfaces!r}: expected names such as eth0,ib0")
-        joined = ",".join(names)
-        out.update({variable: joined for variable in INTERFACE_VARIABLES})
-        if mpiexec and info.mpi_flavour == OPENMPI:
-            out["OMPI_MCA_btl_tcp_if_include"] = out["OMPI_MCA_oob_tcp_if_include"] = joined
-        elif mpiexec and info.mpi_flavour in _HYDRA_IFACE_VARIABLE:
+        if mpiexec:
+            variable = _SSH_ARGS_VARIABLE.get(info.mpi_flavour)
+            if variable is None:
+                raise LaunchError(f"cannot tell how to pass ssh options to {info.mpiexec} (an MPI hpdl does not know)")
+            env[variable] = " ".join(ssh_args)
+        elif len(commands) > 1 and os.path.basename(commands[0][0]) == "ssh":
+            commands = [[argv[0], *ssh_args, *argv[1:]] for argv in commands]
+        else:
+            raise LaunchError(f"--ssh-port and --ssh-identity-file apply to the ssh that starts remote ranks; "
+                              f"this job starts through {os.path.basename(commands[0][0])}")
+    if network_interfaces is not None and mpiexec:
+        names = _interfaces(network_interfaces)
+        if info.mpi_flavour == OPENMPI:
+            env["OMPI_MCA_btl_tcp_if_include"] = env["OMPI_MCA_oob_tcp_if_include"] = ",".join(names)
+        elif info.mpi_flavour in _HYDRA_IFACE_VARIABLE:
             if len(names) > 1:
-                raise LaunchError(f"--network-interfaces {joined}: this mpiexec (Hydra) uses one interface; "
-                                  "name one")
-            out[_HYDRA_IFACE_VARIABLE[info.mpi_flavour]] = joined
-    return out
+                raise LaunchError(f"--network-interfaces {','.join(names)}: this mpiexec (Hydra) uses one "
+                                  "interface; name one")
+            env[_HYDRA_IFACE_VARIABLE[info.mpi_flavour]] = names[0]
+    return commands, env
 
 
 def output_wrapper(directory: str, command: Sequence[str]) -> List[str]:

@@ -52,6 +52,7 @@ class Session:
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.recorder = Recorder(rank, clock.origin_us + clock.applied_offset(rank))
         self.engine_counters: Dict[str, int] = {}
+        self.part_written = False  # this rank's part file, on the failure path
 
     def part(self, engine_counters: Dict[str, int]) -> Dict[str, Any]:
         """This rank's object of ``ranks`` in the file."""
@@ -149,6 +150,7 @@ def _at_failure() -> None:
     if session is not None:
         _write_json(f"{session.path}.rank{session.rank}",
                     session.document([session.part(session.counters(runtime.engine()))], runtime.settings()))
+        session.part_written = True
 
 
 def _at_shutdown() -> None:
@@ -188,9 +190,13 @@ def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
     """
     _end(session)
     own = f"{session.path}.rank{session.rank}"
-    _write_json(own, session.document([part], settings))
     if session.rank != 0:
+        # Written at the failure already (``_at_failure``): writing it again could follow rank
+        # 0's merge, which removes the parts, and leave a stray one behind.
+        if not os.path.exists(own) and not session.part_written:
+            _write_json(own, session.document([part], settings))
         return
+    _write_json(own, session.document([part], settings))
     wanted = [f"{session.path}.rank{r}" for r in range(1, session.size)]
     # Leave time to write the file before the job's abort, should it come first.
     deadline = time.monotonic() + min(_PART_WAIT_S, abort.remaining() - 0.5)

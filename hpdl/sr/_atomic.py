@@ -1,11 +1,24 @@
-"""Atomic file writes: a temp file in the target's directory, renamed over the target."""
+"""Atomic file writes: a temp file in the target's directory, renamed over the target.
+
+A temp file is named ``.<target>.<pid>@<host>.<token>.tmp``. A writer killed mid-way (the job
+is cancelled, the node fails) cannot remove its own, so every write first removes the ones its
+directory holds from writers of this host that are no longer alive. The host and pid tell a
+dead writer from one still writing (another rank on this node, or one on another node sharing
+the file system, whose pid means nothing here).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import secrets
+import socket
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import BinaryIO, Callable, Optional, Union
+
+# Host names cannot hold "@": the last "@" of a name ends the pid, whatever the target's name holds.
+_TEMP_NAME = re.compile(r"\..+\.(?P<pid>\d+)@(?P<host>[^@]+)\.[0-9a-f]{8}\.tmp")
 
 
 def atomic_write(
@@ -15,13 +28,18 @@ def atomic_write(
 
     Readers see the old file or the whole new one, never a partial one (a killed job, or two
     ranks writing the same cache entry). ``fsync`` also forces data and rename to disk, for
-    files that must survive a machine crash (checkpoints).
+    files that must survive a machine crash (checkpoints). An ``OSError`` names ``path``, not
+    the temp file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkstemp: that makes the file 0600, while mode 0666 lets the umask decide, as open() does.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    _make_parent(path)
+    remove_stale_temp_files(path.parent)
+    tmp = _temp_path(path)
+    try:
+        # Not mkstemp: that makes the file 0600, while mode 0666 lets the umask decide, as open() does.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -29,8 +47,10 @@ def atomic_write(
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename in (str(tmp), None):
+            raise OSError(err.errno, err.strerror, str(path)) from None
         raise
     if fsync:
         try:  # persist the rename too; directories cannot be opened on every platform
@@ -42,3 +62,54 @@ def atomic_write(
         except OSError:
             pass
     return path
+
+
+def remove_stale_temp_files(directory: Union[str, os.PathLike]) -> int:
+    """Remove the temp files in ``directory`` left by writers of this host that have died.
+
+    Returns how many were removed. Temp files of live writers and of other hosts are kept.
+    """
+    removed = 0
+    try:
+        entries = [e.name for e in os.scandir(directory) if e.name.startswith(".") and e.name.endswith(".tmp")]
+    except OSError:
+        return 0
+    host = socket.gethostname()
+    for name in entries:
+        match = _TEMP_NAME.fullmatch(name)
+        if match is None or match["host"] != host or _alive(int(match["pid"])):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except FileNotFoundError:
+            pass  # another writer removed it first
+    return removed
+
+
+def _temp_path(path: Path, pid: Optional[int] = None) -> Path:
+    pid = os.getpid() if pid is None else pid
+    return path.parent / f".{path.name}.{pid}@{socket.gethostname()}.{secrets.token_hex(4)}.tmp"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+def _make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        # Some ancestor is a file; name the target the caller asked for, and that ancestor.
+        blocker = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), path.parent)
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is not a directory", str(path)) from None
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None

@@ -94,6 +94,7 @@ def load_checkpoint(
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    _check_file_type(path)
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # zip, pickle and EOF errors all mean the file is unusable
@@ -112,6 +113,21 @@ def load_checkpoint(
         want = f"{model_name or meta['model_name']} x{scale or meta['scale']}"
         raise CheckpointError(f"{path}: checkpoint is for {have}, not {want}")
     return obj
+
+
+def _check_file_type(path: Path) -> None:
+    # torch.save writes a zip file, or (before torch 1.6, and with the legacy format) a pickle of
+    # protocol 2 or later. Anything else would reach the pickle reader and fail there with an
+    # error that reads like a refused pickle, so an image passed by mistake is named as such.
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror}") from None
+    if not head:
+        raise CheckpointError(f"{path}: empty file, not a checkpoint")
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":
+        raise CheckpointError(f"{path}: not a checkpoint (neither a zip nor a pickle file)")
 
 
 def _load_failure(err: BaseException) -> str:

@@ -1,7 +1,8 @@
 """``hpdl sr``: train EDSR, evaluate checkpoints and upscale images.
 
 torch and the ``hpdl.sr`` modules are imported inside the handlers so that ``hpdl --help``
-stays fast. Every bad input ends as one ``CliError`` line naming the file, never a traceback.
+stays fast, and after the checks that need no torch, so that a bad command line fails at once.
+Every bad input ends as one ``CliError`` line naming the file, never a traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from typing import Any, Callable
 
 from hpdl.cli import CliError
 
-__all__ = ["register"]
+__all__ = ["DEFAULT_MAX_PIXELS", "register"]
+
+# A small file can declare a huge image. The default keeps the x4 output of the largest input
+# allowed (3 bytes a pixel, 16x the input's pixels) under 1 GB, and an evaluated image's float
+# copies (HR, output, bicubic) within a few GB.
+DEFAULT_MAX_PIXELS = 20_000_000
 
 
 def register(subparsers: Any) -> None:
@@ -47,7 +53,8 @@ def _register_train(sr_sub: Any) -> None:
         description="Train EDSR from a YAML config (a packaged name such as 'demo', "
         "'edsr_baseline_x2', or a path) with KEY=VALUE overrides, e.g. "
         "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes "
-        "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs and a summary.",
+        "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs and a summary. An OUT_DIR "
+        "holding an earlier run is refused: continue it with resume=auto, or start over with overwrite=true.",
         epilog=f"packaged configs: {', '.join(config_names())}. The keys and their meaning: "
         "TrainConfig in hpdl/sr/config.py.",
     )
@@ -107,7 +114,8 @@ def _register_eval(sr_sub: Any) -> None:
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
                    help="on an undecodable image: fail (default) or skip it with a warning")
     p.add_argument("--cache-dir", help="decode cache and embedded photos (default ~/.cache/hpdl/sr)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    _add_max_pixels(p, "refuse image files of more pixels than this")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
     p.set_defaults(func=_guarded(_run_eval))
 
@@ -123,18 +131,30 @@ def _register_upscale(sr_sub: Any) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or an EDSR state dict")
     p.add_argument("--tile", type=int, default=256, help="tile size in LR pixels; 0 = whole image (default 256)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the input)")
+    _add_max_pixels(p, "refuse an input image of more pixels than this")
+    _add_device(p)
     p.set_defaults(func=_guarded(_run_upscale))
+
+
+def _add_max_pixels(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
+                   help=f"{what} (default {DEFAULT_MAX_PIXELS:,})")
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N")
 
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     # The sr errors' messages already name the file; OSError covers unwritable outputs.
     def run(args: argparse.Namespace) -> int:
+        from hpdl.sr.config import ConfigError
         from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 
         try:
             return handler(args)
-        except (SRDataError, CheckpointError, ModelMismatchError) as err:
+        except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
             raise CliError(str(err)) from None
         except OSError as err:
             where = f"{err.filename}: " if err.filename else ""
@@ -143,35 +163,32 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
-def _device(name: Any) -> str:
-    import torch
-
-    if not name:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(name).type
-    except RuntimeError:
-        raise CliError(f"unknown device {name!r}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"device {name!r} requested but CUDA is not available")
-    return name
+def _check_max_pixels(args: argparse.Namespace) -> None:
+    if args.max_pixels < 1:
+        raise CliError(f"--max-pixels must be >= 1, got {args.max_pixels}")
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.datasets import build_val_dataset, parse_range
-    from hpdl.sr.evaluate import evaluate, format_table
+    from hpdl.sr.config import resolve_device
+    from hpdl.sr.datasets import parse_range
 
     if args.tile is not None and args.tile < 1:
         raise CliError(f"--tile must be >= 1, got {args.tile}")
+    _check_max_pixels(args)
     try:
         index_range = parse_range(args.index_range) if args.index_range else None
     except ValueError as err:
         raise CliError(f"--range: {err}") from None
-    model, _ = load_model(args.ckpt, scale=args.scale, device=_device(args.device))
+    device = resolve_device(args.device, "--device")
+
+    from hpdl.sr.checkpoint import load_model
+    from hpdl.sr.datasets import build_val_dataset
+    from hpdl.sr.evaluate import evaluate, format_table
+
+    model, _ = load_model(args.ckpt, scale=args.scale, device=device)
     pairs = build_val_dataset(
         args.data, model.scale, cache_dir=args.cache_dir, index_range=index_range,
-        on_bad_image=args.on_bad_image,
+        on_bad_image=args.on_bad_image, max_pixels=args.max_pixels,
     )
     space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
     result = evaluate(
@@ -189,22 +206,38 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_upscale(args: argparse.Namespace) -> int:
-    from PIL import Image
-
-    from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.images import read_image, write_image
-    from hpdl.sr.upscale import upscale_image
+    from hpdl.sr.config import resolve_device
+    from hpdl.sr.images import output_format, read_image, write_image
 
     if args.tile < 0:
         raise CliError(f"--tile must be >= 0, got {args.tile}")
-    # Check the output name before minutes of inference, not after.
-    suffix = os.path.splitext(args.output)[1].lower()
-    if suffix not in Image.registered_extensions():
-        raise CliError(f"{args.output}: unknown image extension {suffix!r} (use .png)")
-    image = read_image(args.input)
-    model, _ = load_model(args.ckpt, device=_device(args.device))
-    out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble)
+    _check_max_pixels(args)
+    # Everything about the output is checked before minutes of inference, not after.
+    output_format(args.output)
+    _refuse_output(args.input, args.output, args.overwrite)
+    image = read_image(args.input, max_pixels=args.max_pixels)
+    device = resolve_device(args.device, "--device")
+
+    from hpdl.sr.checkpoint import load_model
+    from hpdl.sr.upscale import upscale_image
+
+    model, _ = load_model(args.ckpt, device=device)
+    out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
     write_image(args.output, out)
     (h, w), (sh, sw) = image.shape[:2], out.shape[:2]
     print(f"wrote {args.output}: {sw}x{sh} (x{model.scale} of {w}x{h})")
     return 0
+
+
+def _refuse_output(source: str, output: str, overwrite: bool) -> None:
+    """Refuse to write over the input (also through a link), or over any file without ``--overwrite``."""
+    if not os.path.lexists(output):
+        return
+    try:
+        same = os.path.samefile(source, output)
+    except OSError:  # the input is missing (reported when it is read) or the output a dangling link
+        same = False
+    if same:
+        raise CliError(f"{output}: is the input image {source}; write the result to another file")
+    if not overwrite:
+        raise CliError(f"{output}: already exists; pass --overwrite to replace it")

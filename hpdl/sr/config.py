@@ -11,11 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import typing
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
-__all__ = ["ConfigError", "TrainConfig", "config_names", "load_config", "parse_overrides", "resolve_config_path"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEVICE_NAMES", "ConfigError", "TrainConfig", "config_names", "is_device_name", "load_config",
+           "parse_overrides", "resolve_config_path", "resolve_device"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 COMPRESSIONS = ("none", "fp16", "bf16")
@@ -75,11 +80,12 @@ class TrainConfig:
     progress: bool = True  # progress bar on rank 0
     out_dir: str = "runs/sr"
     resume: Optional[str] = None  # checkpoint to continue from, or 'auto' (out_dir/last.pt if any)
+    overwrite: bool = False  # start over in an out_dir holding an earlier run (without it: refused)
 
     # -- machine --
     seed: int = 0
     threads: int = 0  # torch threads per rank (0: this node's cores / ranks on it)
-    device: str = "auto"  # auto (cuda:<local rank> if available, else cpu), cpu or cuda
+    device: str = "auto"  # auto (cuda:<local rank> if available, else cpu), cpu, cuda (cuda:<local rank>) or cuda:N
 
     def __post_init__(self) -> None:
         for key, expected in _field_types().items():
@@ -131,8 +137,9 @@ def _check_ranges(c: TrainConfig) -> None:
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
     need(c.val_space in METRIC_SPACES, "val_space", "y or rgb")
     need(c.on_bad_image in BAD_IMAGE_POLICIES, "on_bad_image", "fail or skip")
-    need(c.device == "auto" or c.device.split(":")[0] in ("cpu", "cuda"), "device", "auto, cpu or cuda[:N]")
+    need(is_device_name(c.device), "device", DEVICE_NAMES)
     need(bool(c.out_dir), "out_dir", "a directory")
+    need(not (c.overwrite and c.resume), "overwrite", "false when resuming (resume= continues a run)")
     for key in ("train_range", "val_range"):
         if getattr(c, key) is not None:
             from hpdl.sr.datasets import parse_range
@@ -141,6 +148,37 @@ def _check_ranges(c: TrainConfig) -> None:
                 parse_range(getattr(c, key))
             except ValueError:
                 need(False, key, "a range like 801-900")
+
+
+# -- devices ------------------------------------------------------------------------------------
+
+DEVICE_NAMES = "auto, cpu, cuda or cuda:N"
+
+
+def is_device_name(text: str) -> bool:
+    """Return whether ``text`` names a device hpdl.sr runs on (see ``DEVICE_NAMES``)."""
+    return re.fullmatch(r"auto|cpu|cuda(:\d+)?", text) is not None
+
+
+def resolve_device(name: str, setting: str, local_rank: int = 0) -> "torch.device":
+    """Return the torch device ``name`` stands for; ``ConfigError`` naming ``setting`` if unusable.
+
+    ``auto`` is CUDA when available, else the CPU; ``cuda`` alone is this rank's GPU on its node.
+    """
+    if not is_device_name(name):
+        raise ConfigError(f"{setting}: must be {DEVICE_NAMES}, got {name!r}")
+    import torch
+
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{setting}: {name} requested but CUDA is not available")
+    index = int(name.partition(":")[2] or local_rank)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"{setting}: {name} requested but this node has {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)
 
 
 # -- typed conversion of YAML values and command-line strings --------------------------------

@@ -314,6 +314,7 @@ def open_pairs(
     cache_dir: Optional[PathLike] = None,
     index_range: Optional[Tuple[int, int]] = None,
     on_bad_image: str = "fail",
+    max_pixels: Optional[int] = None,
 ) -> ImagePairs:
     """Find, decode (once) and check the pairs of ``data`` (a folder or ``"embedded"``).
 
@@ -325,6 +326,7 @@ def open_pairs(
             ``default_cache_dir()``).
         index_range: DIV2K image numbers, inclusive (default 1-800 train, 801-900 val).
         on_bad_image: ``"fail"`` on an undecodable file, or ``"skip"`` it with a warning.
+        max_pixels: refuse image files of more pixels than this (None: Pillow's limit).
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -332,7 +334,8 @@ def open_pairs(
     layout = detect_layout(data)
     sources = _sources(data, layout, int(scale), split, index_range, root)
     return ImagePairs(
-        sources, scale, cache=ImageCache(root / "decoded"), on_bad_image=on_bad_image, layout=layout
+        sources, scale, cache=ImageCache(root / "decoded", max_pixels=max_pixels), on_bad_image=on_bad_image,
+        layout=layout,
     )
 
 
@@ -362,8 +365,10 @@ def build_val_dataset(
     cache_dir: Optional[PathLike] = None,
     index_range: Optional[Tuple[int, int]] = None,
     on_bad_image: str = "fail",
+    max_pixels: Optional[int] = None,
 ) -> ImagePairs:
     """Build the whole-image validation pairs of ``data`` (see ``open_pairs``)."""
     return open_pairs(
-        data, scale, "val", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image
+        data, scale, "val", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image,
+        max_pixels=max_pixels,
     )

@@ -9,11 +9,12 @@ to a temporary file and renamed, so concurrent ranks or a killed job never leave
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -26,8 +27,10 @@ __all__ = [
     "EMBEDDED_VAL",
     "ImageCache",
     "bicubic_downscale",
+    "check_pixels",
     "default_cache_dir",
     "list_images",
+    "output_format",
     "prepare_embedded",
     "read_image",
     "write_image",
@@ -61,14 +64,21 @@ def default_cache_dir() -> Path:
     return Path(base) / "hpdl" / "sr"
 
 
-def read_image(path: PathLike) -> np.ndarray:
-    """Decode an image file to a uint8 ``(H, W, 3)`` RGB array (gray is repeated, alpha dropped)."""
+def read_image(path: PathLike, *, max_pixels: Optional[int] = None) -> np.ndarray:
+    """Decode an image file to a uint8 ``(H, W, 3)`` RGB array (gray is repeated, alpha dropped).
+
+    With ``max_pixels``, an image declaring more pixels is refused before it is decoded (a small
+    file can declare a huge image); that limit then replaces Pillow's own.
+    """
     from PIL import Image
 
     try:
-        with Image.open(path) as img:
+        with _opened(path, max_pixels) as img:
+            check_pixels(path, img.size, max_pixels)
             img.load()  # decode now, so truncation fails here and not at first use
             return _to_rgb(img)
+    except SRDataError:
+        raise
     except FileNotFoundError:
         raise SRDataError(f"{path}: no such file") from None
     except (IsADirectoryError, PermissionError) as err:
@@ -76,6 +86,36 @@ def read_image(path: PathLike) -> np.ndarray:
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, zlib errors...
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptImageError(f"{path}: cannot decode image (corrupt or truncated?): {reason}") from None
+
+
+def check_pixels(path: PathLike, size: Tuple[int, int], max_pixels: Optional[int]) -> None:
+    """Raise ``SRDataError`` naming ``path`` if an image of ``size`` (width, height) exceeds ``max_pixels``."""
+    width, height = size
+    if max_pixels is not None and width * height > max_pixels:
+        raise SRDataError(
+            f"{path}: image of {width}x{height} ({width * height:,} pixels) exceeds the limit of "
+            f"{max_pixels:,} pixels; raise it with --max-pixels"
+        )
+
+
+@contextlib.contextmanager
+def _opened(path: PathLike, max_pixels: Optional[int]) -> Iterator[Any]:
+    from PIL import Image
+
+    if max_pixels is None:
+        with Image.open(path) as img:
+            yield img
+        return
+    # Pillow warns, or refuses at open, past its own decompression-bomb limit, before the
+    # caller's limit could be checked; with a limit of our own its check is redundant.
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        img = Image.open(path)
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+    with img:
+        yield img
 
 
 def _to_rgb(img) -> np.ndarray:
@@ -88,14 +128,24 @@ def _to_rgb(img) -> np.ndarray:
     return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
 
 
+def output_format(path: PathLike) -> str:
+    """Return the Pillow format that writes ``path`` (by its extension); ``SRDataError`` if none does."""
+    from PIL import Image
+
+    suffix = Path(path).suffix.lower()
+    fmt = Image.registered_extensions().get(suffix)
+    if fmt is None:
+        raise SRDataError(f"{path}: unknown image extension {suffix!r} (use .png)")
+    if fmt not in Image.SAVE:
+        raise SRDataError(f"{path}: Pillow reads {fmt} images but cannot write them (use .png)")
+    return fmt
+
+
 def write_image(path: PathLike, image: np.ndarray) -> None:
     """Write a uint8 ``(H, W, 3)`` array as an image file, atomically (temp file + rename)."""
     from PIL import Image
 
-    path = Path(path)
-    fmt = Image.registered_extensions().get(path.suffix.lower())
-    if fmt is None:
-        raise SRDataError(f"{path}: unknown image extension {path.suffix!r}")
+    fmt = output_format(path)
     pixels = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8))
     atomic_write(path, lambda f: pixels.save(f, format=fmt))
 
@@ -136,12 +186,16 @@ def bicubic_downscale(hr: np.ndarray, scale: int) -> np.ndarray:
 class ImageCache:
     """Decode-once cache of images (and arrays derived from them) as memory-mapped ``.npy``."""
 
-    def __init__(self, root: Optional[PathLike] = None) -> None:
+    def __init__(self, root: Optional[PathLike] = None, *, max_pixels: Optional[int] = None) -> None:
+        """Keep entries under ``root``; refuse images of more than ``max_pixels`` (None: Pillow's limit)."""
         self.root = Path(root) if root is not None else default_cache_dir() / "decoded"
+        self.max_pixels = max_pixels
 
     def image(self, path: PathLike) -> np.ndarray:
         """Return the decoded uint8 RGB image of ``path``, read-only and memory-mapped."""
-        return self.derived(path, "rgb", lambda: read_image(path))
+        image = self.derived(path, "rgb", lambda: read_image(path, max_pixels=self.max_pixels))
+        check_pixels(path, (image.shape[1], image.shape[0]), self.max_pixels)  # decoded earlier, without a limit
+        return image
 
     def derived(self, source: PathLike, variant: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
         """Return ``compute()`` for ``source``, cached under the name ``variant``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import hpdl.torch as hvd
 from hpdl.sr.checkpoint import capture_rng_state, load_checkpoint, make_checkpoint, restore_rng_state, save_checkpoint
-from hpdl.sr.config import TrainConfig
+from hpdl.sr.config import TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, parse_range
 from hpdl.sr.errors import CheckpointError
 from hpdl.sr.models import MODELS, EDSR, EDSRConfig, build_model_from_config, count_parameters, load_pretrained
@@ -34,6 +35,9 @@ from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summ
 __all__ = ["TrainError", "format_summary", "train"]
 
 COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
+
+# What a run writes into out_dir: any of them there means an earlier run.
+RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.json", "config.yaml")
 
 # Settings that change what is trained. Resuming with other values works but is no longer the
 # same run, so it is pointed out; total_updates, val_every, out_dir and the like may change.
@@ -55,14 +59,23 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     master = rank == 0
-    torch.set_num_threads(cfg.threads or max(1, _cpu_count() // hvd.local_size()))
-    device = _device(cfg.device, hvd.local_rank())
+    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
+    out_dir = Path(cfg.out_dir)
+    # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
+    # and decides; every rank raises its verdict alike.
+    refusal = hvd.broadcast_object(_earlier_run_refusal(out_dir, cfg) if master else None, 0, name="train.out_dir")
+    if refusal is not None:
+        raise TrainError(refusal)
+    cores = _cpu_count()
+    if master and cfg.threads > cores:
+        print(f"hpdl: warning: threads={cfg.threads} is more than the {cores} cores this process can use; "
+              "the threads will contend for them", file=sys.stderr, flush=True)
+    torch.set_num_threads(cfg.threads or max(1, cores // hvd.local_size()))
     # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
     # weights all come from rank 0 below, so the models still start identical.
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
-    out_dir = Path(cfg.out_dir)
     if cfg.global_batch_size:
         if cfg.global_batch_size % size:
             raise TrainError(f"global_batch_size={cfg.global_batch_size} does not split over {size} ranks")
@@ -107,8 +120,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     # -------------------------------------------------------------------------------------
     # Start or resume. Rank 0 reads the checkpoint (only it needs the file) and then sends the
     # weights, the optimizer state and the small rest to the others.
-    if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
+    agreed("out_dir", lambda: _prepare_out_dir(out_dir, cfg) if master else None)
     resume_path = hvd.broadcast_object(_resume_path(cfg, out_dir) if master else None, 0, name="train.resume_path")
     state = agreed("resume", lambda: _restore(resume_path, cfg, model, optimizer, ema) if master else None)
     state = hvd.broadcast_object(state, 0, name="train.state")
@@ -270,16 +282,6 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda":
-        name = f"cuda:{local_rank}"  # one GPU per rank on a node
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise TrainError(f"device={name} requested but CUDA is not available")
-    return torch.device(name)
-
-
 def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
     return parse_range(text) if text else None
 
@@ -292,6 +294,30 @@ def _build_model(cfg: TrainConfig) -> EDSR:
         if (blocks, feats) != MODELS[name][:2]:
             name = "edsr_custom"  # what checkpoint loading calls a model of another size
     return build_model_from_config(EDSRConfig(name, cfg.scale, blocks, feats, res_scale))
+
+
+def _earlier_run(out_dir: Path) -> List[str]:
+    return [name for name in RUN_FILES if (out_dir / name).exists()]
+
+
+def _earlier_run_refusal(out_dir: Path, cfg: TrainConfig) -> Optional[str]:
+    """On rank 0: why ``out_dir`` cannot be used (it holds an earlier run, neither resumed nor overwritten)."""
+    earlier = _earlier_run(out_dir)
+    if earlier and cfg.resume is None and not cfg.overwrite:
+        return (f"out_dir={out_dir} holds an earlier run ({', '.join(earlier)}); continue it with resume=auto "
+                "or start over with overwrite=true")
+    return None
+
+
+def _prepare_out_dir(out_dir: Path, cfg: TrainConfig) -> None:
+    """On rank 0: create ``out_dir``; with ``overwrite``, first remove the earlier run's files."""
+    if cfg.overwrite:
+        # Nothing of the earlier run may be taken for this one's: resume=auto picking up its
+        # last.pt after this run stopped early, TensorBoard showing its curves.
+        for name in _earlier_run(out_dir):
+            (out_dir / name).unlink()
+        shutil.rmtree(out_dir / "tb", ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _resume_path(cfg: TrainConfig, out_dir: Path) -> Optional[str]:

@@ -11,7 +11,7 @@ equals the whole-image pass up to float rounding, with memory bounded by the til
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -21,16 +21,44 @@ from hpdl.sr.metrics import quantize
 from hpdl.sr.models import receptive_field_radius
 from hpdl.sr.transforms import NUM_DIHEDRAL, dihedral_tensor, inverse_dihedral_tensor
 
-__all__ = ["DEFAULT_TILE", "forward_tiled", "self_ensemble", "upscale", "upscale_image"]
+__all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "forward_tiled", "self_ensemble", "upscale", "upscale_image"]
 
 DEFAULT_TILE = 256
+PROGRESS_DELAY = 3.0  # seconds of upscaling before its progress bar appears: short runs stay quiet
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
+Box = Tuple[int, int, int, int]  # y0, y1, x0, x1
 
 
 def _device_of(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def _on_device(model: nn.Module) -> Forward:
+    device = _device_of(model)
+    return lambda x: model(x.to(device=device, dtype=torch.float32).contiguous()).to(x.device)
+
+
+def _tile_count(h: int, w: int, tile: int) -> int:
+    return -(-h // tile) * -(-w // tile)
+
+
+def _tiles(forward: Forward, lr: torch.Tensor, tile: int, margin: int) -> Iterator[Tuple[int, Box, torch.Tensor]]:
+    """Yield ``(scale, tile box in LR pixels, output of the tile)`` for every tile of ``lr`` (``(..., H, W)``).
+
+    ``forward`` sees each tile extended by ``margin`` on every side (up to the image border)
+    and only the output of the tile itself is kept.
+    """
+    h, w = lr.shape[-2:]
+    for y0 in range(0, h, tile):
+        for x0 in range(0, w, tile):
+            y1, x1 = min(y0 + tile, h), min(x0 + tile, w)
+            ya, xa = max(y0 - margin, 0), max(x0 - margin, 0)
+            yb, xb = min(y1 + margin, h), min(x1 + margin, w)
+            piece = forward(lr[..., ya:yb, xa:xb])
+            s = piece.shape[-1] // (xb - xa)  # the model's scale, read off its output
+            yield s, (y0, y1, x0, x1), piece[..., (y0 - ya) * s : (y1 - ya) * s, (x0 - xa) * s : (x1 - xa) * s]
 
 
 def forward_tiled(
@@ -47,24 +75,15 @@ def forward_tiled(
     if tile < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
     margin = receptive_field_radius(model) if overlap is None else int(overlap)
-    device = _device_of(model)
+    forward = _on_device(model)
     _, _, h, w = lr.shape
     if h <= tile and w <= tile:
-        return model(lr.to(device)).to(lr.device)
+        return forward(lr)
     out: Optional[torch.Tensor] = None
-    s = 0
-    for y0 in range(0, h, tile):
-        for x0 in range(0, w, tile):
-            y1, x1 = min(y0 + tile, h), min(x0 + tile, w)
-            ya, xa = max(y0 - margin, 0), max(x0 - margin, 0)
-            yb, xb = min(y1 + margin, h), min(x1 + margin, w)
-            piece = model(lr[:, :, ya:yb, xa:xb].to(device))
-            if out is None:
-                s = piece.shape[-1] // (xb - xa)  # the model's scale, read off its output
-                out = lr.new_empty(lr.shape[0], piece.shape[1], h * s, w * s, dtype=piece.dtype)
-            out[:, :, y0 * s : y1 * s, x0 * s : x1 * s] = piece[
-                :, :, (y0 - ya) * s : (y1 - ya) * s, (x0 - xa) * s : (x1 - xa) * s
-            ].to(out.device)
+    for s, (y0, y1, x0, x1), piece in _tiles(forward, lr, tile, margin):
+        if out is None:
+            out = lr.new_empty(lr.shape[0], piece.shape[1], h * s, w * s, dtype=piece.dtype)
+        out[:, :, y0 * s : y1 * s, x0 * s : x1 * s] = piece
     assert out is not None
     return out
 
@@ -94,11 +113,7 @@ def upscale(
     """
     batch = lr.unsqueeze(0) if lr.dim() == 3 else lr
     if tile is None:
-        device = _device_of(model)
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return model(x.to(device)).to(x.device)
-
+        forward = _on_device(model)
     else:
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -108,10 +123,40 @@ def upscale(
     return out.squeeze(0) if lr.dim() == 3 else out
 
 
+@torch.no_grad()
 def upscale_image(
-    model: nn.Module, image: np.ndarray, *, tile: Optional[int] = DEFAULT_TILE, ensemble: bool = False
+    model: nn.Module,
+    image: np.ndarray,
+    *,
+    tile: Optional[int] = DEFAULT_TILE,
+    ensemble: bool = False,
+    progress: bool = False,
 ) -> np.ndarray:
-    """Super-resolve a uint8 ``(h, w, 3)`` image to a uint8 ``(sh, sw, 3)`` image."""
-    lr = torch.from_numpy(np.ascontiguousarray(image).transpose(2, 0, 1).copy()).float()
-    sr = upscale(model, lr, tile=tile, ensemble=ensemble)
-    return quantize(sr).to(torch.uint8).permute(1, 2, 0).numpy()
+    """Super-resolve a uint8 ``(h, w, 3)`` image to a uint8 ``(sh, sw, 3)`` image.
+
+    The output is assembled tile by tile in uint8, and only one tile at a time is in float, so
+    memory is about the output's uint8 size whatever the image. The self-ensemble runs per
+    tile, which is as exact as tiling itself (a flip or transpose maps the image border onto
+    the border). ``progress`` shows a bar over the tiles once ``PROGRESS_DELAY`` has passed.
+    """
+    h, w = image.shape[:2]
+    lr = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)  # a uint8 view
+    on_device = _on_device(model)
+    forward = (lambda x: self_ensemble(on_device, x)) if ensemble else on_device
+    tile = tile or max(h, w)
+    out: Optional[np.ndarray] = None
+    tiles = _tiles(forward, lr, tile, receptive_field_radius(model))
+    for s, (y0, y1, x0, x1), piece in _progress(tiles, _tile_count(h, w, tile), progress):
+        if out is None:
+            out = np.empty((h * s, w * s, 3), dtype=np.uint8)
+        out[y0 * s : y1 * s, x0 * s : x1 * s] = quantize(piece[0]).to(torch.uint8).permute(1, 2, 0).numpy()
+    assert out is not None
+    return out
+
+
+def _progress(items: Iterable, total: int, enabled: bool) -> Iterable:
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY)
