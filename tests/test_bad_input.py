@@ -129,7 +129,7 @@ def test_mismatch_error_exits_the_same_way_every_time_under_torchrun():
     # Three waves of five jobs at once: the load makes the exit race likelier, not rarer.
     codes, errors = [], []
     for _ in range(3):
-        tags, procs = [], []
+        procs = []
         for _ in range(5):
             env = _clean_env()
             procs.append(subprocess.Popen(launch("torchrun", 2, "bad_input_jobs.py", "mismatch"), env=env,
@@ -224,6 +224,22 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
     assert result.stderr.count("Traceback") == 1 and "During handling" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == \
         "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"
+
+
+# == hpdl bench scaling: a study that cannot be run ==================================================
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "1,x"], "--ranks takes comma-separated integers, got '1,x'"),
+    (["--ranks", "0,2"], "--ranks takes distinct rank counts of at least 1, got 0,2"),
+    (["--systems", "hpdl,horovod"], "--systems takes distinct systems among hpdl, hpdl-fp16, hpdl-hier, ddp, ddp-fp16"),
+    (["--ranks", "1,4", "-H", "localhost:2"], "4 ranks do not fit the 2 slots of the hosts"),
+    (["--json", "/nonexistent/dir/s.json"], "/nonexistent/dir/s.json: its directory does not exist"),
+    (["--model", "vgg", "--ranks", "1", "--repeats", "1"], "the default job on 1 rank(s) failed (exit 2): hpdl: error: unknown model 'vgg'"),
+], ids=["ranks-not-integers", "zero-ranks", "unknown-system", "too-few-slots", "json-dir", "failing-job"])
+def test_bench_scaling_bad_requests_are_one_line(args, message, tmp_path):
+    result = hpdl("bench", "scaling", *args, cwd=tmp_path)
+    assert_one_line_error(result, message)
+    assert list(tmp_path.iterdir()) == []  # no record, no plot
 
 
 # == hpdl profile: files that are not (readable) profiles ==========================================
@@ -327,9 +343,9 @@ def test_bench_allreduce_min_above_max_ends_before_any_rank_communicates():
     (["--iterations", "many"], "argument --iterations: invalid int value: 'many'"),
 ])
 def test_bench_allreduce_invalid_values_are_one_line(args, fragment, capsys, monkeypatch):
-    from hpdl.bench import cli as bench_cli
+    from hpdl.torch import runtime
 
-    monkeypatch.setattr(bench_cli, "_benchmark_communicator", lambda *a: pytest.fail("a communicator was created"))
+    monkeypatch.setattr(runtime, "job_communicator", lambda *a: pytest.fail("a communicator was created"))
     assert _exit_code(["bench", "allreduce", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hpdl: error: ") and err.count("\n") == 1 and fragment in err, err

@@ -9,8 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from hpdl.launch.emulate import ClusterSpec, EmulatedCluster, leftovers
 from ranks import ROOT, SCRIPTS
@@ -74,3 +76,77 @@ def test_hierarchical_allreduce_across_nodes_equals_the_reference(cluster, launc
                         "--", sys.executable, str(SCRIPTS / "hierarchical_nodes.py"))
     assert "topology: ['n1', 'n1', 'n2', 'n2']" in out
     assert "OK hierarchical nodes: size=4" in out
+
+
+# -- a node lost mid-training ------------------------------------------------------------------
+
+def _photos(root):
+    import numpy as np
+    from PIL import Image
+
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        small = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        Image.fromarray(small).resize((48, 40), Image.BICUBIC).save(root / f"p{i}.png")
+    return root
+
+
+def _train(data, out, *extra):
+    return [sys.executable, "-m", "hpdl", "sr", "train", "--config", "demo", f"data={data}", f"val_data={data}",
+            "n_resblocks=1", "n_feats=8", "patch_size=8", "batch_size=2", "repeat=20", "ckpt_every=3", "log_every=3",
+            "val_every=0", "val_at_end=false", "progress=false", "threads=1", f"cache_dir={out.parent / 'cache'}",
+            f"out_dir={out}", *extra]
+
+
+def _updates(out):
+    """The last update logged in ``out``'s train_log.csv (0 before the first line)."""
+    lines = (out / "train_log.csv").read_text().splitlines() if (out / "train_log.csv").exists() else []
+    return int(lines[-1].split(",")[0]) if len(lines) > 1 else 0
+
+
+def _pids(namespace):
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("launch,breaking", [
+    (["--launcher", "torchrun", "--backend", "gloo"], "kill"),
+    ([], "link-down"),
+], ids=["torchrun-node-killed", "mpiexec-link-down"])
+def test_a_lost_node_ends_the_job_with_the_lost_ranks_named_and_training_resumes(cluster, tmp_path, launch, breaking):
+    # Node 2's processes killed (torchrun, gloo) or its link cut (mpiexec): the rank on node 1
+    # raises within the stall timeout naming rank 1, the job exits non-zero, nothing is left on
+    # either node, and the training restarted with resume=auto continues from its checkpoint.
+    data, out = _photos(tmp_path / "photos"), tmp_path / "run"
+    env = cluster.env({k: v for k, v in os.environ.items() if not k.startswith("HPDL_") or k == "HPDL_VENV"})
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), HPDL_STALL_WARNING="2",
+               HPDL_STALL_TIMEOUT="6")
+    run = [sys.executable, "-m", "hpdl", "run", "-np", "2", "-H", "n1:1,n2:1", *launch, "--"]
+    job = subprocess.Popen(cluster.nodes[0].argv(run + _train(data, out, "total_updates=100000")), env=env,
+                           cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    switch_port = ["ip", "-n", cluster.switch, "link", "set", "p2"]
+    try:
+        deadline = time.monotonic() + 120
+        while _updates(out) < 6 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert job.poll() is None and _updates(out) >= 6, "training did not get going"
+        if breaking == "kill":
+            subprocess.run(["kill", "-9", *_pids(cluster.nodes[1].netns)], check=False)
+        else:
+            subprocess.run(switch_port + ["down"], check=True)
+        _, err = job.communicate(timeout=60)  # stall timeout + liveness check + abort grace, with room
+    finally:
+        if job.poll() is None:
+            job.kill()
+        subprocess.run(switch_port + ["up"], check=False)
+    assert job.returncode != 0
+    assert "(lost: rank 1 does not answer)" in err, err[-3000:]
+    time.sleep(1)
+    assert _pids(cluster.nodes[0].netns) == [] and _pids(cluster.nodes[1].netns) == [], "processes left on a node"
+
+    # Restarted, the run continues from its last checkpoint.
+    saved = int(torch.load(out / "last.pt", weights_only=True)["update"])
+    again = on_first_node(cluster, *run, *_train(data, out, f"total_updates={saved + 3}", "resume=auto"))
+    assert f"resumed from {out / 'last.pt'} at update {saved}" in again
+    assert _updates(out) == saved + 3

@@ -1,22 +1,23 @@
-"""`hpdl bench`: registered benchmarks. Each runs inside the current job (start it with
-`hpdl run -np N -- hpdl bench ...` or a launcher directly) and prints on rank 0 only."""
+"""`hpdl bench`: registered benchmarks. allreduce and synthetic run inside the current job
+(start them with `hpdl run -np N -- hpdl bench ...` or a launcher directly) and print on rank 0
+only; scaling is a driver that starts such jobs itself."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def register(subparsers) -> None:
     """Add ``bench`` and its benchmark subcommands."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: allreduce (OSU-style), synthetic training throughput",
+        "bench", help="benchmarks: allreduce (OSU-style), synthetic training throughput, scaling studies",
         description="Benchmarks that run inside a job: start them with `hpdl run -np N -- hpdl bench ...`.",
     )
     sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     _register_allreduce(sub)
     _register_synthetic(sub)
+    _register_scaling(sub)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 
@@ -88,11 +89,17 @@ def _run_allreduce(args) -> int:
     from hpdl.bench.allreduce import build_paths, format_records, run_allreduce
     from hpdl.cli import CliError
 
+    from hpdl.comm import CommError
+    from hpdl.torch.runtime import job_backend, job_communicator
+
     opts = _allreduce_options(args)
-    name, topo, settings = _benchmark_backend(args.backend)
-    if "mpi4py" in opts.paths and name != "mpi":
-        raise CliError(f"the mpi4py path needs the MPI backend, not {name} (launch with mpiexec)")
-    comm = _benchmark_communicator(name, topo, settings)
+    try:
+        name = job_backend(args.backend)  # checked before any rank communicates
+        if "mpi4py" in opts.paths and name != "mpi":
+            raise CliError(f"the mpi4py path needs the MPI backend, not {name} (launch with mpiexec)")
+        comm = job_communicator(args.backend)  # the raw paths' own; the engine, if used, has another
+    except (ValueError, CommError) as err:  # settings, backend, a world of the wrong size
+        raise CliError(str(err)) from None
     if "engine" in opts.paths:
         import hpdl.torch as hvd
 
@@ -177,35 +184,77 @@ def _run_synthetic(args) -> int:
     return 0
 
 
-def _benchmark_backend(backend):
-    """Choose the raw paths' backend without communicating: ``(name, topology, settings)``."""
+def _register_scaling(sub) -> None:
+    from hpdl.bench.scaling import SYSTEMS
+
+    p = sub.add_parser(
+        "scaling",
+        help="img/s and scaling efficiency against the number of ranks, hpdl against DDP (starts the jobs)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run `hpdl bench synthetic` at each rank count of --ranks for each system of --systems, in\n"
+            "alternating repeats, each job started with `hpdl run`; print img/s and scaling efficiency\n"
+            "(against N x the 1-rank figure and against the no-communication ceiling measured in the\n"
+            "same job), write the record as JSON and a plot as PNG. Run it from a shell, not under a\n"
+            "launcher. On several hosts (-H, or HPDL_HOSTFILE, which `hpdl emulate` sets) the ranks\n"
+            "are spread evenly over them.\n\n"
+            f"systems: {', '.join(SYSTEMS)}\n\n"
+            "examples:\n"
+            "  hpdl bench scaling --model edsr-baseline --batch-size 4 --ranks 1,2\n"
+            "  hpdl emulate --nodes 2 --rate 1gbit -- hpdl bench scaling --model edsr --batch-size 1 --patch 24 \\\n"
+            "      --systems hpdl,hpdl-fp16,ddp,ddp-fp16 --ranks 1,2"
+        ),
+    )
+    p.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default 1,2)")
+    p.add_argument("--systems", default="hpdl,ddp", help="comma-separated systems (default hpdl,ddp)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of every point (default 3)")
+    p.add_argument("-H", "--hosts", default=None, metavar="HOST[:SLOTS],...",
+                   help="hosts to spread the ranks over (default: HPDL_HOSTFILE's, else this host)")
+    p.add_argument("--json", default="scaling.json", metavar="FILE", help="record to write (default scaling.json)")
+    p.add_argument("--plot", default="scaling.png", metavar="FILE", help="PNG plot to write (default scaling.png)")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds a job may take (default 1800)")
+    synthetic = p.add_argument_group("passed to every `hpdl bench synthetic` job")
+    for flag, kind, default in (("--model", str, "edsr-baseline"), ("--batch-size", int, None), ("--patch", int, None),
+                                ("--scale", int, None), ("--num-warmup", int, None), ("--num-iters", int, None),
+                                ("--num-batches-per-iter", int, None), ("--threads", int, None),
+                                ("--optimizer", str, None)):
+        synthetic.add_argument(flag, type=kind, default=default, help=f"(default: the synthetic benchmark's)"
+                               if default is None else f"(default {default})")
+    p.set_defaults(func=_run_scaling)
+
+
+def _run_scaling(args) -> int:
+    import os
+
+    from hpdl.bench.scaling import ScalingError, ScalingOptions, format_summary, plot, run_scaling
     from hpdl.cli import CliError
-    from hpdl.comm import CommError, choose_backend, discover_topology
-    from hpdl.comm.mpi import mpi_available
-    from hpdl.config import Settings
+    from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
     try:
-        settings = Settings.from_env(backend=backend)
-        topo = discover_topology()
-        return choose_backend(settings.backend, topo, mpi_available()), topo, settings
-    except (ValueError, CommError) as err:
-        raise CliError(str(err)) from None
-
-
-def _benchmark_communicator(name, topo, settings):
-    """A world communicator of its own for the raw paths (the engine, if used, has another)."""
-    from hpdl.cli import CliError
-    from hpdl.comm import WorldSizeError, check_world_size, create_world
-
-    if name == "mpi":
-        from mpi4py import MPI
-
-        comm = create_world(name, topo, mpi_comm=MPI.COMM_WORLD.Dup())
-    else:
-        comm = create_world(name, topo, timeout_s=settings.stall_timeout_s)
+        ranks = tuple(int(r) for r in args.ranks.split(","))
+    except ValueError:
+        raise CliError(f"--ranks takes comma-separated integers, got {args.ranks!r}") from None
+    synthetic = []
+    for name in ("model", "batch_size", "patch", "scale", "num_warmup", "num_iters", "num_batches_per_iter",
+                 "threads", "optimizer"):
+        value = getattr(args, name)
+        if value is not None:
+            synthetic += [f"--{name.replace('_', '-')}", str(value)]
     try:
-        check_world_size(comm.size, os.environ)
-    except WorldSizeError as err:
-        comm.close()
+        hosts = (parse_hosts(args.hosts) if args.hosts
+                 else read_hostfile(os.environ["HPDL_HOSTFILE"]) if os.environ.get("HPDL_HOSTFILE") else None)
+        opts = ScalingOptions(ranks=ranks, systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+                              repeats=args.repeats, hosts=tuple((h.name, h.slots) for h in hosts.hosts) if hosts else None,
+                              synthetic_args=tuple(synthetic), timeout_s=args.timeout)
+        for path in (args.json, args.plot):
+            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise CliError(f"{path}: its directory does not exist")
+        record = run_scaling(opts)
+    except (ValueError, LaunchError, ScalingError) as err:
         raise CliError(str(err)) from None
-    return comm
+    print(format_summary(record))
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(record, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+    return 0

@@ -186,7 +186,7 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
 
 
 def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
-             phases: Optional[List[PhaseTimes]] = None) -> List[float]:
+             phases: Optional[List[PhaseTimes]] = None, group=None) -> List[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -194,7 +194,7 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
     # As hpdl: no per-forward buffer broadcast (BatchNorm statistics stay local, as in Horovod).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # newer torch renames broadcast_buffers
-        model = DistributedDataParallel(workload.model, broadcast_buffers=False)
+        model = DistributedDataParallel(workload.model, broadcast_buffers=False, process_group=group)
     if opts.fp16_allreduce:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -297,19 +297,20 @@ def _base_record(opts: SyntheticOptions, size: int, backend: str) -> Dict[str, A
 def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any]]:
     """hpdl alone, printing as Horovod's benchmark does."""
     import hpdl.torch as hvd
-    from hpdl.torch.runtime import backend_name
+    from hpdl.torch.runtime import job_backend
 
+    backend = job_backend()
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     log = print if rank == 0 and not json_output else (lambda _line: None)
-    for line in _header(opts, size, backend_name()):
+    for line in _header(opts, size, backend):
         log(line)
     phases: Optional[List[PhaseTimes]] = [] if opts.breakdown else None
     rates = _run_hpdl(opts, log, phases)
     summary = _summary(rates)
     log(f"Img/sec per rank: {_rate(summary['mean'])} +-{_rate(summary['conf'])}")
     log(f"Total img/sec on {size} ranks: {_rate(size * summary['mean'])} +-{_rate(size * summary['conf'])}")
-    record = _base_record(opts, size, backend_name())
+    record = _base_record(opts, size, backend)
     record.update(iterations=rates, img_sec_per_rank=summary["mean"], img_sec_per_rank_conf=summary["conf"],
                   total_img_sec=size * summary["mean"], total_img_sec_conf=size * summary["conf"])
     if phases is not None:
@@ -321,51 +322,24 @@ def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any
     return record if rank == 0 else None
 
 
-def _control_communicator():
-    """A world communicator for barriers and results, independent of hpdl's engine."""
-    from hpdl.comm import choose_backend, create_world, discover_topology
-    from hpdl.comm.mpi import mpi_available
-    from hpdl.config import Settings
-
-    settings = Settings.from_env()
-    topology = discover_topology()
-    name = choose_backend(settings.backend, topology, mpi_available())
-    if name == "mpi":
-        from mpi4py import MPI
-
-        return create_world("mpi", topology, mpi_comm=MPI.COMM_WORLD.Dup()), topology
-    import torch.distributed as dist
-
-    from hpdl.comm.torch_dist import TorchCommunicator
-
-    create_world("gloo", topology, timeout_s=settings.stall_timeout_s)  # the default group, if not there yet
-    # A group of its own: hpdl's engine runs on the default group, and two threads issuing
-    # collectives on one gloo group interleave them differently on each rank (a deadlock).
-    return TorchCommunicator("gloo", group=dist.new_group(backend="gloo")), topology
-
-
 def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any]]:
     """Alternate hpdl and the baselines; report medians over ``repeats`` runs and the ratios."""
-    import torch.distributed as dist
-
     import hpdl.torch as hvd
-    from hpdl.comm.torch_dist import init_process_group
-    from hpdl.torch.runtime import backend_name
+    from hpdl.torch.runtime import job_backend, job_communicator
 
-    control, topology = _control_communicator()
+    # For barriers and results, apart from hpdl's engine; DDP gets a gloo group of its own.
+    control = job_communicator()
+    ddp_comm = job_communicator("gloo") if "ddp" in opts.compare else None
     rank, size = control.rank, control.size
-    if "ddp" in opts.compare and not dist.is_initialized():
-        init_process_group("gloo", topology.rank, topology.size, timeout_s=600)
     log = print if rank == 0 and not json_output else (lambda _line: None)
-    hvd.init()
-    backend = backend_name()
-    hvd.shutdown()
+    backend = job_backend()
     for line in _header(opts, size, backend):
         log(line)
     log(f"Comparing hpdl with {' and '.join(opts.compare)}: {opts.repeats} alternating runs each of "
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
     barrier = _polite_barrier(control)
-    baselines = {"ddp": _run_ddp, "ceiling": _run_ceiling,
+    baselines = {"ddp": functools.partial(_run_ddp, group=ddp_comm.process_group if ddp_comm else None),
+                 "ceiling": _run_ceiling,
                  "lockstep": functools.partial(_run_ceiling, barrier=barrier),
                  "profiled": functools.partial(_run_profiled, control=control)}
     runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
@@ -393,6 +367,8 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
             log(f"Run {repeat + 1}/{opts.repeats} {mode}: {_rate(value)} img/sec per rank")
     control.barrier()
     control.close()
+    if ddp_comm is not None:
+        ddp_comm.close()
 
     medians = {mode: median(values) for mode, values in runs.items()}
     spreads = {mode: spread(values) for mode, values in runs.items()}

@@ -43,6 +43,10 @@ class Communicator(abc.ABC):
 
     #: "mpi", "gloo" or "nccl"
     name: str = "?"
+    #: seconds a control round (``allreduce_control``) may take before it raises CommError; the
+    #: engine's rounds complete within moments while every rank's engine thread runs, so one
+    #: that lasts this long means a rank or its node is gone (None: wait for ever)
+    control_timeout_s: Optional[float] = None
 
     @property
     @abc.abstractmethod
@@ -145,6 +149,14 @@ class Communicator(abc.ABC):
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.broadcast(buf, root)
         return pickle.loads(buf.numpy().tobytes())
+
+    def unanswering(self, wait_s: float) -> Optional[List[int]]:
+        """After a failure: the ranks that do not answer a liveness check within ``wait_s``.
+
+        Every surviving rank runs it at about the same time (they all see the failure of the
+        same collective). Returns None where the backend cannot tell.
+        """
+        return None
 
     def close(self) -> None:
         """Release the group's resources (the world group may outlive this call)."""

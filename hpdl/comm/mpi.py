@@ -120,23 +120,28 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp):
     return result
 
 
-def _wait_politely(request) -> None:
+def _wait_politely(request, timeout_s: Optional[float] = None) -> None:
     """Complete a non-blocking MPI request without occupying a core while the peers are late.
 
     On a machine with as many cores as ranks, a spinning wait steals the core that this rank's
     compute thread needs. Peers usually arrive within microseconds, so the request is first
     polled in a tight loop for a short budget (each Test also drives MPI's progress; a
     ``sleep(0)`` here costs ~100 µs, as it hands the core away); then a back-off of real
-    sleeps, up to 2 ms, takes over.
+    sleeps, up to 2 ms, takes over. After ``timeout_s`` it raises CommError.
     """
-    deadline = time.perf_counter() + _SPIN_SECONDS
+    start = time.perf_counter()
+    deadline = start + _SPIN_SECONDS
     while not request.Test():
         if time.perf_counter() > deadline:
             break
     else:
         return
     delay = 5e-5
+    give_up = float("inf") if timeout_s is None else start + timeout_s
     while not request.Test():
+        if time.perf_counter() > give_up:
+            raise CommError(f"a control round did not complete in {timeout_s:g} s (HPDL_STALL_TIMEOUT): "
+                            "a rank has died or its node is unreachable")
         time.sleep(delay)
         delay = min(delay * 2, _MAX_SLEEP)
 
@@ -161,6 +166,10 @@ class MPICommunicator(Communicator):
         self._types = _mpi_types()
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
         self._pinned: Dict[Tuple[torch.dtype, int], torch.Tensor] = {}
+        # For the liveness check after a failure: a communicator of its own (collective to
+        # create, so made now), where no half-finished collective of the engine's is pending.
+        self._probe = self._comm.Dup()
+        self._probes = 0
 
     @property
     def rank(self) -> int:
@@ -230,7 +239,38 @@ class MPICommunicator(Communicator):
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
-        _wait_politely(request)
+        _wait_politely(request, self.control_timeout_s)
+
+    def unanswering(self, wait_s: float) -> Optional[List[int]]:
+        # Every rank sends a word to every other and listens for theirs: a peer whose word has
+        # not come within wait_s is dead or cut off (its send cannot be waited for: left behind).
+        self._probes += 1
+        tag = self._probes
+        peers = [r for r in range(self._size) if r != self._rank]
+        words = {r: np.zeros(1, dtype=np.int64) for r in peers}
+        receives = {r: self._probe.Irecv(words[r], source=r, tag=tag) for r in peers}
+        mine = np.array([self._rank], dtype=np.int64)
+        for r in peers:
+            try:
+                self._probe.Isend(mine, dest=r, tag=tag)
+            except MPI.Exception:
+                pass
+        deadline = time.monotonic() + wait_s
+        missing = set(peers)
+        while missing and time.monotonic() < deadline:
+            for r in list(missing):
+                try:
+                    if receives[r].Test():
+                        missing.discard(r)
+                except MPI.Exception:
+                    pass  # an error from that peer's connection: it stays missing
+            time.sleep(0.01)
+        for r in missing:
+            try:
+                receives[r].Cancel()
+            except MPI.Exception:
+                pass
+        return sorted(missing)
 
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
         if tensor.dim() == 0:
@@ -305,11 +345,12 @@ class MPICommunicator(Communicator):
         return layout
 
     def close(self) -> None:
-        if self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self._comm != MPI.COMM_NULL:
-            try:
-                self._comm.Free()
-            except MPI.Exception:
-                pass
+        for comm in (self._comm, self._probe):
+            if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and comm != MPI.COMM_NULL:
+                try:
+                    comm.Free()
+                except MPI.Exception:
+                    pass
         self._pinned.clear()
 
     def abort(self, code: int) -> NoReturn:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import time
 from typing import List, NoReturn, Optional, Sequence, Tuple
 
 import torch
@@ -114,10 +115,16 @@ class TorchCommunicator(Communicator):
         self._control = control_group if control_group is not None else self._group
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
+        self._probes = 0
 
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def process_group(self):
+        """The torch.distributed process group of this communicator (e.g. for DDP)."""
+        return self._group
 
     @property
     def size(self) -> int:
@@ -222,6 +229,25 @@ class TorchCommunicator(Communicator):
         if self._rank not in members:
             return None
         return TorchCommunicator(self.name, group=group, control_group=control)
+
+    def unanswering(self, wait_s: float) -> Optional[List[int]]:
+        # The process group is broken after a failure; the rendezvous store (on the first host)
+        # still answers: every rank leaves a key, and those whose key has not come are lost.
+        # A rank that cannot reach the store cannot tell (None).
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            self._probes += 1
+            prefix = f"hpdl/alive/{self._probes}/"
+            store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))
+            store.set(prefix + str(self._global(self._rank)), "1")
+            missing = [r for r in range(self._size) if r != self._rank]
+            deadline = time.monotonic() + wait_s
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([prefix + str(self._global(r))])]
+                time.sleep(0.05)
+            return missing
+        except Exception:  # the store is out of reach too
+            return None
 
     def close(self) -> None:
         if not self._is_world:

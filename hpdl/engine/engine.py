@@ -31,11 +31,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from hpdl.comm import Communicator
+from hpdl.comm import CommError, Communicator
 from hpdl.config import Settings
 from hpdl.engine import abort
 from hpdl.engine import events as ev
@@ -49,6 +49,7 @@ log = logging.getLogger("hpdl.engine")
 
 _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
 _IDLE_PAUSE_CAP_S = 0.02  # pause of a rank with nothing pending (its own submissions wake it at once)
+_LIVENESS_WAIT_S = 2.0  # after a backend failure, how long the survivors listen for each other
 
 
 def _lower_priority(increment: int) -> None:
@@ -124,6 +125,7 @@ class Engine:
 
     def _controller(self, comm: Communicator, set_id: int, ranks: Sequence[int]) -> Controller:
         s = self.settings
+        comm.control_timeout_s = s.stall_timeout_s  # a round that long: a rank or a node is lost
         return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks))
 
     # -- called from user threads ----------------------------------------------------------
@@ -249,7 +251,7 @@ class Engine:
                     self._wake.wait(remaining)
                 self._wake.clear()
         except BaseException as err:  # noqa: BLE001 - surfaces in every caller's thread instead
-            self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}", err)
+            self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
 
@@ -366,6 +368,20 @@ class Engine:
                 handle.set_result(set_id)
 
     # -- failure ---------------------------------------------------------------------------
+
+    def _lost(self, err: BaseException) -> str:
+        """After a backend failure, the ranks that no longer answer, as words for the message."""
+        if self.size == 1 or not isinstance(err, (CommError, RuntimeError)) or isinstance(err, HorovodInternalError):
+            return ""
+        try:
+            lost = self.comm.unanswering(_LIVENESS_WAIT_S)
+        except Exception:  # noqa: BLE001 - the failure is reported all the same
+            return ""
+        if not lost:
+            return ""
+        world = self._sets[0].ranks
+        names = ", ".join(str(world[r]) for r in lost)
+        return f" (lost: rank {names} does not answer)" if len(lost) == 1 else f" (lost: ranks {names} do not answer)"
 
     def _fail_set(self, ps: _ProcessSet, message: str) -> None:
         pending, ps.pending = ps.pending, collections.OrderedDict()

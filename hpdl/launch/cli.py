@@ -326,14 +326,22 @@ def _run_on_every_host(commands: List[List[str]], env: dict) -> int:
     except OSError as err:
         _end(procs, signal.SIGTERM)
         raise CliError(f"cannot start {commands[len(procs)][0]}: {err.strerror or err}") from None
-    handlers = {s: signal.signal(s, lambda signum, _f: _end(procs, signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    ending_since: List[float] = []
+
+    def end(signum: int) -> None:
+        ending_since.append(time.monotonic())
+        _end(procs, signum)
+
+    handlers = {s: signal.signal(s, lambda signum, _f: end(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         first_failure = 0
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed and not first_failure:
                 first_failure = failed[0]
-                _end(procs, signal.SIGTERM)
+                end(signal.SIGTERM)
+            if ending_since and time.monotonic() - ending_since[0] > _KILL_AFTER_S:
+                _end(procs, signal.SIGKILL)  # a torchrun blocked in its rendezvous defers SIGTERM
             time.sleep(0.1)
         codes = [p.returncode for p in procs]
     finally:
@@ -341,6 +349,9 @@ def _run_on_every_host(commands: List[List[str]], env: dict) -> int:
             signal.signal(s, handler)
     status = first_failure or next((c for c in codes if c), 0)
     return 128 - status if status < 0 else status
+
+
+_KILL_AFTER_S = 10.0  # from SIGTERM to SIGKILL when ending the launchers of the other hosts
 
 
 def _end(procs: list, signum: int) -> None:

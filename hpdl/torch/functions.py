@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, Dict, List, Optional, Tuple
 

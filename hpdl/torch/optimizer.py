@@ -23,7 +23,7 @@ import torch
 from hpdl.engine import Op
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.compression import Compression
-from hpdl.torch.mpi_ops import Adasum, Average, AsyncHandle
+from hpdl.torch.mpi_ops import Adasum, Average
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer"]

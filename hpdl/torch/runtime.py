@@ -70,22 +70,9 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         mpi_comm = None
         if comm is not None and not isinstance(comm, (list, tuple, range)):
             mpi_comm = comm  # an mpi4py communicator
-        name = choose_backend("mpi" if mpi_comm is not None else settings.backend, topology, mpi_available(),
-                              cuda=torch.cuda.is_available())
-        if name == "mpi":
-            # The engine gets a communicator of its own so that the user's MPI calls on
-            # COMM_WORLD can never interleave with the engine's.
-            mpi_comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
-        aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
+        # The launcher's world is checked against the size it announced; a user's comm is not it.
         with _ranks_meet_within(settings.start_timeout_s):
-            world = create_world(name, topology, timeout_s=settings.stall_timeout_s + 60, mpi_comm=mpi_comm,
-                                 cuda_aware=aware)
-        if comm is None or isinstance(comm, (list, tuple, range)):  # the launcher's world, not a user's comm
-            try:
-                check_world_size(world.size, os.environ)
-            except WorldSizeError:
-                world.close()
-                raise
+            world = _connect(settings, topology, mpi_comm, check_size=mpi_comm is None)
         if isinstance(comm, (list, tuple, range)):
             sub = world.split(list(comm))
             if sub is None:
@@ -143,6 +130,57 @@ def _start_timed_out(seconds: float) -> None:
                      "(HPDL_START_TIMEOUT); did every rank start?\n")
     sys.stderr.flush()
     os._exit(1)
+
+
+def _connect(settings: Settings, topology: Topology, mpi_comm: Any = None, check_size: bool = True) -> Communicator:
+    """Choose the backend and connect every rank: the one place that does both.
+
+    Under MPI the communicator is a duplicate of its own, so that other MPI calls on the same
+    ranks (the user's, a benchmark's) never interleave with the ones made on it.
+    """
+    name = choose_backend("mpi" if mpi_comm is not None else settings.backend, topology, mpi_available(),
+                          cuda=torch.cuda.is_available())
+    if name == "mpi":
+        mpi_comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
+    aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
+    world = create_world(name, topology, timeout_s=settings.stall_timeout_s, mpi_comm=mpi_comm, cuda_aware=aware)
+    if check_size:
+        try:
+            check_world_size(world.size, os.environ)
+        except WorldSizeError:
+            world.close()
+            raise
+    return world
+
+
+def job_backend(backend: Optional[str] = None) -> str:
+    """Return the backend a job started here would use ("mpi", "gloo", "nccl"), without connecting.
+
+    Args:
+        backend: as for ``init()``; default from HPDL_BACKEND or the launcher.
+    """
+    topology = discover_topology()
+    return choose_backend(Settings.from_env(backend=backend).backend, topology, mpi_available(),
+                          cuda=torch.cuda.is_available())
+
+
+def job_communicator(backend: Optional[str] = None) -> Communicator:
+    """Return a communicator of every rank of the job, apart from hpdl's engine.
+
+    For benchmarks and tools that time the backend itself or synchronise the ranks around hpdl:
+    its collectives never interleave with the engine's (under torch.distributed it is a group
+    of its own: two threads issuing collectives on one gloo group may pair them differently on
+    each rank). Collective: every rank calls it. Close it when done.
+
+    Raises:
+        WorldSizeError: the world has another size than the launcher announced.
+    """
+    world = _connect(Settings.from_env(backend=backend), discover_topology())
+    if world.name == "mpi":
+        return world
+    own = world.split(list(range(world.size)))
+    world.close()
+    return own
 
 
 def shutdown() -> None:

@@ -12,7 +12,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch
 from _common import ALL_DTYPES, assert_equal, rank_tensor, run_main
 from torch_api import reduce_ref
 

@@ -242,7 +242,6 @@ def check_sparse() -> None:
 
 def check_unnamed_param_groups() -> None:
     """No named_parameters, several param groups: Horovod's names, unique and equal on every rank."""
-    rank, size = hvd.rank(), hvd.size()
     model, reference = make_pair(seed=8)
 
     def grouped(m):
@@ -302,7 +301,7 @@ def check_sparse_adam() -> None:
 
 def check_adasum_optimizer() -> None:
     """op=Adasum: each rank's own SGD update, combined by Adasum, as one process computes it."""
-    rank, size = hvd.rank(), hvd.size()
+    size = hvd.size()
     if size & (size - 1):
         return  # refused at construction: torch_api.py checks the error
     model, reference = make_pair(seed=10)

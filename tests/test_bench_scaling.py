@@ -1,0 +1,66 @@
+"""`hpdl bench scaling`: placement, the jobs it starts, the summary, and one real small study."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpdl.bench.scaling import ScalingOptions, job_argv, spread_over, summarize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_ranks_are_spread_evenly_over_the_hosts_within_their_slots():
+    hosts = [("n1", 2), ("n2", 2)]
+    assert spread_over(hosts, 1) == [("n1", 1)]
+    assert spread_over(hosts, 2) == [("n1", 1), ("n2", 1)]
+    assert spread_over(hosts, 3) == [("n1", 2), ("n2", 1)]
+    assert spread_over([("n1", 1), ("n2", 3)], 3) == [("n1", 1), ("n2", 2)]
+
+
+def test_each_system_runs_in_the_job_that_measures_it():
+    opts = ScalingOptions(ranks=(1, 2), systems=("hpdl-hier", "ddp-fp16"), hosts=(("n1", 1), ("n2", 1)),
+                          synthetic_args=("--model", "edsr"))
+    assert opts.jobs() == ["default", "fp16", "hierarchical"]  # default always: it measures the ceiling
+    default, fp16, hier = (job_argv(opts, job, 2) for job in opts.jobs())
+    assert default[default.index("run"):default.index("--")] == ["run", "-np", "2", "-H", "n1:1,n2:1"]
+    assert default[-2:] == ["--compare", "ceiling"]
+    assert fp16[-3:] == ["--fp16-allreduce", "--compare", "ddp"]
+    assert "--hierarchical-allreduce" in hier and "--compare" not in hier
+    assert ["--model", "edsr", "--json", "--repeats", "1"] == default[default.index("--model"):default.index("--compare")]
+
+
+def test_summary_takes_medians_and_both_efficiencies():
+    opts = ScalingOptions(ranks=(1, 2), systems=("hpdl", "ddp"), repeats=3)
+    runs = []
+    for repeat, (one, two) in enumerate([(10, 9), (12, 8), (11, 10)]):
+        runs.append({"repeat": repeat, "ranks": 1, "job": "default", "img_sec_per_rank": {"hpdl": one, "ddp": one, "ceiling": one}})
+        runs.append({"repeat": repeat, "ranks": 2, "job": "default", "img_sec_per_rank": {"hpdl": two, "ddp": two / 2, "ceiling": 10}})
+    rows = {(r["system"], r["ranks"]): r for r in summarize(opts, runs)}
+    assert rows[("hpdl", 2)]["total_img_sec"] == 18  # median of 18, 16, 20
+    assert rows[("hpdl", 2)]["efficiency_vs_1_rank"] == pytest.approx(18 / (2 * 11))
+    assert rows[("hpdl", 2)]["efficiency_vs_ceiling"] == pytest.approx(18 / 20)
+    assert rows[("ddp", 2)]["efficiency_vs_ceiling"] == pytest.approx(9 / 20)
+    assert rows[("hpdl", 1)]["efficiency_vs_1_rank"] == 1
+
+
+@pytest.mark.multirank
+def test_a_small_study_writes_its_table_json_and_plot(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPDL_") or k == "HPDL_VENV"}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl", "bench", "scaling", "--model", "edsr-baseline", "--batch-size", "1", "--patch",
+         "12", "--num-warmup", "1", "--num-iters", "1", "--num-batches-per-iter", "1", "--ranks", "1,2",
+         "--systems", "hpdl,ddp-fp16", "--repeats", "2", "--json", str(tmp_path / "s.json"), "--plot",
+         str(tmp_path / "s.png")], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert len(record["runs"]) == 2 * 2 * 2  # repeats x rank counts x jobs (default, fp16)
+    assert [r["ranks"] for r in record["runs"] if r["job"] == "default"] == [1, 2, 2, 1]  # alternating order
+    assert {(s["system"], s["ranks"]) for s in record["summary"]} == {(s, n) for s in ("hpdl", "ddp-fp16") for n in (1, 2)}
+    assert all(s["total_img_sec"] > 0 and s["efficiency_vs_ceiling"] > 0 for s in record["summary"])
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = done.stdout.splitlines()
+    assert any(line.split()[:2] == ["ddp-fp16", "2"] for line in table), done.stdout
