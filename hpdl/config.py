@@ -2,7 +2,9 @@
 
 Every knob of the runtime is a field here with its environment variable beside it; nothing
 deeper in the code reads the environment. Unknown ``HPDL_*`` variables are rejected, so a typo
-(``HPDL_FUSION_TRESHOLD``) fails loudly instead of being silently ignored.
+(``HPDL_FUSION_TRESHOLD``) fails loudly instead of being silently ignored. Horovod's names of
+the settings hpdl shares (``HOROVOD_FUSION_THRESHOLD``, ...) are read too, so that job scripts
+written for Horovod keep their meaning; the ``HPDL_*`` name wins where both are set.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
 
@@ -19,6 +21,41 @@ BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
 _PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS",
                 # where `hpdl run` finds the hosts and how it reaches them (set by `hpdl emulate`)
                 "HPDL_HOSTFILE", "HPDL_RSH"}
+
+# Horovod's variable -> the hpdl variable it stands for; both name the same quantity in the
+# same unit (bytes, milliseconds, seconds, a path, 0/1).
+HOROVOD_ALIASES = {
+    "HOROVOD_FUSION_THRESHOLD": "HPDL_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME": "HPDL_CYCLE_TIME",
+    "HOROVOD_CACHE_CAPACITY": "HPDL_CACHE_CAPACITY",
+    "HOROVOD_TIMELINE": "HPDL_TIMELINE",
+    "HOROVOD_TIMELINE_MARK_CYCLES": "HPDL_TIMELINE_MARK_CYCLES",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "HPDL_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "HPDL_STALL_WARNING",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HPDL_STALL_TIMEOUT",
+    "HOROVOD_START_TIMEOUT": "HPDL_START_TIMEOUT",
+}
+# Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never);
+# hpdl keeps its own timeout then.
+_HOROVOD_UNSET = {("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0")}
+# Horovod's switch for stall warnings: hpdl then warns no earlier than its timeout ends the job.
+_HOROVOD_STALL_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
+
+
+def horovod_variables_ignored(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Return the ``HOROVOD_*`` variables set in ``env`` that hpdl does not honour, sorted."""
+    env = os.environ if env is None else env
+    honoured = set(HOROVOD_ALIASES) | {_HOROVOD_STALL_CHECK_DISABLE}
+    return sorted(k for k in env if k.startswith("HOROVOD_") and k not in honoured)
+
+
+def _setting_texts(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
+    """Each set hpdl variable's text and the variable it was read from (its Horovod alias, or itself)."""
+    texts = {k: (k, v) for k, v in env.items() if k.startswith("HPDL_")}
+    for horovod, hpdl in HOROVOD_ALIASES.items():
+        if horovod in env and hpdl not in texts and (horovod, env[horovod].strip()) not in _HOROVOD_UNSET:
+            texts[hpdl] = (horovod, env[horovod])
+    return texts
 
 
 class SettingsError(ValueError):
@@ -61,6 +98,9 @@ class Settings:
     stall_timeout_s: float = dataclasses.field(
         default=1800.0, metadata={"env": "HPDL_STALL_TIMEOUT"}
     )
+    # How long init() waits for the ranks to meet before this rank gives up (0: no bound of
+    # its own; the backend's rendezvous then waits up to the stall timeout).
+    start_timeout_s: float = dataclasses.field(default=0.0, metadata={"env": "HPDL_START_TIMEOUT"})
     timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
     # Record every collective and step of every rank; rank 0 writes them to this JSON file at
     # shutdown (docs/profile.md).
@@ -95,6 +135,8 @@ class Settings:
             raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
         if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:
             raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
+        if self.start_timeout_s < 0:
+            raise SettingsError(f"HPDL_START_TIMEOUT must be >= 0 seconds, got {self.start_timeout_s}")
         if self.mpi_cuda_aware not in ("auto", "0", "1"):
             raise SettingsError(f"HPDL_MPI_CUDA_AWARE must be auto, 0 or 1, got {self.mpi_cuda_aware!r}")
         if self.engine_nice != "auto" and not (self.engine_nice.isdigit() and 0 <= int(self.engine_nice) <= 19):
@@ -122,11 +164,12 @@ class Settings:
             close = difflib.get_close_matches(unknown[0], fields, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(fields))}"
             raise SettingsError(f"unknown setting {unknown[0]}{hint}")
+        texts = _setting_texts(env)
         values: Dict[str, Any] = {}
         for var, field in fields.items():
-            if var not in env:
+            if var not in texts:
                 continue
-            text = env[var]
+            source, text = texts[var]
             try:
                 if field.type in ("bool", bool):
                     values[field.name] = _parse_bool(text)
@@ -137,7 +180,15 @@ class Settings:
                 else:
                     values[field.name] = text.strip()
             except ValueError as err:
-                raise SettingsError(f"{var}={text!r}: {err}") from None
+                raise SettingsError(f"{source}={text!r}: {err}") from None
+        if _HOROVOD_STALL_CHECK_DISABLE in env and "HPDL_STALL_WARNING" not in texts:
+            try:
+                disabled = _parse_bool(env[_HOROVOD_STALL_CHECK_DISABLE])
+            except ValueError as err:
+                raise SettingsError(f"{_HOROVOD_STALL_CHECK_DISABLE}={env[_HOROVOD_STALL_CHECK_DISABLE]!r}: {err}") \
+                    from None
+            if disabled:
+                values["stall_warning_s"] = values.get("stall_timeout_s", cls.stall_timeout_s)
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in overrides.items():
             if key not in names:

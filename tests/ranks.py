@@ -20,6 +20,21 @@ SCRIPTS = Path(__file__).resolve().parent / "multirank"
 LAYOUTS = [("mpiexec", 1), ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)]
 LAYOUT_IDS = [f"{launcher}-{n}" for launcher, n in LAYOUTS]
 
+# The second MPI family: Open MPI's mpiexec with mpi4py built against it in .venv-openmpi
+# (scripts/setup-openmpi.sh), for a representative subset of the multi-rank tests.
+OPENMPI_VENV = ROOT / ".venv-openmpi"
+OPENMPI_LAYOUTS = [("openmpi", 2), ("openmpi", 3)]
+OPENMPI_LAYOUT_IDS = [f"{launcher}-{n}" for launcher, n in OPENMPI_LAYOUTS]
+
+
+def openmpi_missing() -> Optional[str]:
+    """Why jobs cannot run under Open MPI here, or None when they can."""
+    if shutil.which("mpiexec.openmpi") is None:
+        return "Open MPI is not installed (Debian: apt-get install openmpi-bin libopenmpi-dev)"
+    if not (OPENMPI_VENV / ".hpdl-setup-stamp").exists():
+        return f"{OPENMPI_VENV.name} is not set up (bash scripts/setup-openmpi.sh builds mpi4py against Open MPI)"
+    return None
+
 
 def _descendants(pid: int) -> list:
     """Every process below ``pid`` (launchers may start ranks in sessions of their own)."""
@@ -71,6 +86,10 @@ def launch_argv(launcher: str, n: int, script: Sequence[str]) -> list:
     """The argv that starts ``script`` on ``n`` ranks under ``launcher``."""
     if launcher == "mpiexec":
         return ["mpiexec", "-n", str(n), sys.executable, *script]
+    if launcher == "openmpi":
+        # More ranks than cores need --oversubscribe; root needs --allow-run-as-root.
+        return ["mpiexec.openmpi", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n),
+                str(OPENMPI_VENV / "bin" / "python"), *script]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *script]
     raise ValueError(launcher)
@@ -121,6 +140,8 @@ def run_ranks(
     """Run tests/multirank/``script`` on ``n`` ranks; fail the test on timeout or (if expected) error."""
     if launcher == "mpiexec" and shutil.which("mpiexec") is None:
         pytest.skip("mpiexec not found (pip install 'hpdl[mpi]')")
+    if launcher == "openmpi" and openmpi_missing():
+        pytest.skip(openmpi_missing())
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
     for key in [k for k in full_env if k.startswith("HPDL_") and k not in ("HPDL_VENV", "HPDL_TORCH_SPEC")]:

@@ -572,3 +572,60 @@ def test_sr_unwritable_output_is_named(tmp_path, sr_files, output):
     output = output.format(tmp=tmp_path)
     line = assert_one_line_error(hpdl("sr", "upscale", str(photo), output, "--ckpt", str(ckpt)), f"{output}: ")
     assert ".tmp" not in line
+
+
+# == hpdl run: horovodrun's options ===============================================================
+# In this process (as the bench cases above): each case is a parse, no launcher starts.
+
+_CONFIGS = {
+    "not-yaml": "params: [\n",
+    "a-list": "- params\n",
+    "unknown-section": "parms:\n  cycle_time_ms: 2\n",
+    "unknown-key": "params:\n  cycle_time: 2\n",
+    "bad-type": "params:\n  cycle_time_ms: fast\n",
+    "not-a-section": "timeline: t.json\n",
+}
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("not-yaml", "not YAML"),
+    ("a-list", "expected sections such as 'params:'"),
+    ("unknown-section", "unknown section 'parms'"),
+    ("unknown-key", "unknown key params.cycle_time (known in params: fusion_threshold_mb, cycle_time_ms"),
+    ("bad-type", "params.cycle_time_ms must be a number, got 'fast'"),
+    ("not-a-section", "section timeline must hold keys"),
+    ("missing", "No such file or directory"),
+])
+def test_run_config_file_errors_name_file_and_key(case, fragment, tmp_path, capsys):
+    config = tmp_path / "horovod.yaml"
+    if case != "missing":
+        config.write_text(_CONFIGS[case])
+    before = checksums([tmp_path])
+    assert _exit_code(["run", "-np", "2", "--config-file", str(config), "--dry-run", "--", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hpdl: error: --config-file {config}: ") and err.count("\n") == 1 and fragment in err, err
+    assert checksums([tmp_path]) == before
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--start-timeout", "-1"], "--start-timeout must be >= 0 seconds"),
+    (["--ssh-identity-file", "{tmp}/no-key"], "--ssh-identity-file {tmp}/no-key: no such file"),
+    (["--gloo", "-p", "2222"], "--ssh-port and --ssh-identity-file apply to the ssh that starts remote ranks"),
+    (["--network-interfaces", ","], "--network-interfaces ',': expected names"),
+    (["--gloo", "--backend", "mpi"], "not allowed with argument --gloo"),
+    (["--stall-timeout-s", "5", "--stall-check-shutdown-time-seconds", "6"], "not allowed with argument"),
+])
+def test_run_horovodrun_option_errors_are_one_line(args, fragment, tmp_path, capsys):
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert _exit_code(["run", "-np", "2", *args, "--dry-run", "--", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpdl: error: ") and err.count("\n") == 1 and fragment.format(tmp=tmp_path) in err, err
+
+
+def test_run_output_filename_on_a_file_leaves_it_alone(tmp_path):
+    taken = tmp_path / "results.txt"
+    taken.write_text("an earlier run's results\n")
+    before = checksums([taken])
+    result = hpdl("run", "-np", "2", "--output-filename", str(taken), "--", "python", "-c", "print(1)")
+    assert_one_line_error(result, f"--output-filename {taken}")
+    assert checksums([taken]) == before

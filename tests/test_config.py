@@ -84,3 +84,50 @@ def test_non_finite_numbers_are_rejected_from_variables_and_arguments():
 def test_a_misspelt_variable_is_answered_with_the_name_it_resembles():
     with pytest.raises(SettingsError, match=r"HPDL_FUSION_TRESHOLD \(did you mean HPDL_FUSION_THRESHOLD\?\)"):
         Settings.from_env({"HPDL_FUSION_TRESHOLD": "1"})
+
+
+# -- Horovod's variable names ------------------------------------------------------------------
+
+@pytest.mark.parametrize("horovod,text,field,value", [
+    ("HOROVOD_FUSION_THRESHOLD", "1048576", "fusion_threshold", 1048576),
+    ("HOROVOD_CYCLE_TIME", "3.5", "cycle_time_ms", 3.5),
+    ("HOROVOD_CACHE_CAPACITY", "0", "cache_capacity", 0),
+    ("HOROVOD_TIMELINE", "/tmp/t.json", "timeline", "/tmp/t.json"),
+    ("HOROVOD_TIMELINE_MARK_CYCLES", "1", "timeline_mark_cycles", True),
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1", "hierarchical_allreduce", True),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30", "stall_warning_s", 30.0),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "90", "stall_timeout_s", 90.0),
+    ("HOROVOD_START_TIMEOUT", "30", "start_timeout_s", 30.0),
+])
+def test_horovod_names_are_aliases_and_hpdl_names_win(horovod, text, field, value):
+    from hpdl.config import HOROVOD_ALIASES
+
+    assert getattr(Settings.from_env({horovod: text}), field) == value
+    hpdl_text = "2" if isinstance(value, (int, float)) and not isinstance(value, bool) else "0"
+    if field == "timeline":
+        hpdl_text = "/tmp/hpdl.json"
+    both = Settings.from_env({horovod: text, HOROVOD_ALIASES[horovod]: hpdl_text})
+    assert getattr(both, field) == getattr(Settings.from_env({HOROVOD_ALIASES[horovod]: hpdl_text}), field) != value
+
+
+def test_horovod_stall_switches():
+    assert Settings.from_env({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}).stall_timeout_s == 1800  # Horovod: never
+    off = Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120"})
+    assert off.stall_warning_s == off.stall_timeout_s == 120  # no warning before the timeout ends the job
+    assert Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "0"}).stall_warning_s == 60
+    kept = Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HPDL_STALL_WARNING": "5"})
+    assert kept.stall_warning_s == 5
+
+
+def test_bad_horovod_value_names_the_horovod_variable():
+    with pytest.raises(SettingsError, match="HOROVOD_CYCLE_TIME='fast'"):
+        Settings.from_env({"HOROVOD_CYCLE_TIME": "fast"})
+    with pytest.raises(SettingsError, match="HOROVOD_STALL_CHECK_DISABLE"):
+        Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "perhaps"})
+
+
+def test_other_horovod_variables_are_listed_as_ignored():
+    from hpdl.config import horovod_variables_ignored
+
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "2", "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_X": ""}
+    assert horovod_variables_ignored(env) == ["HOROVOD_AUTOTUNE", "HOROVOD_X"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, run_ranks
+from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -12,7 +12,7 @@ EQUIVALENCE = [
 ]
 BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
-    "broadcast-state", "sparse", "process-set",
+    "broadcast-state", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
 ]
 
 
@@ -21,7 +21,7 @@ def _assert_all_ok(stdout: str, names) -> None:
     assert not missing, f"no OK line for {missing}:\n{stdout}"
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("launcher,n", LAYOUTS + OPENMPI_LAYOUTS, ids=LAYOUT_IDS + OPENMPI_LAYOUT_IDS)
 def test_equivalence_with_one_process(launcher, n):
     # Average and Sum, SGD and Adam, accumulation, 16-bit compression, predivide, groups,
     # unnamed parameters; odd ranks produce gradients in another order.
@@ -29,7 +29,7 @@ def test_equivalence_with_one_process(launcher, n):
     _assert_all_ok(result.stdout, EQUIVALENCE)
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 2)], ids=LAYOUT_IDS + ["openmpi-2"])
 def test_behaviour(launcher, n):
     result = run_ranks("optimizer_behaviour.py", n, launcher, timeout=240)
     _assert_all_ok(result.stdout, BEHAVIOUR)

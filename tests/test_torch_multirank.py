@@ -1,18 +1,34 @@
 """hpdl.torch on several ranks: every function, engine behaviour, and failures that never hang."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, run_plain_ranks, run_ranks
+from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, ROOT, run_plain_ranks, run_ranks
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("launcher,n", LAYOUTS + OPENMPI_LAYOUTS, ids=LAYOUT_IDS + OPENMPI_LAYOUT_IDS)
 def test_every_function_against_reference(launcher, n):
     result = run_ranks("torch_api.py", n, launcher, timeout=240)
     assert "OK torch api" in result.stdout
+
+
+@pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 3)], ids=LAYOUT_IDS + ["openmpi-3"])
+def test_sync_batch_norm_equals_one_process_on_the_whole_batch(launcher, n):
+    result = run_ranks("sync_batch_norm.py", n, launcher, timeout=180)
+    assert f"OK sync batch norm: size={n}" in result.stdout
+
+
+def test_adasum_at_four_ranks():
+    # Two levels of the recursion (the usual layouts stop at one, or refuse three ranks).
+    result = run_ranks("torch_api.py", 4, "mpiexec", args=["adasum"], timeout=120)
+    assert result.stdout.count("OK adasum") == 4, result.stdout
 
 
 @pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
@@ -26,6 +42,32 @@ def test_cache_disabled_takes_the_full_path():
     assert "cache_hits=0" in result.stdout
 
 
+def test_horovod_variables_in_a_job_script():
+    # An alias takes effect; a variable hpdl does not honour gets one warning line, from rank 0.
+    env = {"HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_AUTOTUNE": "1"}
+    result = run_ranks("engine_behaviour.py", 2, "mpiexec", env=env)
+    assert "cache_hits=0" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "HOROVOD_" in line]
+    assert warnings == ["hpdl: warning: HOROVOD_AUTOTUNE is set but not honoured by hpdl; ignoring it"], result.stderr
+
+
+def test_a_rank_whose_peers_never_start_gives_up_after_the_start_timeout():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPDL_")}
+    env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), HOROVOD_START_TIMEOUT="2", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", "import hpdl.torch as hvd; hvd.init(); print('met')"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "hpdl: error: the ranks did not all meet within 2 s of hvd.init() (HPDL_START_TIMEOUT); did every rank start?")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_timeline_from_environment(tmp_path):
     path = tmp_path / "timeline.json"
     run_ranks("engine_behaviour.py", 2, "mpiexec", env={"HPDL_TIMELINE": str(path)})
@@ -35,7 +77,7 @@ def test_timeline_from_environment(tmp_path):
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER"} <= names
 
 
-@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)])
+@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2), ("openmpi", 3)])
 def test_mismatches_raise_on_every_rank(launcher, n):
     result = run_ranks("engine_failures.py", n, launcher, args=["mismatch"], timeout=120)
     out = result.stdout
@@ -65,6 +107,7 @@ def test_killed_rank_makes_the_survivors_raise():
         assert f"RAISED kill rank={rank}" in results[rank].stdout, results[rank].stdout + results[rank].stderr
 
 
-def test_killed_rank_under_mpiexec_ends_the_job():
-    result = run_ranks("engine_failures.py", 3, "mpiexec", args=["kill"], timeout=60, expect_ok=False)
+@pytest.mark.parametrize("launcher", ["mpiexec", "openmpi"])
+def test_killed_rank_under_mpiexec_ends_the_job(launcher):
+    result = run_ranks("engine_failures.py", 3, launcher, args=["kill"], timeout=60, expect_ok=False)
     assert result.returncode != 0

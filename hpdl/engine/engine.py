@@ -31,7 +31,9 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
+
+import torch
 
 from hpdl.comm import CommError, Communicator
 from hpdl.config import Settings
@@ -179,20 +181,9 @@ class Engine:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def process_set_ranks(self, set_id: int) -> Optional[List[int]]:
-        ps = self._sets.get(set_id)
-        return None if ps is None else list(ps.ranks)
-
-    def process_set_comm(self, set_id: int) -> Optional[Communicator]:
-        ps = self._sets.get(set_id)
-        return None if ps is None or ps.controller is None else ps.controller.comm
-
     def process_set_data_comm(self, set_id: int) -> Optional[Communicator]:
         ps = self._sets.get(set_id)
         return None if ps is None else ps.data_comm
-
-    def process_set_ids(self) -> List[int]:
-        return sorted(self._sets)
 
     def stats(self) -> Dict[str, Any]:
         """Counters: cycles, negotiations (fast/full), cache hits/misses, fusion and bytes."""
@@ -228,6 +219,9 @@ class Engine:
 
     def _run(self) -> None:
         cycle_s = self.settings.cycle_time_ms / 1000.0
+        # The engine's copies (fusion buffer in and out) are never part of an autograd graph,
+        # even when the caller's tensors require grad; grad mode is per thread.
+        torch.set_grad_enabled(False)
         if self.thread_nice > 0:
             _lower_priority(self.thread_nice)
         self._started.set()

@@ -12,6 +12,7 @@ import torch
 
 from hpdl.comm import Communicator, ReduceOp, even_split
 from hpdl.engine import events as ev
+from hpdl.engine.adasum import adasum_
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.fusion import FusionBuffers, dtype_of, plan_fusion
 from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
@@ -23,6 +24,7 @@ _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.M
 _VIEW_CACHE_SIZE = 256
 _SCALE_ON_COPY_MAX = 16  # fused batches up to this many tensors scale while copying out
 _AVERAGE = Op.AVERAGE.value
+_ADASUM = Op.ADASUM.value
 _ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
 
 
@@ -105,7 +107,6 @@ class Executor:
         prescale, postscale = first[SIG_SCALES]
         if op_name == _AVERAGE:
             postscale = postscale / comm.size
-        backend_op = _BACKEND_OPS[op_name]
         outputs: List[torch.Tensor] = []
         inputs: List[torch.Tensor] = []
         members: List[Optional[Request]] = []
@@ -126,7 +127,19 @@ class Executor:
         # What observers alone need (the profiler's tensor sizes), built only when observed.
         described = {"sizes": tuple(r.nbytes for r in batch), "dtype": first[SIG_DTYPE],
                      "backend": comm.name} if bus.active else {}
-        if len(batch) == 1:
+        if op_name == _ADASUM:
+            # Adasum combines tensor by tensor where they lie: no fusion buffer.
+            for target, source in zip(outputs, inputs):
+                if target is not source:
+                    target.copy_(source)
+                scale_(target, prescale)
+            with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes,
+                         op=f"{comm.name.upper()}_ADASUM", rank=self.rank, process_set_id=ps, cycle=cycle,
+                         fused=len(batch), **described):
+                adasum_(comm, outputs)
+            for target in outputs:
+                scale_(target, postscale)
+        elif len(batch) == 1:
             # One tensor: reduce it where it lies, no fusion-buffer copies.
             target = outputs[0]
             if target is not inputs[0]:
@@ -134,7 +147,7 @@ class Executor:
             scale_(target, prescale)
             with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=1, **described):
-                comm.allreduce(target, backend_op)
+                comm.allreduce(target, _BACKEND_OPS[op_name])
             scale_(target, postscale)
         else:
             total = sum(r.numel for r in batch)
@@ -149,7 +162,7 @@ class Executor:
             scale_(buffer, prescale)
             with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch), **described):
-                comm.allreduce(buffer, backend_op)
+                comm.allreduce(buffer, _BACKEND_OPS[op_name])
             # Scaling while copying out saves a pass over the buffer (memory bandwidth is what
             # a CPU rank's compute shares with its engine); one call per tensor only pays off
             # for batches of large tensors.

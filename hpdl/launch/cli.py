@@ -9,6 +9,7 @@ several hosts: one torchrun per host, started over the remote shell and waited f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import shlex
@@ -16,12 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List
+from typing import Dict, List, Sequence
 
 from hpdl.cli import CliError
-from hpdl.config import BACKENDS
+from hpdl.config import BACKENDS, Settings
+from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
-from hpdl.launch.detect import detect_launchers
+from hpdl.launch.detect import OPENMPI, LauncherInfo, detect_launchers
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
 _RUN_DESCRIPTION = """\
@@ -50,7 +52,12 @@ PATH (an environment used without activating it, as from cron or an IDE), the ra
 first on their PATH, so `python` in COMMAND is this Python; --dry-run shows that PATH.
 
 Settings options become HPDL_* environment variables on every rank; HPDL_* variables already
-set are passed on too, and all are checked before anything starts."""
+set are passed on too, and all are checked before anything starts.
+
+horovodrun's spellings work too: -hostfile, --gloo/--mpi, --timeline-filename,
+--stall-check-warning-time-seconds, --stall-check-shutdown-time-seconds (0: keep hpdl's
+timeout), and its --config-file (YAML sections params, timeline, stall_check; the command
+line wins). Its Open MPI options --allow-run-as-root --tag-output are passed as it does."""
 
 _RUN_EPILOG = """\
 examples:
@@ -99,11 +106,16 @@ def register(subparsers) -> None:
         "host (default: HPDL_RSH, which `hpdl emulate` sets, else ssh)",
     )
     how = run.add_argument_group("launcher")
-    how.add_argument(
+    backend = how.add_mutually_exclusive_group()
+    backend.add_argument(
         "--backend", choices=BACKENDS, default=None,
         help="collective backend of the ranks (HPDL_BACKEND); gloo/nccl/torch start through "
         "torchrun on one host (default: HPDL_BACKEND if set, else auto)",
     )
+    backend.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
+                         help="horovodrun's spelling of --backend gloo")
+    backend.add_argument("--mpi", dest="backend", action="store_const", const="mpi",
+                         help="horovodrun's spelling of --backend mpi")
     how.add_argument(
         "--launcher", choices=LAUNCHERS, default="auto",
         help="force the launcher instead of choosing one as described above (default: auto)",
@@ -118,8 +130,28 @@ def register(subparsers) -> None:
         "--dry-run", action="store_true",
         help="print the command (with the variables it sets) instead of running it",
     )
+    how.add_argument("--verbose", action="store_true",
+                     help="print the command (with the variables it sets) to stderr, then run it")
+    how.add_argument("--config-file", metavar="FILE",
+                     help="horovodrun's YAML config file: sections params (fusion_threshold_mb, cycle_time_ms, "
+                          "cache_capacity, hierarchical_allreduce), timeline (filename, mark_cycles), stall_check "
+                          "(enabled, warning_time_seconds, shutdown_time_seconds); options given here win")
+    how.add_argument("--output-filename", metavar="DIR",
+                     help="write each rank's output to DIR/rank.<rank>/stdout and stderr instead of the terminal")
+    how.add_argument("--start-timeout", type=float, metavar="S",
+                     help="a rank whose hvd.init() has not met every other rank within S seconds exits with an "
+                          "error (HPDL_START_TIMEOUT)")
+    remote = run.add_argument_group("remote hosts")
+    remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                        help="port of the ssh that starts remote ranks (mpiexec's, or the one that starts "
+                             "torchrun on each host)")
+    remote.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                        help="identity (private key) file of that ssh")
+    remote.add_argument("--network-interfaces", metavar="IF[,IF...]",
+                        help="network interfaces for the ranks' traffic, e.g. eth0,ib0 (gloo, NCCL, and the "
+                             "MPI's TCP transport)")
     knobs = run.add_argument_group("settings passed to every rank")
-    knobs.add_argument("--timeline", metavar="FILE",
+    knobs.add_argument("--timeline", "--timeline-filename", metavar="FILE",
                        help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute)")
     knobs.add_argument("--profile", metavar="FILE",
                        help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
@@ -130,11 +162,16 @@ def register(subparsers) -> None:
                        help="engine cycle time in milliseconds (HPDL_CYCLE_TIME)")
     knobs.add_argument("--cache-capacity", type=int, metavar="N",
                        help="entries of the negotiation response cache (HPDL_CACHE_CAPACITY; 0 disables)")
-    knobs.add_argument("--stall-warning-s", type=float, metavar="S",
+    knobs.add_argument("--stall-warning-s", "--stall-check-warning-time-seconds", type=float, metavar="S",
                        help="warn when a collective waits for some ranks longer than S seconds (HPDL_STALL_WARNING)")
-    knobs.add_argument("--stall-timeout-s", type=float, metavar="S",
-                       help="abort the job when a collective stalls longer than S seconds (HPDL_STALL_TIMEOUT)")
-    knobs.add_argument("--hierarchical-allreduce", action="store_true",
+    stall_timeout = knobs.add_mutually_exclusive_group()
+    stall_timeout.add_argument("--stall-timeout-s", type=float, metavar="S",
+                               help="abort the job when a collective stalls longer than S seconds "
+                                    "(HPDL_STALL_TIMEOUT)")
+    stall_timeout.add_argument("--stall-check-shutdown-time-seconds", dest="stall_shutdown_s", type=float,
+                               metavar="S", help="horovodrun's spelling of --stall-timeout-s, where 0 (never) "
+                                                 "keeps hpdl's timeout")
+    knobs.add_argument("--hierarchical-allreduce", action="store_true", default=None,
                        help="allreduce within each node, then across nodes (HPDL_HIERARCHICAL_ALLREDUCE=1)")
     run.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -162,6 +199,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         mpi_args = tuple(shlex.split(args.mpi_args))
     except ValueError as err:
         raise LaunchError(f"--mpi-args {args.mpi_args!r}: {err}") from None
+    if args.stall_shutdown_s:
+        args.stall_timeout_s = args.stall_shutdown_s
     if args.hosts is not None:
         host_list = parse_hosts(args.hosts)
     elif args.hostfile or os.environ.get("HPDL_HOSTFILE"):
@@ -182,23 +221,65 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         cache_capacity=args.cache_capacity,
         stall_warning_s=args.stall_warning_s,
         stall_timeout_s=args.stall_timeout_s,
-        hierarchical_allreduce=args.hierarchical_allreduce,
+        hierarchical_allreduce=bool(args.hierarchical_allreduce),
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
     )
 
 
+def apply_config_file(args: argparse.Namespace) -> Dict[str, str]:
+    """Fill the options not given on the command line from ``--config-file``.
+
+    Returns:
+        the settings the file gives that have no option of their own, as ``HPDL_*`` variables.
+    """
+    if not args.config_file:
+        return {}
+    values, ignored = horovodrun.read_config_file(args.config_file)
+    for key in ignored:
+        sys.stderr.write(f"hpdl run: warning: {args.config_file}: {key} is not honoured by hpdl; ignoring it\n")
+    extra = {}
+    if values.pop("timeline_mark_cycles", False):
+        extra["HPDL_TIMELINE_MARK_CYCLES"] = "1"
+    stall_check = values.pop("stall_check", True)
+    if values.get("stall_timeout_s") == 0:
+        del values["stall_timeout_s"]  # horovodrun's 0: never; hpdl keeps its timeout
+    for option, value in values.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
+    if not stall_check and args.stall_warning_s is None:
+        # The warning then comes no earlier than the timeout ends the job.
+        args.stall_warning_s = args.stall_timeout_s or args.stall_shutdown_s or Settings.stall_timeout_s
+    return extra
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Handle `hpdl run`: build the launcher command, then print it or exec it."""
     try:
+        start_env = dict(os.environ)
+        start_env.update(apply_config_file(args))
+        start_env.update(horovodrun.interface_env(args.network_interfaces))
+        if args.start_timeout is not None:
+            if not args.start_timeout >= 0:
+                raise LaunchError(f"--start-timeout must be >= 0 seconds, got {args.start_timeout:g}")
+            start_env["HPDL_START_TIMEOUT"] = str(args.start_timeout)
         options = options_from_args(args)
-        commands, env = build_run(options, os.environ,
-                                  detect_launchers(os.environ, probe_srun=options.launcher == "srun"))
+        if args.output_filename:
+            options = dataclasses.replace(options, command=tuple(
+                horovodrun.output_wrapper(args.output_filename, options.command)))
+        info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
+        commands, env = build_run(options, start_env, info)
+        commands, remote = horovodrun.remote_options(info, commands, args.ssh_port, args.ssh_identity_file,
+                                                     args.network_interfaces)
     except LaunchError as err:
         raise CliError(str(err)) from None
-    if args.dry_run:
+    env.update(remote)
+    forward = list(horovodrun.INTERFACE_VARIABLES) if args.network_interfaces else []
+    commands = [with_openmpi_defaults(argv, info, forward) for argv in commands]
+    if args.dry_run or args.verbose:
         for argv in commands:
-            print(format_command(argv, env, os.environ), flush=True)
+            print(format_command(argv, env, os.environ), file=sys.stdout if args.dry_run else sys.stderr, flush=True)
+    if args.dry_run:
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
@@ -210,6 +291,25 @@ def run_command(args: argparse.Namespace) -> int:
     except OSError as err:
         raise CliError(f"cannot start {argv[0]}: {err.strerror or err}") from None
     return 1  # pragma: no cover - execvpe does not return
+
+
+# What horovodrun passes to Open MPI's mpiexec: containers commonly run as root, which Open MPI
+# refuses without the first; the second prefixes each output line with the rank it came from.
+OPENMPI_DEFAULTS = ("--allow-run-as-root", "--tag-output")
+
+
+def with_openmpi_defaults(argv: Sequence[str], info: LauncherInfo, forward: Sequence[str] = ()) -> List[str]:
+    """Return ``argv`` with horovodrun's Open MPI options added when it starts Open MPI's mpiexec.
+
+    Args:
+        forward: variables for Open MPI to pass on to every rank (it passes none by default).
+    """
+    if info.mpi_flavour != OPENMPI or not argv or argv[0] != info.mpiexec:
+        return list(argv)
+    extra = [flag for flag in OPENMPI_DEFAULTS if flag not in argv]
+    for name in forward:
+        extra += ["-x", name]
+    return [argv[0], *extra, *argv[1:]]
 
 
 def _run_on_every_host(commands: List[List[str]], env: dict) -> int:

@@ -4,6 +4,7 @@ Names and semantics follow Horovod 0.28's ``horovod.torch``; see docs/api.md for
 """
 
 from hpdl.engine import HorovodInternalError
+from hpdl.torch import process_sets as _process_sets, runtime as _runtime
 from hpdl.torch.compression import Compression, Compressor
 from hpdl.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from hpdl.torch.mpi_ops import (
@@ -19,11 +20,10 @@ from hpdl.torch.runtime import (
     is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
     profile_step, rank, rocm_built, shutdown, size, start_profile, start_timeline, stop_profile, stop_timeline,
 )
+from hpdl.torch.optimizer import DistributedOptimizer
+from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
-try:  # DistributedOptimizer lands with the training issue; the collectives stand alone.
-    from hpdl.torch.optimizer import DistributedOptimizer
-except ImportError:  # pragma: no cover
-    pass
+_process_sets._setup(_runtime)  # process sets ask the runtime for rank, size and the engine
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
@@ -37,5 +37,6 @@ __all__ = [
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
     "profile_step", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "sparse_allreduce_async", "start_profile", "start_timeline", "stop_profile", "stop_timeline", "synchronize",
+    "sparse_allreduce_async", "start_profile", "start_timeline", "stop_profile", "stop_timeline", "SyncBatchNorm",
+    "synchronize",
 ]

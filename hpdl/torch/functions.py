@@ -80,6 +80,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
             for p in group["params"]:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
+                    if isinstance(optimizer, torch.optim.SparseAdam):  # it refuses dense gradients
+                        p.grad = p.grad.to_sparse()
         local_step = getattr(optimizer, "_local_step", None)  # DistributedOptimizer: skip the allreduce
         (local_step or optimizer.step)()
         state_dict = optimizer.state_dict()

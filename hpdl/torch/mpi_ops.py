@@ -53,9 +53,20 @@ def _resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:
         op = Average if average is None or average else Sum
     if not isinstance(op, Op):
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
-    if op == Adasum:
-        raise NotImplementedError("the Adasum reduction is not supported by hpdl yet")
     return op
+
+
+def check_adasum_ranks(process_set: ProcessSet) -> None:
+    """Refuse Adasum among a number of ranks that is not a power of two, as Horovod does."""
+    members = process_set.size()
+    if members & (members - 1):
+        raise NotImplementedError(f"Adasum needs a power-of-two number of ranks; the process set has {members}")
+
+
+def _check_adasum(tensor: torch.Tensor, process_set: ProcessSet) -> None:
+    check_adasum_ranks(process_set)
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"Adasum reduces floating-point tensors only, got {tensor.dtype}")
 
 
 def _submit(request: Request) -> Handle:
@@ -116,6 +127,8 @@ def synchronize(handle: AsyncHandle) -> Any:
 # -- allreduce ---------------------------------------------------------------------------------
 
 def _allreduce_request(tensor, output, name, op, prescale, postscale, process_set, group=None) -> Request:
+    if op is Adasum:
+        _check_adasum(tensor, process_set)
     return Request(RequestKind.ALLREDUCE, name, tensor=tensor, output=output, op=op, prescale=float(prescale),
                    postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
 
@@ -141,6 +154,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     work = tensor.detach() if tensor.requires_grad else tensor
     if name is None:
         name = _name("allreduce", None)
+    if op is Adasum:
+        _check_adasum(work, process_set)
     if work.is_contiguous():
         request = Request(RequestKind.ALLREDUCE, name, work, work, op, prescale_factor, postscale_factor, 0, None,
                           _set_id(process_set))
@@ -258,7 +273,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Optional[Op] = N
     def result() -> torch.Tensor:
         all_indices, all_values = synchronize(indices), synchronize(values)
         if op == Average:
-            all_values = all_values / (process_set.size() or runtime.size())
+            all_values = all_values / process_set.size()
         return torch.sparse_coo_tensor(all_indices.t(), all_values, sparse.shape).coalesce()
 
     return result
@@ -280,19 +295,27 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
     return AsyncHandle([handle], _first)
 
 
+def _allgather_grads(grads: Sequence[torch.Tensor], shapes: List[torch.Size],
+                     process_set: ProcessSet) -> List[torch.Tensor]:
+    """The gradients of allgathered tensors: as Horovod, each output gradient averaged over
+    the ranks, of which every rank keeps the rows its own input contributed."""
+    reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Average,
+                                                  process_set=process_set))
+    rows = [shape[0] if len(shape) else 1 for shape in shapes]
+    dims = synchronize(allgather_async(torch.tensor([rows]), process_set=process_set))
+    offsets = dims[: process_set.rank()].sum(0).tolist()
+    return [r.narrow(0, int(offset), n).reshape(shape) for r, offset, n, shape in zip(reduced, offsets, rows, shapes)]
+
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        ctx.dim, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
+        ctx.shape, ctx.process_set = tensor.shape, process_set
         return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        # As Horovod: average the gradient over ranks, keep this rank's rows.
-        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set))
-        dims = synchronize(allgather_async(torch.tensor([ctx.dim]), process_set=ctx.process_set))
-        offset = int(dims[: ctx.process_set.rank()].sum())
-        return reduced.narrow(0, offset, ctx.dim), None, None
+        return _allgather_grads([grad], [ctx.shape], ctx.process_set)[0], None, None
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
@@ -311,10 +334,21 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
     return AsyncHandle(handles, lambda results: list(results))
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.shapes, ctx.process_set = [t.shape for t in tensors], process_set
+        return tuple(synchronize(grouped_allgather_async(tensors, name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_allgather_grads(grads, ctx.shapes, ctx.process_set))
+
+
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
-    """Allgather a list of tensors as one unit."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather a list of tensors as one unit; differentiable."""
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # -- broadcast ---------------------------------------------------------------------------------
@@ -381,7 +415,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Union[None, Sequence[int], torc
     tensor = _contiguous(tensor, "alltoall")
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension")
-    members = process_set.size() if process_set.process_set_id else runtime.size()
+    members = process_set.size()
     if splits is None:
         if tensor.shape[0] % members:
             raise ValueError(f"alltoall without splits needs dim 0 ({tensor.shape[0]}) divisible by the "
@@ -430,28 +464,41 @@ def _reducescatter_request(tensor, name, op, prescale, postscale, process_set, g
                    postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
 
 
+def _resolve_scatter_op(op: Optional[Op]) -> Op:
+    op = _resolve_op(None, op)
+    if op is Adasum:
+        raise ValueError("reducescatter does not support the Adasum reduction")
+    return op
+
+
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Op = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start reducing ``tensor`` across ranks, each rank keeping its block of rows."""
-    op = _resolve_op(None, op)
+    op = _resolve_scatter_op(op)
     request = _reducescatter_request(tensor, _name("reducescatter", name), op, prescale_factor, postscale_factor,
                                      process_set)
     return AsyncHandle([_submit(request)], _first)
 
 
+def _reducescatter_grads(ctx, grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Horovod's gradient of reducescatter: the allgather of the output gradients, times the
+    set's size for Sum (not for Average) and times the prescale and postscale factors."""
+    op, prescale, postscale, process_set = ctx.args
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], process_set=process_set))
+    factor = prescale * postscale * (process_set.size() if op == Sum else 1)
+    return [g * factor for g in gathered] if factor != 1 else gathered
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale, process_set):
-        ctx.op, ctx.process_set = op, process_set
+        ctx.args = (op, prescale, postscale, process_set)
         return synchronize(reducescatter_async(tensor, name, op, prescale, postscale, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set))
-        if ctx.op == Average:
-            gathered = gathered / (ctx.process_set.size() if ctx.process_set.process_set_id else runtime.size())
-        return gathered, None, None, None, None, None
+        return _reducescatter_grads(ctx, [grad])[0], None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
@@ -467,7 +514,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start reduce-scattering a list of tensors as one unit."""
-    op = _resolve_op(None, op)
+    op = _resolve_scatter_op(op)
     base = _name("grouped_reducescatter", name)
     tensors = list(tensors)
     handles = [_submit(_reducescatter_request(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
@@ -478,11 +525,22 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression=Compression.none, op: Op = Average, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
-    """Reduce-scatter a list of tensors as one unit."""
+    """Reduce-scatter a list of tensors as one unit; differentiable."""
     packed = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([t for t, _ in packed], name, op, prescale_factor,
-                                                   postscale_factor, process_set))
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                       *[t for t, _ in packed])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(outs, packed)]
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, prescale, postscale, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None, None, *_reducescatter_grads(ctx, grads))
 
 
 # -- join and barrier --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from hpdl.engine import Op
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.compression import Compression
-from hpdl.torch.mpi_ops import Adasum, Average, AsyncHandle
+from hpdl.torch.mpi_ops import Adasum, Average
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer"]
@@ -64,7 +64,9 @@ class _DistributedOptimizerMixin:
     def _setup(self, names: Dict[torch.Tensor, str], compression, backward_passes_per_step: int, op: Op,
                gradient_predivide_factor: float, groups: Union[None, int, List[List[torch.Tensor]]],
                sparse_as_dense: bool, process_set: ProcessSet) -> None:
-        self._names = names
+        # Horovod's map, which scripts read: model names, or allreduce.noname.<group>.<index>.
+        self._parameter_names = names
+        self._names = {p: f"allreduce.{name}" for p, name in names.items()}  # the collectives' names
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -143,7 +145,8 @@ class _DistributedOptimizerMixin:
         index = len(self.param_groups) - 1
         for j, p in enumerate(self.param_groups[-1]["params"]):
             if p not in self._names:
-                self._names[p] = f"allreduce.noname.{index}.{j}"
+                self._parameter_names[p] = name = f"allreduce.noname.{index}.{j}"
+                self._names[p] = f"allreduce.{name}"
             if self._included and p.requires_grad and p not in self._delay:
                 self._track(p)
 
@@ -319,15 +322,15 @@ class _DistributedOptimizerMixin:
 
 
 @functools.lru_cache(maxsize=None)
-def _distributed_class(base: type) -> type:
-    """The DistributedOptimizer subclass of ``base``, made once per optimizer class."""
-    return type(f"Distributed{base.__name__}", (_DistributedOptimizerMixin, base),
-                {"__module__": __name__, "__doc__": f"{base.__name__}, with gradients reduced across ranks."})
+def _distributed_class(base: type, mixin: type) -> type:
+    """The DistributedOptimizer subclass of ``base`` with ``mixin``, made once per pair."""
+    return type(f"Distributed{base.__name__}", (mixin, base),
+                {"__module__": __name__, "__doc__": f"{base.__name__}, distributed across ranks."})
 
 
 def _named(optimizer: torch.optim.Optimizer,
            named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]) -> Dict[torch.Tensor, str]:
-    """Map every parameter of ``optimizer`` to its allreduce name; raise ValueError on bad names."""
+    """Map every parameter of ``optimizer`` to its name, as Horovod; raise ValueError on bad names."""
     if named_parameters is None:
         return {p: f"allreduce.noname.{i}.{j}"
                 for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])}
@@ -343,7 +346,7 @@ def _named(optimizer: torch.optim.Optimizer,
     if duplicates:
         raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
                          + ", ".join(map(str, duplicates)))
-    names = {p: f"allreduce.{name}" for name, p in named}
+    names = {p: name for name, p in named}
     unnamed = [p for group in optimizer.param_groups for p in group["params"] if p not in names]
     if unnamed:
         raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
@@ -390,7 +393,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (default: names from the position in ``param_groups``, which must then agree).
         compression: ``Compression.none``, ``.fp16`` or ``.bf16`` for the allreduce.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (which, as Horovod, combines the
+            updates of each rank's own optimizer step instead of the gradients).
         gradient_predivide_factor: with Average, scale by 1/f before the sum and f/size after.
         num_groups: deprecated spelling of an integer ``groups``.
         groups: an integer number of fusion groups, or lists of parameters reduced together.
@@ -403,8 +407,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(op, Op):
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average or hvd.Sum")
-    if op == Adasum:
-        raise NotImplementedError("the Adasum reduction is not supported by hpdl yet")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise ValueError(f"compression must provide compress() and decompress(), got {compression!r}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
@@ -424,11 +426,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     _check_groups(optimizer, groups)
     names = _named(optimizer, named_parameters)
 
-    cls = _distributed_class(type(optimizer))
+    mixin = _DistributedOptimizerMixin
+    if op == Adasum and process_set.size() > 1:
+        if process_set is not global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        mpi_ops.check_adasum_ranks(process_set)
+        from hpdl.torch.adasum import DistributedAdasumMixin  # it builds on this module
+
+        mixin, groups, sparse_as_dense = DistributedAdasumMixin, None, False  # as Horovod: ignored with Adasum
+    cls = _distributed_class(type(optimizer), mixin)
     distributed = cls.__new__(cls)
     # Share the wrapped optimizer's attributes (param_groups, state, defaults, hooks), but not
     # instance-level overrides of our methods, e.g. an LR scheduler's wrapper around step.
-    own = set(dir(_DistributedOptimizerMixin))
+    own = set(dir(mixin))
     distributed.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in own})
     distributed._setup(names, compression, backward_passes_per_step, op, float(gradient_predivide_factor),
                        groups, bool(sparse_as_dense), process_set)

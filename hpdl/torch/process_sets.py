@@ -3,13 +3,26 @@
 A :class:`ProcessSet` names its ranks; it gets an id when registered (``init(process_sets=)``
 or :func:`add_process_set`, which every rank must call in the same order). The set of all
 ranks is :data:`global_process_set` (id 0).
+
+This module asks the runtime for the job's rank and size and for its engine; hpdl.torch
+hands the runtime over with :func:`_setup` (as Horovod's ``_setup(basics)``), so the two
+modules do not import each other.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, List, Optional, Sequence, Union
 
 from hpdl.engine import Request, RequestKind
+
+_runtime: Optional[ModuleType] = None  # hpdl.torch.runtime, once hpdl.torch has called _setup
+
+
+def _setup(runtime: ModuleType) -> None:
+    """Give this module the runtime it asks for rank, size and the engine."""
+    global _runtime
+    _runtime = runtime
 
 
 class ProcessSet:
@@ -42,9 +55,7 @@ class ProcessSet:
 
     def rank(self) -> Optional[int]:
         """This process's rank within the set, or None when it is not a member."""
-        from hpdl.torch.runtime import rank
-
-        r = rank()
+        r = _runtime.rank()
         return self.ranks.index(r) if self.ranks is not None and r in self.ranks else None
 
     def included(self) -> bool:
@@ -70,9 +81,7 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> List[int]:  # type: ignore[override]
-        from hpdl.torch.runtime import is_initialized, size
-
-        return list(range(size())) if is_initialized() else []
+        return list(range(_runtime.size())) if _runtime.is_initialized() else []
 
     @ranks.setter
     def ranks(self, value) -> None:
@@ -88,9 +97,8 @@ _registered: List[ProcessSet] = []
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set on every rank (collective: all ranks call it in the same order)."""
-    from hpdl.torch.runtime import _require, size
-
-    engine = _require().engine
+    engine = _runtime._require().engine
+    size = _runtime.size
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is already registered")
@@ -108,11 +116,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (collective); return whether it was registered."""
-    from hpdl.torch.runtime import _require
-
     if process_set.process_set_id in (None, 0) or process_set not in _registered:
         return False
-    engine = _require().engine
+    engine = _runtime._require().engine
     set_id = process_set.process_set_id
     engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{set_id}", root=set_id)).wait()
     _registered.remove(process_set)
@@ -120,7 +126,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def _reset_process_sets() -> None:
+def _reset() -> None:
+    """Forget every registered set (at shutdown)."""
     for ps in _registered:
         ps._invalidate()
     _registered.clear()

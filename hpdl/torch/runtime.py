@@ -7,20 +7,23 @@ communicator and the engine); ``shutdown()`` releases it so that ``init()`` can 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
 from hpdl.comm.topology import WorldSizeError, check_world_size
-from hpdl.comm.mpi import MPI, mpi_available, mpi_cuda_aware
-from hpdl.config import Settings
+from hpdl.comm.mpi import MPI, mpi_available
+from hpdl.config import Settings, horovod_variables_ignored
 from hpdl.engine import Engine, abort
 from hpdl.engine import events as ev
+from hpdl.torch import process_sets as _process_sets
 
 log = logging.getLogger("hpdl")
 
@@ -68,7 +71,8 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         if comm is not None and not isinstance(comm, (list, tuple, range)):
             mpi_comm = comm  # an mpi4py communicator
         # The launcher's world is checked against the size it announced; a user's comm is not it.
-        world = _connect(settings, topology, mpi_comm, check_size=mpi_comm is None)
+        with _ranks_meet_within(settings.start_timeout_s):
+            world = _connect(settings, topology, mpi_comm, check_size=mpi_comm is None)
         if isinstance(comm, (list, tuple, range)):
             sub = world.split(list(comm))
             if sub is None:
@@ -89,18 +93,43 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
                                             torch.cuda.is_available())
         engine = Engine(settings, world, data_comm, thread_nice=nice)
         _state = _State(settings, topology, world, engine, homogeneous)
+        if topology.rank == 0:
+            for name in horovod_variables_ignored():
+                sys.stderr.write(f"hpdl: warning: {name} is set but not honoured by hpdl; ignoring it\n")
         if settings.timeline:
             engine.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
     if process_sets not in (None, "dynamic"):
-        from hpdl.torch.process_sets import add_process_set
-
         for ps in process_sets:
-            add_process_set(ps)
+            _process_sets.add_process_set(ps)
     if settings.profile:
         start_profile(settings.profile)
+
+
+@contextlib.contextmanager
+def _ranks_meet_within(seconds: float) -> Iterator[None]:
+    """End this process with one clear line if the block (the ranks' rendezvous) outlasts ``seconds``."""
+    if seconds <= 0:
+        yield
+        return
+    # A rendezvous waiting for a rank that never started blocks in C code, out of reach of an
+    # exception: the timer ends the process instead.
+    timer = threading.Timer(seconds, _start_timed_out, args=(seconds,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _start_timed_out(seconds: float) -> None:
+    sys.stderr.write(f"hpdl: error: the ranks did not all meet within {seconds:g} s of hvd.init() "
+                     "(HPDL_START_TIMEOUT); did every rank start?\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _connect(settings: Settings, topology: Topology, mpi_comm: Any = None, check_size: bool = True) -> Communicator:
@@ -169,9 +198,7 @@ def shutdown() -> None:
     if data_comm is not state.comm:
         data_comm.close()
     state.comm.close()
-    from hpdl.torch.process_sets import _reset_process_sets
-
-    _reset_process_sets()
+    _process_sets._reset()
 
 
 def _run_shutdown_hooks() -> None:
@@ -296,10 +323,6 @@ def ccl_built() -> bool:
     return False
 
 
-def mpi_cuda_aware_enabled() -> bool:
-    return mpi_cuda_aware()
-
-
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Write engine events of rank 0 to ``file_path`` as a Chrome trace until stop_timeline()."""
     _require().engine.start_timeline(file_path, mark_cycles)
@@ -335,10 +358,3 @@ def profile_step() -> None:
     state = _state
     if state is not None:
         ev.mark_step(state.engine.bus, state.topology.rank)
-
-
-def ranks_of(process_set_id: int) -> List[int]:
-    ranks = _require().engine.process_set_ranks(process_set_id)
-    if ranks is None:
-        raise ValueError(f"process set {process_set_id} does not exist")
-    return ranks

@@ -38,6 +38,22 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
         raise AssertionError(f"{what}: values differ\n got {actual.flatten()[:8]}\n exp {expected.flatten()[:8]}")
 
 
+def adasum_pair(a, b):
+    """Horovod's pairwise Adasum, evaluated directly in float64."""
+    dot, a_normsq, b_normsq = a.dot(b), a.dot(a), b.dot(b)
+    a_coeff = 1 - dot / a_normsq / 2 if a_normsq >= 1e-8 else 1.0
+    b_coeff = 1 - dot / b_normsq / 2 if b_normsq >= 1e-8 else 1.0
+    return a_coeff * a + b_coeff * b
+
+
+def adasum_reference(vectors):
+    """The recursion on whole vectors: pairs at distance 1, then 2, 4, ... (rank order)."""
+    vectors = [v.double().flatten() for v in vectors]
+    while len(vectors) > 1:
+        vectors = [adasum_pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
 def run_main(main) -> None:
     """Run ``main()``; on any exception print it and exit 1 at once, so no rank is left waiting."""
     import faulthandler

@@ -10,7 +10,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-from _common import ALL_DTYPES, assert_equal, rank_tensor, run_main
+from _common import ALL_DTYPES, adasum_reference, assert_equal, rank_tensor, run_main
 
 import hpdl.torch as hvd
 from hpdl.torch import runtime
@@ -72,12 +72,45 @@ def check_allreduce(rank, size):
         assert_equal(out, torch.full((i + 1,), float(sum(range(size)))), "grouped")
     hvd.grouped_allreduce_(tensors, op=hvd.Max)
     assert_equal(tensors[2], torch.full((3,), float(size - 1)), "grouped in place")
-    # Adasum is declared but not supported yet
+    check_adasum(rank, size)
+
+
+def check_adasum(rank, size):
+    if size & (size - 1):
+        for call in (lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum),
+                     lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1),
+                                                      op=hvd.Adasum)):
+            try:
+                call()
+                raise AssertionError("Adasum on a number of ranks that is no power of two should raise")
+            except NotImplementedError as err:
+                assert f"has {size}" in str(err) or "power" in str(err), err
+        return
+    for numel, dtype in [(1, torch.float64), (7, torch.float64), (33, torch.float32), (1000, torch.float64),
+                         (9, torch.float16)]:
+        vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(7 * r + numel), dtype=torch.float64)
+                   for r in range(size)]
+        vectors[-1][: numel // 2] = 0  # a partly zero vector, and in the 1-element case a zero one
+        expected = adasum_reference(vectors).to(dtype)
+        tol = {torch.float16: 1e-2, torch.float32: 1e-5}.get(dtype, 1e-12)
+        out = hvd.allreduce(vectors[rank].to(dtype), op=hvd.Adasum)
+        assert torch.allclose(out.double(), expected.double(), rtol=tol, atol=tol), (numel, dtype, out, expected)
+        inplace = vectors[rank].to(dtype).clone().reshape(1, -1)
+        hvd.allreduce_(inplace, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.25)
+        # Adasum is homogeneous of degree one: scaling every input scales the result.
+        assert torch.allclose(inplace.double().flatten(), expected.double() * 0.5, rtol=tol, atol=tol), (numel, dtype)
+    # A group: each tensor gets its own coefficients.
+    pieces = [[torch.randn(n, generator=torch.Generator().manual_seed(31 * r + n), dtype=torch.float64)
+               for n in (5, 1, 12)] for r in range(size)]
+    outs = hvd.grouped_allreduce(pieces[rank], op=hvd.Adasum)
+    for i, out in enumerate(outs):
+        expected = adasum_reference([pieces[r][i] for r in range(size)])
+        assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12), (i, out, expected)
     try:
-        hvd.allreduce(x, op=hvd.Adasum)
-        raise AssertionError("Adasum should raise")
-    except NotImplementedError:
-        pass
+        hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
+        raise AssertionError("Adasum of integers should raise")
+    except ValueError as err:
+        assert "floating-point" in str(err), err
 
 
 def check_autograd(rank, size):
@@ -98,9 +131,66 @@ def check_autograd(rank, size):
     out = hvd.alltoall(x)
     (out * (rank + 1)).sum().backward()
     assert_equal(x.grad, torch.tensor([float(d + 1) for d in range(size) for _ in range(2)]), "alltoall gradient")
-    x = torch.ones(2 * size, 2, requires_grad=True)
-    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
-    assert_equal(x.grad, torch.ones(2 * size, 2), "reducescatter gradient")
+    check_reducescatter_gradient(rank, size)
+    check_grouped_autograd(rank, size)
+
+
+def check_reducescatter_gradient(rank, size):
+    # Horovod's convention: allgather of the output gradient, times size for Sum (no division
+    # for Average), times the scale factors.
+    for op, prescale, postscale, factor in [(hvd.Sum, 1.0, 1.0, size), (hvd.Average, 1.0, 1.0, 1.0),
+                                            (hvd.Sum, 2.0, 0.25, size * 0.5), (hvd.Average, 3.0, 1.0, 3.0)]:
+        x = torch.ones(2 * size, 2, requires_grad=True)
+        out = hvd.reducescatter(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+        (out * (rank + 1)).sum().backward()
+        weights = torch.tensor([float(r + 1) for r in range(size) for _ in range(2)]).unsqueeze(1).expand(2 * size, 2)
+        assert_equal(x.grad, weights * factor, f"reducescatter gradient {op} {prescale} {postscale}")
+
+
+def check_grouped_autograd(rank, size):
+    a = torch.full((3,), float(rank + 1), requires_grad=True)
+    b = torch.full((2, 2), float(rank), requires_grad=True)
+    outs = hvd.grouped_allreduce([a, b], op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5)
+    total = float(sum(range(1, size + 1)))
+    assert_equal(outs[0].detach(), torch.full((3,), 1.5 * total), "grouped allreduce with grad")
+    (outs[0].sum() * 2 + outs[1].sum()).backward()
+    # The backward is the grouped allreduce of the output gradients, same op and scales.
+    assert_equal(a.grad, torch.full((3,), 2 * 1.5 * size), "grouped allreduce gradient")
+    assert_equal(b.grad, torch.full((2, 2), 1.5 * size), "grouped allreduce gradient, second tensor")
+    c = torch.full((2,), float(rank), requires_grad=True)
+    outs = hvd.grouped_allreduce([c, c * 2])  # Average, and a non-leaf input
+    (outs[0].sum() + outs[1].sum()).backward()
+    assert_equal(c.grad, torch.full((2,), 3.0), "grouped average gradient")
+    # The in-place and async forms accept tensors that require grad.
+    d = torch.full((4,), float(rank), requires_grad=True)
+    e = torch.full((4,), 1.0, requires_grad=True)
+    hvd.grouped_allreduce_([d, e], op=hvd.Sum)
+    assert_equal(d.detach(), torch.full((4,), float(sum(range(size)))), "grouped_allreduce_ with grad")
+    outs = hvd.synchronize(hvd.grouped_allreduce_async([d, e], op=hvd.Sum))
+    assert_equal(outs[1], torch.full((4,), float(size * size)), "grouped_allreduce_async with grad")
+    hvd.synchronize(hvd.grouped_allreduce_async_([d, e], op=hvd.Max))
+    assert_equal(e.detach(), torch.full((4,), float(size)), "grouped_allreduce_async_ with grad")
+
+    # grouped_allgather: as allgather, tensor by tensor.
+    x = torch.ones(rank + 1, 2, requires_grad=True)
+    y = torch.ones(2, requires_grad=True)
+    gx, gy = hvd.grouped_allgather([x, y * 1])
+    (gx * torch.arange(gx.shape[0]).unsqueeze(1)).sum().backward(retain_graph=True)
+    offset = sum(r + 1 for r in range(rank))
+    assert_equal(x.grad, torch.arange(offset, offset + rank + 1).float().unsqueeze(1).expand(rank + 1, 2),
+                 "grouped allgather gradient")
+    (gy * (torch.arange(2 * size).float() + rank)).sum().backward()
+    mean_rank = (size - 1) / 2
+    assert_equal(y.grad, torch.arange(2 * rank, 2 * rank + 2).float() + mean_rank, "grouped allgather gradient 2")
+
+    # grouped_reducescatter: as reducescatter, tensor by tensor.
+    p = torch.ones(2 * size, requires_grad=True)
+    q = torch.ones(size, 3, requires_grad=True)
+    op_, oq = hvd.grouped_reducescatter([p, q], op=hvd.Sum)
+    (op_.sum() * (rank + 1) + oq.sum()).backward()
+    assert_equal(p.grad, torch.tensor([float((r + 1) * size) for r in range(size) for _ in range(2)]),
+                 "grouped reducescatter gradient")
+    assert_equal(q.grad, torch.full((size, 3), float(size)), "grouped reducescatter gradient 2")
 
 
 def check_allgather_broadcast_alltoall_reducescatter(rank, size):
@@ -201,6 +291,12 @@ def check_process_sets(rank, size):
     assert hvd.broadcast(torch.tensor([rank]), root, process_set=mine).item() == root
     assert hvd.allgather(torch.tensor([rank]), process_set=mine).tolist() == mine.ranks
     hvd.barrier(process_set=mine)
+    x = torch.full((2,), float(rank), requires_grad=True)
+    outs = hvd.grouped_allreduce([x, x * 3], op=hvd.Sum, process_set=mine)
+    assert_equal(outs[1].detach(), torch.full((2,), 3.0 * sum(mine.ranks)), "grouped allreduce in a process set")
+    (outs[0].sum() + outs[1].sum()).backward()
+    assert_equal(x.grad, torch.full((2,), 4.0 * mine.size()), "grouped allreduce gradient in a process set")
+    hvd.barrier(process_set=mine)
     hvd.remove_process_set(evens)
     if odds is not None:
         hvd.remove_process_set(odds)
@@ -243,6 +339,11 @@ def check_timeline(rank, size):
 
 def main():
     hvd.init()
+    if sys.argv[1:] == ["adasum"]:  # the Adasum checks alone, for set sizes beyond the usual layouts
+        check_adasum(hvd.rank(), hvd.size())
+        hvd.shutdown()
+        print("OK adasum", flush=True)
+        return
     rank, size = hvd.rank(), hvd.size()
     assert (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (rank, size, 0, 1)
     assert hvd.is_initialized() and hvd.is_homogeneous()
