@@ -218,7 +218,7 @@ def _register_scaling(sub) -> None:
                                 ("--scale", int, None), ("--num-warmup", int, None), ("--num-iters", int, None),
                                 ("--num-batches-per-iter", int, None), ("--threads", int, None),
                                 ("--optimizer", str, None)):
-        synthetic.add_argument(flag, type=kind, default=default, help=f"(default: the synthetic benchmark's)"
+        synthetic.add_argument(flag, type=kind, default=default, help="(default: the synthetic benchmark's)"
                                if default is None else f"(default {default})")
     p.set_defaults(func=_run_scaling)
 
