@@ -150,3 +150,15 @@ def test_a_lost_node_ends_the_job_with_the_lost_ranks_named_and_training_resumes
     again = on_first_node(cluster, *run, *_train(data, out, f"total_updates={saved + 3}", "resume=auto"))
     assert f"resumed from {out / 'last.pt'} at update {saved}" in again
     assert _updates(out) == saved + 3
+
+
+def test_torchrun_on_several_hosts_ends_every_host_when_one_fails(cluster):
+    # Rank 1's command fails; the torchrun of the other host (its worker sleeping on) is ended
+    # too, and the job reports the failure instead of waiting.
+    env = cluster.env({k: v for k, v in os.environ.items() if not k.startswith("HPDL_") or k == "HPDL_VENV"})
+    argv = [sys.executable, "-m", "hpdl", "run", "-np", "2", "-H", "n1:1,n2:1", "--launcher", "torchrun", "--backend",
+            "gloo", "--", "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; exec sleep 300']
+    done = subprocess.run(cluster.nodes[0].argv(argv), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    time.sleep(1)
+    assert _pids(cluster.nodes[0].netns) == [] and _pids(cluster.nodes[1].netns) == []

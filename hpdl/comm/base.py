@@ -43,10 +43,6 @@ class Communicator(abc.ABC):
 
     #: "mpi", "gloo" or "nccl"
     name: str = "?"
-    #: seconds a control round (``allreduce_control``) may take before it raises CommError; the
-    #: engine's rounds complete within moments while every rank's engine thread runs, so one
-    #: that lasts this long means a rank or its node is gone (None: wait for ever)
-    control_timeout_s: Optional[float] = None
 
     @property
     @abc.abstractmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import time
 from typing import List, NoReturn, Optional, Sequence, Tuple
@@ -77,6 +78,10 @@ def _destroy_default_group() -> None:
             dist.destroy_process_group()
         except Exception:  # exiting anyway; a failed tear-down must not mask the exit status
             pass
+        # A group still held in a reference cycle would be freed by the collection that runs
+        # during interpreter finalization, where its worker threads can no longer take the GIL
+        # to release their last tensors (and abort the process). Collect now, while they can.
+        gc.collect()
 
 
 def _free_port() -> int:

@@ -35,13 +35,15 @@ ABORT_GRACE_S = 3.0  # from the failure to the end of the job, at most (document
 EXIT_CODE = 1
 _SURVIVOR_PAUSE_S = 1.0  # at exit, before aborting: time for the other ranks to print their error
 _C_WATCHDOG_AFTER_S = 2.0  # after the grace period, should the watchdog thread never get the GIL
+_HOOKS_MAX_S = 5.0  # failure hooks (the profiler's last write) that run longer are not waited for
 
 
 class _Armed:
     def __init__(self, comm: Communicator, message: str):
         self.comm = comm
         self.message = message
-        self.deadline = time.monotonic() + ABORT_GRACE_S
+        self.deadline = time.monotonic() + ABORT_GRACE_S + _HOOKS_MAX_S
+        self.hooks_done = threading.Event()  # the grace period runs from here
 
 
 _lock = threading.Lock()
@@ -82,14 +84,17 @@ def arm(comm: Communicator, rank: int, message: str, stalled: bool) -> None:
         armed = _armed = _Armed(comm, message)
     if stalled:
         _print_stacks(rank, message)
+    # The watchdogs start first: a hook that hangs must not keep the job alive.
+    threading.Thread(target=_watchdog, args=(armed, rank), name="hpdl-abort", daemon=True).start()
+    faulthandler.dump_traceback_later(ABORT_GRACE_S + _HOOKS_MAX_S + _C_WATCHDOG_AFTER_S, exit=True)
     for hook in list(_failure_hooks):
         try:
             hook()
         except Exception as err:  # noqa: BLE001 - the job must still end
             sys.stderr.write(f"hpdl: rank {rank}: {getattr(hook, '__qualname__', hook)} at the failure failed: "
                              f"{type(err).__name__}: {err}\n")
-    threading.Thread(target=_watchdog, args=(armed, rank), name="hpdl-abort", daemon=True).start()
-    faulthandler.dump_traceback_later(ABORT_GRACE_S + _C_WATCHDOG_AFTER_S, exit=True)
+    armed.deadline = min(armed.deadline, time.monotonic() + ABORT_GRACE_S)
+    armed.hooks_done.set()
 
 
 def failed() -> bool:
@@ -102,6 +107,7 @@ def abort_if_failed() -> None:
     armed = _armed
     if armed is None:
         return
+    armed.hooks_done.wait(max(0.0, armed.deadline - time.monotonic()))
     time.sleep(max(0.0, min(_SURVIVOR_PAUSE_S, armed.deadline - time.monotonic())))
     _abort(armed)
 
@@ -122,6 +128,7 @@ def _print_stacks(rank: int, message: str) -> None:
 
 
 def _watchdog(armed: _Armed, rank: int) -> None:
+    armed.hooks_done.wait(max(0.0, armed.deadline - time.monotonic()))
     time.sleep(max(0.0, armed.deadline - time.monotonic()))
     _flush()
     sys.stderr.write(f"hpdl: rank {rank}: the job had not ended {ABORT_GRACE_S:g} s after the collectives "

@@ -118,14 +118,16 @@ class Engine:
         self._idle = True  # nothing pending on this rank: a submission wakes the engine at once
         self._hot = False  # the last round started a negotiation that needs quick rounds
         self._timeline = None
+        self._round_started: Optional[float] = None  # while a round runs: when it started
         self._thread = threading.Thread(target=self._run, name="hpdl-engine", daemon=True)
         self._started = threading.Event()
         self._thread.start()
         self._started.wait()  # the thread has set its priority
+        self._watcher = threading.Thread(target=self._watch, name="hpdl-engine-watch", daemon=True)
+        self._watcher.start()
 
     def _controller(self, comm: Communicator, set_id: int, ranks: Sequence[int]) -> Controller:
         s = self.settings
-        comm.control_timeout_s = s.stall_timeout_s  # a round that long: a rank or a node is lost
         return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks))
 
     # -- called from user threads ----------------------------------------------------------
@@ -171,7 +173,13 @@ class Engine:
         """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
         self._shutdown_requested = True
         self._wake.set()
-        self._thread.join(timeout if timeout is not None else self.settings.stall_timeout_s + 60)
+        if timeout is None:  # a failed engine's thread may be stuck in the backend for good
+            timeout = 1.0 if self._failure is not None else self.settings.stall_timeout_s + 60
+        self._thread.join(timeout)
+        # The watch thread ends with the engine thread. Joined here, not left to end during
+        # interpreter exit: a thread that drops the engine's last reference then (its tensors)
+        # is ended by the interpreter inside torch's C++ code, which aborts the process.
+        self._watcher.join(2.0)
         self.stop_timeline()
         for ps in self._sets.values():
             if ps.controller is not None and ps.id != 0:
@@ -227,9 +235,10 @@ class Engine:
         self._started.set()
         try:
             while True:
-                started = time.monotonic()
+                started = self._round_started = time.monotonic()
                 arrived = self._drain()
                 progressed = self._cycle()
+                self._round_started = None
                 if progressed is None:
                     break
                 self.cycles += 1
@@ -254,6 +263,24 @@ class Engine:
             self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
+
+    def _watch(self) -> None:
+        """Fail the engine when one round has run longer than the stall timeout.
+
+        A round (negotiation and the collectives agreed in it) completes within moments while
+        every rank's engine thread runs, even when some rank stops submitting; one that lasts
+        the stall timeout is stuck in the backend on a peer that died or a node that can no
+        longer be reached, where no error comes (MPI over TCP waits for ever). The engine
+        thread cannot notice, being the one stuck, so this thread does.
+        """
+        limit = self.settings.stall_timeout_s
+        while not self._stopped.wait(min(1.0, limit / 4)):
+            started = self._round_started
+            if started is not None and time.monotonic() - started > limit and self._failure is None:
+                err = CommError(f"a round of collectives has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
+                                "a rank has died or its node is unreachable")
+                self._fail(f"hpdl engine failed on rank {self.rank}: {err}{self._lost(err)}", err)
+                return
 
     def _drain(self) -> int:
         """Move submitted requests to their process set's pending table; return how many."""
@@ -305,9 +332,8 @@ class Engine:
             ran = ran or bool(sub.responses)
             self._hot = self._hot or sub.full
             if sub.abort is not None:  # a stall timeout within the set: the job is stuck as a whole
-                stalled = not ps.pending
+                self._end_job(sub.abort, stalled=not ps.pending)
                 self._fail_set(ps, sub.abort)
-                self._end_job(sub.abort, stalled)
                 continue
             self._execute(ps, sub)
         idle = self._idle = not any(ps.pending for ps in self._sets.values())
@@ -395,13 +421,17 @@ class Engine:
 
     def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True) -> None:
         """Enter the failed state: every pending and future request raises ``message``."""
+        if self._failure is not None:  # failed already (the watch thread was first)
+            return
         self._failure = message
         waiting = any(ps.pending for ps in self._sets.values()) or bool(self._queue)
         if log_it:
             log.error("%s", message)
-        self._fail_pending(message)
-        # This rank is the one that stopped submitting when it had nothing pending.
+        # Armed before the waiting callers wake: one that raises and exits at once must find
+        # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
+        # one that stopped submitting when it had nothing pending.
         self._end_job(message, stalled=not waiting and cause is None)
+        self._fail_pending(message)
 
     def _end_job(self, message: str, stalled: bool) -> None:
         """The job cannot go on: make sure it ends, even where no exception can reach."""

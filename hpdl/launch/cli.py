@@ -315,9 +315,9 @@ def with_openmpi_defaults(argv: Sequence[str], info: LauncherInfo, forward: Sequ
 def _run_on_every_host(commands: List[List[str]], env: dict) -> int:
     """Start one launcher per host (each over the remote shell) and wait for all of them.
 
-    When one fails the others are ended too (their torchrun would wait for the lost host until
-    its rendezvous times out), SIGINT and SIGTERM are passed on, and the first failure's status
-    is returned.
+    When one fails, the others that have not ended within ``_OTHERS_END_S`` are ended too
+    (their torchrun would wait for the lost host until its rendezvous times out), SIGINT and
+    SIGTERM are passed on, and the first failure's status is returned.
     """
     procs = []
     try:
@@ -334,11 +334,12 @@ def _run_on_every_host(commands: List[List[str]], env: dict) -> int:
 
     handlers = {s: signal.signal(s, lambda signum, _f: end(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        first_failure = 0
-        while any(p.poll() is None for p in procs):
+        first_failure, failed_at = 0, 0.0
+        while None in [p.poll() for p in procs]:  # every one polled: poll() reaps and sets returncode
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed and not first_failure:
-                first_failure = failed[0]
+                first_failure, failed_at = failed[0], time.monotonic()
+            if first_failure and not ending_since and time.monotonic() - failed_at > _OTHERS_END_S:
                 end(signal.SIGTERM)
             if ending_since and time.monotonic() - ending_since[0] > _KILL_AFTER_S:
                 _end(procs, signal.SIGKILL)  # a torchrun blocked in its rendezvous defers SIGTERM
@@ -351,6 +352,10 @@ def _run_on_every_host(commands: List[List[str]], env: dict) -> int:
     return 128 - status if status < 0 else status
 
 
+# When one host's launcher fails, the ranks elsewhere usually fail on their own within moments
+# (their peer's connections closed) and report it, naming the lost ranks; they get this long to
+# do so before their launchers are ended.
+_OTHERS_END_S = 10.0
 _KILL_AFTER_S = 10.0  # from SIGTERM to SIGKILL when ending the launchers of the other hosts
 
 

@@ -7,11 +7,11 @@ of every rank) and rank 0 writes the whole recording so far to the file, replaci
 atomically; ``hvd.stop_profile()`` does the same and ends the recording.
 
 When the gather is impossible (the engine failed: a stall timeout, a lost peer), each rank
-writes its own part to ``FILE.rank<N>`` instead, itself a valid profile of one rank: at once,
-from the thread that saw the failure (a stalled rank may never get further), and again, fresher,
-when its shutdown or exit runs. Rank 0 then waits for the other parts, as long as the job's
-abort grace period allows (``hpdl.engine.abort``), merges the ones it finds into ``FILE``
-(naming the missing ranks in ``job.missing_ranks``), removes them and ends the recording.
+writes its own part to ``FILE.rank<N>`` instead, itself a valid profile of one rank, at once,
+from the thread that saw the failure (a stalled rank may never get further, and the job is
+aborted soon after: ``hpdl.engine.abort``). Rank 0 waits a moment for the other parts, merges
+the ones it finds into ``FILE`` (naming the missing ranks in ``job.missing_ranks``), removes
+them and ends the recording.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hpdl.profile import schema
 from hpdl.profile.clock import JobClock, estimate
 from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
 
-_PART_WAIT_S = 5.0
+_PART_WAIT_S = 2.0  # within abort's allowance for failure hooks
 _SETTINGS = ("fusion_threshold", "inplace_threshold", "cycle_time_ms", "cache_capacity", "hierarchical_allreduce",
              "engine_nice")
 # Engine counters summed over the engines a recording spans (its fusion-buffer size is a maximum).
@@ -52,7 +52,6 @@ class Session:
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.recorder = Recorder(rank, clock.origin_us + clock.applied_offset(rank))
         self.engine_counters: Dict[str, int] = {}
-        self.part_written = False  # this rank's part file, on the failure path
 
     def part(self, engine_counters: Dict[str, int]) -> Dict[str, Any]:
         """This rank's object of ``ranks`` in the file."""
@@ -143,14 +142,16 @@ def _end(session: Session) -> None:
 
 
 def _at_failure() -> None:
-    """The engine failed: write this rank's part now, while this thread can."""
+    """The engine failed: write the profile now, from the thread that saw the failure.
+
+    Every rank writes its part; rank 0 then merges the parts it finds. The recording ends here
+    (after a failure the job is over), before the job's abort, which no later exit may outrun.
+    """
     from hpdl.torch import runtime
 
     session = _session
     if session is not None:
-        _write_json(f"{session.path}.rank{session.rank}",
-                    session.document([session.part(session.counters(runtime.engine()))], runtime.settings()))
-        session.part_written = True
+        _write_parts(session, session.part(session.counters(runtime.engine())), runtime.settings())
 
 
 def _at_shutdown() -> None:
@@ -168,9 +169,6 @@ def write(session: Session) -> None:
     from hpdl.torch.functions import allgather_object
 
     part = session.part(session.counters(runtime.engine()))
-    if abort.failed():  # no collective can run any more
-        _write_parts(session, part, runtime.settings())
-        return
     session.recorder.paused = True  # the gather is the profiler's, not the job's
     try:
         parts = allgather_object(part, name="hpdl.profile.gather")
@@ -190,16 +188,12 @@ def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
     """
     _end(session)
     own = f"{session.path}.rank{session.rank}"
-    if session.rank != 0:
-        # Written at the failure already (``_at_failure``): writing it again could follow rank
-        # 0's merge, which removes the parts, and leave a stray one behind.
-        if not os.path.exists(own) and not session.part_written:
-            _write_json(own, session.document([part], settings))
-        return
     _write_json(own, session.document([part], settings))
+    if session.rank != 0:
+        return
     wanted = [f"{session.path}.rank{r}" for r in range(1, session.size)]
-    # Leave time to write the file before the job's abort, should it come first.
-    deadline = time.monotonic() + min(_PART_WAIT_S, abort.remaining() - 0.5)
+    # The others write theirs at the same moment (their engines failed in the same round).
+    deadline = time.monotonic() + _PART_WAIT_S
     while time.monotonic() < deadline and not all(os.path.exists(p) for p in wanted):
         time.sleep(0.1)
     parts = [part]
