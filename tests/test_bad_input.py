@@ -391,10 +391,11 @@ def sr_files(tmp_path):
     import torch
 
     from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
-    from hpdl.sr.models import EDSRConfig, build_model_from_config
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig
 
     torch.manual_seed(0)
-    ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0))))
+    ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))))
     return ckpt, _photo(tmp_path / "photo.png")
 
 

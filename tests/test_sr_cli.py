@@ -14,12 +14,13 @@ from hpdl.sr.datasets import open_pairs
 from hpdl.sr.evaluate import evaluate, format_table
 from hpdl.sr.images import bicubic_downscale
 from hpdl.sr.metrics import bicubic_upscale
-from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
 
 
 def tiny(scale=2):
     torch.manual_seed(0)
-    return build_model_from_config(EDSRConfig("tiny", scale, 1, 8, 1.0))
+    return build_model_from_config(ModelConfig("tiny", scale, 1, 8, 1.0))
 
 
 def photo(h, w, seed=0):

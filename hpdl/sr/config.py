@@ -37,10 +37,10 @@ class TrainConfig:
     """Everything one training run depends on. Defaults are the EDSR paper's x2 recipe."""
 
     # -- model --
-    model: str = "edsr_baseline"  # edsr_baseline or edsr
+    model: str = "edsr_baseline"  # a registered model: edsr_baseline, edsr or srresnet (hpdl/sr/registry.py)
     scale: int = 2
-    n_resblocks: int = 0  # 0: the named model's depth (16 / 32); smaller for tests and sketches
-    n_feats: int = 0  # 0: the named model's width (64 / 256)
+    n_resblocks: int = 0  # 0: the named model's depth (16 / 32 / 16); smaller for tests and sketches
+    n_feats: int = 0  # 0: the named model's width (64 / 256 / 64)
     pretrained: Optional[str] = None  # weights to start from; the tail is skipped (x3/x4 from x2)
 
     # -- data --
@@ -122,8 +122,12 @@ def _check_ranges(c: TrainConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}: must be {what}, got {getattr(c, key)!r}")
 
-    need(c.model.strip().lower().replace("-", "_") in ("edsr_baseline", "edsr"), "model", "edsr_baseline or edsr")
-    need(c.scale in (2, 3, 4), "scale", "2, 3 or 4")
+    from hpdl.sr import registry
+
+    need(registry.spelling(c.model) in registry.model_names(), "model", " or ".join(registry.model_names()))
+    if registry.spelling(c.model) in registry.model_names():
+        scales = registry.scales_of(c.model)
+        need(c.scale in scales, "scale", " or ".join(map(str, scales)))
     for key in ("n_resblocks", "n_feats", "global_batch_size", "workers", "warmup_updates", "lr_decay_steps",
                 "val_every", "val_tile", "ckpt_every", "threads"):
         need(getattr(c, key) >= 0, key, ">= 0")

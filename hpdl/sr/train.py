@@ -28,7 +28,8 @@ from hpdl.sr.checkpoint import capture_rng_state, load_checkpoint, make_checkpoi
 from hpdl.sr.config import TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, parse_range
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.models import MODELS, EDSR, EDSRConfig, build_model_from_config, count_parameters, load_pretrained
+from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
+from hpdl.sr.registry import make_config
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, lr_at, say, validate
 
@@ -286,14 +287,8 @@ def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
     return parse_range(text) if text else None
 
 
-def _build_model(cfg: TrainConfig) -> EDSR:
-    name = cfg.model.strip().lower().replace("-", "_")
-    blocks, feats, res_scale = MODELS[name]
-    if cfg.n_resblocks or cfg.n_feats:
-        blocks, feats = cfg.n_resblocks or blocks, cfg.n_feats or feats
-        if (blocks, feats) != MODELS[name][:2]:
-            name = "edsr_custom"  # what checkpoint loading calls a model of another size
-    return build_model_from_config(EDSRConfig(name, cfg.scale, blocks, feats, res_scale))
+def _build_model(cfg: TrainConfig) -> torch.nn.Module:
+    return build_model_from_config(make_config(cfg.model, cfg.scale, cfg.n_resblocks, cfg.n_feats))
 
 
 def _earlier_run(out_dir: Path) -> List[str]:
@@ -329,7 +324,7 @@ def _resume_path(cfg: TrainConfig, out_dir: Path) -> Optional[str]:
     return cfg.resume
 
 
-def _restore(path: Optional[str], cfg: TrainConfig, model: EDSR, optimizer: Any, ema: Optional[EMA]):
+def _restore(path: Optional[str], cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, ema: Optional[EMA]):
     """On rank 0: load a training checkpoint into the model, optimizer and EMA; return the rest."""
     if path is None:
         return None
@@ -355,7 +350,7 @@ def _restore(path: Optional[str], cfg: TrainConfig, model: EDSR, optimizer: Any,
     return {k: ckpt[k] for k in ("update", "sampler", "rng", "train_seconds", "config")}
 
 
-def _load_pretrained(path: str, model: EDSR) -> str:
+def _load_pretrained(path: str, model: torch.nn.Module) -> str:
     """On rank 0: copy weights from a checkpoint; a different scale keeps this model's tail fresh."""
     ckpt = load_checkpoint(path)
     same_scale = int(ckpt["meta"]["scale"]) == model.scale
