@@ -26,6 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 COMPRESSIONS = ("none", "fp16", "bf16")
 METRIC_SPACES = ("y", "rgb")
 BAD_IMAGE_POLICIES = ("fail", "skip")
+DOWNSCALERS = ("matlab", "torch")  # hpdl.sr.images.DOWNSCALERS, without importing numpy here
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,7 @@ class TrainConfig:
     workers: int = 2  # DataLoader worker processes per rank (0: load in the training process)
     cache_dir: Optional[str] = None  # decode cache (default ~/.cache/hpdl/sr)
     on_bad_image: str = "fail"  # fail, or skip undecodable images with a warning
+    downscaler: str = "matlab"  # LR made from HR (folders, embedded): matlab (imresize, as the benchmarks) or torch
 
     # -- optimisation --
     lr: float = 1e-4
@@ -141,6 +143,7 @@ def _check_ranges(c: TrainConfig) -> None:
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
     need(c.val_space in METRIC_SPACES, "val_space", "y or rgb")
     need(c.on_bad_image in BAD_IMAGE_POLICIES, "on_bad_image", "fail or skip")
+    need(c.downscaler in DOWNSCALERS, "downscaler", " or ".join(DOWNSCALERS))
     need(is_device_name(c.device), "device", DEVICE_NAMES)
     need(bool(c.out_dir), "out_dir", "a directory")
     need(not (c.overwrite and c.resume), "overwrite", "false when resuming (resume= continues a run)")

@@ -44,7 +44,7 @@ RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.jso
 # same run, so it is pointed out; total_updates, val_every, out_dir and the like may change.
 TRAJECTORY_KEYS = ("model", "scale", "n_resblocks", "n_feats", "data", "train_range", "patch_size", "batch_size",
                    "global_batch_size", "repeat", "augment", "lr", "betas", "eps", "lr_decay_steps", "gamma",
-                   "warmup_updates", "scale_lr_with_world", "compression", "ema_decay", "seed")
+                   "warmup_updates", "scale_lr_with_world", "compression", "ema_decay", "seed", "downscaler")
 
 
 def train(cfg: TrainConfig) -> Dict[str, Any]:
@@ -90,14 +90,15 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     # fails now with its name; the DataLoader workers only crop memory-mapped arrays.
     train_set = agreed("train data", lambda: build_train_dataset(
         cfg.data, cfg.scale, patch_size=cfg.patch_size, repeat=cfg.repeat, augment=cfg.augment, seed=cfg.seed,
-        cache_dir=cfg.cache_dir, index_range=_range(cfg.train_range), on_bad_image=cfg.on_bad_image))
+        cache_dir=cfg.cache_dir, index_range=_range(cfg.train_range), on_bad_image=cfg.on_bad_image,
+        downscaler=cfg.downscaler))
     if len(train_set) // size < batch_size:
         raise TrainError(f"{len(train_set)} patches per epoch give each of {size} ranks fewer than batch_size="
                          f"{batch_size}; raise repeat")
     validating = cfg.val_at_end or cfg.val_every > 0
     val_set = agreed("validation data", lambda: build_val_dataset(
         cfg.val_data or cfg.data, cfg.scale, cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
-        on_bad_image=cfg.on_bad_image)) if validating else None
+        on_bad_image=cfg.on_bad_image, downscaler=cfg.downscaler)) if validating else None
     # The sampler gives each rank a disjoint share of every epoch's permutation, the same number
     # of samples on every rank; drop_last keeps every batch full, so all ranks make as many steps.
     sampler = ShardSampler(train_set, rank=rank, num_replicas=size, seed=cfg.seed)
