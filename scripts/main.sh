@@ -41,7 +41,7 @@ from pathlib import Path
 
 out, start = Path(sys.argv[1]), float(sys.argv[2])
 read = lambda *parts: json.loads(out.joinpath(*parts).read_text())
-two, one, ev = read("ranks2", "summary.json"), read("alone", "summary.json"), read("eval.json")
+two, one, ev = read("ranks2", "summary.json"), read("alone", "summary.json"), read("eval.json")["sets"][0]
 pair = sum(read(f"pair{i}", "summary.json")["img_per_s_median"] for i in (0, 1))
 mean = ev["mean"]
 efficiency = two["img_per_s_median"] / (2 * one["img_per_s_median"])

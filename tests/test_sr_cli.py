@@ -79,9 +79,11 @@ def test_cli_eval_json(folder, ckpt, capsys):
                  "--cache-dir", str(folder / "cache")])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["scale"] == 2 and out["space"] == "y" and out["model"] == "tiny"
-    assert [r["name"] for r in out["images"]] == ["img0", "img1"]
-    assert math.isfinite(out["mean"]["psnr"]) and out["mean"]["bicubic_psnr"] > 20
+    assert out["scale"] == 2 and out["model"] == "tiny" and out["downscaler"] == "matlab"
+    (only,) = out["sets"]
+    assert only["space"] == "y" and only["layout"] == "folder" and only["name"] == folder.name
+    assert [r["name"] for r in only["images"]] == ["img0", "img1"]
+    assert math.isfinite(only["mean"]["psnr"]) and only["mean"]["bicubic_psnr"] > 20
 
 
 def test_cli_eval_table_on_a_benchmark_layout(tmp_path, ckpt, capsys):

@@ -58,6 +58,7 @@ __all__ = [
     "folder_sources",
     "open_pairs",
     "parse_range",
+    "split_sets",
 ]
 
 DIV2K_TRAIN_RANGE = (1, 800)
@@ -85,6 +86,29 @@ def parse_range(text: str) -> Tuple[int, int]:
     if not 1 <= first <= last:
         raise ValueError(f"bad index range {text!r}")
     return first, last
+
+
+def split_sets(data: str, root: Optional[PathLike] = None) -> List[Tuple[str, str]]:
+    """Split ``Set5+Set14+B100`` (EDSR-PyTorch's spelling) into ``(name, path)`` per set.
+
+    A part that is not a folder as given is looked up in ``root`` and ``root/benchmark`` (EDSR-
+    PyTorch's ``--dir_data`` layout). A ``data`` that exists as a whole is one set, ``+`` or not.
+    """
+    parts = [data] if data == "embedded" or Path(data).exists() else data.split("+")
+    sets: List[Tuple[str, str]] = []
+    for part in parts:
+        if not part:
+            raise SRDataError(f"{data}: empty set name between '+' signs")
+        path = part
+        if part != "embedded" and not Path(part).exists() and root is not None:
+            path = next((str(p) for p in (Path(root) / part, Path(root) / "benchmark" / part) if p.exists()),
+                        str(Path(root) / part))
+        name = "embedded" if part == "embedded" else Path(path).resolve().name
+        clash = [p for n, p in sets if n == name]
+        if clash:
+            raise SRDataError(f"{data}: two sets named {name} ({clash[0]} and {path})")
+        sets.append((name, path))
+    return sets
 
 
 def div2k_sources(root: PathLike, scale: int, index_range: Tuple[int, int]) -> List[PairSource]:
