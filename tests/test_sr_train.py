@@ -197,7 +197,7 @@ def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
     again = tiny_run(data, out, "total_updates=4", "val_at_end=false")
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"hpdl: error: out_dir={out} holds an earlier run (last.pt, model.pt, train_log.csv, val_log.csv, "
-        "summary.json, config.yaml); continue it with resume=auto or start over with overwrite=true"]
+        "summary.json, config.yaml, curves.png); continue it with resume=auto or start over with overwrite=true"]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
     resumed = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto", "--json")
