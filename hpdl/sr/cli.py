@@ -248,19 +248,20 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device)
     _print_notes(checkpoint)
+    # Every set is found and checked, and the grid's images too, before any is scored.
+    opened = [(name, data, build_val_dataset(
+        data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
+        max_pixels=args.max_pixels, downscaler=args.downscaler)) for name, data in sets]
+    grid_images = _grid_images(args, opened) if args.grid else []
     scored = []
-    for name, data in sets:
-        pairs = build_val_dataset(
-            data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
-            max_pixels=args.max_pixels, downscaler=args.downscaler,
-        )
+    for name, data, pairs in opened:
         saver = _result_saver(args, name, model.scale) if args.save_results else None
         space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
         result = evaluate(model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
                           progress=True, on_output=saver)
         scored.append((name, data, pairs, result))
     if args.grid:
-        _write_grid(args, model, [(name, pairs) for name, _, pairs, _ in scored])
+        _write_grid(args, model, grid_images)
     if args.json:
         record = {"checkpoint": str(args.ckpt), "model": model.config.name, "scale": model.scale,
                   "downscaler": args.downscaler,
@@ -308,18 +309,25 @@ def _refuse_earlier_results(directory: str, set_names: list) -> None:
                            "or choose another directory")
 
 
-def _write_grid(args: argparse.Namespace, model: Any, sets: list) -> None:
+def _grid_images(args: argparse.Namespace, opened: list) -> list:
+    """Return ``(pairs, index)`` of every image --grid shows: --grid-images, or the first 4 of the first set."""
+    first = opened[0][2]
+    if not args.grid_images:
+        return [(first, i) for i in range(min(4, len(first)))]
+    chosen = []
+    for name in args.grid_images.split(","):
+        where = next(((pairs, pairs.names.index(name)) for _, _, pairs in opened if name in pairs.names), None)
+        if where is None:
+            raise CliError(f"--grid-images: no image named {name!r} in {args.data} (e.g. {', '.join(first.names[:6])})")
+        chosen.append(where)
+    return chosen
+
+
+def _write_grid(args: argparse.Namespace, model: Any, images: list) -> None:
     from hpdl.sr.figures import sample_crops, sample_grid
     from hpdl.sr.images import write_image
 
-    wanted = args.grid_images.split(",") if args.grid_images else sets[0][1].names[:4]
-    samples = []
-    for name in wanted:
-        where = next(((pairs, pairs.names.index(name)) for _, pairs in sets if name in pairs.names), None)
-        if where is None:
-            known = ", ".join(sets[0][1].names[:6])
-            raise CliError(f"--grid-images: no image named {name!r} in {args.data} (e.g. {known})")
-        samples += sample_crops(model, where[0], [where[1]], args.grid_crop)
+    samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
     write_image(args.grid, sample_grid(samples))
     print(f"wrote {args.grid}: {len(samples)} crops of {args.grid_crop} px", file=sys.stderr)
 
