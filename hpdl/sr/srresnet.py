@@ -6,7 +6,9 @@ batch norm, no residual scaling, no conv after the body), sub-pixel upsampling w
 two convs at the output resolution, and the bilinear upscaled input added at the end, so the
 network learns the residual over bilinear. Parameter names are BasicSR's (``conv_first``,
 ``body.{i}.conv1/conv2``, ``upconv1``, ``upconv2``, ``conv_hr``, ``conv_last``); inputs and
-outputs are RGB in [0, 255], as for EDSR (BasicSR's network works on [0, 1]).
+outputs are RGB in [0, 255], as for EDSR (BasicSR's network works on [0, 1]). Weights start
+from PyTorch's default initialisation, as EDSR's do: BasicSR's, scaled down by 10, leaves the
+residual branch near zero for longer than a short run lasts.
 """
 
 from __future__ import annotations
@@ -26,15 +28,6 @@ def _conv(in_ch: int, out_ch: int) -> nn.Conv2d:
     return nn.Conv2d(in_ch, out_ch, 3, padding=1, bias=True)
 
 
-def _init_small(*convs: nn.Conv2d) -> None:
-    # BasicSR's default_init_weights(scale=0.1): Kaiming normal scaled down, so that 16 residual
-    # blocks without batch norm or residual scaling start close to the identity.
-    for conv in convs:
-        nn.init.kaiming_normal_(conv.weight)
-        conv.weight.data.mul_(0.1)
-        nn.init.zeros_(conv.bias)
-
-
 class ResidualBlockNoBN(nn.Module):
     """conv-ReLU-conv; returns ``x + body(x)``."""
 
@@ -43,7 +36,6 @@ class ResidualBlockNoBN(nn.Module):
         self.conv1 = _conv(n_feats, n_feats)
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = _conv(n_feats, n_feats)
-        _init_small(self.conv1, self.conv2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.conv2(self.relu(self.conv1(x)))
@@ -69,7 +61,6 @@ class SRResNet(nn.Module):
         self.conv_hr = _conv(f, f)
         self.conv_last = _conv(f, 3)
         self.lrelu = nn.LeakyReLU(0.1, inplace=True)
-        _init_small(self.conv_first, self.upconv1, self.conv_hr, self.conv_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Upscale a batch ``(N, 3, H, W)`` in [0, 255] to ``(N, 3, sH, sW)``."""
