@@ -1,8 +1,6 @@
 """Pictures of a run: sample grids (LR / bicubic / SR / HR), curves.png, TensorBoard images, eval --grid."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest

@@ -49,7 +49,6 @@ def _to_uint8(x: torch.Tensor) -> np.ndarray:
 @torch.no_grad()
 def sample_crops(model: nn.Module, pairs, indices: Sequence[int], crop: int) -> List[Sample]:
     """Return the centre crop of ``crop`` HR pixels (rounded down to the scale, cut to the image) of each pair."""
-    s = pairs.scale
     margin = max(receptive_field_radius(model), _BICUBIC_RADIUS)
     samples = []
     was_training = model.training
