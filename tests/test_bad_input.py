@@ -583,7 +583,6 @@ def _researcher_inputs(tmp_path: Path) -> Dict[str, Path]:
     _photo(tmp_path / "lr_only" / "LRbicx2" / "baby.png", 12, 12)
     (tmp_path / "results" / "Set5").mkdir(parents=True)
     _photo(tmp_path / "results" / "Set5" / "baby_x2_SR.png", 24, 24)
-    (tmp_path / "exists.pth").write_bytes(b"an earlier export")
     return paths
 
 
@@ -595,17 +594,14 @@ RESEARCHER_CASES = [
     ("eval", "--ckpt {ckpt} --data Set5+mixed/Set5 --data-root {tmp}", ["two sets named Set5"]),
     ("eval", "--ckpt {ckpt} --data {tmp}/Set5 --grid {tmp}/g.png --grid-images zebra", ["--grid-images", "'zebra'"]),
     ("eval", "--ckpt {ckpt} --data {tmp}/Set5 --grid {tmp}/g.psd", ["g.psd", "cannot write"]),
-    ("eval", "--ckpt {ckpt} --data {tmp}/Set5 --grid-crop 0", ["--grid-crop must be >= 1"]),
     ("eval", "--ckpt {ckpt} --data Set5 --data-root {tmp} --save-results {tmp}/results",
      ["results/Set5/baby_x2_SR.png", "would replace earlier results"]),
-    ("eval", "--ckpt {ckpt} --data {tmp}/Set5 --downscaler pil", ["--downscaler", "invalid choice"]),
     ("eval", "--ckpt {tmp}/rcan_like.pth --data {tmp}/Set5", ["rcan_like.pth", "'attention.weight'"]),
     ("eval", "--ckpt {tmp}/classifier.pt --data {tmp}/Set5", ["classifier.pt: state dict is not a model hpdl knows"]),
     ("eval", "--ckpt {tmp}/params_list.pth --data {tmp}/Set5", ["params_list.pth: neither an hpdl checkpoint"]),
     ("export", "{tmp}/out.pt --ckpt {srresnet} --to edsr-pytorch", ["EDSR-PyTorch has no srresnet"]),
     ("export", "{tmp}/out.pth --ckpt {other_mean} --to basicsr", ["other_mean.pt", "mean is not DIV2K's"]),
     ("export", "{ckpt} --ckpt {ckpt} --to basicsr", ["is the checkpoint"]),
-    ("export", "{tmp}/exists.pth --ckpt {ckpt} --to basicsr", ["exists.pth: already exists"]),
     ("train", "--config demo model=rcan", ["model: must be edsr_baseline or edsr or srresnet"]),
     ("train", "--config demo model=srresnet scale=8", ["scale: must be 2 or 3 or 4"]),
     ("train", "--config demo downscaler=pil", ["downscaler: must be matlab or torch"]),
@@ -614,9 +610,9 @@ RESEARCHER_CASES = [
 
 @pytest.mark.parametrize("command,args,fragments", RESEARCHER_CASES, ids=[
     "ambiguous layout", "LR without HR folder", "parent of sets", "missing set", "two sets of one name",
-    "unknown grid image", "grid format", "grid crop", "earlier results", "downscaler", "unknown BasicSR key",
-    "unknown architecture", "params not a dict", "srresnet to edsr-pytorch", "mean not DIV2K's", "over the checkpoint",
-    "existing output", "unknown model", "scale of the model", "train downscaler"])
+    "unknown grid image", "grid format", "earlier results", "unknown BasicSR key", "unknown architecture",
+    "params not a dict", "srresnet to edsr-pytorch", "mean not DIV2K's", "over the checkpoint", "unknown model",
+    "scale of the model", "train downscaler"])
 def test_sr_researcher_bad_input_is_one_line_and_changes_nothing(tmp_path, command, args, fragments):
     paths = _researcher_inputs(tmp_path)
     before = checksums([tmp_path])
