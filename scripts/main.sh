@@ -36,7 +36,7 @@ from pathlib import Path
 
 out, start = Path(sys.argv[1]), float(sys.argv[2])
 read = lambda *parts: json.loads(out.joinpath(*parts).read_text())
-two, ev, scaling = read("ranks2", "summary.json"), read("eval.json"), read("scaling.json")
+two, ev, scaling = read("ranks2", "summary.json"), read("eval.json")["sets"][0], read("scaling.json")
 mean = ev["mean"]
 point = {s["ranks"]: s for s in scaling["summary"]}
 ceiling = [2 * r["img_sec_per_rank"]["ceiling"] for r in scaling["runs"] if r["ranks"] == 2]

@@ -419,10 +419,11 @@ def sr_files(tmp_path):
     import torch
 
     from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
-    from hpdl.sr.models import EDSRConfig, build_model_from_config
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig
 
     torch.manual_seed(0)
-    ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0))))
+    ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))))
     return ckpt, _photo(tmp_path / "photo.png")
 
 
@@ -629,3 +630,77 @@ def test_run_output_filename_on_a_file_leaves_it_alone(tmp_path):
     result = hpdl("run", "-np", "2", "--output-filename", str(taken), "--", "python", "-c", "print(1)")
     assert_one_line_error(result, f"--output-filename {taken}")
     assert checksums([taken]) == before
+
+
+# == hpdl sr for researchers: dataset layouts, several sets, foreign weights, export, grids ========
+
+def _researcher_inputs(tmp_path: Path) -> Dict[str, Path]:
+    """Checkpoints, weight files and dataset folders, each wrong in one way (or right, to compare)."""
+    import torch
+
+    from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig, make_config
+
+    torch.manual_seed(0)
+    edsr = build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))
+    paths = {"ckpt": save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(edsr)),
+             "srresnet": save_checkpoint(tmp_path / "srresnet.pt", make_checkpoint(
+                 build_model_from_config(make_config("srresnet", 2, 1, 8))))}
+    with torch.no_grad():
+        edsr.add_mean.bias.add_(1.0)
+    paths["other_mean"] = save_checkpoint(tmp_path / "other_mean.pt", make_checkpoint(edsr))
+    weird = {k: torch.zeros(1) for k in ("conv_first.weight", "conv_after_body.weight", "attention.weight")}
+    torch.save({"params": weird}, tmp_path / "rcan_like.pth")
+    torch.save({"fc.weight": torch.zeros(2, 2)}, tmp_path / "classifier.pt")
+    torch.save({"params": [1, 2, 3]}, tmp_path / "params_list.pth")
+    for name in ("Set5", "mixed/Set5", "lr_only", "benchmark/Set14"):
+        (tmp_path / name).mkdir(parents=True)
+    for hr_dir, lr_dir in (("Set5/GTmod12", "Set5/LRbicx2"), ("mixed/Set5/GTmod12", "mixed/Set5/LRbicx2"),
+                           ("mixed/Set5/HR", "mixed/Set5/LR_bicubic/X2"), ("benchmark/Set14/HR",
+                                                                         "benchmark/Set14/LR_bicubic/X2")):
+        (tmp_path / hr_dir).mkdir(parents=True)
+        (tmp_path / lr_dir).mkdir(parents=True)
+        _photo(tmp_path / hr_dir / "baby.png", 24, 24)
+        lr_name = "babyx2.png" if "LR_bicubic" in lr_dir else "baby.png"
+        _photo(tmp_path / lr_dir / lr_name, 12, 12)
+    (tmp_path / "lr_only" / "LRbicx2").mkdir()
+    _photo(tmp_path / "lr_only" / "LRbicx2" / "baby.png", 12, 12)
+    (tmp_path / "results" / "Set5").mkdir(parents=True)
+    _photo(tmp_path / "results" / "Set5" / "baby_x2_SR.png", 24, 24)
+    return paths
+
+
+RESEARCHER_CASES = [
+    ("eval", "--ckpt {ckpt} --data {tmp}/mixed/Set5", ["mixed/Set5: ambiguous layout", "GTmod12/", "LR_bicubic/"]),
+    ("eval", "--ckpt {ckpt} --data {tmp}/lr_only", ["lr_only: found LRbicx2/ but no GTmod12/"]),
+    ("eval", "--ckpt {ckpt} --data {tmp}/benchmark", ["benchmark: not a dataset layout", "LR_bicubic/"]),
+    ("eval", "--ckpt {ckpt} --data Set5+Nope --data-root {tmp}", ["Nope: no such directory"]),
+    ("eval", "--ckpt {ckpt} --data Set5+mixed/Set5 --data-root {tmp}", ["two sets named Set5"]),
+    ("eval", "--ckpt {ckpt} --data {tmp}/Set5 --grid {tmp}/g.png --grid-images zebra", ["--grid-images", "'zebra'"]),
+    ("eval", "--ckpt {ckpt} --data {tmp}/Set5 --grid {tmp}/g.psd", ["g.psd", "cannot write"]),
+    ("eval", "--ckpt {ckpt} --data Set5 --data-root {tmp} --save-results {tmp}/results",
+     ["results/Set5/baby_x2_SR.png", "would replace earlier results"]),
+    ("eval", "--ckpt {tmp}/rcan_like.pth --data {tmp}/Set5", ["rcan_like.pth", "'attention.weight'"]),
+    ("eval", "--ckpt {tmp}/classifier.pt --data {tmp}/Set5", ["classifier.pt: state dict is not a model hpdl knows"]),
+    ("eval", "--ckpt {tmp}/params_list.pth --data {tmp}/Set5", ["params_list.pth: neither an hpdl checkpoint"]),
+    ("export", "{tmp}/out.pt --ckpt {srresnet} --to edsr-pytorch", ["EDSR-PyTorch has no srresnet"]),
+    ("export", "{tmp}/out.pth --ckpt {other_mean} --to basicsr", ["other_mean.pt", "mean is not DIV2K's"]),
+    ("export", "{ckpt} --ckpt {ckpt} --to basicsr", ["is the checkpoint"]),
+    ("train", "--config demo model=rcan", ["model: must be edsr_baseline or edsr or srresnet"]),
+    ("train", "--config demo model=srresnet scale=8", ["scale: must be 2 or 3 or 4"]),
+    ("train", "--config demo downscaler=pil", ["downscaler: must be matlab or torch"]),
+]
+
+
+@pytest.mark.parametrize("command,args,fragments", RESEARCHER_CASES, ids=[
+    "ambiguous layout", "LR without HR folder", "parent of sets", "missing set", "two sets of one name",
+    "unknown grid image", "grid format", "earlier results", "unknown BasicSR key", "unknown architecture",
+    "params not a dict", "srresnet to edsr-pytorch", "mean not DIV2K's", "over the checkpoint", "unknown model",
+    "scale of the model", "train downscaler"])
+def test_sr_researcher_bad_input_is_one_line_and_changes_nothing(tmp_path, command, args, fragments):
+    paths = _researcher_inputs(tmp_path)
+    before = checksums([tmp_path])
+    argv = [a.format(tmp=tmp_path, **paths) for a in args.split()]
+    assert_one_line_error(hpdl("sr", command, *argv), *fragments)
+    assert checksums([tmp_path]) == before

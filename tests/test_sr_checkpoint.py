@@ -21,12 +21,13 @@ from hpdl.sr.checkpoint import (
     save_checkpoint,
 )
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.models import EDSRConfig, build_model, build_model_from_config
+from hpdl.sr.models import build_model, build_model_from_config
+from hpdl.sr.registry import ModelConfig
 
 
 def tiny(scale=2, feats=8):
     torch.manual_seed(0)
-    return build_model_from_config(EDSRConfig("tiny", scale, 1, feats, 1.0))
+    return build_model_from_config(ModelConfig("tiny", scale, 1, feats, 1.0))
 
 
 def test_round_trip_with_trainer_state(tmp_path):
@@ -52,7 +53,8 @@ def test_round_trip_with_trainer_state(tmp_path):
 _WRITER = """
 import sys, time, torch
 from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
-from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
 
 def hangs_halfway(obj, f):
     f.write(b"PK half a zip file")
@@ -61,7 +63,7 @@ def hangs_halfway(obj, f):
     time.sleep(600)
 
 torch.save = hangs_halfway
-save_checkpoint(sys.argv[1], make_checkpoint(build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0))))
+save_checkpoint(sys.argv[1], make_checkpoint(build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))))
 """
 
 
@@ -161,7 +163,7 @@ def test_plain_state_dict_is_recognised(tmp_path):
     model, ckpt = load_model(tmp_path / "edsr_baseline_x3.pt")
     assert (model.config.name, model.scale) == ("edsr_baseline", 3)
     torch.save({"w": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(CheckpointError, match=r"other\.pt: state dict is not an EDSR model"):
+    with pytest.raises(CheckpointError, match=r"other\.pt: state dict is not a model hpdl knows"):
         load_model(tmp_path / "other.pt")
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(CheckpointError, match=r"list\.pt: not a checkpoint"):

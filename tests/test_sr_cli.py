@@ -14,12 +14,13 @@ from hpdl.sr.datasets import open_pairs
 from hpdl.sr.evaluate import evaluate, format_table
 from hpdl.sr.images import bicubic_downscale
 from hpdl.sr.metrics import bicubic_upscale
-from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
 
 
 def tiny(scale=2):
     torch.manual_seed(0)
-    return build_model_from_config(EDSRConfig("tiny", scale, 1, 8, 1.0))
+    return build_model_from_config(ModelConfig("tiny", scale, 1, 8, 1.0))
 
 
 def photo(h, w, seed=0):
@@ -78,9 +79,11 @@ def test_cli_eval_json(folder, ckpt, capsys):
                  "--cache-dir", str(folder / "cache")])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["scale"] == 2 and out["space"] == "y" and out["model"] == "tiny"
-    assert [r["name"] for r in out["images"]] == ["img0", "img1"]
-    assert math.isfinite(out["mean"]["psnr"]) and out["mean"]["bicubic_psnr"] > 20
+    assert out["scale"] == 2 and out["model"] == "tiny" and out["downscaler"] == "matlab"
+    (only,) = out["sets"]
+    assert only["space"] == "y" and only["layout"] == "folder" and only["name"] == folder.name
+    assert [r["name"] for r in only["images"]] == ["img0", "img1"]
+    assert math.isfinite(only["mean"]["psnr"]) and only["mean"]["bicubic_psnr"] > 20
 
 
 def test_cli_eval_table_on_a_benchmark_layout(tmp_path, ckpt, capsys):

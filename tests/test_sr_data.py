@@ -133,15 +133,15 @@ def test_pillow_bomb_limit_gives_way_to_ours(tmp_path):
     assert Image.MAX_IMAGE_PIXELS == pillows  # restored
 
 
-def test_bicubic_downscale_crops_to_a_multiple_and_matches_torch():
+def test_torch_bicubic_downscale_crops_to_a_multiple_and_matches_torch():
     hr = rand_image(13, 10)
-    lr = bicubic_downscale(hr, 3)
+    lr = bicubic_downscale(hr, 3, "torch")
     assert lr.shape == (4, 3, 3) and lr.dtype == np.uint8
     x = torch.from_numpy(hr[:12, :9].copy()).permute(2, 0, 1)[None].float()
     ref = torch.nn.functional.interpolate(x, size=(4, 3), mode="bicubic", antialias=True)
     assert np.array_equal(lr, ref[0].round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
     flat = np.full((12, 12, 3), 77, np.uint8)
-    assert (bicubic_downscale(flat, 4) == 77).all()
+    assert (bicubic_downscale(flat, 4, "torch") == 77).all()
 
 
 # ---------------------------------------------------------------- layouts
@@ -212,7 +212,7 @@ def test_folder_layout_makes_lr_by_bicubic_and_caches_it(tmp_path):
     assert pairs.layout == "folder" and pairs.names == ["b", "sub/a"]
     lr, hr_t = pairs.arrays(1)
     assert np.array_equal(lr, bicubic_downscale(hr, 4)) and np.array_equal(hr_t, hr[:20, :16])
-    assert len(list((tmp_path / "c" / "decoded").glob("a.bicubic-x4.*.npy"))) == 1
+    assert len(list((tmp_path / "c" / "decoded").glob("a.bicubic-matlab-x4.*.npy"))) == 1
 
 
 def test_empty_and_missing_folders(tmp_path):

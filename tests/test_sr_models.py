@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hpdl.sr.errors import ModelMismatchError
+from hpdl.sr.registry import ModelConfig
 from hpdl.sr.models import (
-    EDSRConfig,
     build_model,
     build_model_from_config,
     config_from_state_dict,
@@ -26,7 +26,7 @@ PUBLISHED = {
 
 
 def tiny(scale: int, blocks: int = 2, feats: int = 8) -> torch.nn.Module:
-    return build_model_from_config(EDSRConfig("tiny", scale, blocks, feats, 1.0)).eval()
+    return build_model_from_config(ModelConfig("tiny", scale, blocks, feats, 1.0)).eval()
 
 
 @pytest.mark.parametrize("name,scale", sorted(PUBLISHED))
@@ -88,7 +88,7 @@ def test_load_pretrained_mismatches_are_clear():
         load_pretrained(tiny(4), x2, strict_tail=True)
     with pytest.raises(ModelMismatchError, match="mis-shaped"):
         load_pretrained(tiny(2, feats=4), x2)
-    with pytest.raises(ModelMismatchError, match="not an EDSR state dict"):
+    with pytest.raises(ModelMismatchError, match="not a known model.s state dict"):
         load_pretrained(tiny(2), {"fc.weight": torch.zeros(1)})
     report = load_pretrained(tiny(2), x2, strict_tail=True)
     assert report.skipped == []

@@ -13,7 +13,8 @@ from PIL import Image
 from hpdl.cli import main
 from hpdl.sr.checkpoint import load_checkpoint, load_model, make_checkpoint, save_checkpoint
 from hpdl.sr.config import ConfigError, TrainConfig, config_names, load_config
-from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
 from hpdl.sr.train_state import EMA, MetricsLog, lr_at
 
 PAPER = [f"{m}_x{s}" for m in ("edsr_baseline", "edsr") for s in (2, 3, 4)]
@@ -126,7 +127,7 @@ def test_metrics_log_drops_rows_after_the_resumed_checkpoint(tmp_path):
 
 
 def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    model = build_model_from_config(EDSRConfig("edsr_custom", 2, 1, 8, 1.0))
+    model = build_model_from_config(ModelConfig("edsr_custom", 2, 1, 8, 1.0))
     path = save_checkpoint(tmp_path / "last.pt", make_checkpoint(model, update=1))
 
     def dies_halfway(obj, f):
@@ -196,7 +197,7 @@ def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
     again = tiny_run(data, out, "total_updates=4", "val_at_end=false")
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"hpdl: error: out_dir={out} holds an earlier run (last.pt, model.pt, train_log.csv, val_log.csv, "
-        "summary.json, config.yaml); continue it with resume=auto or start over with overwrite=true"]
+        "summary.json, config.yaml, curves.png); continue it with resume=auto or start over with overwrite=true"]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
     resumed = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto", "--json")

@@ -9,7 +9,8 @@ import torch
 from PIL import Image
 
 from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
-from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
 from ranks import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -67,7 +68,7 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, data):
 
 
 def test_errors_are_one_line_on_rank_0_and_silent_elsewhere(tmp_path, data):
-    ckpt = make_checkpoint(build_model_from_config(EDSRConfig("edsr_custom", 3, 1, 8, 1.0)))
+    ckpt = make_checkpoint(build_model_from_config(ModelConfig("edsr_custom", 3, 1, 8, 1.0)))
     save_checkpoint(tmp_path / "x3.pt", ckpt)
     whole = (tmp_path / "x3.pt").read_bytes()
     (tmp_path / "truncated.pt").write_bytes(whole[: len(whole) // 2])

@@ -8,7 +8,8 @@ import pytest
 import torch
 import tqdm.std
 
-from hpdl.sr.models import EDSRConfig, build_model_from_config, receptive_field_radius
+from hpdl.sr.models import build_model_from_config, receptive_field_radius
+from hpdl.sr.registry import ModelConfig
 from hpdl.sr.transforms import dihedral_array, dihedral_tensor, inverse_dihedral_tensor
 from hpdl.sr.metrics import quantize
 from hpdl.sr.upscale import PROGRESS_DELAY, forward_tiled, self_ensemble, upscale, upscale_image
@@ -16,7 +17,7 @@ from hpdl.sr.upscale import PROGRESS_DELAY, forward_tiled, self_ensemble, upscal
 
 def small_baseline(scale, seed=0):
     torch.manual_seed(seed)
-    return build_model_from_config(EDSRConfig("edsr_baseline_small", scale, 3, 16, 1.0)).eval()
+    return build_model_from_config(ModelConfig("edsr_baseline_small", scale, 3, 16, 1.0)).eval()
 
 
 @pytest.mark.parametrize("scale", [2, 3, 4])
@@ -93,11 +94,12 @@ def test_upscale_image_is_the_quantised_float_upscale(tile, ensemble):
 
 _PEAK = """
 import resource, sys, numpy as np, torch
-from hpdl.sr.models import EDSRConfig, build_model_from_config
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
 from hpdl.sr.upscale import upscale_image
 
 torch.set_num_threads(1)
-model = build_model_from_config(EDSRConfig("tiny", 2, 1, 8, 1.0)).eval()
+model = build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0)).eval()
 upscale_image(model, np.zeros((300, 300, 3), np.uint8), tile=128)  # warm-up: allocator, thread pools
 image = np.random.default_rng(0).integers(0, 256, (2000, 2000, 3), dtype=np.uint8)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

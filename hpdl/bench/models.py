@@ -1,5 +1,6 @@
 """Models for the synthetic benchmark: ResNet-50 (defined here, torchvision's architecture and
-parameter names, without torchvision) and the EDSR models of ``hpdl.sr``.
+parameter names, without torchvision) and the super-resolution models of ``hpdl.sr``'s
+registry (EDSR, EDSR-baseline, SRResNet).
 
 Each benchmark model comes with the random batch it trains on and its loss, so that the
 benchmark loop is the same for classification and super-resolution.
@@ -14,9 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpdl.sr.registry import model_names
+
 __all__ = ["MODELS", "Bottleneck", "ResNet", "Workload", "build_workload", "count_parameters", "resnet50"]
 
-MODELS = ("edsr-baseline", "edsr", "resnet50")
+# The super-resolution models come from hpdl.sr's registry (no torch import there), spelled
+# with dashes as on this command line; ResNet-50 is the benchmarks' own reference.
+SR_MODELS = tuple(name.replace("_", "-") for name in model_names())
+MODELS = SR_MODELS + ("resnet50",)
 
 
 def _conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
@@ -114,7 +120,7 @@ class Workload:
 
 def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, seed: int = 0) -> Workload:
     """Build the model ``name`` with a random batch: LR patches and HR targets (L1 loss) for
-    EDSR, 224x224 images and labels (cross-entropy) for ResNet-50."""
+    the super-resolution models, 224x224 images and labels (cross-entropy) for ResNet-50."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     gen = torch.Generator().manual_seed(seed)
@@ -122,7 +128,7 @@ def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, 
         inputs = torch.randn(batch_size, 3, 224, 224, generator=gen)
         targets = torch.randint(0, 1000, (batch_size,), generator=gen)
         return Workload(name, resnet50(), inputs, targets, F.cross_entropy)
-    if name in ("edsr-baseline", "edsr"):
+    if name in SR_MODELS:
         from hpdl.sr.models import build_model  # the application layer, loaded only when asked for
 
         if patch < 1:

@@ -1,4 +1,4 @@
-"""hpdl.sr: EDSR super-resolution on top of hpdl (models, data, metrics, tiled inference).
+"""hpdl.sr: super-resolution on top of hpdl (EDSR, SRResNet; data, metrics, tiled inference).
 
 The public names below are imported lazily on first use, so ``import hpdl.sr`` (and hence
 ``hpdl --help``, which imports ``hpdl.sr.cli``) does not pay for importing torch.
@@ -15,13 +15,17 @@ _EXPORTS: Dict[str, str] = {
     "CorruptImageError": "errors",
     "CheckpointError": "errors",
     "ModelMismatchError": "errors",
-    "EDSR": "models",
-    "EDSRConfig": "models",
-    "MODELS": "models",
+    "EDSR": "edsr",
+    "SRResNet": "srresnet",
+    "ModelConfig": "registry",
+    "model_names": "registry",
+    "register": "registry",
     "build_model": "models",
     "build_model_from_config": "models",
     "count_parameters": "models",
     "load_pretrained": "models",
+    "import_weights": "weights",
+    "export_weights": "weights",
     "receptive_field_radius": "models",
     "ImageCache": "images",
     "read_image": "images",

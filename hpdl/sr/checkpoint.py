@@ -5,11 +5,12 @@ None). Nothing else is allowed in, so ``weights_only=True`` can load every check
 loading never runs pickled code. Layout::
 
     {"format": "hpdl.sr.checkpoint", "version": 1,
-     "meta": {"model_name": "edsr_baseline", "scale": 2, "config": {...EDSRConfig...}},
+     "meta": {"model_name": "edsr_baseline", "scale": 2, "config": {...ModelConfig...}},
      "model": state_dict, ...whatever the trainer adds (optimizer, sampler, rng, config)}
 
-Plain state dicts, such as EDSR-PyTorch's published ``edsr_baseline_x2-*.pt``, load too: their
-model and scale are inferred from the tensor shapes.
+Weights saved by EDSR-PyTorch (bare state dicts such as its published ``edsr_baseline_x2-*.pt``)
+and by BasicSR (``{'params': ...}``) load too (``hpdl.sr.weights``): their model and scale are
+inferred from the tensor shapes, and what had to be assumed is listed in ``meta["notes"]``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch
 
 from hpdl.sr._atomic import atomic_write
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.models import EDSR, build_model_from_config, config_from_state_dict
+from hpdl.sr.models import build_model_from_config, config_from_state_dict
+from hpdl.sr.registry import ARCHITECTURES, spelling
+from hpdl.sr.weights import WeightsError, import_weights
 
 __all__ = [
     "FORMAT",
@@ -44,7 +47,7 @@ PathLike = Union[str, os.PathLike]
 _PRIMITIVES = (str, int, float, bool, type(None), torch.Tensor)
 
 
-def make_checkpoint(model: EDSR, /, **extra: Any) -> Dict[str, Any]:
+def make_checkpoint(model: torch.nn.Module, /, **extra: Any) -> Dict[str, Any]:
     """Return a checkpoint dict of ``model`` (weights on CPU, its config as metadata) plus ``extra``."""
     config = model.config
     checkpoint: Dict[str, Any] = {
@@ -107,7 +110,7 @@ def load_checkpoint(
     if not isinstance(meta, dict) or "model_name" not in meta or "scale" not in meta or "model" not in obj:
         raise CheckpointError(f"{path}: checkpoint lacks its model metadata or weights")
     have = f"{meta['model_name']} x{meta['scale']}"
-    if (model_name is not None and _norm(meta["model_name"]) != _norm(model_name)) or (
+    if (model_name is not None and spelling(meta["model_name"]) != spelling(model_name)) or (
         scale is not None and int(meta["scale"]) != int(scale)
     ):
         want = f"{model_name or meta['model_name']} x{scale or meta['scale']}"
@@ -144,19 +147,17 @@ def _reason(err: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
-def _norm(name: str) -> str:
-    return str(name).strip().lower().replace("-", "_")
-
-
 def _wrap_state_dict(obj: Dict[str, Any], path: Path) -> Dict[str, Any]:
-    # A bare state dict (EDSR-PyTorch's release files): recognise the model by its shapes.
-    if not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise CheckpointError(f"{path}: neither an hpdl checkpoint nor a model state dict")
-    config = config_from_state_dict(obj)
+    # Weights of EDSR-PyTorch or BasicSR: recognise the model by its keys and shapes.
+    try:
+        state, notes = import_weights(obj)
+    except WeightsError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    config = config_from_state_dict(state)
     if config is None:
-        raise CheckpointError(f"{path}: state dict is not an EDSR model")
-    meta = {"model_name": config.name, "scale": config.scale, "config": config.to_dict()}
-    return {"format": FORMAT, "version": VERSION, "meta": meta, "model": obj}
+        raise CheckpointError(f"{path}: state dict is not a model hpdl knows ({', '.join(ARCHITECTURES)})")
+    meta = {"model_name": config.name, "scale": config.scale, "config": config.to_dict(), "notes": notes}
+    return {"format": FORMAT, "version": VERSION, "meta": meta, "model": state}
 
 
 def load_model(
@@ -165,7 +166,7 @@ def load_model(
     model_name: Optional[str] = None,
     scale: Optional[int] = None,
     device: Union[str, torch.device] = "cpu",
-) -> Tuple[EDSR, Dict[str, Any]]:
+) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """Build the checkpoint's model, load its weights, and return ``(model in eval mode, checkpoint)``."""
     checkpoint = load_checkpoint(path, model_name=model_name, scale=scale)
     meta = checkpoint["meta"]

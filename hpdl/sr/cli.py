@@ -1,4 +1,4 @@
-"""``hpdl sr``: train EDSR, evaluate checkpoints and upscale images.
+"""``hpdl sr``: train super-resolution models, evaluate checkpoints, upscale images, export weights.
 
 torch and the ``hpdl.sr`` modules are imported inside the handlers so that ``hpdl --help``
 stays fast, and after the checks that need no torch, so that a bad command line fails at once.
@@ -28,15 +28,17 @@ def register(subparsers: Any) -> None:
     """Add ``hpdl sr`` and its subcommands."""
     sr = subparsers.add_parser(
         "sr",
-        help="super-resolution with EDSR: evaluate, upscale (and train)",
-        description="EDSR super-resolution: evaluate checkpoints on DIV2K, benchmark sets, "
-        "image folders or the embedded photos, and upscale images of any size.",
+        help="super-resolution (EDSR, SRResNet): train, evaluate, upscale, export weights",
+        description="Super-resolution with EDSR, EDSR-baseline and SRResNet: train, evaluate "
+        "checkpoints on DIV2K, benchmark sets, image folders or the embedded photos, upscale images "
+        "of any size, and export weights for BasicSR or EDSR-PyTorch.",
     )
     sr.set_defaults(func=lambda args: _print_help(sr))
     sr_sub = sr.add_subparsers(dest="sr_command", metavar="SUBCOMMAND")
     _register_train(sr_sub)
     _register_eval(sr_sub)
     _register_upscale(sr_sub)
+    _register_export(sr_sub)
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:
@@ -49,11 +51,11 @@ def _register_train(sr_sub: Any) -> None:
 
     p = sr_sub.add_parser(
         "train",
-        help="train EDSR data-parallel (alone or under hpdl run / mpiexec / srun / torchrun)",
-        description="Train EDSR from a YAML config (a packaged name such as 'demo', "
+        help="train EDSR or SRResNet data-parallel (alone or under hpdl run / mpiexec / srun / torchrun)",
+        description="Train a model (model=edsr_baseline, edsr or srresnet) from a YAML config (a packaged name such as 'demo', "
         "'edsr_baseline_x2', or a path) with KEY=VALUE overrides, e.g. "
         "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes "
-        "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs and a summary. An OUT_DIR "
+        "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs, curves.png and a summary. An OUT_DIR "
         "holding an earlier run is refused: continue it with resume=auto, or start over with overwrite=true.",
         epilog=f"packaged configs: {', '.join(config_names())}. The keys and their meaning: "
         "TrainConfig in hpdl/sr/config.py.",
@@ -95,25 +97,40 @@ def _run_train(args: argparse.Namespace) -> int:
 def _register_eval(sr_sub: Any) -> None:
     p = sr_sub.add_parser(
         "eval",
-        help="measure PSNR/SSIM of a checkpoint (and of bicubic) on a dataset",
+        help="measure PSNR/SSIM of a checkpoint (and of bicubic) on one or more datasets",
         description="Measure PSNR and SSIM of a checkpoint and of bicubic upscaling. DATA is "
         "'embedded' (scikit-image photos, held-out split), a DIV2K root (images 801-900), a "
-        "benchmark set (HR/ + LR_bicubic/X<s>/) or a folder of HR images (LR made by bicubic).",
+        "benchmark set (EDSR-PyTorch's HR/ + LR_bicubic/X<s>/ or BasicSR's GTmod12/ + LRbicx<s>/) "
+        "or a folder of HR images (LR made by MATLAB-compatible bicubic), or several joined by '+' "
+        "(Set5+Set14+B100+Urban100), scored in one table.",
     )
-    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or an EDSR state dict")
-    p.add_argument("--data", default="embedded", help="dataset folder or 'embedded' (default)")
+    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or EDSR-PyTorch or BasicSR weights")
+    p.add_argument("--data", default="embedded", help="dataset folder(s) joined by '+', or 'embedded' (default)")
+    p.add_argument("--data-root", metavar="DIR",
+                   help="where to look for sets given by name (DIR/NAME or DIR/benchmark/NAME)")
     p.add_argument("--scale", type=int, choices=(2, 3, 4), help="expected scale (default: the checkpoint's)")
     p.add_argument(
         "--space",
         choices=("y", "rgb"),
         help="measure on Y (shave scale) or RGB (shave scale+6); default rgb for DIV2K, y otherwise",
     )
+    p.add_argument("--downscaler", choices=("matlab", "torch"), default="matlab",
+                   help="how LR is made where a dataset has none: matlab (imresize, as the published "
+                   "benchmarks; default) or torch (antialiased bicubic)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
     p.add_argument("--tile", type=int, help="run the model in exact tiles of N LR pixels (bounds memory)")
     p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900")
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
                    help="on an undecodable image: fail (default) or skip it with a warning")
     p.add_argument("--cache-dir", help="decode cache and embedded photos (default ~/.cache/hpdl/sr)")
+    p.add_argument("--save-results", metavar="DIR",
+                   help="write every SR image as DIR/<set>/<image>_x<s>_SR.png")
+    p.add_argument("--grid", metavar="PNG",
+                   help="write a grid of centre crops: LR (nearest), bicubic, SR, HR side by side")
+    p.add_argument("--grid-images", metavar="NAMES",
+                   help="comma-separated image names for --grid (default: the first 4 of the first set)")
+    p.add_argument("--grid-crop", type=int, default=96, metavar="N", help="crop side in HR pixels (default 96)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing result images and grid")
     _add_max_pixels(p, "refuse image files of more pixels than this")
     _add_device(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
@@ -128,13 +145,48 @@ def _register_upscale(sr_sub: Any) -> None:
     )
     p.add_argument("input", help="input (LR) image")
     p.add_argument("output", help="output image (.png recommended)")
-    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or an EDSR state dict")
+    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or EDSR-PyTorch or BasicSR weights")
     p.add_argument("--tile", type=int, default=256, help="tile size in LR pixels; 0 = whole image (default 256)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the input)")
     _add_max_pixels(p, "refuse an input image of more pixels than this")
     _add_device(p)
     p.set_defaults(func=_guarded(_run_upscale))
+
+
+def _register_export(sr_sub: Any) -> None:
+    p = sr_sub.add_parser(
+        "export",
+        help="write a checkpoint's weights as BasicSR or EDSR-PyTorch read them",
+        description="Write the weights of a checkpoint in another project's format: 'basicsr' "
+        "({'params': ...} with BasicSR's key names; its EDSR takes the DIV2K mean from its options) "
+        "or 'edsr-pytorch' (a bare state dict, EDSR only).",
+    )
+    p.add_argument("output", help="file to write (.pth)")
+    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or EDSR-PyTorch or BasicSR weights")
+    p.add_argument("--to", required=True, choices=("basicsr", "edsr-pytorch"), help="format to write")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the checkpoint)")
+    p.set_defaults(func=_guarded(_run_export))
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    _refuse_output(args.ckpt, args.output, args.overwrite, "checkpoint")
+
+    import torch
+
+    from hpdl.sr._atomic import atomic_write
+    from hpdl.sr.checkpoint import load_model
+    from hpdl.sr.weights import WeightsError, export_weights
+
+    model, checkpoint = load_model(args.ckpt)
+    _print_notes(checkpoint)
+    try:
+        exported = export_weights(model.state_dict(), model.config, args.to)
+    except WeightsError as err:
+        raise CliError(f"{args.ckpt}: {err}") from None
+    atomic_write(args.output, lambda f: torch.save(exported, f))
+    print(f"wrote {args.output}: {model.config.describe()} as {args.to} weights")
+    return 0
 
 
 def _add_max_pixels(p: argparse.ArgumentParser, what: str) -> None:
@@ -170,39 +222,114 @@ def _check_max_pixels(args: argparse.Namespace) -> None:
 
 def _run_eval(args: argparse.Namespace) -> int:
     from hpdl.sr.config import resolve_device
-    from hpdl.sr.datasets import parse_range
+    from hpdl.sr.datasets import parse_range, split_sets
+    from hpdl.sr.images import output_format
 
     if args.tile is not None and args.tile < 1:
         raise CliError(f"--tile must be >= 1, got {args.tile}")
+    if args.grid_crop < 1:
+        raise CliError(f"--grid-crop must be >= 1, got {args.grid_crop}")
     _check_max_pixels(args)
     try:
         index_range = parse_range(args.index_range) if args.index_range else None
     except ValueError as err:
         raise CliError(f"--range: {err}") from None
+    sets = split_sets(args.data, args.data_root)
+    if args.grid:
+        output_format(args.grid)
+        _refuse_output(args.ckpt, args.grid, args.overwrite, "checkpoint")
+    if args.save_results and not args.overwrite:
+        _refuse_earlier_results(args.save_results, [name for name, _ in sets])
     device = resolve_device(args.device, "--device")
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import evaluate, format_table
+    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table
 
-    model, _ = load_model(args.ckpt, scale=args.scale, device=device)
-    pairs = build_val_dataset(
-        args.data, model.scale, cache_dir=args.cache_dir, index_range=index_range,
-        on_bad_image=args.on_bad_image, max_pixels=args.max_pixels,
-    )
-    space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
-    result = evaluate(
-        model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
-        progress=True,
-    )
+    model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device)
+    _print_notes(checkpoint)
+    # Every set is found and checked, and the grid's images too, before any is scored.
+    opened = [(name, data, build_val_dataset(
+        data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
+        max_pixels=args.max_pixels, downscaler=args.downscaler)) for name, data in sets]
+    grid_images = _grid_images(args, opened) if args.grid else []
+    scored = []
+    for name, data, pairs in opened:
+        saver = _result_saver(args, name, model.scale) if args.save_results else None
+        space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
+        result = evaluate(model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
+                          progress=True, on_output=saver)
+        scored.append((name, data, pairs, result))
+    if args.grid:
+        _write_grid(args, model, grid_images)
     if args.json:
-        record = result.to_dict()
-        record.update(checkpoint=str(args.ckpt), data=str(args.data), model=model.config.name)
+        record = {"checkpoint": str(args.ckpt), "model": model.config.name, "scale": model.scale,
+                  "downscaler": args.downscaler,
+                  "sets": [{"name": name, "data": str(data), "layout": pairs.layout, **result.to_dict()}
+                           for name, data, pairs, result in scored]}
         print(json.dumps(record, indent=2, allow_nan=True))
-    else:
-        print(f"{model.config.describe()} on {args.data} ({len(pairs)} images)")
+    elif len(scored) == 1:
+        name, data, pairs, result = scored[0]
+        print(f"{model.config.describe()} on {data} ({len(pairs)} images)")
         print(format_table(result))
+    else:
+        print(f"{model.config.describe()}, x{model.scale}" + (", self-ensemble x8" if args.self_ensemble else ""))
+        print(format_sets_table([(name, result) for name, _, _, result in scored]))
     return 0
+
+
+def _print_notes(checkpoint: dict) -> None:
+    for note in checkpoint["meta"].get("notes", []):
+        print(f"hpdl: note: {note}", file=sys.stderr, flush=True)
+
+
+def _result_saver(args: argparse.Namespace, set_name: str, scale: int) -> Callable[[str, Any], None]:
+    """Return a function that writes one SR output as ``DIR/<set>/<image>_x<s>_SR.png``."""
+    from pathlib import Path
+
+    from hpdl.sr.images import write_image
+    from hpdl.sr.metrics import quantize
+
+    folder = Path(args.save_results) / set_name
+
+    def save(name: str, sr: Any) -> None:
+        write_image(folder / f"{name}_x{scale}_SR.png", quantize(sr).byte().permute(1, 2, 0).cpu().numpy())
+
+    return save
+
+
+def _refuse_earlier_results(directory: str, set_names: list) -> None:
+    """Refuse, before any work, to write SR images where earlier ones are, unless ``--overwrite``."""
+    from pathlib import Path
+
+    for name in set_names:
+        earlier = sorted((Path(directory) / name).rglob("*_SR.png")) if (Path(directory) / name).is_dir() else []
+        if earlier:
+            raise CliError(f"{earlier[0]}: --save-results would replace earlier results; pass --overwrite "
+                           "or choose another directory")
+
+
+def _grid_images(args: argparse.Namespace, opened: list) -> list:
+    """Return ``(pairs, index)`` of every image --grid shows: --grid-images, or the first 4 of the first set."""
+    first = opened[0][2]
+    if not args.grid_images:
+        return [(first, i) for i in range(min(4, len(first)))]
+    chosen = []
+    for name in args.grid_images.split(","):
+        where = next(((pairs, pairs.names.index(name)) for _, _, pairs in opened if name in pairs.names), None)
+        if where is None:
+            raise CliError(f"--grid-images: no image named {name!r} in {args.data} (e.g. {', '.join(first.names[:6])})")
+        chosen.append(where)
+    return chosen
+
+
+def _write_grid(args: argparse.Namespace, model: Any, images: list) -> None:
+    from hpdl.sr.figures import sample_crops, sample_grid
+    from hpdl.sr.images import write_image
+
+    samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
+    write_image(args.grid, sample_grid(samples))
+    print(f"wrote {args.grid}: {len(samples)} crops of {args.grid_crop} px", file=sys.stderr)
 
 
 def _run_upscale(args: argparse.Namespace) -> int:
@@ -221,7 +348,8 @@ def _run_upscale(args: argparse.Namespace) -> int:
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.upscale import upscale_image
 
-    model, _ = load_model(args.ckpt, device=device)
+    model, checkpoint = load_model(args.ckpt, device=device)
+    _print_notes(checkpoint)
     out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
     write_image(args.output, out)
     (h, w), (sh, sw) = image.shape[:2], out.shape[:2]
@@ -229,7 +357,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_output(source: str, output: str, overwrite: bool) -> None:
+def _refuse_output(source: str, output: str, overwrite: bool, what: str = "input image") -> None:
     """Refuse to write over the input (also through a link), or over any file without ``--overwrite``."""
     if not os.path.lexists(output):
         return
@@ -238,6 +366,6 @@ def _refuse_output(source: str, output: str, overwrite: bool) -> None:
     except OSError:  # the input is missing (reported when it is read) or the output a dangling link
         same = False
     if same:
-        raise CliError(f"{output}: is the input image {source}; write the result to another file")
+        raise CliError(f"{output}: is the {what} {source}; write the result to another file")
     if not overwrite:
         raise CliError(f"{output}: already exists; pass --overwrite to replace it")

@@ -26,6 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 COMPRESSIONS = ("none", "fp16", "bf16")
 METRIC_SPACES = ("y", "rgb")
 BAD_IMAGE_POLICIES = ("fail", "skip")
+DOWNSCALERS = ("matlab", "torch")  # hpdl.sr.images.DOWNSCALERS, without importing numpy here
 
 
 class ConfigError(ValueError):
@@ -37,10 +38,10 @@ class TrainConfig:
     """Everything one training run depends on. Defaults are the EDSR paper's x2 recipe."""
 
     # -- model --
-    model: str = "edsr_baseline"  # edsr_baseline or edsr
+    model: str = "edsr_baseline"  # a registered model: edsr_baseline, edsr or srresnet (hpdl/sr/registry.py)
     scale: int = 2
-    n_resblocks: int = 0  # 0: the named model's depth (16 / 32); smaller for tests and sketches
-    n_feats: int = 0  # 0: the named model's width (64 / 256)
+    n_resblocks: int = 0  # 0: the named model's depth (16 / 32 / 16); smaller for tests and sketches
+    n_feats: int = 0  # 0: the named model's width (64 / 256 / 64)
     pretrained: Optional[str] = None  # weights to start from; the tail is skipped (x3/x4 from x2)
 
     # -- data --
@@ -56,6 +57,7 @@ class TrainConfig:
     workers: int = 2  # DataLoader worker processes per rank (0: load in the training process)
     cache_dir: Optional[str] = None  # decode cache (default ~/.cache/hpdl/sr)
     on_bad_image: str = "fail"  # fail, or skip undecodable images with a warning
+    downscaler: str = "matlab"  # LR made from HR (folders, embedded): matlab (imresize, as the benchmarks) or torch
 
     # -- optimisation --
     lr: float = 1e-4
@@ -122,8 +124,12 @@ def _check_ranges(c: TrainConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}: must be {what}, got {getattr(c, key)!r}")
 
-    need(c.model.strip().lower().replace("-", "_") in ("edsr_baseline", "edsr"), "model", "edsr_baseline or edsr")
-    need(c.scale in (2, 3, 4), "scale", "2, 3 or 4")
+    from hpdl.sr import registry
+
+    need(registry.spelling(c.model) in registry.model_names(), "model", " or ".join(registry.model_names()))
+    if registry.spelling(c.model) in registry.model_names():
+        scales = registry.scales_of(c.model)
+        need(c.scale in scales, "scale", " or ".join(map(str, scales)))
     for key in ("n_resblocks", "n_feats", "global_batch_size", "workers", "warmup_updates", "lr_decay_steps",
                 "val_every", "val_tile", "ckpt_every", "threads"):
         need(getattr(c, key) >= 0, key, ">= 0")
@@ -137,6 +143,7 @@ def _check_ranges(c: TrainConfig) -> None:
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
     need(c.val_space in METRIC_SPACES, "val_space", "y or rgb")
     need(c.on_bad_image in BAD_IMAGE_POLICIES, "on_bad_image", "fail or skip")
+    need(c.downscaler in DOWNSCALERS, "downscaler", " or ".join(DOWNSCALERS))
     need(is_device_name(c.device), "device", DEVICE_NAMES)
     need(bool(c.out_dir), "out_dir", "a directory")
     need(not (c.overwrite and c.resume), "overwrite", "false when resuming (resume= continues a run)")

@@ -6,8 +6,14 @@ Layouts, chosen by ``open_pairs(data, ...)`` from what ``data`` contains:
   served as a plain folder;
 - DIV2K: ``DIV2K_train_HR/0001.png`` with ``DIV2K_train_LR_bicubic/X2/0001x2.png``; images
   1-800 train, 801-900 validate (``DIV2K_valid_*`` folders are searched too);
-- benchmark: ``Set5/HR/baby.png`` with ``Set5/LR_bicubic/X2/babyx2.png``;
-- any other folder: its images are HR, and LR is made by antialiased bicubic downscaling.
+- benchmark (EDSR-PyTorch's): ``Set5/HR/baby.png`` with ``Set5/LR_bicubic/X2/babyx2.png``;
+- basicsr (BasicSR's benchmark sets): ``Set5/GTmod12/baby.png`` with ``Set5/LRbicx2/baby.png``;
+- any other folder: its images are HR, and LR is made by bicubic downscaling (MATLAB's
+  ``imresize`` by default, as the benchmark sets were made; see ``images.DOWNSCALERS``).
+
+HR and LR images are paired by name, and every LR image needs its HR image. A folder that
+mixes layouts, or holds part of one (LR images without their HR folder), is refused, naming
+what was found: read as a plain folder, its LR images would be scored as HR images.
 
 Every pair is decoded (or found in the cache) and checked when the dataset is built, in the
 main process, so bad files fail early with their name instead of inside a DataLoader worker.
@@ -16,6 +22,7 @@ main process, so bad files fail early with their name instead of inside a DataLo
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
@@ -28,6 +35,7 @@ from hpdl.sr.errors import CorruptImageError, SRDataError
 from hpdl.sr.images import (
     IMAGE_EXTENSIONS,
     ImageCache,
+    DOWNSCALERS,
     bicubic_downscale,
     default_cache_dir,
     list_images,
@@ -41,6 +49,7 @@ __all__ = [
     "ImagePairs",
     "PairSource",
     "TrainPatches",
+    "basicsr_sources",
     "benchmark_sources",
     "build_train_dataset",
     "build_val_dataset",
@@ -49,6 +58,7 @@ __all__ = [
     "folder_sources",
     "open_pairs",
     "parse_range",
+    "split_sets",
 ]
 
 DIV2K_TRAIN_RANGE = (1, 800)
@@ -78,6 +88,29 @@ def parse_range(text: str) -> Tuple[int, int]:
     return first, last
 
 
+def split_sets(data: str, root: Optional[PathLike] = None) -> List[Tuple[str, str]]:
+    """Split ``Set5+Set14+B100`` (EDSR-PyTorch's spelling) into ``(name, path)`` per set.
+
+    A part that is not a folder as given is looked up in ``root`` and ``root/benchmark`` (EDSR-
+    PyTorch's ``--dir_data`` layout). A ``data`` that exists as a whole is one set, ``+`` or not.
+    """
+    parts = [data] if data == "embedded" or Path(data).exists() else data.split("+")
+    sets: List[Tuple[str, str]] = []
+    for part in parts:
+        if not part:
+            raise SRDataError(f"{data}: empty set name between '+' signs")
+        path = part
+        if part != "embedded" and not Path(part).exists() and root is not None:
+            path = next((str(p) for p in (Path(root) / part, Path(root) / "benchmark" / part) if p.exists()),
+                        str(Path(root) / part))
+        name = "embedded" if part == "embedded" else Path(path).resolve().name
+        clash = [p for n, p in sets if n == name]
+        if clash:
+            raise SRDataError(f"{data}: two sets named {name} ({clash[0]} and {path})")
+        sets.append((name, path))
+    return sets
+
+
 def div2k_sources(root: PathLike, scale: int, index_range: Tuple[int, int]) -> List[PairSource]:
     """List DIV2K pairs ``first..last`` (inclusive) under ``root``."""
     root = Path(root)
@@ -99,14 +132,31 @@ def div2k_sources(root: PathLike, scale: int, index_range: Tuple[int, int]) -> L
 def benchmark_sources(root: PathLike, scale: int) -> List[PairSource]:
     """List the pairs of a benchmark set laid out as ``HR/x.png`` + ``LR_bicubic/X{s}/xx{s}.png``."""
     root = Path(root)
-    lr_dir = root / "LR_bicubic" / f"X{scale}"
+    return _paired_by_name(root / "HR", root / "LR_bicubic" / f"X{scale}", scale)
+
+
+def basicsr_sources(root: PathLike, scale: int) -> List[PairSource]:
+    """List the pairs of a benchmark set laid out as BasicSR's: ``GTmod12/x.png`` + ``LRbicx{s}/x.png``."""
+    root = Path(root)
+    return _paired_by_name(root / "GTmod12", root / f"LRbicx{scale}", scale)
+
+
+def _paired_by_name(hr_dir: Path, lr_dir: Path, scale: int) -> List[PairSource]:
+    # The LR of ``baby.png`` is ``babyx2.png`` (EDSR-PyTorch) or ``baby.png`` (BasicSR).
     if not lr_dir.is_dir():
         raise SRDataError(f"{lr_dir}: no LR images for scale {scale}")
+    lr_images = {p.relative_to(lr_dir) for p in list_images(lr_dir)}
     sources = []
-    for hr in _nonempty(list_images(root / "HR"), root / "HR"):
-        lr = lr_dir / f"{hr.stem}x{scale}{hr.suffix}"
+    for hr in _nonempty(list_images(hr_dir), hr_dir):
+        rel = hr.relative_to(hr_dir)
+        names = [rel.with_name(f"{hr.stem}x{scale}{hr.suffix}"), rel]
+        lr = next((lr_dir / n for n in names if n in lr_images), lr_dir / names[0])
         _require_lr(hr, lr)
-        sources.append(PairSource(hr.stem, hr, lr))
+        lr_images.discard(lr.relative_to(lr_dir))
+        sources.append(PairSource(str(rel.with_suffix("")), hr, lr))
+    if lr_images:
+        orphan = lr_dir / sorted(lr_images)[0]
+        raise SRDataError(f"{orphan}: LR image without an HR image of the same name in {hr_dir}")
     return sources
 
 
@@ -128,8 +178,19 @@ def _nonempty(images: List[Path], folder: Path) -> List[Path]:
     return images
 
 
+# Folders that mark a layout, and the layout each belongs to.
+_MARKERS = {"DIV2K_train_HR": "div2k", "DIV2K_valid_HR": "div2k", "HR": "benchmark", "LR_bicubic": "benchmark",
+            "GTmod12": "basicsr"}
+_BASICSR_LR = re.compile(r"LRbicx\d+")
+# A directory of LR images somewhere inside a folder that is read as HR images.
+_LR_DIR = re.compile(r"LR_bicubic|LRbicx\d+|DIV2K_(train|valid)_LR_.*|X\d", re.IGNORECASE)
+
+
 def detect_layout(data: PathLike) -> str:
-    """Return ``embedded``, ``div2k``, ``benchmark`` or ``folder`` for a ``--data`` value."""
+    """Return ``embedded``, ``div2k``, ``benchmark``, ``basicsr`` or ``folder`` for a ``--data`` value.
+
+    ``SRDataError`` if the folder mixes layouts or holds an incomplete one, naming what it found.
+    """
     if str(data) == "embedded":
         return "embedded"
     path = Path(data)
@@ -137,11 +198,31 @@ def detect_layout(data: PathLike) -> str:
         raise SRDataError(f"{path}: no such directory (give a dataset folder or 'embedded')")
     if not path.is_dir():
         raise SRDataError(f"{path}: not a directory (give a dataset folder or 'embedded')")
-    if (path / "DIV2K_train_HR").is_dir() or (path / "DIV2K_valid_HR").is_dir():
-        return "div2k"
-    if (path / "HR").is_dir() and (path / "LR_bicubic").is_dir():
-        return "benchmark"
+    subdirs = sorted(p.name for p in path.iterdir() if p.is_dir())
+    found = {name: _MARKERS[name] for name in subdirs if name in _MARKERS}
+    found.update({name: "basicsr" for name in subdirs if _BASICSR_LR.fullmatch(name)})
+    layouts = sorted(set(found.values()))
+    listed = ", ".join(f"{name}/" for name in found)
+    if len(layouts) > 1:
+        raise SRDataError(f"{path}: ambiguous layout: found {listed} ({' and '.join(layouts)} layouts); "
+                          "keep one layout per dataset folder")
+    if layouts == ["benchmark"] and not {"HR", "LR_bicubic"} <= set(found):
+        raise SRDataError(f"{path}: found {listed} but EDSR-PyTorch's layout needs both HR/ and LR_bicubic/; "
+                          "for LR made from HR images, give the HR folder itself")
+    if layouts == ["basicsr"] and "GTmod12" not in found:
+        raise SRDataError(f"{path}: found {listed} but no GTmod12/ (BasicSR's HR images)")
+    if layouts:
+        return layouts[0]
+    _refuse_lr_inside(path)
     return "folder"
+
+
+def _refuse_lr_inside(folder: Path) -> None:
+    for image in list_images(folder):
+        lr_dir = next((part for part in image.relative_to(folder).parts[:-1] if _LR_DIR.fullmatch(part)), None)
+        if lr_dir is not None:
+            raise SRDataError(f"{folder}: not a dataset layout, and read as a folder of HR images it would take "
+                              f"the LR images in {lr_dir}/ for HR ones; give one set (e.g. .../Set5) or its HR folder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +245,15 @@ class ImagePairs(Dataset):
         cache: Optional[ImageCache] = None,
         on_bad_image: str = "fail",
         layout: str = "folder",
+        downscaler: str = "matlab",
     ) -> None:
         if on_bad_image not in BAD_IMAGE_POLICIES:
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
+        if downscaler not in DOWNSCALERS:
+            raise ValueError(f"downscaler must be one of {DOWNSCALERS}, got {downscaler!r}")
         self.scale = int(scale)
         self.layout = layout
+        self.downscaler = downscaler
         cache = cache or ImageCache()
         self._pairs: List[_Pair] = []
         for source in sources:
@@ -188,7 +273,8 @@ class ImagePairs(Dataset):
                     raise SRDataError(
                         f"{source.hr}: image of {hr.shape[1]}x{hr.shape[0]} is smaller than scale {s}"
                     )
-                lr = cache.derived(source.hr, f"bicubic-x{s}", lambda: bicubic_downscale(hr, s))
+                lr = cache.derived(source.hr, f"bicubic-{self.downscaler}-x{s}",
+                                   lambda: bicubic_downscale(hr, s, self.downscaler))
             else:
                 lr = cache.image(source.lr)
         except CorruptImageError as err:
@@ -303,6 +389,8 @@ def _sources(data: PathLike, layout: str, scale: int, split: str, index_range, c
         return div2k_sources(data, scale, index_range or default)
     if layout == "benchmark":
         return benchmark_sources(data, scale)
+    if layout == "basicsr":
+        return basicsr_sources(data, scale)
     return folder_sources(data)
 
 
@@ -315,6 +403,7 @@ def open_pairs(
     index_range: Optional[Tuple[int, int]] = None,
     on_bad_image: str = "fail",
     max_pixels: Optional[int] = None,
+    downscaler: str = "matlab",
 ) -> ImagePairs:
     """Find, decode (once) and check the pairs of ``data`` (a folder or ``"embedded"``).
 
@@ -327,6 +416,8 @@ def open_pairs(
         index_range: DIV2K image numbers, inclusive (default 1-800 train, 801-900 val).
         on_bad_image: ``"fail"`` on an undecodable file, or ``"skip"`` it with a warning.
         max_pixels: refuse image files of more pixels than this (None: Pillow's limit).
+        downscaler: how LR is made where the dataset has none (plain folders, embedded):
+            ``matlab`` (as the benchmark sets were made) or ``torch``.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -335,7 +426,7 @@ def open_pairs(
     sources = _sources(data, layout, int(scale), split, index_range, root)
     return ImagePairs(
         sources, scale, cache=ImageCache(root / "decoded", max_pixels=max_pixels), on_bad_image=on_bad_image,
-        layout=layout,
+        layout=layout, downscaler=downscaler,
     )
 
 
@@ -350,10 +441,12 @@ def build_train_dataset(
     cache_dir: Optional[PathLike] = None,
     index_range: Optional[Tuple[int, int]] = None,
     on_bad_image: str = "fail",
+    downscaler: str = "matlab",
 ) -> TrainPatches:
     """Build the training patches of ``data`` (see ``open_pairs`` for the arguments)."""
     pairs = open_pairs(
-        data, scale, "train", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image
+        data, scale, "train", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image,
+        downscaler=downscaler,
     )
     return TrainPatches(pairs, patch_size, repeat=repeat, augment=augment, seed=seed)
 
@@ -366,9 +459,10 @@ def build_val_dataset(
     index_range: Optional[Tuple[int, int]] = None,
     on_bad_image: str = "fail",
     max_pixels: Optional[int] = None,
+    downscaler: str = "matlab",
 ) -> ImagePairs:
     """Build the whole-image validation pairs of ``data`` (see ``open_pairs``)."""
     return open_pairs(
         data, scale, "val", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image,
-        max_pixels=max_pixels,
+        max_pixels=max_pixels, downscaler=downscaler,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from hpdl.sr.errors import SRDataError
 from hpdl.sr.metrics import bicubic_upscale, default_shave, psnr, ssim
 from hpdl.sr.upscale import upscale
 
-__all__ = ["EvalResult", "ImageRecord", "evaluate", "format_table"]
+__all__ = ["EvalResult", "ImageRecord", "evaluate", "format_sets_table", "format_table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,7 @@ def evaluate(
     self_ensemble: bool = False,
     tile: Optional[int] = None,
     progress: bool = False,
+    on_output: Optional[Callable[[str, torch.Tensor], None]] = None,
 ) -> EvalResult:
     """Score ``model`` and bicubic on every ``(lr, hr)`` pair of ``dataset`` (e.g. ``ImagePairs``).
 
@@ -74,6 +75,7 @@ def evaluate(
         self_ensemble: average over the 8 flips/transposes (EDSR+).
         tile: run the model in tiles of this many LR pixels (exact; bounds memory).
         progress: show a progress bar over images.
+        on_output: called with each image's name and model output ``(3, H, W)`` (e.g. to save it).
     """
     shave = default_shave(scale, metric_space)  # also validates metric_space
     for owner in (model, dataset):
@@ -95,6 +97,8 @@ def evaluate(
             start = time.perf_counter()
             sr = upscale(model, lr, tile=tile, ensemble=self_ensemble)
             seconds = time.perf_counter() - start
+            if on_output is not None:
+                on_output(names[i], sr)
             bic = bicubic_upscale(lr, scale)
             try:
                 record = ImageRecord(
@@ -139,4 +143,17 @@ def format_table(result: EvalResult) -> str:
     lines.append(
         f"{'mean':<{width}}  {m['psnr']:7.2f}  {m['ssim']:6.4f}  {m['bicubic_psnr']:7.2f}  {m['bicubic_ssim']:6.4f}"
     )
+    return "\n".join(lines)
+
+
+def format_sets_table(results: Sequence[Tuple[str, EvalResult]]) -> str:
+    """Format one row per named set: images, mean PSNR/SSIM of the model and of bicubic, space."""
+    width = max([len("set")] + [len(name) for name, _ in results])
+    header = f"{'set':<{width}}  {'images':>6}  {'PSNR':>7}  {'SSIM':>6}  {'bicubic':>7}  {'SSIM':>6}  space"
+    lines = [header, "-" * len(header)]
+    for name, result in results:
+        m = result.means()
+        space = f"{'Y' if result.space == 'y' else 'RGB'}, shave {result.shave}"
+        lines.append(f"{name:<{width}}  {len(result.records):>6}  {m['psnr']:7.2f}  {m['ssim']:6.4f}  "
+                     f"{m['bicubic_psnr']:7.2f}  {m['bicubic_ssim']:6.4f}  {space}")
     return "\n".join(lines)

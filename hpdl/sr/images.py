@@ -22,6 +22,7 @@ from hpdl.sr._atomic import atomic_write
 from hpdl.sr.errors import CorruptImageError, SRDataError
 
 __all__ = [
+    "DOWNSCALERS",
     "IMAGE_EXTENSIONS",
     "EMBEDDED_TRAIN",
     "EMBEDDED_VAL",
@@ -37,6 +38,10 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike]
+
+# How LR images are made from HR ones where a dataset has none: MATLAB's imresize, as the
+# benchmark sets were made (hpdl.sr.imresize), or PyTorch's antialiased bicubic.
+DOWNSCALERS = ("matlab", "torch")
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm")
 
@@ -165,12 +170,19 @@ def list_images(folder: PathLike) -> List[Path]:
     return sorted(found)
 
 
-def bicubic_downscale(hr: np.ndarray, scale: int) -> np.ndarray:
-    """Make the LR image: crop HR to a multiple of ``scale``, antialiased bicubic, round to uint8.
+def bicubic_downscale(hr: np.ndarray, scale: int, downscaler: str = "matlab") -> np.ndarray:
+    """Make the LR image: crop HR to a multiple of ``scale``, antialiased bicubic, uint8.
 
-    This is MATLAB ``imresize``'s kernel (a = -0.5, antialiased); it differs only near borders,
-    where MATLAB mirrors and PyTorch clamps.
+    ``matlab`` is MATLAB's ``imresize``, as the benchmark sets were made; ``torch`` is PyTorch's
+    antialiased bicubic, the same kernel (a = -0.5) but clamped instead of mirrored at the borders
+    and rounded once instead of after each pass.
     """
+    if downscaler == "matlab":
+        from hpdl.sr.imresize import matlab_downscale
+
+        return matlab_downscale(hr, scale)
+    if downscaler != "torch":
+        raise ValueError(f"downscaler must be one of {DOWNSCALERS}, got {downscaler!r}")
     import torch
     import torch.nn.functional as F
 

@@ -1,7 +1,8 @@
-"""Train EDSR data-parallel: ``hpdl sr train --config demo`` or ``train(load_config("demo"))``.
+"""Train a super-resolution model data-parallel: ``hpdl sr train --config demo`` or ``train(load_config("demo"))``.
 
-The script reads top to bottom: distributed set-up, data, model and optimizer, start or
-resume, the training loop, the end. The same code runs as one process or as one rank of many
+``train`` reads top to bottom like a training script: join the ranks, open the data, build the
+model and optimizer, start (or resume), the training loop, the end; what each step involves is
+in the functions below it. The same code runs as one process or as one rank of many
 under ``hpdl run``, mpiexec, srun or torchrun: ``hvd.init()`` reads the launcher's environment.
 Every rank trains on its own shard of each epoch and the optimizer averages the gradients, so
 the weights stay identical everywhere. Rank 0 alone prints, logs and writes checkpoints.
@@ -9,6 +10,7 @@ the weights stay identical everywhere. Rank 0 alone prints, logs and writes chec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -16,7 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy as np
 import torch
@@ -28,22 +30,29 @@ from hpdl.sr.checkpoint import capture_rng_state, load_checkpoint, make_checkpoi
 from hpdl.sr.config import TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, parse_range
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.models import MODELS, EDSR, EDSRConfig, build_model_from_config, count_parameters, load_pretrained
+from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
+from hpdl.sr.registry import make_config
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, lr_at, say, validate
+
+T = TypeVar("T")
+
+# The validation crops shown in TensorBoard: how many images, and the crop side in HR pixels.
+SAMPLE_IMAGES = 3
+SAMPLE_CROP = 96
 
 __all__ = ["TrainError", "format_summary", "train"]
 
 COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
 
 # What a run writes into out_dir: any of them there means an earlier run.
-RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.json", "config.yaml")
+RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.json", "config.yaml", "curves.png")
 
 # Settings that change what is trained. Resuming with other values works but is no longer the
 # same run, so it is pointed out; total_updates, val_every, out_dir and the like may change.
 TRAJECTORY_KEYS = ("model", "scale", "n_resblocks", "n_feats", "data", "train_range", "patch_size", "batch_size",
                    "global_batch_size", "repeat", "augment", "lr", "betas", "eps", "lr_decay_steps", "gamma",
-                   "warmup_updates", "scale_lr_with_world", "compression", "ema_decay", "seed")
+                   "warmup_updates", "scale_lr_with_world", "compression", "ema_decay", "seed", "downscaler")
 
 
 def train(cfg: TrainConfig) -> Dict[str, Any]:
@@ -52,156 +61,21 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     The PSNR entries are None on ranks other than 0 when validation is not sharded.
     """
     wall_start = time.perf_counter()
+    world = _join(cfg)
+    data = _open_data(cfg, world)
+    model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
+    progress = _start_or_resume(cfg, world, model, optimizer, ema, data.sampler)
+    run = _Run(cfg, world, data, model, optimizer, ema, base_lr, progress)
+    say(run.describe())
 
-    # -------------------------------------------------------------------------------------
-    # Distributed set-up. One process per core is the usual layout on CPUs, so by default each
-    # rank takes its share of the node's cores; more threads than cores only adds contention.
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    master = rank == 0
-    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
-    out_dir = Path(cfg.out_dir)
-    # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
-    # and decides; every rank raises its verdict alike.
-    refusal = hvd.broadcast_object(_earlier_run_refusal(out_dir, cfg) if master else None, 0, name="train.out_dir")
-    if refusal is not None:
-        raise TrainError(refusal)
-    cores = _cpu_count()
-    if master and cfg.threads > cores:
-        print(f"hpdl: warning: threads={cfg.threads} is more than the {cores} cores this process can use; "
-              "the threads will contend for them", file=sys.stderr, flush=True)
-    torch.set_num_threads(cfg.threads or max(1, cores // hvd.local_size()))
-    # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
-    # weights all come from rank 0 below, so the models still start identical.
-    random.seed(cfg.seed + rank)
-    np.random.seed(cfg.seed + rank)
-    torch.manual_seed(cfg.seed + rank)
-    if cfg.global_batch_size:
-        if cfg.global_batch_size % size:
-            raise TrainError(f"global_batch_size={cfg.global_batch_size} does not split over {size} ranks")
-        batch_size = cfg.global_batch_size // size
-    else:
-        batch_size = cfg.batch_size
-    global_batch = batch_size * size
-
-    # -------------------------------------------------------------------------------------
-    # Data. Every image is decoded and checked here, in the main process, so that a bad file
-    # fails now with its name; the DataLoader workers only crop memory-mapped arrays.
-    train_set = agreed("train data", lambda: build_train_dataset(
-        cfg.data, cfg.scale, patch_size=cfg.patch_size, repeat=cfg.repeat, augment=cfg.augment, seed=cfg.seed,
-        cache_dir=cfg.cache_dir, index_range=_range(cfg.train_range), on_bad_image=cfg.on_bad_image))
-    if len(train_set) // size < batch_size:
-        raise TrainError(f"{len(train_set)} patches per epoch give each of {size} ranks fewer than batch_size="
-                         f"{batch_size}; raise repeat")
-    validating = cfg.val_at_end or cfg.val_every > 0
-    val_set = agreed("validation data", lambda: build_val_dataset(
-        cfg.val_data or cfg.data, cfg.scale, cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
-        on_bad_image=cfg.on_bad_image)) if validating else None
-    # The sampler gives each rank a disjoint share of every epoch's permutation, the same number
-    # of samples on every rank; drop_last keeps every batch full, so all ranks make as many steps.
-    sampler = ShardSampler(train_set, rank=rank, num_replicas=size, seed=cfg.seed)
-    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, num_workers=cfg.workers,
-                        drop_last=True, pin_memory=device.type == "cuda")
-
-    # -------------------------------------------------------------------------------------
-    # Model and optimizer. The frozen MeanShift convs have no gradient and stay out of both.
-    model = _build_model(cfg).to(device)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # With per-rank batches the global batch grows with the ranks; the linear scaling rule
-    # (Goyal et al.) grows the lr with it, and the warm-up avoids the early instability.
-    base_lr = cfg.lr * (size if cfg.scale_lr_with_world else 1)
-    optimizer = torch.optim.Adam([p for _, p in named], lr=base_lr, betas=cfg.betas, eps=cfg.eps)
-    # Every gradient's allreduce starts inside backward(), as soon as autograd has produced it;
-    # step() waits for them and then runs Adam on the averaged gradients.
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named,
-                                         compression=COMPRESSION[cfg.compression])
-    ema = EMA(_build_model(cfg).to(device), cfg.ema_decay) if cfg.ema_decay else None
-
-    # -------------------------------------------------------------------------------------
-    # Start or resume. Rank 0 reads the checkpoint (only it needs the file) and then sends the
-    # weights, the optimizer state and the small rest to the others.
-    agreed("out_dir", lambda: _prepare_out_dir(out_dir, cfg) if master else None)
-    resume_path = hvd.broadcast_object(_resume_path(cfg, out_dir) if master else None, 0, name="train.resume_path")
-    state = agreed("resume", lambda: _restore(resume_path, cfg, model, optimizer, ema) if master else None)
-    state = hvd.broadcast_object(state, 0, name="train.state")
-    if state is None and cfg.pretrained:
-        report = agreed("pretrained", lambda: _load_pretrained(cfg.pretrained, model) if master else None)
-        say(f"started from {cfg.pretrained}: {report}")
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    if state is not None:
-        # A fresh optimizer has no state to send; broadcasting it would first create one with
-        # a zero-gradient step, which advances Adam's step count. After resuming there is one.
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    if ema is not None:
-        if state is not None:
-            hvd.broadcast_parameters([(f"ema.{k}", v) for k, v in ema.model.state_dict().items()], root_rank=0)
-        else:
-            ema.model.load_state_dict(model.state_dict())
-    update, train_seconds = 0, 0.0
-    if state is not None:
-        update, train_seconds = state["update"], state["train_seconds"]
-        try:
-            sampler.load_state_dict(state["sampler"])
-        except ValueError as err:  # e.g. another `repeat` or another set of images
-            raise TrainError(f"{resume_path}: cannot continue its data order: {err}") from None
-        if rank < len(state["rng"]):
-            restore_rng_state(state["rng"][rank])
-        now = cfg.to_dict()
-        changed = ", ".join(f"{k} ({state['config'].get(k)!r} -> {now[k]!r})"
-                            for k in TRAJECTORY_KEYS if state["config"].get(k) != now[k])
-        say(f"resumed from {resume_path} at update {update}" + (f"; changed: {changed}" if changed else ""))
-        if len(state["rng"]) != size:
-            say(f"note: the checkpoint was written by {len(state['rng'])} ranks, this job has {size}")
-    start_update = update
-    say(f"{model.config.describe()}, {count_parameters(model):,} parameters; {size} rank(s) x batch "
-        f"{batch_size} of {cfg.patch_size}px patches; {len(train_set)} patches per epoch; "
-        f"{torch.get_num_threads()} thread(s) per rank on {device}")
-
-    log = MetricsLog(out_dir, start_update if state is not None else None, say) if master else None
-    if master and state is None:
-        _write_config(out_dir / "config.yaml", cfg)
-    bar = _progress(master and cfg.progress, cfg.total_updates, update)
-
-    def evaluate_now() -> Optional[Dict[str, Any]]:
-        result = validate(ema.model if ema else model, val_set, cfg.val_space, cfg.val_tile or None,
-                          cfg.val_sharded)
-        if result is None:
-            return None  # not sharded, and not rank 0
-        m = result.means()
-        record = {"update": update, "psnr": m["psnr"], "bicubic_psnr": m["bicubic_psnr"], "ssim": m["ssim"],
-                  "bicubic_ssim": m["bicubic_ssim"], "images": len(result.records),
-                  "seconds": sum(r.seconds for r in result.records)}
-        if log is not None:
-            log.write("val", **record)
-            say(f"update {update}: {cfg.val_space.upper()}-PSNR {m['psnr']:.2f} dB "
-                f"(bicubic {m['bicubic_psnr']:.2f}) on {len(result.records)} held-out images")
-        return record
-
-    def checkpoint(step_in_pass: int) -> None:
-        # Every rank's RNG states go into the checkpoint, so every rank can continue its streams.
-        rng = hvd.allgather_object(capture_rng_state(), name="train.rng")
-
-        def write() -> None:
-            if master:
-                save_checkpoint(out_dir / "last.pt", make_checkpoint(
-                    model, optimizer=optimizer.state_dict(), ema=ema.state_dict() if ema else None,
-                    # DataLoader workers fetch ahead of training: count what was trained on.
-                    sampler=sampler.state_dict(consumed=step_in_pass * batch_size), rng=rng,
-                    schedule={"update": update, "base_lr": base_lr}, update=update,
-                    train_seconds=train_seconds, world_size=size, config=cfg.to_dict()))
-        agreed("checkpoint", write)  # a full disk on rank 0 stops every rank, not just rank 0
-
-    # -------------------------------------------------------------------------------------
     # The training loop: one update per batch, until total_updates.
-    batches = _batches(loader, sampler, train_set)
-    loss_sum, logged_at, log_clock = torch.zeros((), device=device), update, time.perf_counter()
-    step_seconds: List[float] = []  # of every update of this run, for img/s
+    batches = _batches(data.loader, data.sampler, data.train_set)
     model.train()
-    while update < cfg.total_updates:
+    while progress.update < cfg.total_updates:
         step_start = time.perf_counter()
         step_in_pass, epoch, (lr_img, hr_img) = next(batches)
-        lr_img, hr_img = lr_img.to(device, non_blocking=True), hr_img.to(device, non_blocking=True)
-        lr = lr_at(update, base_lr, cfg.warmup_updates, cfg.lr_decay_steps, cfg.gamma)
+        lr_img, hr_img = lr_img.to(world.device, non_blocking=True), hr_img.to(world.device, non_blocking=True)
+        lr = lr_at(progress.update, base_lr, cfg.warmup_updates, cfg.lr_decay_steps, cfg.gamma)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss = F.l1_loss(model(lr_img), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
@@ -210,52 +84,290 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         optimizer.step()  # waits for them, then Adam
         if ema is not None:
             ema.update(model)
-        update += 1
-        loss_sum += loss.detach()  # no .item() here: on a GPU that would be a sync point per step
-        seconds = time.perf_counter() - step_start
-        train_seconds += seconds
-        step_seconds.append(seconds)
-        bar.update(1)
+        run.count_update(loss, lr, epoch, time.perf_counter() - step_start)
+        run.validate_and_checkpoint(step_in_pass)
+    return run.finish(wall_start)
 
-        if update % cfg.log_every == 0 or update == cfg.total_updates:
-            # The mean over ranks and over the updates since the last line (a collective: all ranks).
-            mean_loss = hvd.allreduce(loss_sum / (update - logged_at), name="train.loss").item()
-            now = time.perf_counter()
-            img_per_s = (update - logged_at) * global_batch / (now - log_clock)
-            if log is not None:
-                log.write("train", update=update, epoch=epoch, loss=mean_loss, lr=lr, img_per_s=img_per_s,
-                          elapsed_s=train_seconds)
-            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{img_per_s:.1f}", refresh=False)
-            loss_sum.zero_()
-            logged_at, log_clock = update, now
-        pause = time.perf_counter()  # validation and checkpoints do not count as training time
+
+# -- the steps of train() ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _World:
+    """This rank's place in the job, and what follows from it."""
+
+    rank: int
+    size: int
+    device: torch.device
+    batch_size: int  # per rank
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.size
+
+
+@dataclasses.dataclass
+class _Data:
+    train_set: Any
+    val_set: Any  # None when the run does not validate
+    sampler: ShardSampler
+    loader: DataLoader
+
+
+@dataclasses.dataclass
+class _Progress:
+    update: int = 0
+    train_seconds: float = 0.0
+    resumed: bool = False
+
+
+def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
+    """Run ``fn`` on rank 0 alone (None elsewhere); a user error there is raised on every rank."""
+    return agreed(what, lambda: fn() if hvd.rank() == 0 else None)
+
+
+def _from_rank0(name: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and return its result on every rank."""
+    return hvd.broadcast_object(fn() if hvd.rank() == 0 else None, 0, name=f"train.{name}")
+
+
+def _join(cfg: TrainConfig) -> _World:
+    """Join the job: device, threads, seeds and per-rank batch; refuse an out_dir holding an earlier run.
+
+    One process per core is the usual layout on CPUs, so by default each rank takes its share of
+    the node's cores; more threads than cores only adds contention.
+    """
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
+    # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
+    # and decides; every rank raises its verdict alike.
+    refusal = _from_rank0("out_dir", lambda: _earlier_run_refusal(Path(cfg.out_dir), cfg))
+    if refusal is not None:
+        raise TrainError(refusal)
+    cores = _cpu_count()
+    if rank == 0 and cfg.threads > cores:
+        print(f"hpdl: warning: threads={cfg.threads} is more than the {cores} cores this process can use; "
+              "the threads will contend for them", file=sys.stderr, flush=True)
+    torch.set_num_threads(cfg.threads or max(1, cores // hvd.local_size()))
+    # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
+    # weights all come from rank 0, so the models still start identical.
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
+    if cfg.global_batch_size and cfg.global_batch_size % size:
+        raise TrainError(f"global_batch_size={cfg.global_batch_size} does not split over {size} ranks")
+    return _World(rank, size, device, cfg.global_batch_size // size if cfg.global_batch_size else cfg.batch_size)
+
+
+def _open_data(cfg: TrainConfig, world: _World) -> _Data:
+    """Open the training patches (this rank's shard of each epoch) and the validation images.
+
+    Every image is decoded and checked here, in the main process, so that a bad file fails now
+    with its name; the DataLoader workers only crop memory-mapped arrays.
+    """
+    train_set = agreed("train data", lambda: build_train_dataset(
+        cfg.data, cfg.scale, patch_size=cfg.patch_size, repeat=cfg.repeat, augment=cfg.augment, seed=cfg.seed,
+        cache_dir=cfg.cache_dir, index_range=_range(cfg.train_range), on_bad_image=cfg.on_bad_image,
+        downscaler=cfg.downscaler))
+    if len(train_set) // world.size < world.batch_size:
+        raise TrainError(f"{len(train_set)} patches per epoch give each of {world.size} ranks fewer than "
+                         f"batch_size={world.batch_size}; raise repeat")
+    validating = cfg.val_at_end or cfg.val_every > 0
+    val_set = agreed("validation data", lambda: build_val_dataset(
+        cfg.val_data or cfg.data, cfg.scale, cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
+        on_bad_image=cfg.on_bad_image, downscaler=cfg.downscaler)) if validating else None
+    # The sampler gives each rank a disjoint share of every epoch's permutation, the same number
+    # of samples on every rank; drop_last keeps every batch full, so all ranks make as many steps.
+    sampler = ShardSampler(train_set, rank=world.rank, num_replicas=world.size, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=world.batch_size, sampler=sampler, num_workers=cfg.workers,
+                        drop_last=True, pin_memory=world.device.type == "cuda")
+    return _Data(train_set, val_set, sampler, loader)
+
+
+def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Module, Any, Optional[EMA], float]:
+    """Build the model, the distributed Adam over its trainable parameters, and the EMA; return the base lr.
+
+    Frozen parameters (EDSR's MeanShift convs) have no gradient and stay out of the optimizer.
+    """
+    model = _build_model(cfg).to(world.device)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # With per-rank batches the global batch grows with the ranks; the linear scaling rule
+    # (Goyal et al.) grows the lr with it, and the warm-up avoids the early instability.
+    base_lr = cfg.lr * (world.size if cfg.scale_lr_with_world else 1)
+    optimizer = torch.optim.Adam([p for _, p in named], lr=base_lr, betas=cfg.betas, eps=cfg.eps)
+    # Every gradient's allreduce starts inside backward(), as soon as autograd has produced it;
+    # step() waits for them and then runs Adam on the averaged gradients.
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named,
+                                         compression=COMPRESSION[cfg.compression])
+    ema = EMA(_build_model(cfg).to(world.device), cfg.ema_decay) if cfg.ema_decay else None
+    return model, optimizer, ema, base_lr
+
+
+def _start_or_resume(cfg: TrainConfig, world: _World, model: torch.nn.Module, optimizer: Any,
+                     ema: Optional[EMA], sampler: ShardSampler) -> _Progress:
+    """Start from scratch or from pretrained weights, or resume; leave every rank with rank 0's state."""
+    out_dir = Path(cfg.out_dir)
+    _on_rank0("out_dir", lambda: _prepare_out_dir(out_dir, cfg))
+    resume_path = _from_rank0("resume_path", lambda: _resume_path(cfg, out_dir))
+    if resume_path is not None:
+        return _resume(resume_path, cfg, world, model, optimizer, ema, sampler)
+    if cfg.pretrained:
+        report = _on_rank0("pretrained", lambda: _load_pretrained(cfg.pretrained, model))
+        say(f"started from {cfg.pretrained}: {report}")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # A fresh optimizer has no state to send: broadcasting it would first create one with a
+    # zero-gradient step, which advances Adam's step count.
+    if ema is not None:
+        ema.model.load_state_dict(model.state_dict())
+    return _Progress()
+
+
+def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, optimizer: Any,
+            ema: Optional[EMA], sampler: ShardSampler) -> _Progress:
+    """Continue the run of checkpoint ``path``: weights, optimizer, EMA, data order and RNG streams.
+
+    Rank 0 reads the checkpoint (only it needs the file) and sends the weights, the optimizer
+    state and the small rest to the others.
+    """
+    state = _on_rank0("resume", lambda: _restore(path, cfg, model, optimizer, ema))
+    state = hvd.broadcast_object(state, 0, name="train.state")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if ema is not None:
+        hvd.broadcast_parameters([(f"ema.{k}", v) for k, v in ema.model.state_dict().items()], root_rank=0)
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except ValueError as err:  # e.g. another `repeat` or another set of images
+        raise TrainError(f"{path}: cannot continue its data order: {err}") from None
+    if world.rank < len(state["rng"]):
+        restore_rng_state(state["rng"][world.rank])
+    now = cfg.to_dict()
+    changed = ", ".join(f"{k} ({state['config'].get(k)!r} -> {now[k]!r})"
+                        for k in TRAJECTORY_KEYS if state["config"].get(k) != now[k])
+    say(f"resumed from {path} at update {state['update']}" + (f"; changed: {changed}" if changed else ""))
+    if len(state["rng"]) != world.size:
+        say(f"note: the checkpoint was written by {len(state['rng'])} ranks, this job has {world.size}")
+    return _Progress(state["update"], state["train_seconds"], resumed=True)
+
+
+class _Run:
+    """The bookkeeping around the loop: counters, the log, validation, checkpoints and the end."""
+
+    def __init__(self, cfg: TrainConfig, world: _World, data: _Data, model: torch.nn.Module, optimizer: Any,
+                 ema: Optional[EMA], base_lr: float, progress: _Progress) -> None:
+        self.cfg, self.world, self.data, self.progress = cfg, world, data, progress
+        self.model, self.optimizer, self.ema, self.base_lr = model, optimizer, ema, base_lr
+        self.out_dir = Path(cfg.out_dir)
+        self.start_update = progress.update
+        self.log = MetricsLog(self.out_dir, progress.update if progress.resumed else None, say) \
+            if world.master else None
+        if world.master and not progress.resumed:
+            _write_config(self.out_dir / "config.yaml", cfg)
+        self.bar = _progress(world.master and cfg.progress, cfg.total_updates, progress.update)
+        self.loss_sum = torch.zeros((), device=world.device)
+        self.logged_at, self.log_clock = progress.update, time.perf_counter()
+        self.step_seconds: List[float] = []  # of every update of this run, for img/s
+
+    def describe(self) -> str:
+        """Return the line that says what is trained, on how many ranks, with what batches."""
+        w, cfg = self.world, self.cfg
+        return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {w.size} rank(s) x "
+                f"batch {w.batch_size} of {cfg.patch_size}px patches; {len(self.data.train_set)} patches per epoch; "
+                f"{torch.get_num_threads()} thread(s) per rank on {w.device}")
+
+    def count_update(self, loss: torch.Tensor, lr: float, epoch: int, seconds: float) -> None:
+        """Count a finished update; every log_every updates, log the mean loss over ranks and img/s."""
+        p, cfg = self.progress, self.cfg
+        p.update += 1
+        self.loss_sum += loss.detach()  # no .item() here: on a GPU that would be a sync point per step
+        p.train_seconds += seconds
+        self.step_seconds.append(seconds)
+        self.bar.update(1)
+        if p.update % cfg.log_every and p.update != cfg.total_updates:
+            return
+        # The mean over ranks and over the updates since the last line (a collective: all ranks).
+        mean_loss = hvd.allreduce(self.loss_sum / (p.update - self.logged_at), name="train.loss").item()
+        now = time.perf_counter()
+        img_per_s = (p.update - self.logged_at) * self.world.global_batch / (now - self.log_clock)
+        if self.log is not None:
+            self.log.write("train", update=p.update, epoch=epoch, loss=mean_loss, lr=lr, img_per_s=img_per_s,
+                           elapsed_s=p.train_seconds)
+        self.bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{img_per_s:.1f}", refresh=False)
+        self.loss_sum.zero_()
+        self.logged_at, self.log_clock = p.update, now
+
+    def validate_and_checkpoint(self, step_in_pass: int) -> None:
+        """Validate and write last.pt when they are due; neither counts as training time."""
+        update, cfg = self.progress.update, self.cfg
+        pause = time.perf_counter()
         if cfg.val_every and update % cfg.val_every == 0 and update < cfg.total_updates:
-            evaluate_now()
+            self.validate()
         if (cfg.ckpt_every and update % cfg.ckpt_every == 0) or update == cfg.total_updates:
-            checkpoint(step_in_pass)
-        log_clock += time.perf_counter() - pause
-    bar.close()
+            self.checkpoint(step_in_pass)
+        self.log_clock += time.perf_counter() - pause
 
-    # -------------------------------------------------------------------------------------
-    # The end: the weights to use (the moving average if there is one), a final validation.
-    final = ema.model if ema is not None else model
-    agreed("weights", lambda: save_checkpoint(out_dir / "model.pt", make_checkpoint(final, update=update))
-           if master else None)
-    scores = evaluate_now() if cfg.val_at_end and update > 0 else None
-    runs = update - start_update
-    summary = {
-        "model": final.config.describe(), "world_size": size, "updates": update, "updates_this_run": runs,
-        "global_batch": global_batch, "patch_size": cfg.patch_size, "train_seconds": train_seconds,
-        "wall_seconds": time.perf_counter() - wall_start,
-        **_throughput(step_seconds, global_batch),
-        "threads_per_rank": torch.get_num_threads(), "val_space": cfg.val_space,
-        "psnr": scores["psnr"] if scores else None, "bicubic_psnr": scores["bicubic_psnr"] if scores else None,
-        "val_images": scores["images"] if scores else 0, "out_dir": str(out_dir),
-    }
-    if log is not None:
-        log.close()
-        _write_json(out_dir / "summary.json", summary)
-    return summary
+    @property
+    def weights(self) -> torch.nn.Module:
+        """The weights to use: the moving average if there is one."""
+        return self.ema.model if self.ema is not None else self.model
+
+    def validate(self) -> Optional[Dict[str, Any]]:
+        """Score the weights on the validation images; rank 0 logs the means and a grid of sample crops."""
+        cfg, update = self.cfg, self.progress.update
+        result = validate(self.weights, self.data.val_set, cfg.val_space, cfg.val_tile or None, cfg.val_sharded)
+        if result is None:
+            return None  # not sharded, and not rank 0
+        m = result.means()
+        record = {"update": update, "psnr": m["psnr"], "bicubic_psnr": m["bicubic_psnr"], "ssim": m["ssim"],
+                  "bicubic_ssim": m["bicubic_ssim"], "images": len(result.records),
+                  "seconds": sum(r.seconds for r in result.records)}
+        if self.log is not None:
+            self.log.write("val", **record)
+            if self.log.shows_images:
+                self.log.image("val/samples", _sample_grid(self.weights, self.data.val_set), update)
+            say(f"update {update}: {cfg.val_space.upper()}-PSNR {m['psnr']:.2f} dB "
+                f"(bicubic {m['bicubic_psnr']:.2f}) on {len(result.records)} held-out images")
+        return record
+
+    def checkpoint(self, step_in_pass: int) -> None:
+        """Write out_dir/last.pt with everything a resumed run needs (on rank 0; all ranks take part)."""
+        # Every rank's RNG states go into the checkpoint, so every rank can continue its streams.
+        rng = hvd.allgather_object(capture_rng_state(), name="train.rng")
+        p = self.progress
+        _on_rank0("checkpoint", lambda: save_checkpoint(self.out_dir / "last.pt", make_checkpoint(
+            self.model, optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict() if self.ema else None,
+            # DataLoader workers fetch ahead of training: count what was trained on.
+            sampler=self.data.sampler.state_dict(consumed=step_in_pass * self.world.batch_size), rng=rng,
+            schedule={"update": p.update, "base_lr": self.base_lr}, update=p.update,
+            train_seconds=p.train_seconds, world_size=self.world.size, config=self.cfg.to_dict())))
+
+    def finish(self, wall_start: float) -> Dict[str, Any]:
+        """Save the weights, validate them once more, draw the curves; return the summary."""
+        self.bar.close()
+        cfg, p, w = self.cfg, self.progress, self.world
+        _on_rank0("weights", lambda: save_checkpoint(self.out_dir / "model.pt",
+                                                     make_checkpoint(self.weights, update=p.update)))
+        scores = self.validate() if cfg.val_at_end and p.update > 0 else None
+        summary = {
+            "model": self.weights.config.describe(), "world_size": w.size, "updates": p.update,
+            "updates_this_run": p.update - self.start_update, "global_batch": w.global_batch,
+            "patch_size": cfg.patch_size, "train_seconds": p.train_seconds,
+            "wall_seconds": time.perf_counter() - wall_start,
+            **_throughput(self.step_seconds, w.global_batch),
+            "threads_per_rank": torch.get_num_threads(), "val_space": cfg.val_space,
+            "psnr": scores["psnr"] if scores else None, "bicubic_psnr": scores["bicubic_psnr"] if scores else None,
+            "val_images": scores["images"] if scores else 0, "out_dir": str(self.out_dir),
+        }
+        if self.log is not None:
+            self.log.close()
+            _draw_curves(self.out_dir)
+            _write_json(self.out_dir / "summary.json", summary)
+        return summary
 
 
 # -- helpers of the set-up above ------------------------------------------------------------------
@@ -286,14 +398,8 @@ def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
     return parse_range(text) if text else None
 
 
-def _build_model(cfg: TrainConfig) -> EDSR:
-    name = cfg.model.strip().lower().replace("-", "_")
-    blocks, feats, res_scale = MODELS[name]
-    if cfg.n_resblocks or cfg.n_feats:
-        blocks, feats = cfg.n_resblocks or blocks, cfg.n_feats or feats
-        if (blocks, feats) != MODELS[name][:2]:
-            name = "edsr_custom"  # what checkpoint loading calls a model of another size
-    return build_model_from_config(EDSRConfig(name, cfg.scale, blocks, feats, res_scale))
+def _build_model(cfg: TrainConfig) -> torch.nn.Module:
+    return build_model_from_config(make_config(cfg.model, cfg.scale, cfg.n_resblocks, cfg.n_feats))
 
 
 def _earlier_run(out_dir: Path) -> List[str]:
@@ -329,10 +435,8 @@ def _resume_path(cfg: TrainConfig, out_dir: Path) -> Optional[str]:
     return cfg.resume
 
 
-def _restore(path: Optional[str], cfg: TrainConfig, model: EDSR, optimizer: Any, ema: Optional[EMA]):
+def _restore(path: str, cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, ema: Optional[EMA]):
     """On rank 0: load a training checkpoint into the model, optimizer and EMA; return the rest."""
-    if path is None:
-        return None
     ckpt = load_checkpoint(path, model_name=model.config.name, scale=cfg.scale)
     theirs = ckpt["meta"].get("config", {})
     if theirs != model.config.to_dict():
@@ -355,12 +459,30 @@ def _restore(path: Optional[str], cfg: TrainConfig, model: EDSR, optimizer: Any,
     return {k: ckpt[k] for k in ("update", "sampler", "rng", "train_seconds", "config")}
 
 
-def _load_pretrained(path: str, model: EDSR) -> str:
+def _load_pretrained(path: str, model: torch.nn.Module) -> str:
     """On rank 0: copy weights from a checkpoint; a different scale keeps this model's tail fresh."""
     ckpt = load_checkpoint(path)
+    for note in ckpt["meta"].get("notes", []):
+        say(f"note: {note}")
     same_scale = int(ckpt["meta"]["scale"]) == model.scale
     report = load_pretrained(model, ckpt["model"], strict_tail=same_scale)
     return f"{len(report.loaded)} tensors loaded" + (f", {len(report.skipped)} fresh (tail)" if report.skipped else "")
+
+
+def _sample_grid(model: torch.nn.Module, val_set: Any) -> np.ndarray:
+    """A grid of centre crops of the first few validation images: LR, bicubic, SR and HR."""
+    from hpdl.sr.figures import sample_crops, sample_grid
+
+    return sample_grid(sample_crops(model, val_set, range(min(SAMPLE_IMAGES, len(val_set))), SAMPLE_CROP))
+
+
+def _draw_curves(out_dir: Path) -> None:
+    try:
+        from hpdl.sr.figures import plot_curves
+
+        plot_curves(out_dir)
+    except ImportError:
+        say("matplotlib not installed (pip install 'hpdl[sr]'): no curves.png")
 
 
 def _batches(loader: DataLoader, sampler: ShardSampler, dataset: Any) -> Iterator[Tuple[int, int, Any]]:

@@ -104,7 +104,8 @@ VAL_COLUMNS = ("update", "psnr", "bicubic_psnr", "ssim", "bicubic_ssim", "images
 
 class MetricsLog:
     """Rank 0's log: ``train_log.csv`` and ``val_log.csv`` in the run directory, plus TensorBoard
-    event files in ``tb/`` when ``torch.utils.tensorboard`` can be imported.
+    event files in ``tb/`` (scalars, and pictures of validation crops) when
+    ``torch.utils.tensorboard`` can be imported.
 
     On resume, rows past the checkpoint's update (written by the interrupted run after its last
     checkpoint) are dropped, so the files read as if the run had never stopped.
@@ -139,6 +140,17 @@ class MetricsLog:
             for key, value in values.items():
                 if key != "update" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"{kind}/{key}", value, values["update"])
+
+    @property
+    def shows_images(self) -> bool:
+        """Whether ``image`` has somewhere to go (TensorBoard is installed)."""
+        return self._tb is not None
+
+    def image(self, tag: str, picture: Any, update: int) -> None:
+        """Add a uint8 ``(H, W, 3)`` picture to TensorBoard at ``update``."""
+        if self._tb is not None:
+            self._tb.add_image(tag, picture, update, dataformats="HWC")
+            self._tb.flush()
 
     def close(self) -> None:
         for f, _, _ in self._files.values():

@@ -1,0 +1,147 @@
+"""What a person looks at rather than reads: sample grids (LR / bicubic / SR / HR) and training curves.
+
+A sample is a centre crop of a validation image. The model runs on the LR crop extended by its
+receptive-field radius and only the inner part is kept, so the SR crop is exactly the crop of a
+whole-image pass, at the cost of the crop alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from hpdl.sr._atomic import atomic_write
+from hpdl.sr.metrics import bicubic_upscale, quantize
+from hpdl.sr.models import receptive_field_radius
+from hpdl.sr.upscale import upscale
+
+__all__ = ["COLUMNS", "GAP", "LABEL_HEIGHT", "Sample", "cell_origin", "grid_size", "plot_curves", "sample_crops",
+           "sample_grid"]
+
+COLUMNS = ("LR (nearest)", "bicubic", "SR", "HR")
+GAP = 4  # white pixels between cells
+LABEL_HEIGHT = 14  # the strip above each row (and the header) that carries its text
+_BICUBIC_RADIUS = 2  # LR pixels a bicubic output pixel reads on each side
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One crop, every picture uint8 ``(c, c, 3)`` at HR size (LR enlarged by repeating pixels)."""
+
+    name: str
+    lr: np.ndarray
+    bicubic: np.ndarray
+    sr: np.ndarray
+    hr: np.ndarray
+
+
+def _to_uint8(x: torch.Tensor) -> np.ndarray:
+    return quantize(x.float()).to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+@torch.no_grad()
+def sample_crops(model: nn.Module, pairs, indices: Sequence[int], crop: int) -> List[Sample]:
+    """Return the centre crop of ``crop`` HR pixels (rounded down to the scale, cut to the image) of each pair."""
+    margin = max(receptive_field_radius(model), _BICUBIC_RADIUS)
+    samples = []
+    was_training = model.training
+    model.eval()
+    try:
+        for i in indices:
+            samples.append(_sample(model, pairs, i, crop, margin))
+    finally:
+        model.train(was_training)
+    return samples
+
+
+def _sample(model: nn.Module, pairs, i: int, crop: int, margin: int) -> Sample:
+    s = pairs.scale
+    lr, hr = pairs[i]
+    (lh, lw), side = lr.shape[-2:], max(crop // s, 1)
+    ch, cw = min(side, lh), min(side, lw)
+    y0, x0 = (lh - ch) // 2, (lw - cw) // 2
+    ya, xa = max(y0 - margin, 0), max(x0 - margin, 0)
+    window = lr[:, ya : min(y0 + ch + margin, lh), xa : min(x0 + cw + margin, lw)]
+
+    def inner(out: torch.Tensor) -> np.ndarray:
+        return _to_uint8(out[:, (y0 - ya) * s : (y0 - ya + ch) * s, (x0 - xa) * s : (x0 - xa + cw) * s])
+
+    lr_crop = lr[:, y0 : y0 + ch, x0 : x0 + cw].repeat_interleave(s, 1).repeat_interleave(s, 2)
+    return Sample(name=pairs.names[i], lr=_to_uint8(lr_crop), bicubic=inner(bicubic_upscale(window, s)),
+                  sr=inner(upscale(model, window)), hr=_to_uint8(hr[:, y0 * s : (y0 + ch) * s, x0 * s : (x0 + cw) * s]))
+
+
+def grid_size(rows: int, cell: Tuple[int, int]) -> Tuple[int, int]:
+    """Return ``(height, width)`` of a grid of ``rows`` samples whose cells are ``cell`` = (h, w)."""
+    h, w = cell
+    return LABEL_HEIGHT + rows * (LABEL_HEIGHT + h + GAP), len(COLUMNS) * w + (len(COLUMNS) + 1) * GAP
+
+
+def cell_origin(row: int, column: int, cell: Tuple[int, int]) -> Tuple[int, int]:
+    """Return the top-left ``(y, x)`` of a cell in the grid."""
+    h, w = cell
+    return LABEL_HEIGHT + row * (LABEL_HEIGHT + h + GAP) + LABEL_HEIGHT, GAP + column * (w + GAP)
+
+
+def sample_grid(samples: Sequence[Sample]) -> np.ndarray:
+    """Lay out samples as rows of LR / bicubic / SR / HR on white, labelled; uint8 ``(H, W, 3)``.
+
+    Cells are as large as the largest crop; a smaller crop sits in its cell's top-left corner.
+    """
+    from PIL import Image, ImageDraw
+
+    cell = (max(x.hr.shape[0] for x in samples), max(x.hr.shape[1] for x in samples))
+    grid = np.full((*grid_size(len(samples), cell), 3), 255, np.uint8)
+    for row, sample in enumerate(samples):
+        for column, picture in enumerate((sample.lr, sample.bicubic, sample.sr, sample.hr)):
+            y, x = cell_origin(row, column, cell)
+            grid[y : y + picture.shape[0], x : x + picture.shape[1]] = picture
+    image = Image.fromarray(grid)
+    draw = ImageDraw.Draw(image)
+    for column, title in enumerate(COLUMNS):
+        draw.text((cell_origin(0, column, cell)[1], 2), title, fill=(0, 0, 0))
+    for row, sample in enumerate(samples):
+        y = cell_origin(row, 0, cell)[0] - LABEL_HEIGHT
+        draw.text((GAP, y + 2), sample.name, fill=(0, 0, 0))
+    return np.asarray(image).copy()
+
+
+def _read_log(path: Path) -> Dict[str, List[float]]:
+    columns: Dict[str, List[float]] = {}
+    if not path.is_file():
+        return columns
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                columns.setdefault(key, []).append(float(value) if value not in ("", None) else math.nan)
+    return columns
+
+
+def plot_curves(out_dir: Path) -> Path:
+    """Draw ``out_dir/curves.png`` from its CSV logs: loss, learning rate, and validation PSNR against bicubic."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    train, val = _read_log(out_dir / "train_log.csv"), _read_log(out_dir / "val_log.csv")
+    fig, (loss_ax, lr_ax, psnr_ax) = plt.subplots(1, 3, figsize=(13, 3.6), constrained_layout=True)
+    loss_ax.plot(train.get("update", []), train.get("loss", []), color="tab:blue")
+    loss_ax.set(title="training loss (L1)", xlabel="update")
+    lr_ax.plot(train.get("update", []), train.get("lr", []), color="tab:orange")
+    lr_ax.set(title="learning rate", xlabel="update")
+    psnr_ax.plot(val.get("update", []), val.get("psnr", []), "o-", label="model", color="tab:green")
+    psnr_ax.plot(val.get("update", []), val.get("bicubic_psnr", []), "--", label="bicubic", color="tab:gray")
+    psnr_ax.set(title="validation PSNR (dB)", xlabel="update")
+    psnr_ax.legend()
+    try:
+        return atomic_write(out_dir / "curves.png", lambda f: fig.savefig(f, format="png", dpi=80))
+    finally:
+        plt.close(fig)

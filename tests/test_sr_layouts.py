@@ -1,0 +1,170 @@
+"""Dataset layouts as EDSR-PyTorch and BasicSR ship them, refused mixtures, and several sets in one evaluation."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hpdl.cli import main
+from hpdl.sr.checkpoint import load_model, make_checkpoint, save_checkpoint
+from hpdl.sr.datasets import detect_layout, open_pairs, split_sets
+from hpdl.sr.errors import SRDataError
+from hpdl.sr.imresize import matlab_downscale
+from hpdl.sr.metrics import quantize
+from hpdl.sr.models import build_model_from_config
+from hpdl.sr.registry import ModelConfig
+from hpdl.sr.upscale import upscale
+
+
+def photo(h, w, seed=0):
+    """A smooth random image (so bicubic scores are realistic, not noise)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (h // 8 + 2, w // 8 + 2, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
+
+
+def save(path, array):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array).save(path)
+
+
+IMAGES = {"baby": (48, 36), "bird": (36, 60)}
+
+
+def basicsr_set(root, scales=(2, 4), extra_original=True):
+    """A set as BasicSR ships it: GTmod12/ (HR), LRbicx<s>/ with the same file names, original/."""
+    for i, (name, (h, w)) in enumerate(IMAGES.items()):
+        hr = photo(h, w, i)
+        save(root / "GTmod12" / f"{name}.png", hr)
+        for s in scales:
+            save(root / f"LRbicx{s}" / f"{name}.png", matlab_downscale(hr, s))
+        if extra_original:
+            save(root / "original" / f"{name}.png", photo(h + 3, w + 5, i))
+    return root
+
+
+def edsr_set(root, scales=(2, 4)):
+    """The same images as EDSR-PyTorch ships them: HR/ and LR_bicubic/X<s>/<name>x<s>.png."""
+    for i, (name, (h, w)) in enumerate(IMAGES.items()):
+        hr = photo(h, w, i)
+        save(root / "HR" / f"{name}.png", hr)
+        for s in scales:
+            save(root / "LR_bicubic" / f"X{s}" / f"{name}x{s}.png", matlab_downscale(hr, s))
+    return root
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    torch.manual_seed(0)
+    return save_checkpoint(tmp_path / "tiny_x2.pt", make_checkpoint(build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))))
+
+
+@pytest.mark.parametrize("scale", [2, 4])
+def test_basicsr_layout_pairs_hr_with_lr_by_name(tmp_path, scale):
+    root = basicsr_set(tmp_path / "Set5")
+    assert detect_layout(root) == "basicsr"
+    pairs = open_pairs(root, scale, cache_dir=tmp_path / "cache")
+    assert pairs.layout == "basicsr" and pairs.names == ["baby", "bird"]
+    for i, (name, (h, w)) in enumerate(IMAGES.items()):
+        lr, hr = pairs.arrays(i)
+        assert np.array_equal(hr, photo(h, w, i))
+        assert np.array_equal(lr, np.asarray(Image.open(root / f"LRbicx{scale}" / f"{name}.png")))
+
+
+def test_both_benchmark_layouts_give_the_same_scores(tmp_path, ckpt):
+    model, _ = load_model(ckpt)
+    from hpdl.sr.evaluate import evaluate
+
+    a = evaluate(model, open_pairs(basicsr_set(tmp_path / "a" / "Set5"), 2, cache_dir=tmp_path / "c"), 2)
+    b = evaluate(model, open_pairs(edsr_set(tmp_path / "b" / "Set5"), 2, cache_dir=tmp_path / "c"), 2)
+    assert a.means()["psnr"] == pytest.approx(b.means()["psnr"]) and a.means()["ssim"] == pytest.approx(b.means()["ssim"])
+
+
+@pytest.mark.parametrize("make,fragments", [
+    (lambda r: (basicsr_set(r), edsr_set(r)), ["ambiguous layout", "GTmod12/", "HR/", "LR_bicubic/", "LRbicx2/",
+                                                "basicsr and benchmark"]),
+    (lambda r: (edsr_set(r), save(r / "DIV2K_train_HR" / "0001.png", photo(24, 24))), ["ambiguous", "DIV2K_train_HR/"]),
+    (lambda r: save(r / "LRbicx2" / "baby.png", photo(24, 24)), ["found LRbicx2/", "no GTmod12/"]),
+    (lambda r: save(r / "LR_bicubic" / "X2" / "babyx2.png", photo(24, 24)), ["found LR_bicubic/", "needs both HR/"]),
+    (lambda r: save(r / "HR" / "baby.png", photo(24, 24)), ["found HR/", "give the HR folder itself"]),
+    (lambda r: edsr_set(r / "Set5"), ["LR_bicubic/", "would take the LR images"]),
+    (lambda r: basicsr_set(r / "Set14"), ["LRbicx2/", "would take the LR images"]),
+], ids=["basicsr and edsr", "div2k and edsr", "LRbicx alone", "LR_bicubic alone", "HR alone", "benchmark root",
+        "basicsr root"])
+def test_a_mixed_partial_or_parent_folder_is_refused_saying_what_was_found(tmp_path, make, fragments):
+    root = tmp_path / "data"
+    root.mkdir()
+    make(root)
+    with pytest.raises(SRDataError) as err:
+        open_pairs(root, 2, cache_dir=tmp_path / "cache")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(root))
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_an_lr_image_without_its_hr_image_is_named(tmp_path):
+    root = basicsr_set(tmp_path / "Set5")
+    save(root / "LRbicx2" / "zebra.png", photo(12, 12))
+    with pytest.raises(SRDataError, match=r"LRbicx2/zebra\.png: LR image without an HR image of the same name"):
+        open_pairs(root, 2, cache_dir=tmp_path / "cache")
+
+
+def test_split_sets_as_edsr_pytorch_spells_them(tmp_path):
+    for name in ("Set5", "Set14"):
+        edsr_set(tmp_path / "benchmark" / name)
+    edsr_set(tmp_path / "B100")
+    assert split_sets("Set5+Set14+B100", tmp_path) == [
+        ("Set5", str(tmp_path / "benchmark" / "Set5")), ("Set14", str(tmp_path / "benchmark" / "Set14")),
+        ("B100", str(tmp_path / "B100"))]
+    assert split_sets(str(tmp_path / "B100")) == [("B100", str(tmp_path / "B100"))]
+    assert split_sets("embedded") == [("embedded", "embedded")]
+    with pytest.raises(SRDataError, match="two sets named Set5"):
+        split_sets(f"Set5+{tmp_path / 'benchmark' / 'Set5'}", tmp_path)
+    with pytest.raises(SRDataError, match="empty set name"):
+        split_sets("Set5++Set14", tmp_path)
+
+
+def test_eval_of_several_sets_prints_one_table_and_saves_results(tmp_path, ckpt, capsys):
+    basicsr_set(tmp_path / "data" / "Set5")
+    edsr_set(tmp_path / "data" / "benchmark" / "Set14")
+    args = ["sr", "eval", "--ckpt", str(ckpt), "--data", "Set5+Set14", "--data-root", str(tmp_path / "data"),
+            "--cache-dir", str(tmp_path / "cache")]
+    assert main(args + ["--save-results", str(tmp_path / "results")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "tiny x2 (1 blocks, 8 features), x2"
+    assert lines[1].split() == ["set", "images", "PSNR", "SSIM", "bicubic", "SSIM", "space"]
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert set(rows) == {"Set5", "Set14"} and rows["Set5"][1] == "2" and rows["Set5"][6:] == ["Y,", "shave", "2"]
+
+    assert main(args + ["--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    sets = {s["name"]: s for s in record["sets"]}
+    assert sets["Set5"]["layout"] == "basicsr" and sets["Set14"]["layout"] == "benchmark"
+    assert float(rows["Set14"][2]) == pytest.approx(sets["Set14"]["mean"]["psnr"], abs=0.006)
+    assert float(rows["Set14"][4]) == pytest.approx(sets["Set14"]["mean"]["bicubic_psnr"], abs=0.006)
+
+    # EDSR-PyTorch's naming of results, the model's output quantised
+    saved = sorted(p.relative_to(tmp_path / "results").as_posix() for p in (tmp_path / "results").rglob("*.png"))
+    assert saved == ["Set14/baby_x2_SR.png", "Set14/bird_x2_SR.png", "Set5/baby_x2_SR.png", "Set5/bird_x2_SR.png"]
+    model, _ = load_model(ckpt)
+    lr = torch.from_numpy(np.asarray(Image.open(tmp_path / "data" / "Set5" / "LRbicx2" / "bird.png")).copy())
+    expected = quantize(upscale(model, lr.permute(2, 0, 1).float())).byte().permute(1, 2, 0).numpy()
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "results" / "Set5" / "bird_x2_SR.png")), expected)
+
+
+def test_folder_eval_makes_lr_with_matlab_imresize_unless_told_otherwise(tmp_path, ckpt, capsys):
+    save(tmp_path / "photos" / "a.png", photo(40, 44))
+    base = ["sr", "eval", "--ckpt", str(ckpt), "--data", str(tmp_path / "photos"), "--json",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert main(base) == 0
+    matlab = json.loads(capsys.readouterr().out)
+    assert main(base + ["--downscaler", "torch"]) == 0
+    torch_made = json.loads(capsys.readouterr().out)
+    assert (matlab["downscaler"], torch_made["downscaler"]) == ("matlab", "torch")
+    m, t = matlab["sets"][0]["mean"], torch_made["sets"][0]["mean"]
+    assert m["bicubic_psnr"] != t["bicubic_psnr"]
+    pairs = open_pairs(tmp_path / "photos", 2, cache_dir=tmp_path / "cache")
+    assert np.array_equal(pairs.arrays(0)[0], matlab_downscale(photo(40, 44), 2))

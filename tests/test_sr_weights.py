@@ -1,0 +1,130 @@
+"""Weights of EDSR-PyTorch and BasicSR: read into hpdl's models with the same outputs, and written back."""
+
+import pytest
+import torch
+
+from hpdl.cli import main
+from hpdl.sr.checkpoint import load_checkpoint, load_model, make_checkpoint, save_checkpoint
+from hpdl.sr.models import build_model, config_from_state_dict
+from hpdl.sr.weights import import_weights
+from sr_reference import BasicsrEDSR, BasicsrMSRResNet, EdsrPytorchEDSR, randomise
+
+
+def lr_batch(seed=0, size=(9, 11)):
+    return torch.rand(2, 3, *size, generator=torch.Generator().manual_seed(seed)) * 255
+
+
+def hpdl_output(path, x):
+    model, _ = load_model(path)
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.parametrize("scale", [2, 3, 4])
+def test_edsr_pytorch_state_dict_gives_its_outputs(tmp_path, scale):
+    ref = randomise(EdsrPytorchEDSR(n_resblocks=2, n_feats=8, scale=scale), seed=scale)
+    torch.save(ref.state_dict(), tmp_path / "edsr.pt")
+    x = lr_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(hpdl_output(tmp_path / "edsr.pt", x), ref(x), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [2, 3, 4])
+def test_basicsr_edsr_gives_its_outputs(tmp_path, scale):
+    ref = randomise(BasicsrEDSR(num_feat=8, num_block=3, upscale=scale), seed=scale)
+    torch.save({"params": ref.state_dict()}, tmp_path / "basicsr.pth")
+    x = lr_batch()
+    with torch.no_grad():
+        expected = ref(x / 255) * 255  # BasicSR works on [0, 1]
+    torch.testing.assert_close(hpdl_output(tmp_path / "basicsr.pth", x), expected, atol=1e-3, rtol=1e-5)
+    ckpt = load_checkpoint(tmp_path / "basicsr.pth")
+    assert ckpt["meta"]["config"]["n_resblocks"] == 3 and ckpt["meta"]["scale"] == scale
+    assert any("DIV2K mean" in note for note in ckpt["meta"]["notes"])
+
+
+def test_basicsr_file_with_a_moving_average_loads_the_average(tmp_path):
+    trained = randomise(BasicsrEDSR(num_feat=8, num_block=1, upscale=2), seed=1)
+    average = randomise(BasicsrEDSR(num_feat=8, num_block=1, upscale=2), seed=2)
+    torch.save({"params": trained.state_dict(), "params_ema": average.state_dict()}, tmp_path / "net_g.pth")
+    x = lr_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(hpdl_output(tmp_path / "net_g.pth", x), average(x / 255) * 255,
+                                   atol=1e-3, rtol=1e-5)
+    notes = load_checkpoint(tmp_path / "net_g.pth")["meta"]["notes"]
+    assert any("using 'params_ema'" in note for note in notes)
+
+
+@pytest.mark.parametrize("scale", [2, 3, 4])
+def test_basicsr_srresnet_gives_its_outputs(tmp_path, scale):
+    ref = randomise(BasicsrMSRResNet(num_feat=8, num_block=2, upscale=scale), seed=scale)
+    torch.save({"params": ref.state_dict()}, tmp_path / "msrresnet.pth")
+    x = lr_batch()
+    with torch.no_grad():
+        expected = ref(x / 255) * 255
+    torch.testing.assert_close(hpdl_output(tmp_path / "msrresnet.pth", x), expected, atol=1e-3, rtol=1e-5)
+    assert load_checkpoint(tmp_path / "msrresnet.pth")["meta"]["config"]["arch"] == "srresnet"
+
+
+def test_state_dict_without_means_loads_with_the_div2k_mean_and_a_note(tmp_path, capsys):
+    ref = randomise(EdsrPytorchEDSR(n_resblocks=1, n_feats=8, scale=2), seed=0)
+    state = {k: v for k, v in ref.state_dict().items() if "mean" not in k}
+    torch.save(state, tmp_path / "no_mean.pt")
+    x = lr_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(hpdl_output(tmp_path / "no_mean.pt", x), ref(x), atol=1e-3, rtol=1e-5)
+    image = tmp_path / "in.png"
+    from PIL import Image
+
+    Image.fromarray((lr_batch(size=(12, 12))[0].permute(1, 2, 0)).byte().numpy()).save(image)
+    assert main(["sr", "upscale", str(image), str(tmp_path / "out.png"), "--ckpt", str(tmp_path / "no_mean.pt")]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpdl: note:")]
+    assert len(notes) == 1 and "no sub_mean/add_mean" in notes[0] and "DIV2K mean" in notes[0]
+
+
+@pytest.mark.parametrize("blocks,feats,name,res_scale", [(16, 64, "edsr_baseline", 1.0), (32, 256, "edsr", 0.1)])
+def test_basicsr_published_sizes_are_recognised(blocks, feats, name, res_scale):
+    with torch.device("meta"):
+        ref = BasicsrEDSR(num_feat=feats, num_block=blocks, upscale=4, res_scale=res_scale)
+    state, _ = import_weights({"params": ref.state_dict()})
+    config = config_from_state_dict(state)
+    assert (config.name, config.scale, config.res_scale) == (name, 4, res_scale)
+    assert set(state) == set(build_model(name, 4, device="meta").state_dict())
+
+
+@pytest.mark.parametrize("scale", [2, 4])
+def test_export_to_basicsr_and_edsr_pytorch_loads_strictly_with_equal_outputs(tmp_path, scale):
+    torch.manual_seed(scale)
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig
+
+    model = randomise(build_model_from_config(ModelConfig("tiny", scale, 2, 8, 1.0)), seed=scale)
+    ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(model))
+    x = lr_batch()
+    with torch.no_grad():
+        ours = model(x)
+
+    assert main(["sr", "export", str(tmp_path / "b.pth"), "--ckpt", str(ckpt), "--to", "basicsr"]) == 0
+    basicsr = BasicsrEDSR(num_feat=8, num_block=2, upscale=scale).eval()
+    basicsr.load_state_dict(torch.load(tmp_path / "b.pth", weights_only=True)["params"], strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(basicsr(x / 255) * 255, ours, atol=1e-3, rtol=1e-5)
+
+    assert main(["sr", "export", str(tmp_path / "e.pt"), "--ckpt", str(ckpt), "--to", "edsr-pytorch"]) == 0
+    edsr = EdsrPytorchEDSR(n_resblocks=2, n_feats=8, scale=scale).eval()
+    edsr.load_state_dict(torch.load(tmp_path / "e.pt", weights_only=True), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(edsr(x), ours, atol=1e-3, rtol=1e-5)
+
+    # and back: the exported BasicSR file is the same model again
+    torch.testing.assert_close(hpdl_output(tmp_path / "b.pth", x), ours, atol=1e-3, rtol=1e-5)
+
+
+def test_srresnet_exports_to_basicsr(tmp_path):
+    model = randomise(build_model("srresnet", 4), seed=3)
+    ckpt = save_checkpoint(tmp_path / "srresnet.pt", make_checkpoint(model))
+    assert main(["sr", "export", str(tmp_path / "s.pth"), "--ckpt", str(ckpt), "--to", "basicsr"]) == 0
+    ref = BasicsrMSRResNet(upscale=4).eval()
+    ref.load_state_dict(torch.load(tmp_path / "s.pth", weights_only=True)["params"], strict=True)
+    x = lr_batch(size=(6, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ref(x / 255) * 255, model(x), atol=1e-3, rtol=1e-5)
