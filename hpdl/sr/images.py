@@ -75,8 +75,6 @@ def read_image(path: PathLike, *, max_pixels: Optional[int] = None) -> np.ndarra
     With ``max_pixels``, an image declaring more pixels is refused before it is decoded (a small
     file can declare a huge image); that limit then replaces Pillow's own.
     """
-    from PIL import Image
-
     try:
         with _opened(path, max_pixels) as img:
             check_pixels(path, img.size, max_pixels)
