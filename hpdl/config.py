@@ -92,6 +92,11 @@ class Settings:
     # two copies of it (see fusion.py). 0: every tensor may be fused.
     inplace_threshold: int = dataclasses.field(default=1024 * 1024, metadata={"env": "HPDL_INPLACE_THRESHOLD"})
     cache_capacity: int = dataclasses.field(default=1024, metadata={"env": "HPDL_CACHE_CAPACITY"})
+    # Keep allreduces in flight on the backend's own threads where it has them
+    # (torch.distributed), negotiating the next ones meanwhile; 0: one blocking call at a time.
+    background_collectives: bool = dataclasses.field(
+        default=True, metadata={"env": "HPDL_BACKGROUND_COLLECTIVES"}
+    )
     stall_warning_s: float = dataclasses.field(
         default=60.0, metadata={"env": "HPDL_STALL_WARNING"}
     )

@@ -150,6 +150,127 @@ class _DoublingComm:
         self.calls.append(tensor.numel())
         tensor.mul_(2)
 
+    def allreduce_start(self, tensor, op):
+        from hpdl.comm.base import FINISHED
+
+        self.allreduce(tensor, op)
+        return FINISHED
+
+
+class _LaterFlight:
+    """A collective in flight that a test completes by hand (the backend's thread in real runs)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.finished = False
+        self.callbacks = []
+
+    def done(self):
+        return self.finished
+
+    def wait(self):
+        if not self.finished:
+            self.complete()
+
+    def on_done(self, callback):
+        self.callbacks.append(callback)
+
+    def complete(self):
+        self.tensor.mul_(2)  # the peer holds the same values: SUM doubles
+        self.finished = True
+        for callback in self.callbacks:
+            callback()
+
+
+class _BackgroundComm(_DoublingComm):
+    """A 2-rank stand-in whose allreduces run in the background until the test completes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.flights = []
+
+    def allreduce_start(self, tensor, op):
+        self.calls.append(tensor.numel())
+        self.flights.append(_LaterFlight(tensor))
+        return self.flights[-1]
+
+
+def _average_requests(count, numel, first=0):
+    requests, responses = {}, []
+    for i in range(first, first + count):
+        tensor = torch.full((numel,), float(i))
+        req = Request(RequestKind.ALLREDUCE, f"t{i}", tensor=tensor, op=Op.AVERAGE)
+        req.handle = Handle(req.name)
+        requests[req.name] = req
+        responses.append(Response(req.name, RequestKind.ALLREDUCE, (req.signature(), req.signature())))
+    return requests, responses
+
+
+def test_background_allreduces_complete_their_handles_when_the_backend_is_done():
+    from hpdl.engine.execution import Executor
+
+    notified = []
+    executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20, inplace_threshold=1024,
+                        on_done=lambda: notified.append(1))
+    comm = _BackgroundComm()
+    # two large tensors (in place, one call each) and three small ones (one fused call)
+    requests, responses = _average_requests(2, 1024)
+    small_requests, small_responses = _average_requests(3, 4, first=2)
+    requests.update(small_requests)
+    executor.run(comm, 0, responses + small_responses, requests, cycle=0, special=lambda *a: None)
+    assert comm.calls == [1024, 1024, 12] and len(executor.in_flight) == 3
+    assert not any(r.handle.poll() for r in requests.values())  # nothing is done before the backend
+    comm.flights[1].complete()
+    executor.complete()  # finishes in start order: the first is still running
+    assert not any(r.handle.poll() for r in requests.values()) and notified == [1]
+    comm.flights[0].complete()
+    comm.flights[2].complete()
+    executor.complete()
+    assert not executor.in_flight and executor.oldest_in_flight() is None
+    for i in range(5):  # averaged: (x + x) / 2
+        torch.testing.assert_close(requests[f"t{i}"].handle.wait(), torch.full((1024 if i < 2 else 4,), float(i)))
+
+
+def test_a_fused_batch_waits_for_its_buffer_to_come_back():
+    from hpdl.engine.execution import Executor
+
+    executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20)
+    comm = _BackgroundComm()
+    first, first_responses = _average_requests(3, 4)
+    executor.run(comm, 0, first_responses, first, cycle=0, special=lambda *a: None)
+    second, second_responses = _average_requests(3, 4, first=3)
+    # the fusion buffer is still in flight: the second batch finishes the first before reusing it
+    executor.run(comm, 0, second_responses, second, cycle=1, special=lambda *a: None)
+    assert all(r.handle.poll() for r in first.values())
+    for i in range(3):
+        torch.testing.assert_close(first[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
+    executor.complete(block=True)
+    for i in range(3, 6):
+        torch.testing.assert_close(second[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
+
+
+def test_collectives_in_flight_fail_with_the_engine():
+    from hpdl.engine.execution import Executor
+
+    executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20)
+    requests, responses = _average_requests(2, 4)
+    executor.run(_BackgroundComm(), 0, responses, requests, cycle=0, special=lambda *a: None)
+    executor.fail_in_flight(HorovodInternalError("lost: rank 1 does not answer"))
+    for request in requests.values():
+        with pytest.raises(HorovodInternalError, match="rank 1"):
+            request.handle.wait()
+
+
+def test_without_background_collectives_every_call_blocks():
+    from hpdl.engine.execution import Executor
+
+    executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20, background=False)
+    requests, responses = _average_requests(2, 4)
+    comm = _BackgroundComm()
+    executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
+    assert comm.flights == [] and comm.calls == [8]  # the blocking call, fused
+    assert all(r.handle.poll() for r in requests.values())
+
 
 @pytest.mark.parametrize("count", [3, 40])  # scaled while copying out, and by a pass over the buffer
 def test_fused_average_writes_the_mean_into_every_output(count):

@@ -31,3 +31,37 @@ def test_public_api_is_lazy_and_complete():
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _photos(folder):
+    folder.mkdir()
+    for i in range(2):
+        rgb = np.random.default_rng(i).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+        Image.fromarray(rgb).save(folder / f"{i}.png")
+    return folder
+
+
+def test_bench_pipeline_prints_both_records(tmp_path):
+    import json
+
+    data = _photos(tmp_path / "photos")
+    run = subprocess.run(
+        [sys.executable, "-m", "hpdl", "bench", "pipeline", "--data", str(data), "--patch", "8", "--batch-size", "4",
+         "--model-batch-size", "1", "--workers", "0", "--batches", "3", "--repeats", "1",
+         "--cache-dir", str(tmp_path / "cache"), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    pipeline, model = json.loads(run.stdout)
+    assert pipeline["unit"] == "patches/s" and pipeline["median"] > 0
+    assert model["unit"] == "images/s" and model["what"].startswith("edsr_baseline x2")
+
+
+def test_bench_pipeline_bad_input_is_one_line(tmp_path):
+    for args, names in ((["--data", str(tmp_path / "missing")], "missing"),
+                        (["--model", "nosuchnet"], "nosuchnet"),
+                        (["--batches", "0"], "--batches")):
+        run = subprocess.run([sys.executable, "-m", "hpdl", "bench", "pipeline", *args],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, (args, run.stderr)
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hpdl: error:") and names in lines[0], (args, run.stderr)

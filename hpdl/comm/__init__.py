@@ -7,7 +7,7 @@ can be used without loading torch, as the command line does to decide which rank
 import importlib
 
 _WHERE = {
-    "CommError": "base", "Communicator": "base", "ReduceOp": "base", "even_split": "base",
+    "CommError": "base", "Communicator": "base", "InFlight": "base", "ReduceOp": "base", "even_split": "base",
     "choose_backend": "select", "create_world": "select",
     "Topology": "topology", "WorldSizeError": "topology", "announced_world_size": "topology",
     "check_world_size": "topology", "discover_topology": "topology", "topology_from_ranks": "topology",

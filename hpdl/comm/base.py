@@ -1,8 +1,10 @@
 """The small interface every communication backend implements, on torch tensors.
 
 A :class:`Communicator` is one group of ranks. All methods are collective over the group and
-blocking; the engine calls them from its single background thread, so implementations need not
-be thread-safe. Tensors passed in are contiguous; in-place methods write into them.
+blocking, except :meth:`Communicator.allreduce_start`, which a backend that runs collectives on
+threads of its own (torch.distributed) returns from at once; the engine calls them from its
+single background thread, so implementations need not be thread-safe. Tensors passed in are
+contiguous; in-place methods write into them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ def even_split(length: int, parts: int) -> List[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+class InFlight:
+    """A collective started by :meth:`Communicator.allreduce_start`: done when its output is
+    written. This base is the finished one that blocking backends return."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        """Block until done; raise the backend's error if the collective failed."""
+
+    def on_done(self, callback) -> None:
+        """Call ``callback()`` once done (at once if it is), from whichever thread finished it."""
+        callback()
+
+
+FINISHED = InFlight()
+
+
 class Communicator(abc.ABC):
     """A group of ranks that run collectives together."""
 
@@ -57,6 +77,13 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         """Reduce ``tensor`` across ranks, in place."""
+
+    def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
+        """Start reducing ``tensor`` in place and return at once if the backend can run it in
+        the background, else reduce it before returning (this default). Every rank starts its
+        collectives in the same order; ``tensor`` must not be touched until it is done."""
+        self.allreduce(tensor, op)
+        return FINISHED
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """Reduce a small control message in place, waiting without spinning where possible."""

@@ -16,7 +16,7 @@ from typing import List, NoReturn, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from hpdl.comm.base import CommError, Communicator, ReduceOp, even_split
+from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
 _OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -106,6 +106,24 @@ def _rendezvous_through_mpi(rank: int) -> Tuple[str, int]:
     return MPI.COMM_WORLD.bcast(info, root=0)
 
 
+class _WorkInFlight(InFlight):
+    """A torch.distributed work object as an :class:`InFlight`."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work):
+        self._work = work
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        self._work.wait()
+
+    def on_done(self, callback) -> None:
+        self._work.get_future().add_done_callback(lambda _future: callback())
+
+
 class TorchCommunicator(Communicator):
     """A communicator over a torch.distributed process group."""
 
@@ -115,8 +133,10 @@ class TorchCommunicator(Communicator):
         self.name = backend
         self._group = group if group is not None else dist.group.WORLD
         self._is_world = group is None
-        if control_group is None and backend != "gloo":
-            control_group = dist.new_group(backend="gloo") if self._is_world else None
+        if control_group is None and self._is_world:
+            # Negotiation gets a gloo group of its own, also under gloo: its small messages
+            # must not queue behind the data collectives running in the background.
+            control_group = dist.new_group(backend="gloo")
         self._control = control_group if control_group is not None else self._group
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
@@ -158,6 +178,14 @@ class TorchCommunicator(Communicator):
             tensor.copy_(wide)
             return
         dist.all_reduce(tensor, op=_OPS[op], group=group)
+
+    def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
+        """Start the allreduce on the backend's own threads (gloo's workers, nccl's stream);
+        the conversions of :meth:`_allreduce` (bool, gloo's missing types) run blocking."""
+        if (tensor.dtype == torch.bool or op in (ReduceOp.BAND, ReduceOp.BOR)
+                or (self.name == "gloo" and tensor.dtype in _GLOO_WIDEN)):
+            return super().allreduce_start(tensor, op)
+        return _WorkInFlight(dist.all_reduce(tensor, op=_OPS[op], group=self._group, async_op=True))
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         return not (self.name == "gloo" and tensor.dtype in _GLOO_WIDEN)
@@ -226,11 +254,14 @@ class TorchCommunicator(Communicator):
         dist.barrier(group=self._control)
 
     def split(self, ranks: Sequence[int]) -> Optional["TorchCommunicator"]:
-        if not self._is_world:
-            raise CommError("torch.distributed creates sub-groups from the world group only")
+        # dist.new_group is collective over the whole world: only a group of every rank (the
+        # world, or a copy of it) can make sub-groups.
+        if not self._is_world and self._size != dist.get_world_size():
+            raise CommError("torch.distributed creates sub-groups only from a group of every rank")
         members = sorted(set(int(r) for r in ranks))
-        group = dist.new_group(members, backend=self.name)
-        control = dist.new_group(members, backend="gloo") if self.name != "gloo" else None
+        global_members = [self._global(r) for r in members]
+        group = dist.new_group(global_members, backend=self.name)
+        control = dist.new_group(global_members, backend="gloo")
         if self._rank not in members:
             return None
         return TorchCommunicator(self.name, group=group, control_group=control)
@@ -256,10 +287,11 @@ class TorchCommunicator(Communicator):
 
     def close(self) -> None:
         if not self._is_world:
-            try:
-                dist.destroy_process_group(self._group)
-            except Exception:  # the world group may already be gone at shutdown
-                pass
+            for group in {id(g): g for g in (self._group, self._control) if g is not None}.values():
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # the world group may already be gone at shutdown
+                    pass
         # Drop every reference to the process groups, so that destroying them (for the world
         # group: at interpreter exit, see init_process_group) really frees them, which joins
         # gloo's worker threads while Python still runs. A group kept alive into interpreter

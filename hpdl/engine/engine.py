@@ -102,13 +102,18 @@ class Engine:
         self.rank = comm.rank
         self.size = comm.size
         self.bus = ev.EventBus()
-        self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold)
+        self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold,
+                                 background=settings.background_collectives, on_done=self._collective_done)
         world = _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
         self._sets: Dict[int, _ProcessSet] = {0: world}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
         self._in_flight: set = set()
         self._wake = threading.Event()
+        # Why the engine was woken: a round is wanted (a submission, a waiter, shutdown), or
+        # only a collective in flight is done (finished without a round).
+        self._round_wanted = False
+        self._collectives_done = False
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
@@ -160,6 +165,7 @@ class Engine:
                                    nbytes=request.nbytes, rank=self.rank, process_set_id=request.process_set_id))
         if self._idle:
             self._idle = False
+            self._round_wanted = True
             self._wake.set()
         return handle
 
@@ -167,11 +173,18 @@ class Engine:
         """Someone waits for a result: run the next cycle after at most the cycle time."""
         if self._fruitless:
             self._fruitless = 0
+            self._round_wanted = True
             self._wake.set()
+
+    def _collective_done(self) -> None:
+        """From the backend's thread: a collective in flight is done; the engine finishes it."""
+        self._collectives_done = True
+        self._wake.set()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
         self._shutdown_requested = True
+        self._round_wanted = True
         self._wake.set()
         if timeout is None:  # a failed engine's thread may be stuck in the backend for good
             timeout = 1.0 if self._failure is not None else self.settings.stall_timeout_s + 60
@@ -255,17 +268,34 @@ class Engine:
                 else:
                     self._fruitless = fruitless = min(self._fruitless + 1, 30)
                     pause = min(cycle_s * (1 << fruitless), max(_BUSY_PAUSE_CAP_S, cycle_s))
-                remaining = pause - (time.monotonic() - started)
-                if remaining > 0:
-                    self._wake.wait(remaining)
-                self._wake.clear()
+                self._pause(started + pause)
         except BaseException as err:  # noqa: BLE001 - surfaces in every caller's thread instead
             self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
 
+    def _pause(self, until: float) -> None:
+        """Sleep until ``until`` (time.monotonic) or a reason for a round; finish the collectives
+        in flight as the backend completes them, meanwhile and before the next round."""
+        executor = self.executor
+        while True:
+            if self._collectives_done:
+                self._collectives_done = False
+                executor.complete()
+            remaining = until - time.monotonic()
+            if remaining <= 0 or self._round_wanted:
+                break
+            self._wake.wait(remaining)
+            self._wake.clear()
+        self._round_wanted = False
+        self._wake.clear()
+        if self._collectives_done:  # done while the flags were being cleared
+            self._collectives_done = False
+            executor.complete()
+
     def _watch(self) -> None:
-        """Fail the engine when one round has run longer than the stall timeout.
+        """Fail the engine when one round, or one collective in flight, has run longer than
+        the stall timeout.
 
         A round (negotiation and the collectives agreed in it) completes within moments while
         every rank's engine thread runs, even when some rank stops submitting; one that lasts
@@ -276,9 +306,17 @@ class Engine:
         limit = self.settings.stall_timeout_s
         while not self._stopped.wait(min(1.0, limit / 4)):
             started = self._round_started
-            if started is not None and time.monotonic() - started > limit and self._failure is None:
+            oldest = self.executor.oldest_in_flight()
+            now = time.monotonic()
+            if started is not None and now - started > limit and self._failure is None:
                 err = CommError(f"a round of collectives has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
                                 "a rank has died or its node is unreachable")
+            elif oldest is not None and now - oldest > limit and self._failure is None:
+                err = CommError(f"a collective has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
+                                "a rank has died or its node is unreachable")
+            else:
+                err = None
+            if err is not None:
                 self._fail(f"hpdl engine failed on rank {self.rank}: {err}{self._lost(err)}", err)
                 return
 
@@ -304,6 +342,7 @@ class Engine:
         Returns None when the engine must stop, else whether anything ran or must run soon
         (a full negotiation, which joins also cause, or a process set with work).
         """
+        self.executor.complete()  # what the backend finished since the last round
         world = self._sets[0]
         flags = FLAG_SHUTDOWN if self._shutdown_requested else 0
         sets_pending = 0
@@ -312,6 +351,7 @@ class Engine:
                 sets_pending |= 1 << ps.id
         result = world.controller.cycle(world.pending, flags, sets_pending)
         if result.shutdown:
+            self.executor.complete(block=True)  # started on every rank: they finish everywhere
             self._fail_pending("hpdl has been shut down (hvd.shutdown() was called on some rank)")
             return None
         if result.abort is not None:
@@ -338,6 +378,7 @@ class Engine:
             self._execute(ps, sub)
         idle = self._idle = not any(ps.pending for ps in self._sets.values())
         if idle and self._queue:  # a submission raced the flag: do not sleep on it
+            self._round_wanted = True
             self._wake.set()
         if self._timeline is not None and self._timeline.mark_cycles:
             self.bus.emit(ev.Event(ev.CYCLE, "cycle", (), ev.now_us(), rank=self.rank, cycle=self.cycles))
@@ -361,12 +402,8 @@ class Engine:
                 drained = t - (now - request.arrival) * 1e6 if request is not None else t
                 self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
                                        process_set_id=ps.id, cycle=self.cycles, drained_us=drained))
+        # The executor emits DONE as each response completes (allreduces may finish rounds later).
         self.executor.run(ps.data_comm, ps.id, result.responses, requests, self.cycles, self._special)
-        if self.bus.active:
-            t = ev.now_us()
-            for response in result.responses:
-                self.bus.emit(ev.Event(ev.DONE, response.kind.value, (response.name,), t, rank=self.rank,
-                                       process_set_id=ps.id, cycle=self.cycles))
 
     def _special(self, response: Response, request: Optional[Request]) -> None:
         """Run the responses that change the engine itself: join and process-set changes."""
@@ -415,6 +452,7 @@ class Engine:
             request.handle.set_error(HorovodInternalError(message))
 
     def _fail_pending(self, message: str) -> None:
+        self.executor.fail_in_flight(HorovodInternalError(message))
         self._drain()
         for ps in self._sets.values():
             self._fail_set(ps, message)

@@ -2,15 +2,26 @@
 
 Called on the engine thread with the responses of one negotiation, in the agreed order; every
 member runs the same backend calls in the same order. Each phase emits an event.
+
+Allreduces run in the background where the backend can (torch.distributed's gloo and nccl run
+collectives on threads of their own; MPI's progress needs the calling thread, so its calls
+block): the executor starts them, keeps them in flight and finishes them (scaling, copying
+out, completing handles) once the backend is done, so the engine thread negotiates the next
+gradients while the link is busy with the previous ones. Without this, every negotiation
+round and every call's start-up leaves the network idle between gradients, which costs most
+where the network is slowest (across nodes).
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from hpdl.comm import Communicator, ReduceOp, even_split
+from hpdl.comm import Communicator, InFlight, ReduceOp, even_split
 from hpdl.engine import events as ev
 from hpdl.engine.adasum import adasum_
 from hpdl.engine.errors import HorovodInternalError
@@ -38,14 +49,43 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
         tensor.copy_(torch.trunc(tensor.double() * factor))
 
 
+class _Flight:
+    """An allreduce the backend runs in the background, and what finishes it on this rank."""
+
+    __slots__ = ("flight", "span", "finish", "batch", "requests", "buffer_key", "started")
+    # ``finish`` completes the handles and tells observers (DONE).
+
+    def __init__(self, flight: InFlight, span: ev.Span, finish: Callable[[], None], batch: List[Response],
+                 requests: Dict[str, Request], buffer_key: Optional[tuple]):
+        self.flight = flight
+        self.span = span
+        self.finish = finish
+        self.batch = batch
+        self.requests = requests
+        self.buffer_key = buffer_key  # the fusion buffer it occupies, if any
+        self.started = time.monotonic()
+
+
 class Executor:
     """Carries out responses for one engine; owns the fusion buffers and the counters."""
 
-    def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int, inplace_threshold: int = 0):
+    def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int, inplace_threshold: int = 0,
+                 background: bool = True, on_done: Optional[Callable[[], None]] = None):
+        """
+        Args:
+            background: keep allreduces in flight where the backend runs them in the
+                background (HPDL_BACKGROUND_COLLECTIVES); else every call blocks.
+            on_done: called from the backend's thread when a collective in flight is done
+                (the engine wakes to finish it).
+        """
         self.bus = bus
         self.rank = rank
         self.fusion_threshold = fusion_threshold
         self.inplace_threshold = inplace_threshold
+        self.background = background
+        self._on_done = on_done
+        self.in_flight: "collections.deque[_Flight]" = collections.deque()
+        self._in_flight_lock = threading.Lock()  # the watch thread may fail them meanwhile
         self.buffers = FusionBuffers()
         self._view_cache: Dict[tuple, List[torch.Tensor]] = {}
         self.backend_calls = 0
@@ -79,6 +119,7 @@ class Executor:
                 self._allreduce(comm, process_set_id, batch, requests, cycle)
             except Exception as err:  # a failed backend call fails its requests, not the engine
                 self._fail(batch, requests, err)
+                self._done(batch, process_set_id, cycle)
         for response in others:
             request = requests.get(response.name)
             try:
@@ -88,6 +129,18 @@ class Executor:
                     self._other(comm, process_set_id, response, request, cycle)
             except Exception as err:
                 self._fail([response], requests, err)
+            self._done([response], process_set_id, cycle)
+        for response in responses:  # errors agreed in negotiation: done at once
+            if response.error is not None:
+                self._done([response], process_set_id, cycle)
+
+    def _done(self, batch: List[Response], process_set_id: int, cycle: int) -> None:
+        """Tell observers that ``batch`` has completed on this rank."""
+        if self.bus.active:
+            t = ev.now_us()
+            for response in batch:
+                self.bus.emit(ev.Event(ev.DONE, response.kind.value, (response.name,), t, rank=self.rank,
+                                       process_set_id=process_set_id, cycle=cycle))
 
     @staticmethod
     def _fail(batch: List[Response], requests: Dict[str, Request], err: Exception) -> None:
@@ -96,6 +149,76 @@ class Executor:
             if request is not None:
                 request.handle.set_error(HorovodInternalError(
                     f"{response.kind.value} of tensor {response.name!r} failed: {err}"))
+
+    # -- collectives in flight --------------------------------------------------------------
+
+    def complete(self, block: bool = False, until: Optional[_Flight] = None) -> None:
+        """Finish the collectives in flight that are done, in the order they started.
+
+        Args:
+            block: wait for all of them.
+            until: wait for the ones up to this one.
+        """
+        in_flight = self.in_flight
+        while True:
+            with self._in_flight_lock:
+                if not in_flight:
+                    return
+                head = in_flight[0]
+                if not (block or until is not None) and not head.flight.done():
+                    return
+                in_flight.popleft()
+            try:
+                head.flight.wait()
+                head.span.__exit__(None, None, None)
+                head.finish()
+            except Exception as err:  # a failed backend call fails its requests, not the engine
+                self._fail(head.batch, head.requests, err)
+                self._done(head.batch, head.span.fields.get("process_set_id", 0), head.span.fields.get("cycle", 0))
+            if head is until:
+                return
+
+    def oldest_in_flight(self) -> Optional[float]:
+        """When the oldest collective still in flight started (time.monotonic), if any."""
+        in_flight = self.in_flight
+        return in_flight[0].started if in_flight else None
+
+    def fail_in_flight(self, error: BaseException) -> None:
+        """Give up on the collectives in flight: their handles raise ``error``."""
+        with self._in_flight_lock:
+            flights = list(self.in_flight)
+            self.in_flight.clear()
+        for head in flights:
+            for response in head.batch:
+                request = head.requests.get(response.name)
+                if request is not None:
+                    request.handle.set_error(error)
+
+    def _launch(self, comm: Communicator, tensor: torch.Tensor, op: ReduceOp, span: ev.Span,
+                finish: Callable[[], None], batch: List[Response], requests: Dict[str, Request],
+                buffer_key: Optional[tuple] = None) -> None:
+        """Start the allreduce of ``tensor``; run ``finish`` once it is done (now, if it blocked)."""
+        span.__enter__()
+        flight = comm.allreduce_start(tensor, op) if self.background else None
+        if flight is None:
+            comm.allreduce(tensor, op)
+        elif not flight.done():
+            with self._in_flight_lock:
+                self.in_flight.append(_Flight(flight, span, finish, batch, requests, buffer_key))
+            if self._on_done is not None:
+                flight.on_done(self._on_done)
+            return
+        else:
+            flight.wait()
+        span.__exit__(None, None, None)
+        finish()
+
+    def _buffer_free(self, key: tuple) -> None:
+        """Wait until no collective in flight uses the fusion buffer ``key``."""
+        for flight in reversed(self.in_flight):
+            if flight.buffer_key == key:
+                self.complete(until=flight)
+                return
 
     # -- allreduce -------------------------------------------------------------------------
 
@@ -139,18 +262,25 @@ class Executor:
                 adasum_(comm, outputs)
             for target in outputs:
                 scale_(target, postscale)
+            self._complete(members, outputs, batch, ps, cycle)
         elif len(batch) == 1:
             # One tensor: reduce it where it lies, no fusion-buffer copies.
             target = outputs[0]
             if target is not inputs[0]:
                 target.copy_(inputs[0])
             scale_(target, prescale)
-            with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
-                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=1, **described):
-                comm.allreduce(target, _BACKEND_OPS[op_name])
-            scale_(target, postscale)
+
+            def finish_alone() -> None:
+                scale_(target, postscale)
+                self._complete(members, outputs, batch, ps, cycle)
+
+            span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
+                           rank=self.rank, process_set_id=ps, cycle=cycle, fused=1, **described)
+            self._launch(comm, target, _BACKEND_OPS[op_name], span, finish_alone, batch, requests)
         else:
             total = sum(r.numel for r in batch)
+            buffer_key = (dtype, str(inputs[0].device))
+            self._buffer_free(buffer_key)
             buffer = self.buffers.get(dtype, inputs[0].device, total, self.fusion_threshold)
             views = self._views(buffer, batch, names)
             with ev.Span(bus, phase=ev.MEMCPY_IN, kind="allreduce", names=names, nbytes=nbytes,
@@ -160,29 +290,37 @@ class Executor:
                 else:
                     torch._foreach_copy_(views, inputs)
             scale_(buffer, prescale)
-            with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
-                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch), **described):
-                comm.allreduce(buffer, _BACKEND_OPS[op_name])
-            # Scaling while copying out saves a pass over the buffer (memory bandwidth is what
-            # a CPU rank's compute shares with its engine); one call per tensor only pays off
-            # for batches of large tensors.
-            scale_on_copy = postscale != 1.0 and dtype.is_floating_point and len(batch) <= _SCALE_ON_COPY_MAX
-            if not scale_on_copy:
-                scale_(buffer, postscale)
-            with ev.Span(bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
-                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
-                if scale_on_copy:
-                    for out, view in zip(outputs, views):
-                        torch.mul(view, postscale, out=out)
-                else:
-                    torch._foreach_copy_(outputs, views)
+
+            def finish_fused() -> None:
+                # Scaling while copying out saves a pass over the buffer (memory bandwidth is
+                # what a CPU rank's compute shares with its engine); one call per tensor only
+                # pays off for batches of large tensors.
+                scale_on_copy = postscale != 1.0 and dtype.is_floating_point and len(batch) <= _SCALE_ON_COPY_MAX
+                if not scale_on_copy:
+                    scale_(buffer, postscale)
+                with ev.Span(bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
+                             rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
+                    if scale_on_copy:
+                        for out, view in zip(outputs, views):
+                            torch.mul(view, postscale, out=out)
+                    else:
+                        torch._foreach_copy_(outputs, views)
+                self._complete(members, outputs, batch, ps, cycle)
+
+            span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
+                           rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch), **described)
             self.fused_calls += 1
+            self._launch(comm, buffer, _BACKEND_OPS[op_name], span, finish_fused, batch, requests, buffer_key)
         self.backend_calls += 1
         self.tensors_reduced += len(batch)
         self.bytes_reduced += nbytes
+
+    def _complete(self, members: List[Optional[Request]], outputs: List[torch.Tensor], batch: List[Response],
+                  ps: int, cycle: int) -> None:
         for request, out in zip(members, outputs):
             if request is not None:
                 request.handle.set_result(out)
+        self._done(batch, ps, cycle)
 
     def _views(self, buffer: torch.Tensor, batch: List[Response], names: tuple) -> List[torch.Tensor]:
         """Views of the fusion buffer shaped like the batch's tensors, cached per batch layout.

@@ -42,7 +42,9 @@ class Recorder:
         self._names: Dict[str, int] = {}
         self._queued: Dict[Tuple[int, str], float] = {}
         self._negotiated: Dict[Tuple[int, str], Tuple[float, float]] = {}
-        self._copy_in: Optional[Tuple[Tuple[str, ...], float]] = None
+        # Copy-in time by message (its names) until its collective ends: several fused
+        # messages may be in flight at once.
+        self._copy_in: Dict[Tuple[str, ...], float] = {}
         self._last: Optional[Tuple[Tuple[str, ...], list, list]] = None  # names, raw row, message totals
         self._seq: Dict[int, int] = collections.defaultdict(int)
         self._messages: Dict[tuple, list] = {}
@@ -66,7 +68,7 @@ class Recorder:
             elif phase == ev.NEGOTIATED:
                 self._negotiated[(event.process_set_id, event.names[0])] = (event.drained_us, event.time_us)
             elif phase == ev.MEMCPY_IN:
-                self._copy_in = (event.names, event.duration_us)
+                self._copy_in[event.names] = event.duration_us
             elif phase == ev.COLLECTIVE:
                 self._collective(event)
             elif phase == ev.MEMCPY_OUT:
@@ -99,8 +101,7 @@ class Recorder:
                 self._negotiated.pop((ps, name), None)
         if latest is not None:
             ready = latest
-        copy_in = self._copy_in[1] if self._copy_in is not None and self._copy_in[0] == event.names else 0.0
-        self._copy_in = None
+        copy_in = self._copy_in.pop(event.names, 0.0)
         queue_us, negotiate_us = max(0.0, drained - ready), max(0.0, negotiated - drained)
         backend_us = event.duration_us
         seq = self._seq[ps]

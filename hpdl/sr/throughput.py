@@ -1,13 +1,12 @@
 """Measure whether the data pipeline can feed training: patches/s delivered vs. images/s trained.
 
-Run ``python -m hpdl.sr.throughput [--json]``. Both functions return records (medians over
-``repeats`` timed runs, with min and max), so a benchmark command can print or collect them.
+``hpdl bench pipeline`` runs both and prints them side by side. Both functions return records
+(medians over ``repeats`` timed runs, with min and max), so a benchmark command can print or
+collect them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from typing import Any, Dict, List, Optional
@@ -19,7 +18,7 @@ from hpdl.sr.datasets import build_train_dataset
 from hpdl.sr.models import build_model
 from hpdl.sr.sampler import ShardSampler
 
-__all__ = ["measure_model", "measure_pipeline", "main"]
+__all__ = ["measure_model", "measure_pipeline"]
 
 
 def _summary(rates: List[float]) -> Dict[str, float]:
@@ -103,30 +102,3 @@ def measure_model(
         "threads": threads,
         **_summary(rates),
     }
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Measure both and print a table (or JSON records)."""
-    parser = argparse.ArgumentParser(prog="python -m hpdl.sr.throughput", description=__doc__)
-    parser.add_argument("--data", default="embedded")
-    parser.add_argument("--scale", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cache-dir")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    records = [
-        measure_pipeline(args.data, args.scale, num_workers=args.workers, cache_dir=args.cache_dir),
-        measure_model("edsr_baseline", args.scale),
-    ]
-    if args.json:
-        print(json.dumps(records, indent=2))
-        return 0
-    for r in records:
-        print(f"{r['what']:<40} {r['median']:10.1f} {r['unit']:<10} (min {r['min']:.1f}, max {r['max']:.1f})")
-    ratio = records[0]["median"] / records[1]["median"]
-    print(f"the pipeline delivers {ratio:.0f}x what one training thread consumes")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
