@@ -97,6 +97,9 @@ class Settings:
     background_collectives: bool = dataclasses.field(
         default=True, metadata={"env": "HPDL_BACKGROUND_COLLECTIVES"}
     )
+    # Bytes of prioritized allreduces (DistributedOptimizer(overlap_forward=...)) a rank keeps
+    # in flight; the rest wait, agreed, to start in priority order (see engine.py, Priorities).
+    priority_window: int = dataclasses.field(default=8 * 1024 * 1024, metadata={"env": "HPDL_PRIORITY_WINDOW"})
     stall_warning_s: float = dataclasses.field(
         default=60.0, metadata={"env": "HPDL_STALL_WARNING"}
     )
@@ -136,6 +139,8 @@ class Settings:
             raise SettingsError(f"HPDL_FUSION_THRESHOLD must be >= 0 bytes, got {self.fusion_threshold}")
         if self.inplace_threshold < 0:
             raise SettingsError(f"HPDL_INPLACE_THRESHOLD must be >= 0 bytes, got {self.inplace_threshold}")
+        if self.priority_window < 1:
+            raise SettingsError(f"HPDL_PRIORITY_WINDOW must be >= 1 byte, got {self.priority_window}")
         if self.cache_capacity < 0:
             raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
         if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:

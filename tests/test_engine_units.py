@@ -301,3 +301,37 @@ def test_waiting_on_a_handle_calls_its_on_wait_hook():
     assert h.wait() == 1 and woken == [1]
     h.wait()  # already done: no hook
     assert woken == [1]
+
+
+def _prioritized(name, numel, priority):
+    req = Request(RequestKind.ALLREDUCE, name, tensor=torch.zeros(numel), priority=priority)
+    req.handle = Handle(name)
+    return Response(name, RequestKind.ALLREDUCE, (req.signature(), req.signature())), req
+
+
+def test_backlog_starts_the_most_urgent_that_fit_in_the_agreed_room():
+    from types import SimpleNamespace
+
+    from hpdl.engine.engine import Engine, _ProcessSet
+    from hpdl.engine.negotiation import ROOM_UNITS
+
+    engine = SimpleNamespace(_window=32 * 4096)  # one unit: 4096 bytes (1024 float32)
+    ps = _ProcessSet(0, [0, 1], None)
+    # arrival order is backward's (last layer first); priority is the forward's order
+    ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in (5, 4, 3, 2, 1, 0)]
+    requests = {}
+    started = Engine._start_from_backlog(engine, ps, 3, requests)  # room for three tensors
+    assert [r.name for r in started] == ["p0", "p1", "p2"] and set(requests) == {"p0", "p1", "p2"}
+    assert [r.name for r, _ in ps.backlog] == ["p3", "p4", "p5"]
+    assert Engine._start_from_backlog(engine, ps, 0, {}) == []  # some rank has no room: nothing starts
+    # a tensor larger than the whole window starts once every window is empty
+    ps.backlog = [_prioritized("huge", 64 * 1024, 0)]
+    assert Engine._start_from_backlog(engine, ps, ROOM_UNITS - 1, {}) == []
+    assert [r.name for r in Engine._start_from_backlog(engine, ps, ROOM_UNITS, {})] == ["huge"]
+
+
+def test_priorities_must_agree_across_ranks():
+    a = Request(RequestKind.ALLREDUCE, "w", tensor=torch.zeros(4), priority=1).signature()
+    b = Request(RequestKind.ALLREDUCE, "w", tensor=torch.zeros(4), priority=2).signature()
+    message = validate("w", {0: a, 1: b})
+    assert "priorities" in message and "'w'" in message

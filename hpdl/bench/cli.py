@@ -148,6 +148,9 @@ def _register_synthetic(sub) -> None:
     p.add_argument("--num-warmup", "--num-warmup-batches", dest="num_warmup", type=int, default=10,
                    help="untimed warm-up batches (default 10)")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to float16 for the allreduce")
+    p.add_argument("--overlap-forward", action="store_true",
+                   help="hpdl: let the gradients' exchange overlap the next forward "
+                        "(DistributedOptimizer(overlap_forward=model); --breakdown counts its wait in forward)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=None,
                    help="sgd (lr 0.01 x ranks, as Horovod) or adam (lr 1e-4, the EDSR recipe); "
                         "default: adam for EDSR, sgd for resnet50")
@@ -173,7 +176,8 @@ def _run_synthetic(args) -> int:
         opts = SyntheticOptions(
             model=args.model, batch_size=args.batch_size, scale=args.scale, patch=args.patch,
             num_iters=args.num_iters, num_batches_per_iter=args.num_batches_per_iter, num_warmup=args.num_warmup,
-            fp16_allreduce=args.fp16_allreduce, optimizer=args.optimizer, threads=args.threads,
+            fp16_allreduce=args.fp16_allreduce, overlap_forward=args.overlap_forward, optimizer=args.optimizer,
+            threads=args.threads,
             compare=tuple(c.strip() for c in args.compare.split(",") if c.strip()), repeats=args.repeats,
             breakdown=args.breakdown,
         )

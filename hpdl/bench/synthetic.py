@@ -63,6 +63,7 @@ class SyntheticOptions:
     num_batches_per_iter: int = 10
     num_warmup: int = 10
     fp16_allreduce: bool = False
+    overlap_forward: bool = False  # hpdl: DistributedOptimizer(overlap_forward=model)
     optimizer: Optional[str] = None  # "sgd" or "adam"; None: the model's usual one
     threads: int = 1
     compare: Tuple[str, ...] = ()  # baselines among COMPARE
@@ -179,10 +180,14 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
     optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
     compression = hvd.Compression.fp16 if opts.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         overlap_forward=model if opts.overlap_forward else None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    return _timed(opts, _train_loop(model, optimizer, workload, phases, synchronize=True), log, phases)
+    # With overlap_forward the wait for the gradients falls in the next forward (the updates
+    # wait there): synchronizing apart would undo the overlap.
+    loop = _train_loop(model, optimizer, workload, phases, synchronize=not opts.overlap_forward)
+    return _timed(opts, loop, log, phases)
 
 
 def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
@@ -276,7 +281,8 @@ def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
         f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if "edsr" in opts.model else "")
         + f" ({params:,} parameters, {nbytes / 2**20:.1f} MiB of gradients)",
         f"Batch size: {opts.batch_size} per rank; optimizer {optimizer}; "
-        f"{'fp16' if opts.fp16_allreduce else 'no'} compression",
+        f"{'fp16' if opts.fp16_allreduce else 'no'} compression"
+        + ("; hpdl overlaps the next forward" if opts.overlap_forward else ""),
         f"Number of ranks: {size} ({backend}), {opts.threads} thread(s) per rank",
     ]
 

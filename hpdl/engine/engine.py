@@ -18,7 +18,16 @@ for it. So rounds happen when they can achieve something:
 - a full negotiation or a process set with work keeps every rank at the cycle time, and a
   caller starting to wait on a handle cuts a doubled pause short.
 A request submitted to an idle engine thus still starts a cycle at once, and the cycle time
-bounds the latency of a collective whose ranks are all ready. Where the ranks' compute fills
+bounds the latency of a collective whose ranks are all ready.
+
+Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
+forward overlaps the gradients' exchange: the first layers' gradients are needed first, but
+backward makes them last) is not started as soon as it is agreed: it waits in its process
+set's backlog, and each round starts the backlog's most urgent allreduces that fit in the
+room every member has left in its window of ``HPDL_PRIORITY_WINDOW`` bytes in flight (the room
+travels in the negotiation, so every rank starts the same ones in the same order). What the
+backend has not started can still be overtaken; what it has, cannot, so the window is kept
+small, just enough to keep the network busy. Where the ranks' compute fills
 the CPU cores, the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so
 its polling and copies use the gaps the compute leaves instead of preempting it.
 """
@@ -31,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,7 +51,7 @@ from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
 from hpdl.engine.handle import Handle
-from hpdl.engine.negotiation import FLAG_SHUTDOWN, Controller, CycleResult
+from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, Controller, CycleResult
 from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Response
 
 log = logging.getLogger("hpdl.engine")
@@ -82,6 +91,8 @@ class _ProcessSet:
         # wrapper of it (hierarchical allreduce).
         self.data_comm = data_comm if data_comm is not None else (controller.comm if controller else None)
         self.pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
+        # Agreed prioritized allreduces not started yet, with this rank's request (None: joined).
+        self.backlog: List[Tuple[Response, Optional[Request]]] = []
 
 
 class Engine:
@@ -114,6 +125,7 @@ class Engine:
         # only a collective in flight is done (finished without a round).
         self._round_wanted = False
         self._collectives_done = False
+        self._window = settings.priority_window
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
@@ -179,7 +191,20 @@ class Engine:
     def _collective_done(self) -> None:
         """From the backend's thread: a collective in flight is done; the engine finishes it."""
         self._collectives_done = True
+        if self._backlogged:  # room for the next prioritized ones: agree on them now
+            self._round_wanted = True
         self._wake.set()
+
+    @property
+    def _backlogged(self) -> bool:
+        return any(ps.backlog for ps in list(self._sets.values()))
+
+    def _room(self) -> int:
+        """This rank's room for prioritized allreduces, in units of the window."""
+        in_flight = self.executor.in_flight_bytes
+        if in_flight <= 0:
+            return ROOM_UNITS
+        return max(0, self._window - in_flight) * ROOM_UNITS // self._window
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
@@ -349,7 +374,8 @@ class Engine:
         for ps in self._sets.values():
             if ps.id and ps.pending and ps.id < 32:
                 sets_pending |= 1 << ps.id
-        result = world.controller.cycle(world.pending, flags, sets_pending)
+        room = self._room()
+        result = world.controller.cycle(world.pending, flags, sets_pending, room)
         if result.shutdown:
             self.executor.complete(block=True)  # started on every rank: they finish everywhere
             self._fail_pending("hpdl has been shut down (hvd.shutdown() was called on some rank)")
@@ -366,9 +392,9 @@ class Engine:
             ps = self._sets.get(set_id)
             if set_id == 0 or ps is None or ps.controller is None:
                 continue
-            if set_id < 32 and not (result.sets_pending >> set_id) & 1:
+            if set_id < 32 and not (result.sets_pending >> set_id) & 1 and not ps.backlog:
                 continue
-            sub = ps.controller.cycle(ps.pending)
+            sub = ps.controller.cycle(ps.pending, room=room)
             ran = ran or bool(sub.responses)
             self._hot = self._hot or sub.full
             if sub.abort is not None:  # a stall timeout within the set: the job is stuck as a whole
@@ -376,7 +402,9 @@ class Engine:
                 self._fail_set(ps, sub.abort)
                 continue
             self._execute(ps, sub)
-        idle = self._idle = not any(ps.pending for ps in self._sets.values())
+        backlogged = self._backlogged
+        self._hot = self._hot or backlogged  # the backlog starts as room frees: rounds go on
+        idle = self._idle = not backlogged and not any(ps.pending for ps in self._sets.values())
         if idle and self._queue:  # a submission raced the flag: do not sleep on it
             self._round_wanted = True
             self._wake.set()
@@ -385,25 +413,52 @@ class Engine:
         return ran or self._hot
 
     def _execute(self, ps: _ProcessSet, result: CycleResult) -> None:
-        if not result.responses:
+        if not result.responses and not ps.backlog:
             return
         requests: Dict[str, Request] = {}
         pending = ps.pending
-        for response in result.responses:
-            request = pending.pop(response.name, None)
+        ready: List[Response] = []
+        popped = [pending.pop(response.name, None) for response in result.responses]
+        for response, request in zip(result.responses, popped):
+            if (response.priority is not None and response.kind is RequestKind.ALLREDUCE
+                    and response.error is None and response.group is None):
+                ps.backlog.append((response, request))
+                continue
+            ready.append(response)
             if request is not None:
                 requests[response.name] = request
+        if ps.backlog:
+            ready.extend(self._start_from_backlog(ps, result.room, requests))
         if self.bus.active:
             t = ev.now_us()
             now = time.monotonic()
-            for response in result.responses:
-                request = requests.get(response.name)
+            for response, request in zip(result.responses, popped):
                 # When the engine thread took the request from its queue, on the wall clock.
                 drained = t - (now - request.arrival) * 1e6 if request is not None else t
                 self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
                                        process_set_id=ps.id, cycle=self.cycles, drained_us=drained))
         # The executor emits DONE as each response completes (allreduces may finish rounds later).
-        self.executor.run(ps.data_comm, ps.id, result.responses, requests, self.cycles, self._special)
+        if ready:
+            self.executor.run(ps.data_comm, ps.id, ready, requests, self.cycles, self._special)
+
+    def _start_from_backlog(self, ps: _ProcessSet, room: int, requests: Dict[str, Request]) -> List[Response]:
+        """Take the most urgent of ``ps.backlog`` that fit in ``room`` (agreed by every member,
+        so every rank takes the same); put their requests into ``requests``."""
+        backlog = ps.backlog
+        backlog.sort(key=lambda item: (item[0].priority, item[0].name))
+        budget = room * self._window // ROOM_UNITS
+        taken, used = 0, 0
+        for response, _ in backlog:
+            # A window empty on every rank takes the next one whatever its size.
+            if used + response.nbytes > budget and not (taken == 0 and room == ROOM_UNITS):
+                break
+            used += response.nbytes
+            taken += 1
+        started, ps.backlog = backlog[:taken], backlog[taken:]
+        for response, request in started:
+            if request is not None:
+                requests[response.name] = request
+        return [response for response, _ in started]
 
     def _special(self, response: Response, request: Optional[Request]) -> None:
         """Run the responses that change the engine itself: join and process-set changes."""
@@ -448,7 +503,8 @@ class Engine:
 
     def _fail_set(self, ps: _ProcessSet, message: str) -> None:
         pending, ps.pending = ps.pending, collections.OrderedDict()
-        for request in pending.values():
+        backlog, ps.backlog = ps.backlog, []
+        for request in list(pending.values()) + [request for _, request in backlog if request is not None]:
             request.handle.set_error(HorovodInternalError(message))
 
     def _fail_pending(self, message: str) -> None:

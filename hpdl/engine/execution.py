@@ -52,7 +52,7 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 class _Flight:
     """An allreduce the backend runs in the background, and what finishes it on this rank."""
 
-    __slots__ = ("flight", "span", "finish", "batch", "requests", "buffer_key", "started")
+    __slots__ = ("flight", "span", "finish", "batch", "requests", "buffer_key", "started", "nbytes")
     # ``finish`` completes the handles and tells observers (DONE).
 
     def __init__(self, flight: InFlight, span: ev.Span, finish: Callable[[], None], batch: List[Response],
@@ -64,6 +64,7 @@ class _Flight:
         self.requests = requests
         self.buffer_key = buffer_key  # the fusion buffer it occupies, if any
         self.started = time.monotonic()
+        self.nbytes = sum(r.nbytes for r in batch)
 
 
 class Executor:
@@ -86,6 +87,7 @@ class Executor:
         self._on_done = on_done
         self.in_flight: "collections.deque[_Flight]" = collections.deque()
         self._in_flight_lock = threading.Lock()  # the watch thread may fail them meanwhile
+        self.in_flight_bytes = 0
         self.buffers = FusionBuffers()
         self._view_cache: Dict[tuple, List[torch.Tensor]] = {}
         self.backend_calls = 0
@@ -168,6 +170,7 @@ class Executor:
                 if not (block or until is not None) and not head.flight.done():
                     return
                 in_flight.popleft()
+                self.in_flight_bytes -= head.nbytes
             try:
                 head.flight.wait()
                 head.span.__exit__(None, None, None)
@@ -188,6 +191,7 @@ class Executor:
         with self._in_flight_lock:
             flights = list(self.in_flight)
             self.in_flight.clear()
+            self.in_flight_bytes = 0
         for head in flights:
             for response in head.batch:
                 request = head.requests.get(response.name)
@@ -203,8 +207,10 @@ class Executor:
         if flight is None:
             comm.allreduce(tensor, op)
         elif not flight.done():
+            entry = _Flight(flight, span, finish, batch, requests, buffer_key)
             with self._in_flight_lock:
-                self.in_flight.append(_Flight(flight, span, finish, batch, requests, buffer_key))
+                self.in_flight.append(entry)
+                self.in_flight_bytes += entry.nbytes
             if self._on_done is not None:
                 flight.on_done(self._on_done)
             return

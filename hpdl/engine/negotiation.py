@@ -7,7 +7,9 @@ Two paths, as in Horovod:
 - full: otherwise each rank sends the (name, signature) of every pending request; all ranks
   then compute the same ready list, validate it and update their caches identically.
 The first word of the bit vector carries flags (OR-combined, stored inverted so that AND
-yields OR) that switch to the full path, report a join or a shutdown.
+yields OR) that switch to the full path, report a join or a shutdown; the second the process
+sets with work (inverted too); the third each rank's room for prioritized allreduces, in
+units, as that many low bits, so that AND yields the smallest room of all.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from hpdl.comm import Communicator, ReduceOp
 from hpdl.engine.cache import ResponseCache
 from hpdl.engine.request import (
-    SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_KIND, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS,
+    SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_KIND, SIG_OP, SIG_PRIORITY, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS,
     Request, RequestKind, Response,
 )
 
@@ -37,6 +39,8 @@ FLAG_SHUTDOWN = 8  # this rank is shutting down: every rank stops
 FLAG_ABORT = 32  # rank 0 declared a stall timeout: the message travels in a full exchange
 _FULL = FLAG_UNCACHED | FLAG_STALL_CHECK | FLAG_JOINED | FLAG_ABORT
 _MASK = 0xFFFFFFFF
+ROOM_UNITS = 32  # the room word's resolution: a rank's window is this many units
+_HEADER_WORDS = 3
 
 # Requests that never enter the response cache.
 _UNCACHED_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
@@ -51,6 +55,7 @@ class CycleResult:
     abort: Optional[str] = None
     sets_pending: int = 0  # bit i: some member has requests pending for process set i
     full: bool = False
+    room: int = ROOM_UNITS  # the least room for prioritized allreduces of any member, in units
 
 
 def _describe_value(field: int, value: Any) -> str:
@@ -68,14 +73,14 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 _FIELD_TEXT = {
     SIG_KIND: "operations", SIG_DTYPE: "data types", SIG_SHAPE: "tensor shapes", SIG_DEVICE: "devices",
     SIG_OP: "reduction ops", SIG_ROOT: "root ranks", SIG_SCALES: "scale factors", SIG_SPLITS: "splits",
-    SIG_GROUP: "groups",
+    SIG_GROUP: "groups", SIG_PRIORITY: "priorities",
 }
 
 
 def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]:
     """Return a message naming the tensor, the field and the ranks that differ, or None."""
     kind = next(iter(signatures.values()))[SIG_KIND]
-    fields = [SIG_KIND, SIG_DTYPE, SIG_DEVICE, SIG_SHAPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_GROUP]
+    fields = [SIG_KIND, SIG_DTYPE, SIG_DEVICE, SIG_SHAPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_GROUP, SIG_PRIORITY]
     if kind in (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value):
         fields.append(SIG_SPLITS)  # the member ranks must agree
     for field in fields:
@@ -107,7 +112,7 @@ class Controller:
         self.stall_warning_s = stall_warning_s
         self.stall_timeout_s = stall_timeout_s
         self.stall_check_interval = min(stall_warning_s / 2, 5.0)
-        self._vector = np.zeros(2 + self.cache.words, dtype=np.int64)
+        self._vector = np.zeros(_HEADER_WORDS + self.cache.words, dtype=np.int64)
         self._vector_tensor = torch.from_numpy(self._vector)
         self._last_full = 0.0
         self._incomplete_since: Dict[str, float] = {}
@@ -119,8 +124,13 @@ class Controller:
 
     # -- one cycle -------------------------------------------------------------------------
 
-    def cycle(self, pending: "OrderedDict[str, Request]", flags: int = 0, sets_pending: int = 0) -> CycleResult:
-        """Agree with the other members on what to run now; collective over the set."""
+    def cycle(self, pending: "OrderedDict[str, Request]", flags: int = 0, sets_pending: int = 0,
+              room: int = ROOM_UNITS) -> CycleResult:
+        """Agree with the other members on what to run now; collective over the set.
+
+        Args:
+            room: this rank's room for prioritized allreduces, 0 .. ROOM_UNITS units.
+        """
         now = time.monotonic()
         positions: List[int] = []
         lookup = self.cache.lookup
@@ -145,10 +155,11 @@ class Controller:
         vector[:] = 0
         vector[0] = ~flags & _MASK
         vector[1] = ~sets_pending & _MASK
-        self.cache.encode(positions, vector[2:])
+        vector[2] = (1 << max(0, min(room, ROOM_UNITS))) - 1
+        self.cache.encode(positions, vector[_HEADER_WORDS:])
         self.comm.allreduce_control(self._vector_tensor, ReduceOp.BAND)
         any_flags = ~int(vector[0]) & _MASK
-        result = CycleResult([], sets_pending=~int(vector[1]) & _MASK)
+        result = CycleResult([], sets_pending=~int(vector[1]) & _MASK, room=int(vector[2]).bit_count())
         if any_flags & FLAG_SHUTDOWN:
             result.shutdown = True
             return result
@@ -160,7 +171,7 @@ class Controller:
 
     def _fast(self, result: CycleResult) -> None:
         self.fast_negotiations += 1
-        positions = ResponseCache.decode(self._vector[2:])
+        positions = ResponseCache.decode(self._vector[_HEADER_WORDS:])
         cache = self.cache
         responses = _complete_groups([cache.get(p) for p in positions])
         if len(responses) == len(positions):

@@ -48,16 +48,19 @@ class Request:
     ``tensor`` is this rank's input (contiguous); ``output`` receives the result in place for
     allreduce and broadcast (it may be ``tensor`` itself); other kinds allocate their output.
     ``group`` = (group name, member count) asks that all members be negotiated and fused
-    together. A plain class with slots: one is made per tensor per training step.
+    together. ``priority`` (an allreduce's; lower runs sooner) holds it back once agreed, to
+    start in priority order as the backend has room (see engine.py, Priorities). A plain class
+    with slots: one is made per tensor per training step.
     """
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits",
-                 "process_set_id", "group", "handle", "arrival", "_signature")
+                 "process_set_id", "group", "priority", "handle", "arrival", "_signature")
 
     def __init__(self, kind: RequestKind, name: str, tensor: Optional[torch.Tensor] = None,
                  output: Optional[torch.Tensor] = None, op: Op = Op.SUM, prescale: float = 1.0,
                  postscale: float = 1.0, root: int = 0, splits: Optional[Tuple[int, ...]] = None,
-                 process_set_id: int = 0, group: Optional[Tuple[str, int]] = None):
+                 process_set_id: int = 0, group: Optional[Tuple[str, int]] = None,
+                 priority: Optional[int] = None):
         self.kind = kind
         self.name = name
         self.tensor = tensor
@@ -69,6 +72,7 @@ class Request:
         self.splits = splits
         self.process_set_id = process_set_id
         self.group = group
+        self.priority = priority
         self.handle = None  # set by the engine at submission
         self.arrival = 0.0  # time.monotonic() when the engine thread took it from the queue
         self._signature: Optional[Tuple[Any, ...]] = None
@@ -90,7 +94,7 @@ class Request:
         t = self.tensor
         kind = self.kind
         if t is None:
-            return (kind._value_, None, None, None, None, self.root, None, self.splits, self.group)
+            return (kind._value_, None, None, None, None, self.root, None, self.splits, self.group, None)
         reduces = kind is RequestKind.ALLREDUCE or kind is RequestKind.REDUCESCATTER
         return (
             kind._value_,
@@ -102,6 +106,7 @@ class Request:
             (self.prescale, self.postscale) if reduces else None,
             self.splits,
             self.group,
+            self.priority,
         )
 
     @property
@@ -110,7 +115,7 @@ class Request:
 
 
 # Positions of the fields within Request.signature(), for validation messages.
-SIG_KIND, SIG_DTYPE, SIG_SHAPE, SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SPLITS, SIG_GROUP = range(9)
+SIG_KIND, SIG_DTYPE, SIG_SHAPE, SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SPLITS, SIG_GROUP, SIG_PRIORITY = range(10)
 
 
 class Response:
@@ -125,7 +130,7 @@ class Response:
     """
 
     __slots__ = ("name", "kind", "signatures", "error", "joined", "last_joined", "signature", "numel",
-                 "nbytes", "group", "fusion_key")
+                 "nbytes", "group", "priority", "fusion_key")
 
     def __init__(self, name: str, kind: RequestKind, signatures: Tuple[Optional[Tuple[Any, ...]], ...],
                  error: Optional[str] = None, joined: Tuple[int, ...] = (), last_joined: int = -1):
@@ -138,7 +143,7 @@ class Response:
         # The signature of the first member that submitted a request (joined ones did not).
         sig = next((s for s in signatures if s is not None), None)
         if sig is None:
-            sig = (kind.value, None, None, None, None, None, None, None, None)
+            sig = (kind.value, None, None, None, None, None, None, None, None, None)
         self.signature = sig
         numel = 0
         if sig[SIG_SHAPE] is not None:
@@ -148,6 +153,7 @@ class Response:
         self.numel = numel
         self.nbytes = numel * _ITEMSIZE.get(sig[SIG_DTYPE], 0)
         self.group = sig[SIG_GROUP]
+        self.priority = sig[SIG_PRIORITY] if len(sig) > SIG_PRIORITY else None
         # Responses with equal keys may share one fused allreduce.
         self.fusion_key = (sig[SIG_DTYPE], sig[SIG_DEVICE], sig[SIG_OP], sig[SIG_SCALES], joined)
 

@@ -147,8 +147,13 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[Op] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
-    """Start reducing ``tensor`` in place; return a handle."""
+                     process_set: ProcessSet = global_process_set, priority: Optional[int] = None) -> AsyncHandle:
+    """Start reducing ``tensor`` in place; return a handle.
+
+    ``priority`` (hpdl's own; lower is sooner, the same on every rank): once agreed, the
+    allreduce waits to start in priority order as the backend has room (DistributedOptimizer's
+    ``overlap_forward`` uses it so that the first layers' gradients travel first).
+    """
     op = _resolve_op(average, op)
     # This runs once per gradient per step: the common case (contiguous) is kept short.
     work = tensor.detach() if tensor.requires_grad else tensor
@@ -158,10 +163,12 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         _check_adasum(work, process_set)
     if work.is_contiguous():
         request = Request(RequestKind.ALLREDUCE, name, work, work, op, prescale_factor, postscale_factor, 0, None,
-                          _set_id(process_set))
+                          _set_id(process_set), priority=priority)
         return AsyncHandle([_submit(request)], None, tensor)
     work, write_back = _in_place(tensor)
-    handle = _submit(_allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set))
+    request = _allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set)
+    request.priority = priority
+    handle = _submit(request)
     return AsyncHandle([handle], lambda results: write_back(results[0]))
 
 

@@ -5,6 +5,12 @@ gradient the hook starts its allreduce at once, so communication overlaps the re
 backward; ``step()`` waits for the allreduces (``synchronize()``) and then runs the wrapped
 optimizer's own ``step()``. Behaviour follows Horovod 0.28's ``horovod/torch/optimizer.py``.
 
+With ``overlap_forward=model`` (hpdl's own), ``step()`` does not wait: each parameter's update
+is applied just before the next forward reaches its module (a forward pre-hook), once that
+parameter's allreduce is done, and the allreduces start in the order the forward needs them
+(engine priorities). The exchange of the last gradients then overlaps the next forward and the
+update, where a network slower than the compute makes the exchange the longer part of a step.
+
 The returned object is an instance of a subclass of the wrapped optimizer's class (one class
 per optimizer class, made once and cached), so ``isinstance(opt, torch.optim.SGD)`` holds; it
 shares ``param_groups``, ``state`` and ``defaults`` with the optimizer it wraps.
@@ -22,7 +28,7 @@ import torch
 
 from hpdl.engine import Op
 from hpdl.torch import mpi_ops, runtime
-from hpdl.torch.compression import Compression
+from hpdl.torch.compression import Compression, _CastCompressor
 from hpdl.torch.mpi_ops import Adasum, Average
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
@@ -39,13 +45,27 @@ _Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 class _Submitted:
     """One started allreduce: a parameter's (or a group's), with what is needed to finish it."""
 
-    __slots__ = ("handle", "params", "ctxs", "sparse")
+    __slots__ = ("handle", "params", "ctxs", "sparse", "grads")
 
     def __init__(self, handle: Any, params: Tuple[torch.Tensor, ...], ctxs: Tuple[Any, ...], sparse: bool = False):
         self.handle = handle  # an AsyncHandle, or for sparse gradients a callable giving the result
         self.params = params
         self.ctxs = ctxs
         self.sparse = sparse
+        self.grads = tuple(p.grad for p in params)  # where the results go, even after zero_grad()
+
+
+def _before_forward(owner: "weakref.ReferenceType", params: Tuple[torch.Tensor, ...], module, args) -> None:
+    # overlap_forward: a module's parameters get their pending update before it runs.
+    optimizer = owner()
+    if optimizer is not None and optimizer._deferred:
+        optimizer._apply_deferred(params)
+
+
+def _before_state_dict(owner: "weakref.ReferenceType", *args) -> None:
+    optimizer = owner()
+    if optimizer is not None and optimizer._deferred:
+        optimizer._apply_deferred()
 
 
 def _grad_ready(owner: "weakref.ReferenceType", param: torch.Tensor) -> None:
@@ -63,7 +83,8 @@ class _DistributedOptimizerMixin:
 
     def _setup(self, names: Dict[torch.Tensor, str], compression, backward_passes_per_step: int, op: Op,
                gradient_predivide_factor: float, groups: Union[None, int, List[List[torch.Tensor]]],
-               sparse_as_dense: bool, process_set: ProcessSet) -> None:
+               sparse_as_dense: bool, process_set: ProcessSet,
+               overlap_forward: Optional[torch.nn.Module] = None) -> None:
         # Horovod's map, which scripts read: model names, or allreduce.noname.<group>.<index>.
         self._parameter_names = names
         self._names = {p: f"allreduce.{name}" for p, name in names.items()}  # the collectives' names
@@ -91,6 +112,12 @@ class _DistributedOptimizerMixin:
         # The global set always contains this rank; asking a sub-set needs a running hpdl.
         self._included = process_set is global_process_set or process_set.included()
         self._ref = weakref.ref(self)
+        # overlap_forward: the parameters whose update waits for the next forward, and the
+        # order the forward needs them in (the model's parameter order, the same on every rank).
+        self._deferred: Dict[torch.Tensor, _Submitted] = {}
+        self._priority: Dict[torch.Tensor, int] = {}
+        self._overlap_hooks: List[Any] = []
+        self._warned_tied = False
         if self._included:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -98,6 +125,21 @@ class _DistributedOptimizerMixin:
                         self._track(p)
             if groups is not None:
                 self._make_groups(groups)
+            if overlap_forward is not None:
+                self._overlap(overlap_forward)
+
+    def _overlap(self, model: torch.nn.Module) -> None:
+        """Hook ``model`` so that updates wait for the forward that needs them."""
+        tracked = set(self._params)
+        self._priority = {p: i for i, p in enumerate(p for p in model.parameters() if p in tracked)}
+        if not self._priority:
+            raise ValueError("overlap_forward: the model has none of the optimizer's parameters")
+        for module in model.modules():
+            own = tuple(p for p in module.parameters(recurse=False) if p in tracked)
+            if own:
+                self._overlap_hooks.append(module.register_forward_pre_hook(
+                    functools.partial(_before_forward, self._ref, own)))
+        self._overlap_hooks.append(model.register_state_dict_pre_hook(functools.partial(_before_state_dict, self._ref)))
 
     def _track(self, p: torch.Tensor) -> None:
         self._params.append(p)
@@ -153,6 +195,16 @@ class _DistributedOptimizerMixin:
     # -- the hook path: once per parameter per backward, on the autograd thread -------------
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if self._deferred and p in self._deferred:
+            # overlap_forward, and p's module never ran its forward: p was used elsewhere (a
+            # tied weight) with the previous values. Update it now, before its new allreduce.
+            if not self._warned_tied:
+                self._warned_tied = True
+                warnings.warn(f"overlap_forward: parameter {self._parameter_names.get(p, '?')!r} was used "
+                              "outside its own module's forward, before its update; updates of such "
+                              "parameters lag a step. Use overlap_forward only when every parameter is used "
+                              "by the module that owns it.")
+            self._apply_deferred((p,))
         delay = self._delay[p]
         if delay <= 0:
             raise AssertionError(
@@ -200,7 +252,8 @@ class _DistributedOptimizerMixin:
             grad = grad.to_dense()
         compressed, ctx = self._compression.compress(grad)
         handle = mpi_ops.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=self._prescale,
-                                          postscale_factor=self._postscale, process_set=self.process_set)
+                                          postscale_factor=self._postscale, process_set=self.process_set,
+                                          priority=self._priority.get(p))
         return _Submitted(handle, (p,), (ctx,))
 
     def _submit_group(self, group: Tuple[torch.Tensor, ...]) -> _Submitted:
@@ -227,16 +280,10 @@ class _DistributedOptimizerMixin:
         if not self._included:
             self._synchronized = True
             return
+        if self._deferred:  # the previous step's updates come first
+            self._apply_deferred()
         try:
-            # Gradients whose hook did not fire (unused here, or fewer backward passes than
-            # backward_passes_per_step): other ranks may be waiting for them.
-            for p in self._params:
-                if self._delay[p] > 0:
-                    group = self._group_of.get(p)
-                    if group is None:
-                        self._pending[p] = self._submit(p)
-                    elif group not in self._pending:
-                        self._pending[group] = self._submit_group(group)
+            self._start_unfired()
             # The last-submitted allreduce first: the caller then wakes once, not once per
             # gradient (each wake-up takes a core from transfers still running).
             last = next((s for s in reversed(self._pending.values()) if not s.sparse), None)
@@ -245,13 +292,71 @@ class _DistributedOptimizerMixin:
             for submitted in self._pending.values():
                 self._finish(submitted)
         finally:
-            self._pending.clear()
-            for p in self._params:
-                self._delay[p] = self.backward_passes_per_step
-            for group in self._group_ready:
-                self._group_ready[group] = 0
-            self._fired = 0
+            self._reset_pending()
         self._synchronized = True
+
+    def _start_unfired(self) -> None:
+        # Gradients whose hook did not fire (unused here, or fewer backward passes than
+        # backward_passes_per_step): other ranks may be waiting for them.
+        for p in self._params:
+            if self._delay[p] > 0:
+                group = self._group_of.get(p)
+                if group is None:
+                    self._pending[p] = self._submit(p)
+                elif group not in self._pending:
+                    self._pending[group] = self._submit_group(group)
+
+    def _reset_pending(self) -> None:
+        self._pending.clear()
+        for p in self._params:
+            self._delay[p] = self.backward_passes_per_step
+        for group in self._group_ready:
+            self._group_ready[group] = 0
+        self._fired = 0
+
+    def _defer(self) -> None:
+        """overlap_forward's step(): leave the updates to the next forward."""
+        if self._deferred:  # parameters the last forward did not use: update them now
+            self._apply_deferred()
+        try:
+            self._start_unfired()
+            self._deferred = {submitted.params[0]: submitted for submitted in self._pending.values()}
+        finally:
+            self._reset_pending()
+
+    def _apply_deferred(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Wait for the allreduces of ``params`` (default: all deferred) and update them."""
+        deferred = self._deferred
+        chosen = [p for p in (params if params is not None else list(deferred)) if p in deferred]
+        if not chosen:
+            return
+        kept = []
+        for p in chosen:
+            submitted = deferred.pop(p)
+            kept.append(p.grad)
+            p.grad = submitted.grads[0]  # zero_grad() may have dropped it since
+            self._finish(submitted)
+        members = set(chosen)
+        groups = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [q for q in group["params"] if q in members]
+            self._local_step()
+        finally:
+            for group, params_of_group in zip(self.param_groups, groups):
+                group["params"] = params_of_group
+            for p, grad in zip(chosen, kept):
+                p.grad = grad
+
+    def apply_pending_updates(self) -> None:
+        """overlap_forward: apply every update still waiting for a forward (done for you by the
+        model's forward and ``state_dict()``, and by this optimizer's ``state_dict()``)."""
+        if self._deferred:
+            self._apply_deferred()
+
+    def state_dict(self):
+        self.apply_pending_updates()
+        return super().state_dict()
 
     def _finish(self, submitted: _Submitted) -> None:
         if submitted.sparse:
@@ -260,9 +365,15 @@ class _DistributedOptimizerMixin:
         outputs = mpi_ops.synchronize(submitted.handle)
         if not isinstance(outputs, list):
             outputs = [outputs]
+        cast_back = isinstance(self._compression, type) and issubclass(self._compression, _CastCompressor)
         for p, output, ctx in zip(submitted.params, outputs, submitted.ctxs):
-            result = self._compression.decompress(output, ctx)
             grad = p.grad
+            if cast_back and ctx is not None and not grad.is_sparse and grad.shape == output.shape:
+                # The built-in 16-bit compressors: cast straight into the gradient (one pass
+                # over it, no float32 copy made first; the same values as decompress()).
+                grad.copy_(output)
+                continue
+            result = self._compression.decompress(output, ctx)
             if result is grad:
                 continue  # reduced in place (no compression)
             if grad.is_sparse or grad.shape != result.shape:
@@ -282,7 +393,12 @@ class _DistributedOptimizerMixin:
     # -- the optimizer interface -----------------------------------------------------------
 
     def step(self, closure=None):
-        """Wait for the gradients' allreduces, then step the wrapped optimizer."""
+        """Wait for the gradients' allreduces, then step the wrapped optimizer (with
+        ``overlap_forward``: leave each update to the next forward of its module)."""
+        if self._priority and self._should_synchronize and not self._synchronized and closure is None:
+            self._defer()
+            runtime.profile_step()
+            return None
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -318,6 +434,8 @@ class _DistributedOptimizerMixin:
                 "produced since the last step). This is prohibited: the allreduces are reading and writing those "
                 "gradients. Call optimizer.step() (or optimizer.synchronize()) first, or zero_grad() before "
                 "backward().")
+        for p in self._deferred:  # their gradients are still being reduced, or wait for the update
+            p.grad = None
         return super().zero_grad(set_to_none)
 
 
@@ -383,7 +501,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         overlap_forward: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that its gradients are reduced across ranks before every step.
 
     Args:
@@ -400,6 +519,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         groups: an integer number of fusion groups, or lists of parameters reduced together.
         sparse_as_dense: reduce sparse gradients as dense tensors (else by allgather).
         process_set: the ranks among which gradients are reduced.
+        overlap_forward: hpdl's own: the model, to let the exchange of the last gradients
+            overlap the next forward. ``step()`` returns at once; each module's parameters
+            get their update when the next forward reaches it (or at ``state_dict()``, or
+            ``apply_pending_updates()``), the allreduces starting in the model's parameter
+            order. Until then the parameters hold the previous values: read them through the
+            model's forward or ``state_dict()``. Each parameter must be used only by the
+            module that owns it, and the ``backward_passes_per_step``, ``groups``, sparse
+            gradients and Adasum options are not available with it.
     """
     if isinstance(optimizer, _DistributedOptimizerMixin):
         raise ValueError("the optimizer is already a DistributedOptimizer")
@@ -423,6 +550,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             groups = num_groups
     if isinstance(groups, tuple):
         groups = list(groups)
+    if overlap_forward is not None:
+        if not isinstance(overlap_forward, torch.nn.Module):
+            raise TypeError(f"overlap_forward takes the model (a torch.nn.Module), got {type(overlap_forward).__name__}")
+        if backward_passes_per_step != 1 or groups or op == Adasum:
+            raise ValueError("overlap_forward works with backward_passes_per_step=1, no groups and op Average or Sum")
     _check_groups(optimizer, groups)
     names = _named(optimizer, named_parameters)
 
@@ -441,5 +573,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     own = set(dir(mixin))
     distributed.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in own})
     distributed._setup(names, compression, backward_passes_per_step, op, float(gradient_predivide_factor),
-                       groups, bool(sparse_as_dense), process_set)
+                       groups, bool(sparse_as_dense), process_set, overlap_forward)
     return distributed

@@ -34,6 +34,7 @@ class Scenario:
     predivide: float = 1.0
     groups: Optional[str] = None  # "int" or "list"
     named: bool = True
+    overlap: bool = False  # overlap_forward=model: updates wait for the next forward
     reverse_odd: bool = True
     rtol: float = 1e-5
     atol: float = 1e-6
@@ -64,6 +65,10 @@ SCENARIOS: List[Scenario] = [
     Scenario("sgd-groups-int", sgd, groups="int"),
     Scenario("adam-groups-list", adam, groups="list"),
     Scenario("sgd-unnamed", sgd, named=False, reverse_odd=False),
+    Scenario("sgd-overlap", sgd, overlap=True),
+    Scenario("adam-overlap", adam, overlap=True),
+    Scenario("adam-sum-overlap", adam, op=hvd.Sum, overlap=True),
+    Scenario("sgd-fp16-overlap", sgd, compression=hvd.Compression.fp16, overlap=True, rtol=1e-2, atol=1e-3),
 ]
 
 
@@ -85,7 +90,7 @@ def run_scenario(sc: Scenario) -> None:
     opt = hvd.DistributedOptimizer(
         sc.optimizer(params_for(model, reverse), summed_over), named_parameters=named if sc.named else None,
         compression=sc.compression, backward_passes_per_step=sc.backward_passes, op=sc.op,
-        gradient_predivide_factor=sc.predivide, groups=groups)
+        gradient_predivide_factor=sc.predivide, groups=groups, overlap_forward=model if sc.overlap else None)
     ref_opt = sc.optimizer(list(reference.parameters()))
 
     for step in range(STEPS):
@@ -102,6 +107,13 @@ def run_scenario(sc: Scenario) -> None:
         ref_opt.step()
 
         what = f"{sc.name} step {step}"
+        if sc.overlap:
+            # The update waits for the next forward (which runs next step) or state_dict():
+            # before it the parameters are the previous step's; the last step reads them
+            # through state_dict(), the others leave them to the forward.
+            if step < STEPS - 1:
+                continue
+            model.state_dict()
         assert_close(model, reference, what, sc.rtol, sc.atol)
         assert_ranks_equal(model, f"{sc.name}.{step}")
 
