@@ -30,6 +30,9 @@ def test_each_system_runs_in_the_job_that_measures_it():
     assert fp16[-3:] == ["--fp16-allreduce", "--compare", "ddp"]
     assert "--hierarchical-allreduce" in hier and "--compare" not in hier
     assert ["--model", "edsr", "--json", "--repeats", "1"] == default[default.index("--model"):default.index("--compare")]
+    overlap = ScalingOptions(systems=("hpdl-overlap",))
+    assert overlap.jobs() == ["default", "overlap"]
+    assert job_argv(overlap, "overlap", 2)[-1] == "--overlap-forward"
 
 
 def test_summary_takes_medians_and_both_efficiencies():

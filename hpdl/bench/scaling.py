@@ -5,7 +5,8 @@ rank count, for every system asked for, in alternating repeats (repeat after rep
 counts in alternating order, so a drifting machine hits every point alike), and reads each
 job's record. Systems:
 
-- ``hpdl``, ``hpdl-fp16`` (``--fp16-allreduce``), ``hpdl-hier`` (hierarchical allreduce);
+- ``hpdl``, ``hpdl-fp16`` (``--fp16-allreduce``), ``hpdl-hier`` (hierarchical allreduce),
+  ``hpdl-overlap`` (``--overlap-forward``: the exchange overlaps the next forward);
 - ``ddp`` (DistributedDataParallel over gloo) and ``ddp-fp16`` (its ``fp16_compress_hook``).
 
 The no-communication ceiling (every rank training alone, at once) is measured in the same
@@ -32,6 +33,7 @@ SYSTEMS: Dict[str, Tuple[str, str]] = {
     "hpdl": ("default", "hpdl"),
     "hpdl-fp16": ("fp16", "hpdl"),
     "hpdl-hier": ("hierarchical", "hpdl"),
+    "hpdl-overlap": ("overlap", "hpdl"),
     "ddp": ("default", "ddp"),
     "ddp-fp16": ("fp16", "ddp"),
 }
@@ -68,7 +70,7 @@ class ScalingOptions:
     def jobs(self) -> List[str]:
         """The jobs to run at each point: the default one always (it measures the ceiling)."""
         wanted = {SYSTEMS[s][0] for s in self.systems} | {"default"}
-        return [job for job in ("default", "fp16", "hierarchical") if job in wanted]
+        return [job for job in ("default", "fp16", "hierarchical", "overlap") if job in wanted]
 
 
 def spread_over(hosts: Sequence[Tuple[str, int]], ranks: int) -> List[Tuple[str, int]]:
@@ -92,10 +94,12 @@ def job_argv(opts: ScalingOptions, job: str, ranks: int) -> List[str]:
         run.append("--hierarchical-allreduce")
     compare = {"default": [m for m in ("ddp",) if "ddp" in opts.systems] + ["ceiling"],
                "fp16": ["ddp"] if "ddp-fp16" in opts.systems else [],
-               "hierarchical": []}[job]
+               "hierarchical": [], "overlap": []}[job]
     bench = [sys.executable, "-m", "hpdl", "bench", "synthetic", *opts.synthetic_args, "--json", "--repeats", "1"]
     if job == "fp16":
         bench.append("--fp16-allreduce")
+    elif job == "overlap":
+        bench.append("--overlap-forward")
     if compare:
         bench += ["--compare", ",".join(compare)]
     return run + ["--"] + bench
