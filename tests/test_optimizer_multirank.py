@@ -1,5 +1,7 @@
 """DistributedOptimizer on several ranks, under mpiexec (MPI) and torchrun (gloo)."""
 
+import re
+
 import pytest
 
 from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_ranks
@@ -34,3 +36,12 @@ def test_equivalence_with_one_process(launcher, n):
 def test_behaviour(launcher, n):
     result = run_ranks("optimizer_behaviour.py", n, launcher, timeout=240)
     _assert_all_ok(result.stdout, BEHAVIOUR)
+
+
+@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
+def test_overlap_forward_ends_cleanly_when_one_rank_finishes_first(launcher, n):
+    result = run_ranks("optimizer_overlap_end.py", n, launcher, timeout=240)
+    # The ranks' lines may interleave in the launcher's output: match the records, not lines.
+    found = re.findall(r"PARAMS (\d+) (-?[0-9.]+e[+-]\d+)", result.stdout)
+    assert sorted(int(r) for r, _ in found) == list(range(n)), result.stdout + result.stderr
+    assert len({checksum for _, checksum in found}) == 1, result.stdout

@@ -68,6 +68,16 @@ def _before_state_dict(owner: "weakref.ReferenceType", *args) -> None:
         optimizer._apply_deferred()
 
 
+def _apply_at_shutdown(owner: "weakref.ReferenceType") -> None:
+    # overlap_forward: the last step's updates, before the engines stop. A rank that finished
+    # its loop first would otherwise stop every engine while a slower rank still submits its
+    # last gradients (its step() does not wait for theirs).
+    optimizer = owner()
+    if optimizer is None:
+        return
+    optimizer.apply_pending_updates()
+
+
 def _grad_ready(owner: "weakref.ReferenceType", param: torch.Tensor) -> None:
     # A module-level function holding a weak reference: parameters must not keep a discarded
     # optimizer alive, and a discarded optimizer's hook must do nothing.
@@ -140,6 +150,11 @@ class _DistributedOptimizerMixin:
                 self._overlap_hooks.append(module.register_forward_pre_hook(
                     functools.partial(_before_forward, self._ref, own)))
         self._overlap_hooks.append(model.register_state_dict_pre_hook(functools.partial(_before_state_dict, self._ref)))
+        shutdown_hooks = runtime._shutdown_hooks
+        shutdown_hooks[:] = [h for h in shutdown_hooks  # drop those of optimizers gone since
+                             if not (isinstance(h, functools.partial) and h.func is _apply_at_shutdown
+                                     and h.args[0]() is None)]
+        shutdown_hooks.insert(0, functools.partial(_apply_at_shutdown, self._ref))  # before the profile's
 
     def _track(self, p: torch.Tensor) -> None:
         self._params.append(p)
