@@ -11,7 +11,7 @@ pytestmark = pytest.mark.multirank
 EQUIVALENCE = [
     "sgd-average", "sgd-sum", "adam-average", "adam-sum", "sgd-accumulate2", "adam-accumulate2", "sgd-fp16",
     "adam-bf16", "sgd-predivide", "sgd-groups-int", "adam-groups-list", "sgd-unnamed",
-    "sgd-overlap", "adam-overlap", "adam-sum-overlap", "sgd-fp16-overlap",
+    "sgd-overlap", "adam-overlap", "adam-sum-overlap", "sgd-fp16-overlap", "adam-overlap-scheduler",
 ]
 BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",

@@ -125,6 +125,9 @@ class _DistributedOptimizerMixin:
         # overlap_forward: the parameters whose update waits for the next forward, and the
         # order the forward needs them in (the model's parameter order, the same on every rank).
         self._deferred: Dict[torch.Tensor, _Submitted] = {}
+        # The param groups' settings (lr, ...) when step() deferred: an lr scheduler stepped
+        # right after step() must not change the update being deferred.
+        self._deferred_settings: List[Dict[str, Any]] = []
         self._priority: Dict[torch.Tensor, int] = {}
         self._overlap_hooks: List[Any] = []
         self._warned_tied = False
@@ -336,6 +339,8 @@ class _DistributedOptimizerMixin:
         try:
             self._start_unfired()
             self._deferred = {submitted.params[0]: submitted for submitted in self._pending.values()}
+            self._deferred_settings = [{k: v for k, v in group.items() if k != "params"}
+                                       for group in self.param_groups]
         finally:
             self._reset_pending()
 
@@ -352,14 +357,16 @@ class _DistributedOptimizerMixin:
             p.grad = submitted.grads[0]  # zero_grad() may have dropped it since
             self._finish(submitted)
         members = set(chosen)
-        groups = [group["params"] for group in self.param_groups]
+        saved = [dict(group) for group in self.param_groups]
         try:
-            for group in self.param_groups:
+            for group, settings in zip(self.param_groups, self._deferred_settings):
+                group.update(settings)
                 group["params"] = [q for q in group["params"] if q in members]
             self._local_step()
         finally:
-            for group, params_of_group in zip(self.param_groups, groups):
-                group["params"] = params_of_group
+            for group, before in zip(self.param_groups, saved):
+                group.clear()
+                group.update(before)
             for p, grad in zip(chosen, kept):
                 p.grad = grad
 

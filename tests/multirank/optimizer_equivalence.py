@@ -35,6 +35,7 @@ class Scenario:
     groups: Optional[str] = None  # "int" or "list"
     named: bool = True
     overlap: bool = False  # overlap_forward=model: updates wait for the next forward
+    scheduler: bool = False  # an lr scheduler stepped right after every optimizer step
     reverse_odd: bool = True
     rtol: float = 1e-5
     atol: float = 1e-6
@@ -69,6 +70,7 @@ SCENARIOS: List[Scenario] = [
     Scenario("adam-overlap", adam, overlap=True),
     Scenario("adam-sum-overlap", adam, op=hvd.Sum, overlap=True),
     Scenario("sgd-fp16-overlap", sgd, compression=hvd.Compression.fp16, overlap=True, rtol=1e-2, atol=1e-3),
+    Scenario("adam-overlap-scheduler", adam, overlap=True, scheduler=True),
 ]
 
 
@@ -92,6 +94,8 @@ def run_scenario(sc: Scenario) -> None:
         compression=sc.compression, backward_passes_per_step=sc.backward_passes, op=sc.op,
         gradient_predivide_factor=sc.predivide, groups=groups, overlap_forward=model if sc.overlap else None)
     ref_opt = sc.optimizer(list(reference.parameters()))
+    schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+                  if sc.scheduler else [])
 
     for step in range(STEPS):
         x, y = batch(step)
@@ -105,6 +109,8 @@ def run_scenario(sc: Scenario) -> None:
         ref_opt.zero_grad()
         loss_fn(reference, x, y).backward()
         ref_opt.step()
+        for scheduler in schedulers:  # before the deferred update is applied, with overlap
+            scheduler.step()
 
         what = f"{sc.name} step {step}"
         if sc.overlap:
