@@ -93,3 +93,21 @@ def test_errors_are_one_line_on_rank_0_and_silent_elsewhere(tmp_path, data):
         assert rank1[case]["code"] == 2 and rank1[case]["stderr"] == "", (case, rank1[case])
     skipped = rank0["corrupt_image_skipped"]
     assert skipped["code"] == 0 and "broken.png" in skipped["stderr"], skipped
+
+
+def test_overlap_forward_trains_the_same_model(tmp_path, data):
+    # Updates deferred to the next forward (and applied by validation and checkpoints) give the
+    # weights, validation scores and losses of the ordinary step.
+    run_ranks("sr_train.py", 2, args=["overlap", str(tmp_path), str(data)], timeout=200)
+    plain = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)["model"]
+    overlap = torch.load(tmp_path / "overlap" / "model.pt", weights_only=True)["model"]
+    assert plain.keys() == overlap.keys()
+    for key in plain:
+        torch.testing.assert_close(overlap[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+    for log in ("train_log.csv", "val_log.csv"):
+        a, b = rows(tmp_path / "plain" / log), rows(tmp_path / "overlap" / log)
+        assert len(a) == len(b) > 0
+        for ra, rb in zip(a, b):
+            for column in ("loss", "psnr"):
+                if column in ra:
+                    assert abs(float(ra[column]) - float(rb[column])) < 1e-4, (log, ra, rb)

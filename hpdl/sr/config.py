@@ -69,6 +69,9 @@ class TrainConfig:
     warmup_updates: int = 0  # linear ramp of lr from 0 over this many updates
     scale_lr_with_world: bool = False  # lr *= number of ranks (with per-rank batches)
     compression: str = "none"  # gradient allreduce compression: none, fp16, bf16
+    # Let the gradients' exchange overlap the next forward (DistributedOptimizer's
+    # overlap_forward): for networks slower than the compute, e.g. across nodes over TCP.
+    overlap_forward: bool = False
     ema_decay: float = 0.0  # exponential moving average of the weights (0: off; BasicSR 0.999)
 
     # -- validation, logging, checkpoints --

@@ -81,8 +81,9 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         loss = F.l1_loss(model(lr_img), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the gradient allreduces start in here
-        optimizer.step()  # waits for them, then Adam
+        optimizer.step()  # waits for them, then Adam (with overlap_forward: the next forward does)
         if ema is not None:
+            optimizer.apply_pending_updates()  # the average needs this step's weights
             ema.update(model)
         run.count_update(loss, lr, epoch, time.perf_counter() - step_start)
         run.validate_and_checkpoint(step_in_pass)
@@ -202,8 +203,12 @@ def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Modu
     optimizer = torch.optim.Adam([p for _, p in named], lr=base_lr, betas=cfg.betas, eps=cfg.eps)
     # Every gradient's allreduce starts inside backward(), as soon as autograd has produced it;
     # step() waits for them and then runs Adam on the averaged gradients.
+    # With overlap_forward, step() only starts the update: each module's parameters get theirs
+    # when the next forward reaches it (or when they are saved), so the last gradients'
+    # exchange overlaps that forward.
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named,
-                                         compression=COMPRESSION[cfg.compression])
+                                         compression=COMPRESSION[cfg.compression],
+                                         overlap_forward=model if cfg.overlap_forward else None)
     ema = EMA(_build_model(cfg).to(world.device), cfg.ema_decay) if cfg.ema_decay else None
     return model, optimizer, ema, base_lr
 

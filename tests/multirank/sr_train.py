@@ -3,6 +3,7 @@
     sr_train.py uninterrupted-and-half OUT DATA   # OUT/full: N updates; OUT/resumed: N/2 updates
     sr_train.py resume OUT DATA                   # OUT/resumed: continue to N (a new process)
     sr_train.py errors OUT DATA                   # CLI error cases; OUT/errors.<rank>.json
+    sr_train.py overlap OUT DATA                  # OUT/plain and OUT/overlap (overlap_forward=true)
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def main() -> None:
         assert summary["updates"] == N and summary["updates_this_run"] == N // 2, summary
     elif mode == "errors":
         errors(out, data)
+    elif mode == "overlap":
+        for name, extra in (("plain", []), ("overlap", ["overlap_forward=true"])):
+            # No EMA: its average would apply each update at once, with nothing left to overlap.
+            train(load_config("demo", tiny(data, out / name, f"total_updates={N}", f"ckpt_every={N // 2}",
+                                           "ema_decay=0", *extra)))
     else:
         raise SystemExit(f"unknown mode {mode}")
 
