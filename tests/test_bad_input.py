@@ -231,7 +231,7 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
 @pytest.mark.parametrize("args,message", [
     (["--ranks", "1,x"], "--ranks takes comma-separated integers, got '1,x'"),
     (["--ranks", "0,2"], "--ranks takes distinct rank counts of at least 1, got 0,2"),
-    (["--systems", "hpdl,horovod"], "--systems takes distinct systems among hpdl, hpdl-fp16, hpdl-hier, ddp, ddp-fp16"),
+    (["--systems", "hpdl,horovod"], "--systems takes distinct systems among hpdl, hpdl-fp16, hpdl-hier, hpdl-overlap, ddp, ddp-fp16, got hpdl,horovod"),
     (["--ranks", "1,4", "-H", "localhost:2"], "4 ranks do not fit the 2 slots of the hosts"),
     (["--json", "/nonexistent/dir/s.json"], "/nonexistent/dir/s.json: its directory does not exist"),
     (["--model", "vgg", "--ranks", "1", "--repeats", "1"], "the default job on 1 rank(s) failed (exit 2): hpdl: error: unknown model 'vgg'"),
