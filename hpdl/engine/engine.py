@@ -18,7 +18,9 @@ for it. So rounds happen when they can achieve something:
 - a full negotiation or a process set with work keeps every rank at the cycle time, and a
   caller starting to wait on a handle cuts a doubled pause short.
 A request submitted to an idle engine thus still starts a cycle at once, and the cycle time
-bounds the latency of a collective whose ranks are all ready.
+bounds the latency of a collective whose ranks are all ready. Where the ranks' compute fills
+the CPU cores, the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so
+its polling and copies use the gaps the compute leaves instead of preempting it.
 
 Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
 forward overlaps the gradients' exchange: the first layers' gradients are needed first, but
@@ -27,9 +29,7 @@ set's backlog, and each round starts the backlog's most urgent allreduces that f
 room every member has left in its window of ``HPDL_PRIORITY_WINDOW`` bytes in flight (the room
 travels in the negotiation, so every rank starts the same ones in the same order). What the
 backend has not started can still be overtaken; what it has, cannot, so the window is kept
-small, just enough to keep the network busy. Where the ranks' compute fills
-the CPU cores, the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so
-its polling and copies use the gaps the compute leaves instead of preempting it.
+small, just enough to keep the network busy.
 """
 
 from __future__ import annotations
