@@ -1,0 +1,263 @@
+"""Tests of `hpdl run`'s command line: one-line errors, --dry-run, horovodrun's spellings, and
+runs end to end under mpiexec, torchrun and Open MPI."""
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpdl.cli import main
+from hpdl.launch import detect, detect_launchers
+from launch_texts import INTEL_TEXT, MPICH_TEXT, OPENMPI4_TEXT, info, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- the command line ---------------------------------------------------------------------
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("HPDL_", "SLURM_")):
+            monkeypatch.delenv(key)
+
+
+def _one_line_error(capsys, fragment):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("hpdl: error: ") and fragment in err, err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "-np", "2"], "no command to run"),
+    (["run", "-np", "2", "--"], "no command to run"),
+    (["run", "-np", "5", "-H", "a:2,b:2", "--", "python", "x.py"], "-np 5 is more than the 4 slots"),
+    (["run", "-H", "a:0", "--", "python", "x.py"], "slot count must be at least 1"),
+    (["run", "--mpi-args", "'unclosed", "--", "python"], "--mpi-args"),
+    (["run", "--cycle-time-ms", "-3", "--", "python"], "HPDL_CYCLE_TIME"),
+])
+def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
+    assert main(args) == 2
+    _one_line_error(capsys, fragment)
+
+
+def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\n# spare\nnode2 = 3\n")
+    assert main(["run", "--hostfile", str(hostfile), "--", "python", "x.py"]) == 2
+    _one_line_error(capsys, f"{hostfile}:3: cannot parse 'node2 = 3'")
+
+
+def test_cli_missing_launcher_is_named(monkeypatch, capsys, clean_env):
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    assert main(["run", "-np", "2", "--", "python", "x.py"]) == 2
+    _one_line_error(capsys, "launcher mpiexec was not found on PATH")
+    assert main(["run", "-np", "2", "--backend", "gloo", "--", "python", "x.py"]) == 2
+    _one_line_error(capsys, "launcher torchrun was not found on PATH")
+
+
+def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(os.path.abspath(sys.executable)), "/usr/bin"]))
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: OPENMPI4_TEXT)
+    code = main(["run", "-np", "2", "-H", "a,b", "--timeline", "t.json", "--dry-run",
+                 "--mpi-args=--oversubscribe", "--", "python", "train.py", "--lr", "0.1"])
+    out = capsys.readouterr().out.strip()
+    assert code == 0
+    timeline = os.path.join(str(tmp_path), "t.json")
+    assert out == (
+        f"HPDL_TIMELINE={timeline} mpiexec --allow-run-as-root --tag-output -np 2 -H a:1,b:1 --bind-to none "
+        f"-x HPDL_TIMELINE={timeline} -x PATH --oversubscribe python train.py --lr 0.1"
+    )
+
+
+def test_openmpi_gets_horovodruns_options():
+    from hpdl.launch.cli import with_openmpi_defaults
+
+    openmpi = info(flavour=detect.OPENMPI)
+    argv, _ = run(launchers=openmpi, np=2)
+    assert with_openmpi_defaults(argv, openmpi)[:3] == ["mpiexec", "--allow-run-as-root", "--tag-output"]
+    assert with_openmpi_defaults(argv, openmpi)[3:] == argv[1:]
+    argv, _ = run(launchers=openmpi, np=2, mpi_args=("--tag-output",))
+    assert with_openmpi_defaults(argv, openmpi).count("--tag-output") == 1
+    mpich = info()
+    argv, _ = run(launchers=mpich, np=2)
+    assert with_openmpi_defaults(argv, mpich) == argv
+    argv, _ = run(launchers=openmpi, np=2, backend="gloo")  # torchrun: no Open MPI options
+    assert argv[0] == "torchrun" and with_openmpi_defaults(argv, openmpi) == argv
+
+
+def test_cli_profile_sets_an_absolute_hpdl_profile_for_every_rank(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: MPICH_TEXT)
+    assert main(["run", "-np", "2", "--profile", "out/p.json", "--dry-run", "--", "python", "train.py"]) == 0
+    profile = os.path.join(str(tmp_path), "out", "p.json")
+    assert capsys.readouterr().out.strip() == (
+        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 python train.py")
+
+
+# --- horovodrun's spellings ---------------------------------------------------------------
+
+def _dry_run(monkeypatch, capsys, *args, version_text=MPICH_TEXT):
+    """`hpdl run ARGS --dry-run` with every launcher on PATH and the MPI of ``version_text``."""
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
+    monkeypatch.setattr(detect, "_version_text", lambda exe: version_text)
+    code = main(["run", *args, "--dry-run", "--", "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out.strip(), err
+
+
+@pytest.mark.parametrize("horovodrun, own", [
+    (["--gloo"], ["--backend", "gloo"]),
+    (["--mpi"], ["--backend", "mpi"]),
+    (["--timeline-filename", "t.json"], ["--timeline", "t.json"]),
+    (["--stall-check-warning-time-seconds", "5"], ["--stall-warning-s", "5"]),
+    (["--stall-check-shutdown-time-seconds", "50"], ["--stall-timeout-s", "50"]),
+    (["--stall-check-shutdown-time-seconds", "0"], []),  # horovodrun's 0: never; hpdl keeps its timeout
+])
+def test_horovodrun_spellings_mean_the_same(horovodrun, own, monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert _dry_run(monkeypatch, capsys, "-np", "2", *horovodrun) == _dry_run(monkeypatch, capsys, "-np", "2", *own)
+
+
+def test_start_timeout_and_verbose(monkeypatch, capsys, clean_env):
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "--start-timeout", "30")
+    assert out == "HPDL_START_TIMEOUT=30.0 mpiexec -genv HPDL_START_TIMEOUT 30.0 -n 2 python train.py"
+    monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(OSError(2, "stopped here")))
+    assert main(["run", "-np", "2", "--verbose", "--", "python", "train.py"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[0] == "mpiexec -n 2 python train.py", err
+
+
+@pytest.mark.parametrize("version_text, expected", [
+    (MPICH_TEXT, "GLOO_SOCKET_IFNAME=eth1 HYDRA_IFACE=eth1 HYDRA_LAUNCHER_EXTRA_ARGS='-p 2222 -i {key}' "
+                 "NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -hosts a:1,b:1 python train.py"),
+    (INTEL_TEXT, "GLOO_SOCKET_IFNAME=eth1 I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS='-p 2222 -i {key}' "
+                 "I_MPI_HYDRA_IFACE=eth1 NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -ppn 1 -hosts a,b python train.py"),
+    (OPENMPI4_TEXT, "GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 OMPI_MCA_btl_tcp_if_include=eth1 "
+                    "OMPI_MCA_oob_tcp_if_include=eth1 OMPI_MCA_plm_rsh_args='-p 2222 -i {key}' mpiexec "
+                    "--allow-run-as-root --tag-output -x GLOO_SOCKET_IFNAME -x NCCL_SOCKET_IFNAME -np 2 "
+                    "-H a:1,b:1 --bind-to none -x PATH python train.py"),
+], ids=["mpich", "intel", "openmpi"])
+def test_ssh_and_network_options_reach_each_mpi(version_text, expected, monkeypatch, capsys, clean_env, tmp_path):
+    key = tmp_path / "id_test"
+    key.write_text("key")
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "-H", "a,b", "-p", "2222", "-i", str(key),
+                      "--network-interfaces", "eth1", version_text=version_text)
+    assert out == expected.format(key=key)
+
+
+def test_ssh_options_reach_the_ssh_that_starts_torchrun_on_each_host(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.setattr(random, "randint", lambda a, b: 29500)
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "-H", "a,b", "--gloo", "--launcher", "torchrun", "-p", "2222",
+                      "--network-interfaces", "eth1")
+    lines = out.splitlines()
+    assert [line.split(" '")[0] for line in lines] == [
+        f"GLOO_SOCKET_IFNAME=eth1 HPDL_BACKEND=gloo NCCL_SOCKET_IFNAME=eth1 ssh -p 2222 {host}" for host in "ab"]
+    assert all("GLOO_SOCKET_IFNAME=eth1" in line for line in lines)  # passed on to every host's torchrun
+
+
+def test_config_file_fills_what_the_command_line_leaves(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "horovod.yaml"
+    config.write_text("params:\n  fusion_threshold_mb: 32\n  cycle_time_ms: 2\n  cache_capacity: 64\n"
+                      "  hierarchical_allreduce: true\n  hierarchical_allgather: false\n"
+                      "timeline:\n  filename: tl.json\n  mark_cycles: true\n"
+                      "stall_check:\n  enabled: false\n  shutdown_time_seconds: 120\n"
+                      "autotune:\n  enabled: true\n")
+    out, err = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config), "--cycle-time-ms", "7")
+    timeline = tmp_path / "tl.json"
+    expected = {"HPDL_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HPDL_CYCLE_TIME": "7",  # the command line wins
+                "HPDL_CACHE_CAPACITY": "64", "HPDL_HIERARCHICAL_ALLREDUCE": "1", "HPDL_TIMELINE": str(timeline),
+                "HPDL_TIMELINE_MARK_CYCLES": "1", "HPDL_STALL_TIMEOUT": "120",
+                "HPDL_STALL_WARNING": "120"}  # stall check off: no warning before the timeout
+    assert {k: v for k, v in (w.split("=", 1) for w in out.split(" mpiexec ")[0].split())} == expected
+    assert err.splitlines() == [
+        f"hpdl run: warning: {config}: params.hierarchical_allgather is not honoured by hpdl; ignoring it",
+        f"hpdl run: warning: {config}: autotune is not honoured by hpdl; ignoring it"]
+
+
+def test_cli_run_help_explains_options(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("-np", "--hostfile", "-H", "--backend", "--launcher", "--mpi-args", "--dry-run",
+                   "--timeline", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity",
+                   "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "--profile", "examples:",
+                   "--gloo", "--mpi", "--timeline-filename", "--stall-check-warning-time-seconds",
+                   "--stall-check-shutdown-time-seconds", "--output-filename", "--verbose", "--start-timeout",
+                   "--ssh-port", "--ssh-identity-file", "--network-interfaces", "--config-file"):
+        assert option in text
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec on PATH")
+def test_run_two_ranks_through_mpiexec():
+    if detect_launchers().mpi_flavour not in detect.HYDRA_FLAVOURS:
+        pytest.skip("PMI_RANK is set by Hydra-based mpiexec (MPICH, MVAPICH2, Intel MPI)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "hpdl", "run", "-np", "2", "--",
+         sys.executable, "-c", "import os; print(os.environ['PMI_RANK'])"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    # mpiexec forwards the ranks' output in chunks that may interleave ("01\n\n"): compare digits.
+    assert sorted(c for c in done.stdout if c.isdigit()) == ["0", "1"], done.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["--mpi", "--gloo"])
+def test_output_filename_writes_each_ranks_output_to_its_files(backend, tmp_path):
+    if backend == "--mpi" and shutil.which("mpiexec") is None:
+        pytest.skip("needs mpiexec on PATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    script = ("import sys, hpdl.torch as hvd; hvd.init(); sys.stdout.write(f'out {hvd.rank()}\\n'); "
+              "sys.stderr.write(f'err {hvd.rank()} of {hvd.size()}\\n')")
+    done = subprocess.run([sys.executable, "-m", "hpdl", "run", "-np", "2", backend, "--verbose",
+                           "--output-filename", "logs", "--", sys.executable, "-c", script],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "hpdl.launch.rank_output" in done.stderr.splitlines()[0]  # --verbose: the command, first
+    assert "out 0" not in done.stdout  # the ranks' output went to the files only
+    for rank in (0, 1):
+        assert (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text() == f"out {rank}\n"
+        assert (tmp_path / "logs" / f"rank.{rank}" / "stderr").read_text() == f"err {rank} of 2\n"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_run_and_check_under_openmpi(tmp_path):
+    """Open MPI with mpi4py built against it: `hpdl check` names it, and `hpdl run` works even as root."""
+    from ranks import OPENMPI_VENV, openmpi_missing
+
+    if openmpi_missing():
+        pytest.skip(openmpi_missing())
+    (tmp_path / "mpiexec").symlink_to(shutil.which("mpiexec.openmpi"))
+    venv_bin = OPENMPI_VENV / "bin"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "SLURM_", "VIRTUAL_ENV"))}
+    env.update(PATH=os.pathsep.join([str(tmp_path), str(venv_bin), "/usr/bin", "/bin"]), PYTHONPATH=str(ROOT))
+    check = subprocess.run([str(venv_bin / "hpdl"), "check"], env=env, capture_output=True, text=True, timeout=60)
+    assert "MPI (Open MPI: Open MPI v" in check.stdout and "mpiexec (Open MPI " in check.stdout, check.stdout
+    # One write per line: --tag-output tags every chunk a rank writes.
+    script = ("import sys, hpdl.torch as hvd; hvd.init(); "
+              "sys.stdout.write(f'rank {hvd.rank()} of {hvd.size()} {hvd.mpi_enabled()}\\n')")
+    done = subprocess.run([str(venv_bin / "hpdl"), "run", "-np", "2", "--", str(venv_bin / "python"), "-c", script],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # --tag-output: each line says which rank printed it.
+    assert sorted(done.stdout.split("\n"))[1:] == ["[1,0]<stdout>:rank 0 of 2 True",
+                                                   "[1,1]<stdout>:rank 1 of 2 True"], done.stdout
