@@ -139,7 +139,10 @@ def _register_synthetic(sub) -> None:
             "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling,lockstep"
         ),
     )
-    p.add_argument("--model", default="resnet50", help="edsr-baseline, edsr or resnet50 (default: resnet50)")
+    from hpdl.sr.registry import model_names  # the SR models, without importing torch for --help
+
+    models = [name.replace("_", "-") for name in model_names()] + ["resnet50"]
+    p.add_argument("--model", default="resnet50", help=f"{', '.join(models)} (default: resnet50)")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per batch (default 32)")
     p.add_argument("--scale", type=int, default=2, help="EDSR upscaling factor: 2, 3 or 4 (default 2)")
     p.add_argument("--patch", type=int, default=48, help="EDSR LR patch size in pixels (default 48)")

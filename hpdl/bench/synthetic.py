@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hpdl.bench.models import MODELS, build_workload, count_parameters
+from hpdl.bench.models import MODELS, SR_MODELS, build_workload, count_parameters
 from hpdl.bench.stats import format_table, median, spread
 
 __all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
@@ -89,7 +89,7 @@ class SyntheticOptions:
 
 def _optimizer_kind(opts: SyntheticOptions) -> str:
     """The optimizer asked for, else the model's usual one."""
-    return opts.optimizer or ("adam" if opts.model.startswith("edsr") else "sgd")
+    return opts.optimizer or ("adam" if opts.model in SR_MODELS else "sgd")  # SR recipes train with Adam
 
 
 def _optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
@@ -278,7 +278,7 @@ def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
     params, nbytes = count_parameters(workload.model)
     optimizer = _optimizer_kind(opts)
     return [
-        f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if "edsr" in opts.model else "")
+        f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if opts.model in SR_MODELS else "")
         + f" ({params:,} parameters, {nbytes / 2**20:.1f} MiB of gradients)",
         f"Batch size: {opts.batch_size} per rank; optimizer {optimizer}; "
         f"{'fp16' if opts.fp16_allreduce else 'no'} compression"
