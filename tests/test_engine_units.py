@@ -335,3 +335,27 @@ def test_priorities_must_agree_across_ranks():
     b = Request(RequestKind.ALLREDUCE, "w", tensor=torch.zeros(4), priority=2).signature()
     message = validate("w", {0: a, 1: b})
     assert "priorities" in message and "'w'" in message
+
+
+def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_earlier_ones():
+    import time as _time
+
+    from hpdl.engine.execution import Executor
+
+    bus = ev.EventBus()
+    collectives = []
+    bus.add(lambda e: collectives.append(e) if e.phase == ev.COLLECTIVE else None)
+    executor = Executor(bus, rank=0, fusion_threshold=1 << 20, inplace_threshold=1024)
+    comm = _BackgroundComm()
+    requests, responses = _average_requests(2, 1024)  # two in-place allreduces, started together
+    executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
+    _time.sleep(0.05)
+    comm.flights[0].complete()
+    _time.sleep(0.05)
+    comm.flights[1].complete()
+    executor.complete()
+    first, second = collectives
+    assert first.duration_us >= 45_000  # from its start
+    # the second waited behind the first: its own time starts when the first finished
+    assert second.time_us >= first.time_us + first.duration_us - 1
+    assert 45_000 <= second.duration_us < 90_000

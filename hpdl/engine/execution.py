@@ -15,6 +15,7 @@ where the network is slowest (across nodes).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -52,7 +53,7 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 class _Flight:
     """An allreduce the backend runs in the background, and what finishes it on this rank."""
 
-    __slots__ = ("flight", "span", "finish", "batch", "requests", "buffer_key", "started", "nbytes")
+    __slots__ = ("flight", "span", "finish", "batch", "requests", "buffer_key", "started", "nbytes", "done_us")
     # ``finish`` completes the handles and tells observers (DONE).
 
     def __init__(self, flight: InFlight, span: ev.Span, finish: Callable[[], None], batch: List[Response],
@@ -65,6 +66,7 @@ class _Flight:
         self.buffer_key = buffer_key  # the fusion buffer it occupies, if any
         self.started = time.monotonic()
         self.nbytes = sum(r.nbytes for r in batch)
+        self.done_us: Optional[float] = None  # when the backend finished it (its thread's clock)
 
 
 class Executor:
@@ -88,6 +90,9 @@ class Executor:
         self.in_flight: "collections.deque[_Flight]" = collections.deque()
         self._in_flight_lock = threading.Lock()  # the watch thread may fail them meanwhile
         self.in_flight_bytes = 0
+        # Per process set, when its backend finished the last collective in flight: it runs
+        # them in order, so a collective's own time starts there, not when it was queued.
+        self._backend_free_us: Dict[int, float] = {}
         self.buffers = FusionBuffers()
         self._view_cache: Dict[tuple, List[torch.Tensor]] = {}
         self.backend_calls = 0
@@ -173,13 +178,33 @@ class Executor:
                 self.in_flight_bytes -= head.nbytes
             try:
                 head.flight.wait()
-                head.span.__exit__(None, None, None)
+                self._end_span(head)
                 head.finish()
             except Exception as err:  # a failed backend call fails its requests, not the engine
                 self._fail(head.batch, head.requests, err)
                 self._done(head.batch, head.span.fields.get("process_set_id", 0), head.span.fields.get("cycle", 0))
             if head is until:
                 return
+
+    def _end_span(self, flight: _Flight) -> None:
+        """Emit a background collective's COLLECTIVE event: from when the backend was free of
+        the ones before it (or its start, if later) to when it finished. Time spent queued
+        behind earlier collectives is not this one's (summing queued times would count the
+        same seconds of the network several times over)."""
+        span = flight.span
+        if span.start is None:
+            return
+        end = flight.done_us if flight.done_us is not None else ev.now_us()
+        key = span.fields.get("process_set_id", 0)
+        begin = max(span.start, min(self._backend_free_us.get(key, 0.0), end))
+        self._backend_free_us[key] = end
+        self.bus.emit(ev.Event(time_us=begin, duration_us=end - begin, **span.fields))
+
+    def _flight_done(self, flight: _Flight) -> None:
+        """From the backend's thread: note when ``flight`` finished; wake the engine."""
+        flight.done_us = ev.now_us()
+        if self._on_done is not None:
+            self._on_done()
 
     def oldest_in_flight(self) -> Optional[float]:
         """When the oldest collective still in flight started (time.monotonic), if any."""
@@ -192,6 +217,9 @@ class Executor:
             flights = list(self.in_flight)
             self.in_flight.clear()
             self.in_flight_bytes = 0
+        # Per process set, when its backend finished the last collective in flight: it runs
+        # them in order, so a collective's own time starts there, not when it was queued.
+        self._backend_free_us: Dict[int, float] = {}
         for head in flights:
             for response in head.batch:
                 request = head.requests.get(response.name)
@@ -211,8 +239,7 @@ class Executor:
             with self._in_flight_lock:
                 self.in_flight.append(entry)
                 self.in_flight_bytes += entry.nbytes
-            if self._on_done is not None:
-                flight.on_done(self._on_done)
+            flight.on_done(functools.partial(self._flight_done, entry))
             return
         else:
             flight.wait()
