@@ -53,16 +53,19 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 class _Flight:
     """An allreduce the backend runs in the background, and what finishes it on this rank."""
 
-    __slots__ = ("flight", "span", "finish", "batch", "requests", "buffer_key", "started", "nbytes", "done_us")
+    __slots__ = ("flight", "span", "finish", "batch", "requests", "process_set_id", "cycle", "buffer_key",
+                 "started", "nbytes", "done_us")
     # ``finish`` completes the handles and tells observers (DONE).
 
     def __init__(self, flight: InFlight, span: ev.Span, finish: Callable[[], None], batch: List[Response],
-                 requests: Dict[str, Request], buffer_key: Optional[tuple]):
+                 requests: Dict[str, Request], process_set_id: int, cycle: int, buffer_key: Optional[tuple]):
         self.flight = flight
         self.span = span
         self.finish = finish
         self.batch = batch
         self.requests = requests
+        self.process_set_id = process_set_id
+        self.cycle = cycle
         self.buffer_key = buffer_key  # the fusion buffer it occupies, if any
         self.started = time.monotonic()
         self.nbytes = sum(r.nbytes for r in batch)
@@ -182,7 +185,7 @@ class Executor:
                 head.finish()
             except Exception as err:  # a failed backend call fails its requests, not the engine
                 self._fail(head.batch, head.requests, err)
-                self._done(head.batch, head.span.fields.get("process_set_id", 0), head.span.fields.get("cycle", 0))
+                self._done(head.batch, head.process_set_id, head.cycle)
             if head is until:
                 return
 
@@ -195,7 +198,7 @@ class Executor:
         if span.start is None:
             return
         end = flight.done_us if flight.done_us is not None else ev.now_us()
-        key = span.fields.get("process_set_id", 0)
+        key = flight.process_set_id
         begin = max(span.start, min(self._backend_free_us.get(key, 0.0), end))
         self._backend_free_us[key] = end
         self.bus.emit(ev.Event(time_us=begin, duration_us=end - begin, **span.fields))
@@ -228,14 +231,14 @@ class Executor:
 
     def _launch(self, comm: Communicator, tensor: torch.Tensor, op: ReduceOp, span: ev.Span,
                 finish: Callable[[], None], batch: List[Response], requests: Dict[str, Request],
-                buffer_key: Optional[tuple] = None) -> None:
+                ps: int, cycle: int, buffer_key: Optional[tuple] = None) -> None:
         """Start the allreduce of ``tensor``; run ``finish`` once it is done (now, if it blocked)."""
         span.__enter__()
         flight = comm.allreduce_start(tensor, op) if self.background else None
         if flight is None:
             comm.allreduce(tensor, op)
         elif not flight.done():
-            entry = _Flight(flight, span, finish, batch, requests, buffer_key)
+            entry = _Flight(flight, span, finish, batch, requests, ps, cycle, buffer_key)
             with self._in_flight_lock:
                 self.in_flight.append(entry)
                 self.in_flight_bytes += entry.nbytes
@@ -309,7 +312,7 @@ class Executor:
 
             span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                            rank=self.rank, process_set_id=ps, cycle=cycle, fused=1, **described)
-            self._launch(comm, target, _BACKEND_OPS[op_name], span, finish_alone, batch, requests)
+            self._launch(comm, target, _BACKEND_OPS[op_name], span, finish_alone, batch, requests, ps, cycle)
         else:
             total = sum(r.numel for r in batch)
             buffer_key = (dtype, str(inputs[0].device))
@@ -343,7 +346,8 @@ class Executor:
             span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
                            rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch), **described)
             self.fused_calls += 1
-            self._launch(comm, buffer, _BACKEND_OPS[op_name], span, finish_fused, batch, requests, buffer_key)
+            self._launch(comm, buffer, _BACKEND_OPS[op_name], span, finish_fused, batch, requests, ps, cycle,
+                         buffer_key)
         self.backend_calls += 1
         self.tensors_reduced += len(batch)
         self.bytes_reduced += nbytes

@@ -126,11 +126,12 @@ def synchronize(handle: AsyncHandle) -> Any:
 
 # -- allreduce ---------------------------------------------------------------------------------
 
-def _allreduce_request(tensor, output, name, op, prescale, postscale, process_set, group=None) -> Request:
+def _allreduce_request(tensor, output, name, op, prescale, postscale, process_set, group=None,
+                       priority=None) -> Request:
     if op is Adasum:
         _check_adasum(tensor, process_set)
     return Request(RequestKind.ALLREDUCE, name, tensor=tensor, output=output, op=op, prescale=float(prescale),
-                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
+                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group, priority=priority)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -166,9 +167,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                           _set_id(process_set), priority=priority)
         return AsyncHandle([_submit(request)], None, tensor)
     work, write_back = _in_place(tensor)
-    request = _allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set)
-    request.priority = priority
-    handle = _submit(request)
+    handle = _submit(_allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set,
+                                        priority=priority))
     return AsyncHandle([handle], lambda results: write_back(results[0]))
 
 

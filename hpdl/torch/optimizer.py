@@ -99,6 +99,8 @@ class _DistributedOptimizerMixin:
         self._parameter_names = names
         self._names = {p: f"allreduce.{name}" for p, name in names.items()}  # the collectives' names
         self._compression = compression
+        # The built-in 16-bit compressors: results are cast straight back into the gradient.
+        self._cast_back = isinstance(compression, type) and issubclass(compression, _CastCompressor)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         if op == Average:
@@ -387,10 +389,9 @@ class _DistributedOptimizerMixin:
         outputs = mpi_ops.synchronize(submitted.handle)
         if not isinstance(outputs, list):
             outputs = [outputs]
-        cast_back = isinstance(self._compression, type) and issubclass(self._compression, _CastCompressor)
         for p, output, ctx in zip(submitted.params, outputs, submitted.ctxs):
             grad = p.grad
-            if cast_back and ctx is not None and not grad.is_sparse and grad.shape == output.shape:
+            if self._cast_back and ctx is not None and not grad.is_sparse and grad.shape == output.shape:
                 # The built-in 16-bit compressors: cast straight into the gradient (one pass
                 # over it, no float32 copy made first; the same values as decompress()).
                 grad.copy_(output)
