@@ -99,22 +99,25 @@ def run_plain_ranks(script: str, n: int, args: Sequence[str] = (), env: Optional
                     timeout: float = 120) -> list:
     """Start ``n`` processes with torchrun's variables but no supervising agent (which would
     kill the survivors of a dead rank before they can report); return their CompletedProcesses."""
-    import socket
+    from plain_ranks import hosted_store, rank_env
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(n):
-        full_env = dict(os.environ)
-        for key in [k for k in full_env if k.startswith("HPDL_") and k not in ("HPDL_VENV", "HPDL_TORCH_SPEC")]:
-            del full_env[key]
-        full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "RANK": str(rank),
-                         "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        full_env.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=full_env, cwd=str(ROOT),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+    with hosted_store(n) as store_env:
+        procs = []
+        for rank in range(n):
+            full_env = dict(os.environ)
+            for key in [k for k in full_env if k.startswith("HPDL_") and k not in ("HPDL_VENV", "HPDL_TORCH_SPEC")]:
+                del full_env[key]
+            full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+            full_env.update(env or {})
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args],
+                                          env=rank_env(full_env, store_env, rank), cwd=str(ROOT),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        return _collect(procs, script, timeout)
+
+
+def _collect(procs: list, script: str, timeout: float) -> list:
+    """Wait for every process; on a timeout kill them all and fail the test."""
     results = []
     for proc in procs:
         try:
