@@ -107,6 +107,17 @@ def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
             assert (entry["wait"] is not None) == (mode in ("hpdl", "lockstep", "profiled")), (mode, entry)
             parts = [entry[p]["mean_ms"] for p in ("forward", "backward", "wait", "update") if entry[p]]
             assert all(part >= 0 for part in parts) and entry["step"]["mean_ms"] == pytest.approx(sum(parts))
+    # CPU time per batch by thread group: the training thread always works; hpdl's engine only
+    # in hpdl's runs (it is shut down around them, so it never competes with a baseline); DDP's
+    # exchange runs on gloo's threads.
+    cpu = record["cpu_ms_per_batch"]
+    assert sorted(cpu) == sorted(phases) and all(len(ranks) == n for ranks in cpu.values())
+    for mode, ranks in cpu.items():
+        for entry in ranks:
+            assert entry["training"] > 0 and 0 <= entry["node_idle"] <= 1, (mode, entry)
+            assert (entry["hpdl"] > 0) == (mode in ("hpdl", "profiled")), (mode, entry)
+            if mode == "ddp":
+                assert entry["backend"] > 0, entry
 
 
 @pytest.mark.multirank

@@ -166,7 +166,8 @@ def _register_synthetic(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="alternating runs per mode with --compare (default 5)")
     p.add_argument("--breakdown", action="store_true",
                    help="also report per rank where a batch's time goes: forward, backward, the wait after "
-                        "backward (for the gradients' allreduces, or lockstep's barrier), and the optimizer update")
+                        "backward (for the gradients' allreduces, or lockstep's barrier), and the optimizer update; "
+                        "and the CPU time per batch of the training thread, hpdl's engine and the backend's threads")
     p.add_argument("--json", action="store_true", help="print the record as JSON instead of text")
     p.set_defaults(func=_run_synthetic)
 

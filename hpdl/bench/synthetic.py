@@ -22,7 +22,8 @@ the ratios hpdl/baseline:
 With ``breakdown`` it also reports, per mode and rank, where a timed batch's time went: forward
 (with ``zero_grad`` and the loss), backward, the wait after backward (hpdl: ``synchronize()``,
 the gradients' allreduces still running; lockstep: the barrier; DDP waits inside backward,
-the ceiling has nothing to wait for), and the optimizer update.
+the ceiling has nothing to wait for), and the optimizer update; and the CPU time of the rank's
+threads per timed batch (cputime.py): where the cores a node's compute needs went.
 Between runs nothing of the other mode keeps running: hpdl is initialised and shut down
 around each of its runs, so its engine thread never competes with a baseline.
 """
@@ -39,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from hpdl.bench.cputime import GROUPS, CpuSnapshot
 from hpdl.bench.models import MODELS, SR_MODELS, build_workload, count_parameters
 from hpdl.bench.stats import format_table, median, spread
 
@@ -49,6 +51,32 @@ PHASES = ("forward", "backward", "wait", "update")
 
 # Per timed batch, the seconds of each phase of PHASES (wait None where the mode has none).
 PhaseTimes = Tuple[float, float, Optional[float], float]
+
+
+@dataclasses.dataclass
+class BatchTrace:
+    """What ``breakdown`` records of one rank's timed batches: each batch's phase times, and
+    the CPU time of the rank's threads over them (summed, with the batches it covers)."""
+
+    phases: List[PhaseTimes] = dataclasses.field(default_factory=list)
+    cpu_ms: Dict[str, float] = dataclasses.field(default_factory=dict)
+    cpu_batches: int = 0
+    node_idle: List[float] = dataclasses.field(default_factory=list)
+
+    def add_cpu(self, delta: Dict[str, float], batches: int) -> None:
+        for group in GROUPS:
+            self.cpu_ms[group] = self.cpu_ms.get(group, 0.0) + delta[group]
+        if "node_idle" in delta:
+            self.node_idle.append(delta["node_idle"])
+        self.cpu_batches += batches
+
+    def merge(self, other: "BatchTrace") -> None:
+        """Add another run's batches (of the same mode and rank)."""
+        self.phases.extend(other.phases)
+        for group, ms in other.cpu_ms.items():
+            self.cpu_ms[group] = self.cpu_ms.get(group, 0.0) + ms
+        self.cpu_batches += other.cpu_batches
+        self.node_idle.extend(other.node_idle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +133,18 @@ def _rate(value: float) -> str:
 
 
 def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str], None],
-           phases: Optional[List[PhaseTimes]] = None) -> List[float]:
+           trace: Optional[BatchTrace] = None) -> List[float]:
     """Run warm-up then the timed iterations; return img/s per iteration on this rank.
 
-    ``phases``, the list the step appends its phase times to, keeps the timed batches only.
+    ``trace`` (whose ``phases`` the step appends to) keeps the timed batches only, and their
+    CPU time by thread.
     """
     log("Running warmup...")
     for _ in range(opts.num_warmup):
         step()
-    if phases is not None:
-        phases.clear()
+    if trace is not None:
+        trace.phases.clear()
+    cpu_start = CpuSnapshot.take() if trace is not None else None
     log("Running benchmark...")
     rates = []
     for i in range(opts.num_iters):
@@ -124,6 +154,9 @@ def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str]
         rate = opts.batch_size * opts.num_batches_per_iter / (time.perf_counter() - start)
         log(f"Iter #{i}: {_rate(rate)} img/sec per rank")
         rates.append(rate)
+    cpu_end = CpuSnapshot.take() if cpu_start is not None else None
+    if cpu_end is not None:
+        trace.add_cpu(cpu_end.since(cpu_start), opts.num_iters * opts.num_batches_per_iter)
     return rates
 
 
@@ -172,7 +205,7 @@ def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] =
 
 
 def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
-              phases: Optional[List[PhaseTimes]] = None) -> List[float]:
+              trace: Optional[BatchTrace] = None) -> List[float]:
     import hpdl.torch as hvd
 
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
@@ -186,12 +219,12 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     # With overlap_forward the wait for the gradients falls in the next forward (the updates
     # wait there): synchronizing apart would undo the overlap.
-    loop = _train_loop(model, optimizer, workload, phases, synchronize=not opts.overlap_forward)
-    return _timed(opts, loop, log, phases)
+    loop = _train_loop(model, optimizer, workload, trace.phases if trace else None, synchronize=not opts.overlap_forward)
+    return _timed(opts, loop, log, trace)
 
 
 def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
-             phases: Optional[List[PhaseTimes]] = None, group=None) -> List[float]:
+             trace: Optional[BatchTrace] = None, group=None) -> List[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -205,19 +238,20 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
-    return _timed(opts, _train_loop(model, optimizer, workload, phases), log, phases)
+    return _timed(opts, _train_loop(model, optimizer, workload, trace.phases if trace else None), log, trace)
 
 
 def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
-                 phases: Optional[List[PhaseTimes]] = None,
+                 trace: Optional[BatchTrace] = None,
                  barrier: Optional[Callable[[], None]] = None) -> List[float]:
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
     optimizer = _optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
-    return _timed(opts, _train_loop(workload.model, optimizer, workload, phases, barrier=barrier), log, phases)
+    loop = _train_loop(workload.model, optimizer, workload, trace.phases if trace else None, barrier=barrier)
+    return _timed(opts, loop, log, trace)
 
 
 def _run_profiled(opts: SyntheticOptions, log: Callable[[str], None],
-                  phases: Optional[List[PhaseTimes]] = None, control=None) -> List[float]:
+                  trace: Optional[BatchTrace] = None, control=None) -> List[float]:
     """hpdl with the profiler recording; the profile goes to a temporary file, then away."""
     import tempfile
 
@@ -226,7 +260,7 @@ def _run_profiled(opts: SyntheticOptions, log: Callable[[str], None],
     with tempfile.TemporaryDirectory(prefix="hpdl-profiled-") as tmp:
         hvd.init()
         hvd.start_profile(f"{tmp}/profile.json")
-        rates = _run_hpdl(opts, log, phases)
+        rates = _run_hpdl(opts, log, trace)
         control.barrier()  # every rank done before the profile is gathered and the engines stop
         hvd.stop_profile()
         hvd.shutdown()
@@ -273,6 +307,37 @@ def _breakdown_lines(breakdowns: Dict[str, List[Dict[str, Optional[Dict[str, flo
     ]
 
 
+def _cpu_per_batch(traces: Dict[str, List[BatchTrace]]) -> Dict[str, List[Optional[Dict[str, float]]]]:
+    """Per mode and rank, the CPU ms per timed batch of each thread group, and the node's idle
+    share over the timed batches (None where /proc was not there to read)."""
+    out: Dict[str, List[Optional[Dict[str, float]]]] = {}
+    for mode, ranks in traces.items():
+        out[mode] = []
+        for trace in ranks:
+            if not trace.cpu_batches:
+                out[mode].append(None)
+                continue
+            entry = {group: trace.cpu_ms[group] / trace.cpu_batches for group in GROUPS}
+            if trace.node_idle:
+                entry["node_idle"] = statistics.fmean(trace.node_idle)
+            out[mode].append(entry)
+    return out
+
+
+def _cpu_lines(cpu: Dict[str, List[Optional[Dict[str, float]]]]) -> List[str]:
+    rows = [[mode, str(rank), *(f"{entry[g]:.1f}" for g in GROUPS),
+             f"{sum(entry[g] for g in GROUPS):.1f}",
+             f"{100 * entry['node_idle']:.0f} %" if "node_idle" in entry else "-"]
+            for mode, ranks in cpu.items() for rank, entry in enumerate(ranks) if entry is not None]
+    if not rows:
+        return []
+    return [
+        "CPU time per batch, ms, by thread: the training thread; hpdl's own (the engine, and the MPI",
+        "calls it makes); the backend's (gloo's I/O and workers); node idle: the node's idle share.",
+        format_table(["mode", "rank", *GROUPS, "all", "node idle"], rows),
+    ]
+
+
 def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
     workload = build_workload(opts.model, 1, opts.scale, opts.patch)
     params, nbytes = count_parameters(workload.model)
@@ -311,19 +376,22 @@ def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any
     log = print if rank == 0 and not json_output else (lambda _line: None)
     for line in _header(opts, size, backend):
         log(line)
-    phases: Optional[List[PhaseTimes]] = [] if opts.breakdown else None
-    rates = _run_hpdl(opts, log, phases)
+    trace = BatchTrace() if opts.breakdown else None
+    rates = _run_hpdl(opts, log, trace)
     summary = _summary(rates)
     log(f"Img/sec per rank: {_rate(summary['mean'])} +-{_rate(summary['conf'])}")
     log(f"Total img/sec on {size} ranks: {_rate(size * summary['mean'])} +-{_rate(size * summary['conf'])}")
     record = _base_record(opts, size, backend)
     record.update(iterations=rates, img_sec_per_rank=summary["mean"], img_sec_per_rank_conf=summary["conf"],
                   total_img_sec=size * summary["mean"], total_img_sec_conf=size * summary["conf"])
-    if phases is not None:
-        breakdown = {"hpdl": _breakdown(hvd.allgather_object(phases))}
-        for line in _breakdown_lines(breakdown):
+    if trace is not None:
+        traces = {"hpdl": hvd.allgather_object(trace)}
+        breakdown = {"hpdl": _breakdown([t.phases for t in traces["hpdl"]])}
+        cpu = _cpu_per_batch(traces)
+        for line in _breakdown_lines(breakdown) + _cpu_lines(cpu):
             log(line)
         record["phases_ms"] = breakdown
+        record["cpu_ms_per_batch"] = cpu
     hvd.shutdown()
     return record if rank == 0 else None
 
@@ -349,23 +417,23 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
                  "lockstep": functools.partial(_run_ceiling, barrier=barrier),
                  "profiled": functools.partial(_run_profiled, control=control)}
     runs: Dict[str, List[float]] = {"hpdl": [], **{name: [] for name in opts.compare}}
-    # Per mode and rank, the phase times of every timed batch of every run.
-    phase_log: Dict[str, List[List[PhaseTimes]]] = {mode: [[] for _ in range(size)] for mode in runs}
+    # Per mode and rank, the phase times and CPU time of every timed batch of every run.
+    trace_log: Dict[str, List[BatchTrace]] = {mode: [BatchTrace() for _ in range(size)] for mode in runs}
     quiet = lambda _line: None  # noqa: E731 - iteration lines only in single runs
     for repeat in range(opts.repeats):
         for mode in runs:
             control.barrier()
-            phases: Optional[List[PhaseTimes]] = [] if opts.breakdown else None
+            trace = BatchTrace() if opts.breakdown else None
             if mode == "hpdl":
                 hvd.init()
-                rates = _run_hpdl(opts, quiet, phases)
+                rates = _run_hpdl(opts, quiet, trace)
                 control.barrier()  # every rank done before any engine stops
                 hvd.shutdown()
             else:
-                rates = baselines[mode](opts, quiet, phases)
-            if phases is not None:
-                for rank_log, rank_phases in zip(phase_log[mode], control.allgather_object(phases)):
-                    rank_log.extend(rank_phases)
+                rates = baselines[mode](opts, quiet, trace)
+            if trace is not None:
+                for rank_trace, run_trace in zip(trace_log[mode], control.allgather_object(trace)):
+                    rank_trace.merge(run_trace)
             # The mean over ranks of each rank's mean: equal for modes whose ranks run in step,
             # fairer for the ceiling whose ranks run independently.
             value = statistics.fmean(control.allgather_object(statistics.fmean(rates)))
@@ -390,10 +458,12 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
     record = _base_record(opts, size, backend)
     record.update(runs=runs, median=medians, spread=spreads, ratio=ratios, paired_ratio=paired)
     if opts.breakdown:
-        breakdowns = {mode: _breakdown(per_rank) for mode, per_rank in phase_log.items()}
-        for line in _breakdown_lines(breakdowns):
+        breakdowns = {mode: _breakdown([t.phases for t in per_rank]) for mode, per_rank in trace_log.items()}
+        cpu = _cpu_per_batch(trace_log)
+        for line in _breakdown_lines(breakdowns) + _cpu_lines(cpu):
             log(line)
         record["phases_ms"] = breakdowns
+        record["cpu_ms_per_batch"] = cpu
     return record if rank == 0 else None
 
 
