@@ -231,7 +231,7 @@ def test_background_allreduces_complete_their_handles_when_the_backend_is_done()
         torch.testing.assert_close(requests[f"t{i}"].handle.wait(), torch.full((1024 if i < 2 else 4,), float(i)))
 
 
-def test_a_fused_batch_waits_for_its_buffer_to_come_back():
+def test_fused_batches_take_a_second_buffer_then_wait_for_the_oldest():
     from hpdl.engine.execution import Executor
 
     executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20)
@@ -239,14 +239,23 @@ def test_a_fused_batch_waits_for_its_buffer_to_come_back():
     first, first_responses = _average_requests(3, 4)
     executor.run(comm, 0, first_responses, first, cycle=0, special=lambda *a: None)
     second, second_responses = _average_requests(3, 4, first=3)
-    # the fusion buffer is still in flight: the second batch finishes the first before reusing it
+    # the first buffer is in flight: the second batch is fused into the other one, no waiting
     executor.run(comm, 0, second_responses, second, cycle=1, special=lambda *a: None)
+    assert not any(r.handle.poll() for r in first.values())
+    assert len(comm.flights) == 2 and executor.buffers.misses == 2
+    third, third_responses = _average_requests(3, 4, first=6)
+    # both buffers in flight: the third batch finishes the oldest and reuses its buffer
+    executor.run(comm, 0, third_responses, third, cycle=2, special=lambda *a: None)
     assert all(r.handle.poll() for r in first.values())
+    assert not any(r.handle.poll() for r in second.values())
+    assert executor.buffers.misses == 2 and executor.buffers.hits == 1
     for i in range(3):
         torch.testing.assert_close(first[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
     executor.complete(block=True)
     for i in range(3, 6):
         torch.testing.assert_close(second[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
+    for i in range(6, 9):
+        torch.testing.assert_close(third[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
 
 
 def test_collectives_in_flight_fail_with_the_engine():

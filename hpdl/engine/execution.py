@@ -34,6 +34,7 @@ _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.M
 
 
 _VIEW_CACHE_SIZE = 256
+_FUSION_SLOTS = 2  # fusion buffers per dtype and device: one filling while one is in flight
 _SCALE_ON_COPY_MAX = 16  # fused batches up to this many tensors scale while copying out
 _AVERAGE = Op.AVERAGE.value
 _ADASUM = Op.ADASUM.value
@@ -249,12 +250,23 @@ class Executor:
         span.__exit__(None, None, None)
         finish()
 
-    def _buffer_free(self, key: tuple) -> None:
-        """Wait until no collective in flight uses the fusion buffer ``key``."""
-        for flight in reversed(self.in_flight):
-            if flight.buffer_key == key:
-                self.complete(until=flight)
-                return
+    def _free_buffer(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        """The key of a fusion buffer for ``dtype`` on ``device`` that no collective in flight
+        uses: a free one of the ``_FUSION_SLOTS``, else the oldest's once it has finished.
+
+        Two buffers let the next fused message be copied in and started while the previous one
+        is still on the wire, so the link never waits for a copy; with one, each fused message
+        would wait for the one before it to finish.
+        """
+        with self._in_flight_lock:
+            flights = [f for f in self.in_flight if f.buffer_key is not None and f.buffer_key[:2] == (dtype, str(device))]
+        busy = {f.buffer_key for f in flights}
+        for slot in range(_FUSION_SLOTS):
+            key = (dtype, str(device), slot)
+            if key not in busy:
+                return key
+        self.complete(until=flights[0])
+        return flights[0].buffer_key
 
     # -- allreduce -------------------------------------------------------------------------
 
@@ -315,9 +327,8 @@ class Executor:
             self._launch(comm, target, _BACKEND_OPS[op_name], span, finish_alone, batch, requests, ps, cycle)
         else:
             total = sum(r.numel for r in batch)
-            buffer_key = (dtype, str(inputs[0].device))
-            self._buffer_free(buffer_key)
-            buffer = self.buffers.get(dtype, inputs[0].device, total, self.fusion_threshold)
+            buffer_key = self._free_buffer(dtype, inputs[0].device)
+            buffer = self.buffers.get(dtype, inputs[0].device, total, self.fusion_threshold, slot=buffer_key[2])
             views = self._views(buffer, batch, names)
             with ev.Span(bus, phase=ev.MEMCPY_IN, kind="allreduce", names=names, nbytes=nbytes,
                          rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):

@@ -64,21 +64,23 @@ def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: in
 
 
 class FusionBuffers:
-    """One growable flat buffer per (dtype, device), reused across cycles."""
+    """Growable flat buffers per (dtype, device) and slot, reused across cycles (the executor
+    uses a second slot while a collective in flight holds the first)."""
 
     def __init__(self) -> None:
-        self._buffers: Dict[Tuple[torch.dtype, str], torch.Tensor] = {}
+        self._buffers: Dict[Tuple[torch.dtype, str, int], torch.Tensor] = {}
         self.hits = 0
         self.misses = 0
 
-    def get(self, dtype: torch.dtype, device: torch.device, numel: int, capacity_bytes: int = 0) -> torch.Tensor:
+    def get(self, dtype: torch.dtype, device: torch.device, numel: int, capacity_bytes: int = 0,
+            slot: int = 0) -> torch.Tensor:
         """Return a flat tensor of exactly ``numel`` elements backed by the reusable buffer.
 
         The first buffer of a (dtype, device) is made ``capacity_bytes`` large (the fusion
         threshold), as Horovod does, so that later batches of any size reuse it; pages that
         are never written are never committed by the OS.
         """
-        key = (dtype, str(device))
+        key = (dtype, str(device), slot)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             self.misses += 1
