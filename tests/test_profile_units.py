@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Optional
 
 import pytest
 
@@ -68,17 +69,18 @@ def test_mark_step_carries_the_time_blocked_since_the_last_step():
 # -- the recorder -------------------------------------------------------------------------------
 
 def feed_step(recorder: Recorder, t: float, sizes, late: float = 0.0, blocked: float = 0.0, ps: int = 0,
-              start: float = 100.0) -> float:
-    """One step: the tensors of ``sizes`` queued at ``t + late``, fused into one message; return its end."""
+              start: float = 100.0, negotiate: float = 20.0) -> float:
+    """One step: the tensors of ``sizes`` queued at ``t + late``, agreed ``negotiate`` µs after the
+    engine took them, fused into one message; return its end."""
     names = tuple(f"g{i}" for i in range(len(sizes)))
     for i, name in enumerate(names):
         recorder.observe(ev.Event(ev.QUEUED, "allreduce", (name,), t + late + i, process_set_id=ps))
     ready = t + late + len(names) - 1
     for name in names:
-        recorder.observe(ev.Event(ev.NEGOTIATED, "allreduce", (name,), ready + 30, drained_us=ready + 10,
+        recorder.observe(ev.Event(ev.NEGOTIATED, "allreduce", (name,), ready + 10 + negotiate, drained_us=ready + 10,
                                   process_set_id=ps))
     common = dict(kind="allreduce", names=names, nbytes=sum(sizes), fused=len(names), process_set_id=ps)
-    begin = ready + 30
+    begin = ready + 10 + negotiate
     if len(names) > 1:
         recorder.observe(ev.Event(ev.MEMCPY_IN, time_us=begin, duration_us=5, **common))
     recorder.observe(ev.Event(ev.COLLECTIVE, time_us=begin + 5, duration_us=start, op="MPI_ALLREDUCE",
@@ -131,14 +133,18 @@ def test_paused_recorder_records_nothing():
 # -- analysis, findings, reports ------------------------------------------------------------------
 
 def make_profile(late_rank1: float = 0.0, blocked: float = 0.0, sizes=(64 * MiB,), backend_us: float = 100_000.0,
-                 steps: int = 4, fusion_threshold: int = 64 * MiB) -> dict:
+                 steps: int = 4, fusion_threshold: int = 64 * MiB, round_us: Optional[float] = None) -> dict:
+    """Two ranks' profile. With ``round_us``, every round takes that long and rank 0 also waits
+    for a late rank 1 in negotiation (else each rank's negotiation is 20 µs)."""
     ranks = []
     for rank in (0, 1):
         recorder = Recorder(rank=rank, zero_us=0.0)
         recorder._step_start = 0.0
+        negotiate = 20.0 if round_us is None else round_us + (0.0 if rank else late_rank1)
+        period = backend_us + 1000 + (0.0 if round_us is None else round_us + late_rank1)
         for step in range(steps):
-            feed_step(recorder, 1000.0 + step * (backend_us + 1000), list(sizes), late=late_rank1 if rank else 0.0,
-                      blocked=blocked, start=backend_us)
+            feed_step(recorder, 1000.0 + step * period, list(sizes), late=late_rank1 if rank else 0.0,
+                      blocked=blocked, start=backend_us, negotiate=negotiate)
         part = recorder.snapshot()
         part.update(host="h", clock_offset_us=0.0, clock_offset_applied=False,
                     engine={"fusion_buffer_hits": 3, "fusion_buffer_misses": 1})
@@ -176,6 +182,21 @@ def test_straggler_is_named_with_its_lateness():
     assert arrival.median_spread_us == pytest.approx(8000.0)
     text = " ".join(findings(a))
     assert "rank 1 arrives last at 100% of collectives, 8.0 ms behind the first rank" in text
+
+
+def test_negotiation_finding_tells_slow_rounds_from_late_ranks():
+    # Every rank, the last to arrive included, waits 50 ms per round: the rounds are slow.
+    a = Analysis(make_profile(backend_us=10_000.0, round_us=50_000.0))
+    assert a.arrival.last_negotiate_us == pytest.approx(50_000.0)
+    text = " ".join(findings(a))
+    assert "even the last rank to reach a collective waits 50.0 ms (median) for its round" in text, text
+    # Rank 1 arrives 40 ms late and rank 0 waits for it; rank 1's own round is quick.
+    a = Analysis(make_profile(backend_us=10_000.0, round_us=100.0, late_rank1=40_000.0))
+    assert a.arrival.last_negotiate_us == pytest.approx(100.0)
+    text = " ".join(findings(a))
+    assert "in negotiation" in text, text
+    assert "mostly the ranks reaching them at different times (see arrival): the last to arrive waits 0.1 ms" in text
+    assert "even the last rank" not in text
 
 
 def test_exposed_communication_finding_suggests_fp16():

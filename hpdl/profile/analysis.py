@@ -124,6 +124,9 @@ class Arrival:
     p90_spread_us: float
     max_spread_us: float
     ranks: List[RankArrival]
+    # Median negotiation time of the rank that arrived last: what a round itself costs, since
+    # that rank had no one left to wait for.
+    last_negotiate_us: float = 0.0
 
 
 @dataclasses.dataclass
@@ -223,12 +226,17 @@ class Analysis:
         if len(self.ranks) < 2:
             return None
         ready: Dict[Tuple[int, int], Dict[int, float]] = {}
+        negotiate: Dict[Tuple[int, int], Dict[int, float]] = {}
         for rank in self.ranks:
             for c in self.steady_collectives(rank):
-                ready.setdefault((c["process_set"], c["seq"]), {})[rank["rank"]] = c["ready_us"]
-        matched = [times for times in ready.values() if len(times) > 1]
+                key = (c["process_set"], c["seq"])
+                ready.setdefault(key, {})[rank["rank"]] = c["ready_us"]
+                negotiate.setdefault(key, {})[rank["rank"]] = c["negotiate_us"]
+        keys = [key for key, times in ready.items() if len(times) > 1]
+        matched = [ready[key] for key in keys]
         if not matched:
             return None
+        last_negotiate = [negotiate[key][max(ready[key], key=ready[key].get)] for key in keys]
         spreads = sorted(max(t.values()) - min(t.values()) for t in matched)
         last = {r["rank"]: 0 for r in self.ranks}
         late = {r["rank"]: [] for r in self.ranks}
@@ -239,7 +247,7 @@ class Analysis:
                 late[rank].append(t - first)
         ranks = [RankArrival(r, last[r], statistics.fmean(late[r]) if late[r] else 0.0) for r in sorted(last)]
         return Arrival(len(matched), float(statistics.median(spreads)), spreads[int(0.9 * (len(spreads) - 1))],
-                       spreads[-1], ranks)
+                       spreads[-1], ranks, float(statistics.median(last_negotiate)))
 
     def _fusion(self) -> Fusion:
         threshold = int(self.job.get("settings", {}).get("fusion_threshold", 0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from typing import Dict, List, Optional, Tuple
 
 from hpdl.profile.analysis import Analysis, format_size
@@ -116,11 +117,22 @@ def _negotiation(a: Analysis) -> Optional[str]:
     steady = [a.steady_collectives(rank) for rank in a.ranks]
     negotiate = sum(c["negotiate_us"] for cs in steady for c in cs) / len(a.ranks)
     backend = sum(c["backend_us"] for cs in steady for c in cs) / len(a.ranks)
-    if backend and negotiate > backend:
-        return (f"collectives wait {_ms(negotiate)} per rank in negotiation against {_ms(backend)} in backend "
-                "calls (after start-up): ranks reach them at different times (see arrival) or the engine cycles "
-                "too slowly (HPDL_CYCLE_TIME).")
-    return None
+    if not (backend and negotiate > backend):
+        return None
+    text = (f"collectives wait {_ms(negotiate)} per rank in negotiation against {_ms(backend)} in backend "
+            "calls (after start-up): ")
+    typical = statistics.median(c["negotiate_us"] for cs in steady for c in cs)
+    arrival = a.arrival
+    if arrival is not None and arrival.last_negotiate_us >= 0.5 * typical:
+        # The last rank to arrive waits for no one: what it still waits is the rounds' own cost.
+        return text + (f"even the last rank to reach a collective waits {_ms(arrival.last_negotiate_us)} (median) "
+                       "for its round, so the rounds are slow, not the ranks: with collectives in flight on a "
+                       "slow link they queue behind the data (a smaller HPDL_PRIORITY_WINDOW keeps less in "
+                       "flight), else the engine cycles too slowly (HPDL_CYCLE_TIME).")
+    if arrival is None:
+        return text + "the ranks reach them at different times, or the engine cycles too slowly (HPDL_CYCLE_TIME)."
+    return text + (f"mostly the ranks reaching them at different times (see arrival): the last to arrive waits "
+                   f"{_ms(arrival.last_negotiate_us)} (median) for its round.")
 
 
 def _fill(a: Analysis) -> Optional[str]:
