@@ -1,0 +1,110 @@
+"""What the bad-input tests share: running a job that must end by itself (and finding what it left
+running), the one-line error check, checksums of inputs, and launch command lines."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import pytest
+
+from ranks import ROOT, SCRIPTS, kill_tree, processes_with_env
+
+
+_JOB_TAG = "BAD_INPUT_JOB"  # set in every job's environment, so survivors can be found by it
+
+
+def _clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPDL_") or k in ("HPDL_VENV", "HPDL_TORCH_SPEC")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    env.update(extra or {})
+    return env
+
+
+def _tagged_processes(tag: str) -> List[int]:
+    """Pids of live processes whose environment carries ``tag`` (a job's leftovers)."""
+    return processes_with_env(f"{_JOB_TAG}={tag}")
+
+
+def run_job(argv: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 60,
+            cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` (a CLI call or a launcher) to its end; fail on timeout or on leftovers.
+
+    Returns the completed process with ``.seconds`` set to its wall time.
+    """
+    tag = uuid.uuid4().hex
+    full_env = _clean_env(env)
+    full_env[_JOB_TAG] = tag
+    start = time.monotonic()
+    proc = subprocess.Popen(list(argv), env=full_env, cwd=str(cwd or ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        for pid in _tagged_processes(tag):
+            kill_tree(pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(argv)} did not end within {timeout}s\n{out[-2000:]}\n{err[-4000:]}")
+    seconds = time.monotonic() - start
+    # A rank the launcher failed to end would show up here; give exiting ones a moment.
+    deadline = time.monotonic() + 5
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _tagged_processes(tag)
+    for pid in left:
+        kill_tree(pid)
+    assert not left, f"{' '.join(argv)} left processes running: {left}\n{err[-4000:]}"
+    result = subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+    result.seconds = seconds
+    return result
+
+
+def hpdl(*args: str, env: Optional[Dict[str, str]] = None, timeout: float = 120,
+         cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run ``hpdl ARGS`` as a user would (the installed entry point's module)."""
+    return run_job([sys.executable, "-m", "hpdl", *args], env=env, timeout=timeout, cwd=cwd)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, code: int = 2) -> str:
+    """Assert a command-line error: exit ``code``, one stderr line naming ``fragments``, no traceback."""
+    err = result.stderr
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert result.returncode == code, f"exit {result.returncode}, expected {code}\n{err}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def checksums(paths: Iterable[Path]) -> Dict[str, str]:
+    """sha256 of every file under ``paths`` (files or directories), by path."""
+    out = {}
+    for path in paths:
+        path = Path(path)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            out[str(f)] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def launch(launcher: str, n: int, script: str, *args: str) -> List[str]:
+    """argv running tests/multirank/``script`` on ``n`` ranks under ``launcher``.
+
+    ``plain`` starts the ranks with torchrun's variables and no agent that would end the
+    others when one fails: the job must end by itself.
+    """
+    path = str(SCRIPTS / script)
+    if launcher == "mpiexec":
+        return ["mpiexec", "-n", str(n), sys.executable, path, *args]
+    if launcher == "plain":
+        return [sys.executable, str(Path(__file__).parent / "plain_ranks.py"), str(n), path, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
+            "--no-python", sys.executable, path, *args]
