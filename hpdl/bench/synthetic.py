@@ -64,19 +64,20 @@ class BatchTrace:
     node_idle: List[float] = dataclasses.field(default_factory=list)
 
     def add_cpu(self, delta: Dict[str, float], batches: int) -> None:
-        for group in GROUPS:
-            self.cpu_ms[group] = self.cpu_ms.get(group, 0.0) + delta[group]
-        if "node_idle" in delta:
-            self.node_idle.append(delta["node_idle"])
-        self.cpu_batches += batches
+        """Add what ``CpuSnapshot.since`` measured over ``batches`` timed batches."""
+        idle = [delta["node_idle"]] if "node_idle" in delta else []
+        self._add_cpu({group: delta[group] for group in GROUPS}, batches, idle)
 
     def merge(self, other: "BatchTrace") -> None:
         """Add another run's batches (of the same mode and rank)."""
         self.phases.extend(other.phases)
-        for group, ms in other.cpu_ms.items():
+        self._add_cpu(other.cpu_ms, other.cpu_batches, other.node_idle)
+
+    def _add_cpu(self, cpu_ms: Dict[str, float], batches: int, node_idle: List[float]) -> None:
+        for group, ms in cpu_ms.items():
             self.cpu_ms[group] = self.cpu_ms.get(group, 0.0) + ms
-        self.cpu_batches += other.cpu_batches
-        self.node_idle.extend(other.node_idle)
+        self.cpu_batches += batches
+        self.node_idle.extend(node_idle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +220,8 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     # With overlap_forward the wait for the gradients falls in the next forward (the updates
     # wait there): synchronizing apart would undo the overlap.
-    loop = _train_loop(model, optimizer, workload, trace.phases if trace else None, synchronize=not opts.overlap_forward)
+    loop = _train_loop(model, optimizer, workload, trace.phases if trace else None,
+                       synchronize=not opts.overlap_forward)
     return _timed(opts, loop, log, trace)
 
 
