@@ -29,11 +29,16 @@ from ranks import ROOT, kill_tree, processes_with_env
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 _PROGRAMS = ("munged", "slurmctld", "slurmd", "salloc", "srun", "sinfo", "scontrol")
+# The line goes out in one write: srun relays the two tasks' output as it comes, and print()'s
+# separate write of the newline (unbuffered output) could land after the other task's line.
 _JOB = """\
+import sys
+
 import hpdl.torch as hvd
 
 hvd.init()
-print(f"rank {hvd.rank()} of {hvd.size()}", flush=True)
+sys.stdout.write(f"rank {hvd.rank()} of {hvd.size()}\\n")
+sys.stdout.flush()
 hvd.shutdown()
 """
 
