@@ -55,6 +55,17 @@ def edsr_set(root, scales=(2, 4)):
     return root
 
 
+def pair_set(root, hr_name, lr_name, scales=(2,), by_scale=False):
+    """A set as an HR folder beside an LR folder (one scale, or X<s>/ sub-folders with <name>x<s>.png)."""
+    for i, (name, (h, w)) in enumerate(IMAGES.items()):
+        hr = photo(h, w, i)
+        save(root / hr_name / f"{name}.png", hr)
+        for s in scales:
+            lr_file = root / lr_name / f"X{s}" / f"{name}x{s}.png" if by_scale else root / lr_name / f"{name}.png"
+            save(lr_file, matlab_downscale(hr, s))
+    return root
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     torch.manual_seed(0)
@@ -94,6 +105,67 @@ def test_both_benchmark_layouts_give_the_same_scores(tmp_path, ckpt):
 ], ids=["basicsr and edsr", "div2k and edsr", "LRbicx alone", "LR_bicubic alone", "HR alone", "benchmark root",
         "basicsr root"])
 def test_a_mixed_partial_or_parent_folder_is_refused_saying_what_was_found(tmp_path, make, fragments):
+    root = tmp_path / "data"
+    root.mkdir()
+    make(root)
+    with pytest.raises(SRDataError) as err:
+        open_pairs(root, 2, cache_dir=tmp_path / "cache")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(root))
+    for fragment in fragments:
+        assert fragment in message
+
+
+@pytest.mark.parametrize("hr_name,lr_name,by_scale", [
+    ("hr", "lr", False), ("GT", "LQ", False), ("GT", "LR", False), ("HR", "LR", False), ("gt", "lq", True),
+    ("HR", "LR", True),
+])
+def test_an_hr_folder_beside_an_lr_folder_is_paired_by_name_in_any_case(tmp_path, hr_name, lr_name, by_scale):
+    root = pair_set(tmp_path / "Set5", hr_name, lr_name, scales=(2, 4) if by_scale else (2,), by_scale=by_scale)
+    assert detect_layout(root) == "hr_lr"
+    for scale in (2, 4) if by_scale else (2,):
+        pairs = open_pairs(root, scale, cache_dir=tmp_path / "cache")
+        assert pairs.layout == "hr_lr" and pairs.names == ["baby", "bird"]  # two pairs, no LR image read as HR
+        for i, (name, (h, w)) in enumerate(IMAGES.items()):
+            lr, hr = pairs.arrays(i)
+            assert np.array_equal(hr, photo(h, w, i)) and np.array_equal(lr, matlab_downscale(photo(h, w, i), scale))
+
+
+def test_an_lr_folder_of_another_scale_is_refused_by_the_image_sizes(tmp_path):
+    root = pair_set(tmp_path / "Set5", "GT", "LQ", scales=(4,))
+    with pytest.raises(SRDataError, match=r"LQ/baby\.png: LR is 9x12 but HR .* so x2 needs LR 18x24"):
+        open_pairs(root, 2, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("make,layout", [
+    (lambda r: basicsr_set(r, extra_original=False), "basicsr"),
+    (edsr_set, "benchmark"),
+])
+def test_layout_folders_are_recognised_in_any_case(tmp_path, make, layout):
+    root = make(tmp_path / "upper")
+    lower = tmp_path / "lower"
+    for image in root.rglob("*.png"):
+        relative = image.relative_to(root)
+        save(lower / relative.parent.as_posix().lower() / relative.name, np.asarray(Image.open(image)))
+    assert detect_layout(lower) == layout
+    a, b = open_pairs(root, 4, cache_dir=tmp_path / "c"), open_pairs(lower, 4, cache_dir=tmp_path / "c")
+    assert a.names == b.names and all(np.array_equal(a.arrays(i)[0], b.arrays(i)[0]) for i in range(len(a)))
+
+
+@pytest.mark.parametrize("make,fragments", [
+    (lambda r: save(r / "lr" / "baby.png", photo(24, 24)), ["found lr/", "no HR folder beside it (HR/ or GT/)"]),
+    (lambda r: save(r / "GT" / "baby.png", photo(24, 24)), ["found GT/", "no LR folder beside it"]),
+    (lambda r: (pair_set(r, "GT", "LQ"), save(r / "HR" / "baby.png", photo(48, 36))),
+     ["found GT/, HR/, LQ/", "two HR folders (GT/ and HR/)"]),
+    (lambda r: (pair_set(r, "HR", "LR"), save(r / "LQ" / "baby.png", photo(24, 18))), ["two LR folders (LQ/ and LR/)"]),
+    (lambda r: pair_set(r, "GT", "LR_bicubic"), ["ambiguous layout", "GT/, LR_bicubic/", "benchmark and hr_lr"]),
+    (lambda r: pair_set(r / "Set5", "hr", "lr"), ["would take the LR images in lr/"]),
+    (lambda r: pair_set(r, "high", "low"), ["high/baby.png and low/baby.png share a name across two folders"]),
+    (lambda r: (save(r / "a" / "baby.png", photo(24, 24)), save(r / "b" / "babyx2.png", photo(12, 12))),
+     ["a/baby.png and b/babyx2.png share a name"]),
+], ids=["lr alone", "GT alone", "two HR folders", "two LR folders", "GT with LR_bicubic", "parent of hr/lr sets",
+        "same names in two plain folders", "babyx2 beside baby"])
+def test_an_hr_lr_folder_that_is_incomplete_doubled_or_plain_is_refused(tmp_path, make, fragments):
     root = tmp_path / "data"
     root.mkdir()
     make(root)

@@ -100,7 +100,8 @@ def _register_eval(sr_sub: Any) -> None:
         help="measure PSNR/SSIM of a checkpoint (and of bicubic) on one or more datasets",
         description="Measure PSNR and SSIM of a checkpoint and of bicubic upscaling. DATA is "
         "'embedded' (scikit-image photos, held-out split), a DIV2K root (images 801-900), a "
-        "benchmark set (EDSR-PyTorch's HR/ + LR_bicubic/X<s>/ or BasicSR's GTmod12/ + LRbicx<s>/) "
+        "benchmark set (EDSR-PyTorch's HR/ + LR_bicubic/X<s>/ or BasicSR's GTmod12/ + LRbicx<s>/), "
+        "an HR/ or GT/ folder beside an LR/ or LQ/ folder, "
         "or a folder of HR images (LR made by MATLAB-compatible bicubic), or several joined by '+' "
         "(Set5+Set14+B100+Urban100), scored in one table.",
     )

@@ -8,12 +8,16 @@ Layouts, chosen by ``open_pairs(data, ...)`` from what ``data`` contains:
   1-800 train, 801-900 validate (``DIV2K_valid_*`` folders are searched too);
 - benchmark (EDSR-PyTorch's): ``Set5/HR/baby.png`` with ``Set5/LR_bicubic/X2/babyx2.png``;
 - basicsr (BasicSR's benchmark sets): ``Set5/GTmod12/baby.png`` with ``Set5/LRbicx2/baby.png``;
+- hr_lr: an HR folder (``HR/`` or ``GT/``) beside an LR folder (``LR/`` or ``LQ/``), which holds
+  one scale or one sub-folder per scale (``LR/X2/``), with ``baby.png`` or ``babyx2.png``;
 - any other folder: its images are HR, and LR is made by bicubic downscaling (MATLAB's
   ``imresize`` by default, as the benchmark sets were made; see ``images.DOWNSCALERS``).
 
-HR and LR images are paired by name, and every LR image needs its HR image. A folder that
-mixes layouts, or holds part of one (LR images without their HR folder), is refused, naming
-what was found: read as a plain folder, its LR images would be scored as HR images.
+Folder names are compared regardless of case. HR and LR images are paired by name, and every
+LR image needs its HR image. A folder that mixes layouts, or holds part of one (LR images
+without their HR folder), is refused, naming what was found: read as a plain folder, its LR
+images would be scored as HR images. So is a plain folder with LR-like sub-folders, or with an
+image name in two sub-folders.
 
 Every pair is decoded (or found in the cache) and checked when the dataset is built, in the
 main process, so bad files fail early with their name instead of inside a DataLoader worker.
@@ -25,7 +29,7 @@ import dataclasses
 import re
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -56,6 +60,7 @@ __all__ = [
     "detect_layout",
     "div2k_sources",
     "folder_sources",
+    "hr_lr_sources",
     "open_pairs",
     "parse_range",
     "split_sets",
@@ -114,16 +119,18 @@ def split_sets(data: str, root: Optional[PathLike] = None) -> List[Tuple[str, st
 def div2k_sources(root: PathLike, scale: int, index_range: Tuple[int, int]) -> List[PairSource]:
     """List DIV2K pairs ``first..last`` (inclusive) under ``root``."""
     root = Path(root)
+    folders = [(_subfolder(root, f"DIV2K_{part}_HR"), _subfolder(root, f"DIV2K_{part}_LR_bicubic", f"X{scale}"))
+               for part in ("train", "valid")]
     sources = []
     for i in range(index_range[0], index_range[1] + 1):
         stem = f"{i:04d}"
-        for part in ("train", "valid"):
-            hr = root / f"DIV2K_{part}_HR" / f"{stem}.png"
+        for hr_dir, lr_dir in folders:
+            hr = hr_dir / f"{stem}.png"
             if hr.exists():
-                lr = root / f"DIV2K_{part}_LR_bicubic" / f"X{scale}" / f"{stem}x{scale}.png"
+                lr = lr_dir / f"{stem}x{scale}.png"
                 break
         else:
-            raise SRDataError(f"{root / 'DIV2K_train_HR' / (stem + '.png')}: missing DIV2K image {i}")
+            raise SRDataError(f"{folders[0][0] / (stem + '.png')}: missing DIV2K image {i}")
         _require_lr(hr, lr)
         sources.append(PairSource(stem, hr, lr))
     return sources
@@ -132,13 +139,44 @@ def div2k_sources(root: PathLike, scale: int, index_range: Tuple[int, int]) -> L
 def benchmark_sources(root: PathLike, scale: int) -> List[PairSource]:
     """List the pairs of a benchmark set laid out as ``HR/x.png`` + ``LR_bicubic/X{s}/xx{s}.png``."""
     root = Path(root)
-    return _paired_by_name(root / "HR", root / "LR_bicubic" / f"X{scale}", scale)
+    return _paired_by_name(_subfolder(root, "HR"), _subfolder(root, "LR_bicubic", f"X{scale}"), scale)
 
 
 def basicsr_sources(root: PathLike, scale: int) -> List[PairSource]:
     """List the pairs of a benchmark set laid out as BasicSR's: ``GTmod12/x.png`` + ``LRbicx{s}/x.png``."""
     root = Path(root)
-    return _paired_by_name(root / "GTmod12", root / f"LRbicx{scale}", scale)
+    return _paired_by_name(_subfolder(root, "GTmod12"), _subfolder(root, f"LRbicx{scale}"), scale)
+
+
+def hr_lr_sources(root: PathLike, scale: int) -> List[PairSource]:
+    """List the pairs of a set laid out as ``HR/x.png`` (or ``GT/``) + ``LR/x.png`` (or ``LQ/``).
+
+    An LR folder with sub-folders ``X2/``, ``X4/``... holds one scale in each; without them it
+    holds one scale, which the image sizes must match (checked when the pairs are read).
+    """
+    root = Path(root)
+    hr_dir = _subfolder(root, *_named(root, _PAIR_HR))
+    lr_dir = _subfolder(root, *_named(root, _PAIR_LR))
+    if _named(lr_dir, _SCALE_DIR):
+        lr_dir = _subfolder(lr_dir, f"X{scale}")
+    return _paired_by_name(hr_dir, lr_dir, scale)
+
+
+def _named(folder: Path, pattern: "re.Pattern[str]") -> List[str]:
+    """Names of the sub-folders of ``folder`` that ``pattern`` matches, sorted."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and pattern.fullmatch(p.name))
+
+
+def _subfolder(root: Path, *names: str) -> Path:
+    """Return ``root/names[0]/names[1]/...``, each part matched regardless of case, as layouts are detected."""
+    path = root
+    for name in names:
+        same = [p for p in sorted(path.iterdir()) if p.is_dir() and p.name.lower() == name.lower()] \
+            if path.is_dir() else []
+        path = same[0] if len(same) == 1 else path / name
+    return path
 
 
 def _paired_by_name(hr_dir: Path, lr_dir: Path, scale: int) -> List[PairSource]:
@@ -178,16 +216,29 @@ def _nonempty(images: List[Path], folder: Path) -> List[Path]:
     return images
 
 
-# Folders that mark a layout, and the layout each belongs to.
-_MARKERS = {"DIV2K_train_HR": "div2k", "DIV2K_valid_HR": "div2k", "HR": "benchmark", "LR_bicubic": "benchmark",
-            "GTmod12": "basicsr"}
-_BASICSR_LR = re.compile(r"LRbicx\d+")
+# The HR and LR folders of an HR/LR pair, and the scale sub-folders an LR folder may hold.
+_PAIR_HR = re.compile(r"HR|GT", re.IGNORECASE)
+_PAIR_LR = re.compile(r"LR|LQ", re.IGNORECASE)
+_SCALE_DIR = re.compile(r"X\d+", re.IGNORECASE)
+# Folders that mark a layout: (name, HR or LR side, the layouts it may belong to), first match
+# wins. EDSR-PyTorch's HR/ is also the HR side of an HR/LR pair; the LR folder tells which.
+_MARKERS = (
+    (re.compile(r"DIV2K_(train|valid)_HR", re.IGNORECASE), "hr", ("div2k",)),
+    (re.compile(r"GTmod12", re.IGNORECASE), "hr", ("basicsr",)),
+    (re.compile(r"LRbicx\d+", re.IGNORECASE), "lr", ("basicsr",)),
+    (re.compile(r"LR_bicubic", re.IGNORECASE), "lr", ("benchmark",)),
+    (re.compile(r"HR", re.IGNORECASE), "hr", ("benchmark", "hr_lr")),
+    (_PAIR_HR, "hr", ("hr_lr",)),
+    (_PAIR_LR, "lr", ("hr_lr",)),
+)
 # A directory of LR images somewhere inside a folder that is read as HR images.
-_LR_DIR = re.compile(r"LR_bicubic|LRbicx\d+|DIV2K_(train|valid)_LR_.*|X\d", re.IGNORECASE)
+_LR_DIR = re.compile(r"LR_bicubic|LRbicx\d+|DIV2K_(train|valid)_LR_.*|X\d+|LR|LQ", re.IGNORECASE)
+# EDSR-PyTorch names the x2 LR image of baby.png babyx2.png.
+_SCALE_SUFFIX = re.compile(r"x\d+$", re.IGNORECASE)
 
 
 def detect_layout(data: PathLike) -> str:
-    """Return ``embedded``, ``div2k``, ``benchmark``, ``basicsr`` or ``folder`` for a ``--data`` value.
+    """Return ``embedded``, ``div2k``, ``benchmark``, ``basicsr``, ``hr_lr`` or ``folder`` for a ``--data`` value.
 
     ``SRDataError`` if the folder mixes layouts or holds an incomplete one, naming what it found.
     """
@@ -198,31 +249,53 @@ def detect_layout(data: PathLike) -> str:
         raise SRDataError(f"{path}: no such directory (give a dataset folder or 'embedded')")
     if not path.is_dir():
         raise SRDataError(f"{path}: not a directory (give a dataset folder or 'embedded')")
-    subdirs = sorted(p.name for p in path.iterdir() if p.is_dir())
-    found = {name: _MARKERS[name] for name in subdirs if name in _MARKERS}
-    found.update({name: "basicsr" for name in subdirs if _BASICSR_LR.fullmatch(name)})
-    layouts = sorted(set(found.values()))
+    found: Dict[str, Tuple[str, Tuple[str, ...]]] = {}  # folder name -> (side, layouts)
+    for name in sorted(p.name for p in path.iterdir() if p.is_dir()):
+        marker = next(((side, layouts) for pattern, side, layouts in _MARKERS if pattern.fullmatch(name)), None)
+        if marker is not None:
+            found[name] = marker
+    if not found:
+        _refuse_lr_inside(path)
+        return "folder"
     listed = ", ".join(f"{name}/" for name in found)
+    layouts = {candidates[0] for _, candidates in found.values() if len(candidates) == 1}
+    layouts |= {candidates[0] for _, candidates in found.values() if not layouts & set(candidates)}
     if len(layouts) > 1:
-        raise SRDataError(f"{path}: ambiguous layout: found {listed} ({' and '.join(layouts)} layouts); "
+        raise SRDataError(f"{path}: ambiguous layout: found {listed} ({' and '.join(sorted(layouts))} layouts); "
                           "keep one layout per dataset folder")
-    if layouts == ["benchmark"] and not {"HR", "LR_bicubic"} <= set(found):
-        raise SRDataError(f"{path}: found {listed} but EDSR-PyTorch's layout needs both HR/ and LR_bicubic/; "
+    layout = layouts.pop()
+    hr_dirs = [f"{name}/" for name, (side, _) in found.items() if side == "hr"]
+    lr_dirs = [f"{name}/" for name, (side, _) in found.items() if side == "lr"]
+    if not lr_dirs and layout != "div2k":
+        raise SRDataError(f"{path}: found {listed} but no LR folder beside it (LR_bicubic/, LR/ or LQ/); "
                           "for LR made from HR images, give the HR folder itself")
-    if layouts == ["basicsr"] and "GTmod12" not in found:
+    if layout == "benchmark" and not hr_dirs:
+        raise SRDataError(f"{path}: found {listed} but EDSR-PyTorch's layout needs both HR/ and LR_bicubic/")
+    if layout == "basicsr" and not hr_dirs:
         raise SRDataError(f"{path}: found {listed} but no GTmod12/ (BasicSR's HR images)")
-    if layouts:
-        return layouts[0]
-    _refuse_lr_inside(path)
-    return "folder"
+    if layout == "hr_lr" and not hr_dirs:
+        raise SRDataError(f"{path}: found {listed} but no HR folder beside it (HR/ or GT/)")
+    for side, dirs in (("HR", hr_dirs), ("LR", lr_dirs)):
+        if len(dirs) > 1 and layout != "div2k" and (side == "HR" or layout != "basicsr"):
+            raise SRDataError(f"{path}: found {listed}: two {side} folders ({dirs[0]} and {dirs[1]}); keep one")
+    return layout
 
 
 def _refuse_lr_inside(folder: Path) -> None:
-    for image in list_images(folder):
-        lr_dir = next((part for part in image.relative_to(folder).parts[:-1] if _LR_DIR.fullmatch(part)), None)
+    images = [image.relative_to(folder) for image in list_images(folder)]
+    for relative in images:
+        lr_dir = next((part for part in relative.parts[:-1] if _LR_DIR.fullmatch(part)), None)
         if lr_dir is not None:
             raise SRDataError(f"{folder}: not a dataset layout, and read as a folder of HR images it would take "
                               f"the LR images in {lr_dir}/ for HR ones; give one set (e.g. .../Set5) or its HR folder")
+    first_of_name: Dict[str, Path] = {}  # image name, without an x<s> suffix -> first such image
+    for relative in images:
+        name = _SCALE_SUFFIX.sub("", relative.stem) or relative.stem
+        other = first_of_name.setdefault(name, relative)
+        if other.parent != relative.parent:
+            raise SRDataError(f"{folder}: not a dataset layout, and {other} and {relative} share a name across two "
+                              "folders (an HR image and its LR image?); read as a folder of HR images both would be "
+                              "scored as HR: name the folders HR/ and LR/, or give one of them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +464,8 @@ def _sources(data: PathLike, layout: str, scale: int, split: str, index_range, c
         return benchmark_sources(data, scale)
     if layout == "basicsr":
         return basicsr_sources(data, scale)
+    if layout == "hr_lr":
+        return hr_lr_sources(data, scale)
     return folder_sources(data)
 
 
