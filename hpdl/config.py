@@ -35,10 +35,12 @@ HOROVOD_ALIASES = {
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HPDL_STALL_TIMEOUT",
     "HOROVOD_START_TIMEOUT": "HPDL_START_TIMEOUT",
 }
-# Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never);
-# hpdl keeps its own timeout then.
-_HOROVOD_UNSET = {("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0")}
-# Horovod's switch for stall warnings: hpdl then warns no earlier than its timeout ends the job.
+# Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never), and
+# hpdl keeps its own timeout then; a timeline of DYNAMIC is Horovod's "no file until
+# hvd.start_timeline()" (Horovod 0.28's operations.cc), which hpdl allows without any setting.
+_HOROVOD_UNSET = {("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"), ("HOROVOD_TIMELINE", "DYNAMIC")}
+# Horovod's switch for stall warnings: hpdl then warns no earlier than its timeout ends the job,
+# whatever HOROVOD_STALL_CHECK_TIME_SECONDS says (as in Horovod); HPDL_STALL_WARNING still wins.
 _HOROVOD_STALL_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
 
 
@@ -92,8 +94,8 @@ class Settings:
     # two copies of it (see fusion.py). 0: every tensor may be fused.
     inplace_threshold: int = dataclasses.field(default=1024 * 1024, metadata={"env": "HPDL_INPLACE_THRESHOLD"})
     cache_capacity: int = dataclasses.field(default=1024, metadata={"env": "HPDL_CACHE_CAPACITY"})
-    # Keep allreduces in flight on the backend's own threads where it has them
-    # (torch.distributed), negotiating the next ones meanwhile; 0: one blocking call at a time.
+    # Keep allreduces in flight, negotiating the next ones meanwhile: on the backend's own
+    # threads (torch.distributed), or polled by the engine (MPI); 0: one blocking call at a time.
     background_collectives: bool = dataclasses.field(
         default=True, metadata={"env": "HPDL_BACKGROUND_COLLECTIVES"}
     )
@@ -191,7 +193,8 @@ class Settings:
                     values[field.name] = text.strip()
             except ValueError as err:
                 raise SettingsError(f"{source}={text!r}: {err}") from None
-        if _HOROVOD_STALL_CHECK_DISABLE in env and "HPDL_STALL_WARNING" not in texts:
+        # Only hpdl's own variable outranks the switch: texts also holds the Horovod warning time.
+        if _HOROVOD_STALL_CHECK_DISABLE in env and "HPDL_STALL_WARNING" not in env:
             try:
                 disabled = _parse_bool(env[_HOROVOD_STALL_CHECK_DISABLE])
             except ValueError as err:

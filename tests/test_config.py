@@ -119,6 +119,22 @@ def test_horovod_stall_switches():
     assert kept.stall_warning_s == 5
 
 
+def test_horovod_stall_check_disable_beats_horovods_warning_time():
+    # As in Horovod: the check is off whatever HOROVOD_STALL_CHECK_TIME_SECONDS says.
+    off = Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "20"})
+    assert off.stall_warning_s == off.stall_timeout_s == 1800
+    off = Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "20",
+                             "HPDL_STALL_TIMEOUT": "300"})
+    assert off.stall_warning_s == 300
+    on = Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": "20"})
+    assert on.stall_warning_s == 20
+
+
+def test_horovod_dynamic_timeline_opens_no_file():
+    # Horovod's HOROVOD_TIMELINE=DYNAMIC: no timeline until hvd.start_timeline().
+    assert Settings.from_env({"HOROVOD_TIMELINE": "DYNAMIC"}).timeline == ""
+
+
 def test_bad_horovod_value_names_the_horovod_variable():
     with pytest.raises(SettingsError, match="HOROVOD_CYCLE_TIME='fast'"):
         Settings.from_env({"HOROVOD_CYCLE_TIME": "fast"})
