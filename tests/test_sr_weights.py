@@ -1,5 +1,6 @@
 """Weights of EDSR-PyTorch and BasicSR: read into hpdl's models with the same outputs, and written back."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,7 +78,7 @@ def test_state_dict_without_means_loads_with_the_div2k_mean_and_a_note(tmp_path,
 
     Image.fromarray((lr_batch(size=(12, 12))[0].permute(1, 2, 0)).byte().numpy()).save(image)
     assert main(["sr", "upscale", str(image), str(tmp_path / "out.png"), "--ckpt", str(tmp_path / "no_mean.pt")]) == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpdl: note:")]
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpdl: note:") and "mean" in line]
     assert len(notes) == 1 and "no sub_mean/add_mean" in notes[0] and "DIV2K mean" in notes[0]
 
 
@@ -128,3 +129,90 @@ def test_srresnet_exports_to_basicsr(tmp_path):
     x = lr_batch(size=(6, 7))
     with torch.no_grad():
         torch.testing.assert_close(ref(x / 255) * 255, model(x), atol=1e-3, rtol=1e-5)
+
+
+def upscaled_png(tmp_path, ckpt, name, *options):
+    """Run ``hpdl sr upscale`` of a fixed image with ``ckpt``; return the output image."""
+    from PIL import Image
+
+    image = tmp_path / "in.png"
+    if not image.exists():
+        Image.fromarray(lr_batch(size=(12, 10))[0].permute(1, 2, 0).byte().numpy()).save(image)
+    assert main(["sr", "upscale", str(image), str(tmp_path / name), "--ckpt", str(ckpt), *options]) == 0
+    return torch.from_numpy(np.asarray(Image.open(tmp_path / name)).copy())
+
+
+def test_custom_edsr_round_trips_through_basicsr_and_edsr_pytorch_with_its_res_scale(tmp_path, capsys):
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig
+
+    model = randomise(build_model_from_config(ModelConfig("edsr_custom", 2, 2, 8, 0.1)), seed=5)
+    ckpt = save_checkpoint(tmp_path / "custom.pt", make_checkpoint(model))
+    x = lr_batch()
+    with torch.no_grad():
+        ours = model(x)
+
+    # export says, in one line each, what the other side needs; with it the other side computes ours
+    assert main(["sr", "export", str(tmp_path / "e.pt"), "--ckpt", str(ckpt), "--to", "edsr-pytorch"]) == 0
+    assert main(["sr", "export", str(tmp_path / "b.pth"), "--ckpt", str(ckpt), "--to", "basicsr"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpdl: note:")]
+    assert len(notes) == 2
+    assert "--res_scale 0.1 for EDSR-PyTorch" in notes[0] and "--res-scale 0.1" in notes[0]
+    assert "res_scale: 0.1 under network_g" in notes[1]
+    edsr = EdsrPytorchEDSR(n_resblocks=2, n_feats=8, scale=2, res_scale=0.1).eval()
+    edsr.load_state_dict(torch.load(tmp_path / "e.pt", weights_only=True), strict=True)
+    basicsr = BasicsrEDSR(num_feat=8, num_block=2, upscale=2, res_scale=0.1).eval()
+    basicsr.load_state_dict(torch.load(tmp_path / "b.pth", weights_only=True)["params"], strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(edsr(x), ours, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(basicsr(x / 255) * 255, ours, atol=1e-3, rtol=1e-5)
+
+    # read back, the files say res_scale 1.0 is assumed; given 0.1 they are the same model exactly
+    for exported in ("e.pt", "b.pth"):
+        assumed = load_checkpoint(tmp_path / exported)
+        assert assumed["meta"]["config"]["res_scale"] == 1.0
+        assert any("res_scale is not stored in the weights: assuming 1.0" in note for note in assumed["meta"]["notes"])
+        with torch.no_grad():
+            assert not torch.allclose(load_model(tmp_path / exported)[0](x), ours, atol=1e-2)
+            back, told = load_model(tmp_path / exported, res_scale=0.1)
+            assert torch.equal(back(x), ours) and not any("res_scale" in n for n in told["meta"]["notes"])
+    original = upscaled_png(tmp_path, ckpt, "original.png")
+    assert torch.equal(upscaled_png(tmp_path, tmp_path / "b.pth", "basicsr.png", "--res-scale", "0.1"), original)
+    assert not torch.equal(upscaled_png(tmp_path, tmp_path / "b.pth", "assumed.png"), original)
+    assumed_notes = [line for line in capsys.readouterr().err.splitlines() if "assuming 1.0" in line]
+    assert len(assumed_notes) == 1 and assumed_notes[0].startswith("hpdl: note: res_scale is not stored")
+
+
+def test_foreign_edsr_of_a_custom_size_takes_the_res_scale_it_is_given(tmp_path):
+    ref = randomise(BasicsrEDSR(num_feat=16, num_block=3, upscale=3, res_scale=0.1), seed=7)
+    torch.save({"params": ref.state_dict()}, tmp_path / "net.pth")
+    x = lr_batch()
+    model, ckpt = load_model(tmp_path / "net.pth", res_scale=0.1)
+    assert ckpt["meta"]["config"]["res_scale"] == 0.1 and ckpt["meta"]["model_name"] == "edsr_custom"
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x / 255) * 255, atol=1e-3, rtol=1e-5)
+
+
+def test_res_scale_is_refused_where_the_weights_store_it_or_the_model_has_none(tmp_path):
+    from hpdl.sr.errors import CheckpointError
+    from hpdl.sr.registry import make_config, with_res_scale
+    from hpdl.sr.weights import res_scale_note
+
+    ckpt = save_checkpoint(tmp_path / "b.pt", make_checkpoint(build_model("edsr_baseline", 2)))
+    assert load_model(ckpt, res_scale=1.0)[1]["meta"]["config"]["res_scale"] == 1.0
+    with pytest.raises(CheckpointError, match=r"b\.pt: an hpdl checkpoint of res_scale 1\.0, not 0\.1"):
+        load_model(ckpt, res_scale=0.1)
+    torch.save({"params": randomise(BasicsrMSRResNet(num_feat=8, num_block=1, upscale=2), 0).state_dict()},
+               tmp_path / "msr.pth")
+    with pytest.raises(CheckpointError, match=r"msr\.pth: srresnet has no res_scale"):
+        load_model(tmp_path / "msr.pth", res_scale=1.0)
+    torch.save(randomise(EdsrPytorchEDSR(n_resblocks=1, n_feats=8, scale=2), 0).state_dict(), tmp_path / "e.pt")
+    with pytest.raises(CheckpointError, match=r"e\.pt: res_scale must be > 0, got -1"):
+        load_model(tmp_path / "e.pt", res_scale=-1)
+    # published sizes: known res_scale, nothing to say unless it is not the default elsewhere
+    assert with_res_scale(make_config("edsr_baseline", 2), None) == (make_config("edsr_baseline", 2), [])
+    assert with_res_scale(make_config("edsr_baseline", 2), 0.1)[0].name == "edsr_custom"
+    assert res_scale_note(make_config("edsr_baseline", 2), "basicsr") is None
+    assert "--res_scale 0.1 for EDSR-PyTorch" in res_scale_note(make_config("edsr", 2), "edsr-pytorch")
+    assert "reads the file back" not in res_scale_note(make_config("edsr", 2), "edsr-pytorch")
+    assert res_scale_note(make_config("srresnet", 2), "basicsr") is None

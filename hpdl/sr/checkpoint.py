@@ -27,7 +27,7 @@ import torch
 from hpdl.sr._atomic import atomic_write
 from hpdl.sr.errors import CheckpointError
 from hpdl.sr.models import build_model_from_config, config_from_state_dict
-from hpdl.sr.registry import ARCHITECTURES, spelling
+from hpdl.sr.registry import ARCHITECTURES, spelling, with_res_scale
 from hpdl.sr.weights import WeightsError, import_weights
 
 __all__ = [
@@ -92,8 +92,13 @@ def load_checkpoint(
     model_name: Optional[str] = None,
     scale: Optional[int] = None,
     map_location: Union[str, torch.device] = "cpu",
+    res_scale: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """Load a checkpoint safely; check it is for ``model_name`` / ``scale`` when they are given."""
+    """Load a checkpoint safely; check it is for ``model_name`` / ``scale`` when they are given.
+
+    ``res_scale`` is EDSR's residual scaling of weights from elsewhere, which do not store it
+    (None: the published size's, else 1.0 with a note); an hpdl checkpoint must agree with it.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -105,7 +110,9 @@ def load_checkpoint(
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a checkpoint (holds a {type(obj).__name__}, not a dict)")
     if obj.get("format") != FORMAT:
-        obj = _wrap_state_dict(obj, path)
+        obj = _wrap_state_dict(obj, path, res_scale)
+    elif res_scale is not None:
+        _check_stored_res_scale(obj, path, res_scale)
     meta = obj.get("meta")
     if not isinstance(meta, dict) or "model_name" not in meta or "scale" not in meta or "model" not in obj:
         raise CheckpointError(f"{path}: checkpoint lacks its model metadata or weights")
@@ -147,7 +154,7 @@ def _reason(err: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
-def _wrap_state_dict(obj: Dict[str, Any], path: Path) -> Dict[str, Any]:
+def _wrap_state_dict(obj: Dict[str, Any], path: Path, res_scale: Optional[float]) -> Dict[str, Any]:
     # Weights of EDSR-PyTorch or BasicSR: recognise the model by its keys and shapes.
     try:
         state, notes = import_weights(obj)
@@ -156,8 +163,24 @@ def _wrap_state_dict(obj: Dict[str, Any], path: Path) -> Dict[str, Any]:
     config = config_from_state_dict(state)
     if config is None:
         raise CheckpointError(f"{path}: state dict is not a model hpdl knows ({', '.join(ARCHITECTURES)})")
-    meta = {"model_name": config.name, "scale": config.scale, "config": config.to_dict(), "notes": notes}
+    try:
+        config, assumed = with_res_scale(config, res_scale)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    meta = {"model_name": config.name, "scale": config.scale, "config": config.to_dict(), "notes": notes + assumed}
     return {"format": FORMAT, "version": VERSION, "meta": meta, "model": state}
+
+
+def _check_stored_res_scale(obj: Dict[str, Any], path: Path, res_scale: float) -> None:
+    # An hpdl checkpoint stores its res_scale: another one would run a network it was not trained as.
+    config = obj.get("meta", {}).get("config") if isinstance(obj.get("meta"), dict) else None
+    stored = config.get("res_scale") if isinstance(config, dict) else None
+    arch = ARCHITECTURES.get(config.get("arch", "edsr")) if isinstance(config, dict) else None
+    if arch is not None and not arch.res_scaled:
+        raise CheckpointError(f"{path}: {arch.name} has no res_scale")
+    if stored is not None and float(stored) != float(res_scale):
+        raise CheckpointError(f"{path}: an hpdl checkpoint of res_scale {float(stored)}, not {float(res_scale)} "
+                              "(a res_scale is given only for weights that do not store it)")
 
 
 def load_model(
@@ -166,9 +189,13 @@ def load_model(
     model_name: Optional[str] = None,
     scale: Optional[int] = None,
     device: Union[str, torch.device] = "cpu",
+    res_scale: Optional[float] = None,
 ) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    """Build the checkpoint's model, load its weights, and return ``(model in eval mode, checkpoint)``."""
-    checkpoint = load_checkpoint(path, model_name=model_name, scale=scale)
+    """Build the checkpoint's model, load its weights, and return ``(model in eval mode, checkpoint)``.
+
+    ``res_scale``: for weights that do not store it, as in ``load_checkpoint``.
+    """
+    checkpoint = load_checkpoint(path, model_name=model_name, scale=scale, res_scale=res_scale)
     meta = checkpoint["meta"]
     try:
         model = build_model_from_config(meta["config"])

@@ -134,6 +134,7 @@ def _register_eval(sr_sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace existing result images and grid")
     _add_max_pixels(p, "refuse image files of more pixels than this")
     _add_device(p)
+    _add_res_scale(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
     p.set_defaults(func=_guarded(_run_eval))
 
@@ -152,6 +153,7 @@ def _register_upscale(sr_sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the input)")
     _add_max_pixels(p, "refuse an input image of more pixels than this")
     _add_device(p)
+    _add_res_scale(p)
     p.set_defaults(func=_guarded(_run_upscale))
 
 
@@ -167,6 +169,7 @@ def _register_export(sr_sub: Any) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or EDSR-PyTorch or BasicSR weights")
     p.add_argument("--to", required=True, choices=("basicsr", "edsr-pytorch"), help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the checkpoint)")
+    _add_res_scale(p)
     p.set_defaults(func=_guarded(_run_export))
 
 
@@ -177,9 +180,9 @@ def _run_export(args: argparse.Namespace) -> int:
 
     from hpdl.sr._atomic import atomic_write
     from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.weights import WeightsError, export_weights
+    from hpdl.sr.weights import WeightsError, export_weights, res_scale_note
 
-    model, checkpoint = load_model(args.ckpt)
+    model, checkpoint = load_model(args.ckpt, res_scale=args.res_scale)
     _print_notes(checkpoint)
     try:
         exported = export_weights(model.state_dict(), model.config, args.to)
@@ -187,6 +190,9 @@ def _run_export(args: argparse.Namespace) -> int:
         raise CliError(f"{args.ckpt}: {err}") from None
     atomic_write(args.output, lambda f: torch.save(exported, f))
     print(f"wrote {args.output}: {model.config.describe()} as {args.to} weights")
+    note = res_scale_note(model.config, args.to)
+    if note:
+        print(f"hpdl: note: {note}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -197,6 +203,12 @@ def _add_max_pixels(p: argparse.ArgumentParser, what: str) -> None:
 
 def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N")
+
+
+def _add_res_scale(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--res-scale", type=float, metavar="X",
+                   help="EDSR's residual scaling of EDSR-PyTorch or BasicSR weights, which do not store it "
+                   "(default: the published model's for its size, else 1.0)")
 
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -247,7 +259,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from hpdl.sr.datasets import build_val_dataset
     from hpdl.sr.evaluate import evaluate, format_sets_table, format_table
 
-    model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device)
+    model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
     # Every set is found and checked, and the grid's images too, before any is scored.
     opened = [(name, data, build_val_dataset(
@@ -349,7 +361,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.upscale import upscale_image
 
-    model, checkpoint = load_model(args.ckpt, device=device)
+    model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
     out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
     write_image(args.output, out)

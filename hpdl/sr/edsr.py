@@ -13,7 +13,7 @@ from typing import List, Mapping, Optional
 import torch
 from torch import nn
 
-from hpdl.sr.registry import SIZES, ModelConfig
+from hpdl.sr.registry import ModelConfig, architecture, published_size
 
 __all__ = ["DIV2K_RGB_MEAN", "EDSR", "MeanShift", "build", "config_from_state_dict"]
 
@@ -95,7 +95,8 @@ def config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> Optional[ModelConf
     """Infer the EDSR architecture of a state dict (EDSR-PyTorch's keys) from its tensor shapes.
 
     ``res_scale`` cannot be seen in weights: it is taken from the published model of that size
-    (1.0 for other sizes). None if the keys are not EDSR's.
+    (1.0 for other sizes; ``registry.with_res_scale`` says so or sets another). None if the keys
+    are not EDSR's.
     """
     try:
         feats = int(sd["head.0.weight"].shape[0])
@@ -109,9 +110,9 @@ def config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> Optional[ModelConf
         scale = 3
     else:
         scale = 2 ** sum(1 for k in sd if k.startswith("tail.0.") and k.endswith(".weight"))
-    if scale not in (2, 3, 4):
+    if scale not in architecture("edsr").scales:
         return None
-    for size in SIZES.values():
-        if size.arch == "edsr" and (size.n_resblocks, size.n_feats) == (blocks, feats):
-            return ModelConfig(size.name, scale, blocks, feats, size.res_scale)
+    size = published_size("edsr", blocks, feats)
+    if size is not None:
+        return ModelConfig(size.name, scale, blocks, feats, size.res_scale)
     return ModelConfig("edsr_custom", scale, blocks, feats, 1.0)

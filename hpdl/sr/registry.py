@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from types import ModuleType
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = [
     "ARCHITECTURES",
@@ -24,9 +24,11 @@ __all__ = [
     "make_config",
     "model_names",
     "normalise_name",
+    "published_size",
     "register",
     "scales_of",
     "spelling",
+    "with_res_scale",
 ]
 
 
@@ -39,6 +41,9 @@ class Architecture:
     scales: Tuple[int, ...]
     # Key prefixes of the layers whose shapes depend on the scale: fresh when x2 weights start x3.
     scale_specific: Tuple[str, ...]
+    # Whether ModelConfig.res_scale changes the network (EDSR's residual scaling): the weights
+    # cannot show it, so weights from elsewhere need it said unless their size is a published one.
+    res_scaled: bool = False
 
     def implementation(self) -> ModuleType:
         """Import and return the module that builds this architecture."""
@@ -136,6 +141,34 @@ def scales_of(name: str) -> Tuple[int, ...]:
     return architecture(SIZES[normalise_name(name)].arch).scales
 
 
+def published_size(arch: str, n_resblocks: int, n_feats: int) -> Optional[ModelSize]:
+    """Return the published size of ``arch`` with these numbers, or None for another size."""
+    return next((size for size in SIZES.values()
+                 if size.arch == arch and (size.n_resblocks, size.n_feats) == (n_resblocks, n_feats)), None)
+
+
+def with_res_scale(config: ModelConfig, res_scale: Optional[float]) -> Tuple[ModelConfig, List[str]]:
+    """Return the config of weights that do not store res_scale, set to ``res_scale`` if given, and notes.
+
+    ``config`` is what the weights show: a published size has its published res_scale, another
+    size 1.0, which a note then says is assumed. A ``res_scale`` that is not the published
+    one labels the model ``<arch>_custom``. ``ValueError`` for a ``res_scale`` the
+    architecture does not have, or one that is not positive.
+    """
+    published = published_size(config.arch, config.n_resblocks, config.n_feats)
+    if res_scale is None:
+        if not architecture(config.arch).res_scaled or published is not None:
+            return config, []
+        return config, [f"res_scale is not stored in the weights: assuming {float(config.res_scale)} for "
+                        f"{config.describe()} (--res-scale gives another)"]
+    if not architecture(config.arch).res_scaled:
+        raise ValueError(f"{config.arch} has no res_scale")
+    if not res_scale > 0:
+        raise ValueError(f"res_scale must be > 0, got {res_scale}")
+    name = published.name if published is not None and published.res_scale == res_scale else f"{config.arch}_custom"
+    return dataclasses.replace(config, name=name, res_scale=float(res_scale)), []
+
+
 def make_config(name: str, scale: int, n_resblocks: int = 0, n_feats: int = 0) -> ModelConfig:
     """Return the config of model ``name`` at ``scale``; non-zero sizes replace the published ones.
 
@@ -149,7 +182,7 @@ def make_config(name: str, scale: int, n_resblocks: int = 0, n_feats: int = 0) -
 
 
 register(
-    Architecture("edsr", "hpdl.sr.edsr", scales=(2, 3, 4), scale_specific=("tail.",)),
+    Architecture("edsr", "hpdl.sr.edsr", scales=(2, 3, 4), scale_specific=("tail.",), res_scaled=True),
     ModelSize("edsr_baseline", "edsr", 16, 64, 1.0),
     ModelSize("edsr", "edsr", 32, 256, 0.1),
 )

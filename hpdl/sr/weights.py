@@ -11,14 +11,14 @@ uses the names hpdl's SRResNet has.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from hpdl.sr.edsr import DIV2K_RGB_MEAN
-from hpdl.sr.registry import ModelConfig
+from hpdl.sr.registry import ModelConfig, architecture, published_size
 
-__all__ = ["EXPORT_FORMATS", "WeightsError", "export_weights", "import_weights", "mean_shift_tensors"]
+__all__ = ["EXPORT_FORMATS", "WeightsError", "export_weights", "import_weights", "mean_shift_tensors", "res_scale_note"]
 
 EXPORT_FORMATS = ("basicsr", "edsr-pytorch")
 _MEAN_KEYS = ("sub_mean.weight", "sub_mean.bias", "add_mean.weight", "add_mean.bias")
@@ -116,3 +116,20 @@ def export_weights(state: Mapping[str, torch.Tensor], config: ModelConfig, fmt: 
         blocks = config.n_resblocks
         state = {_basicsr_name(k, blocks): v for k, v in state.items() if k not in _MEAN_KEYS}
     return {"params": state}
+
+
+def res_scale_note(config: ModelConfig, fmt: str) -> Optional[str]:
+    """Return what the reader of exported weights must be told of their res_scale, which they do not hold.
+
+    EDSR-PyTorch and BasicSR build EDSR with res_scale 1.0 unless told otherwise, and hpdl
+    reads a size that is not a published one as 1.0: None when that is already right.
+    """
+    if not architecture(config.arch).res_scaled:
+        return None
+    custom = published_size(config.arch, config.n_resblocks, config.n_feats) is None
+    if config.res_scale == 1.0 and not custom:
+        return None
+    setting = (f"--res_scale {float(config.res_scale)} for EDSR-PyTorch" if fmt == "edsr-pytorch"
+               else f"res_scale: {float(config.res_scale)} under network_g in BasicSR's options")
+    back = f"; hpdl reads the file back with --res-scale {float(config.res_scale)}" if custom and config.res_scale != 1.0 else ""
+    return f"res_scale is not stored in the weights: this {config.describe()} needs {setting}{back}"
