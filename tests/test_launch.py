@@ -162,11 +162,26 @@ def test_openmpi(text):
 def test_openmpi_local_and_hostfile():
     launchers = info(flavour=detect.OPENMPI)
     argv, _ = run(np=2, launchers=launchers, env={"PATH": "/bin"})
-    assert argv == ["mpiexec", "-np", "2", "--bind-to", "none", "python", "train.py"]
+    assert argv == ["mpiexec", "-np", "2", "-H", "localhost:2", "--bind-to", "none", "python", "train.py"]
     argv, _ = run(hosts=parse_hostfile("n1 slots=2\nn2\n", "hf"), launchers=launchers)
     assert argv[:6] == ["mpiexec", "-np", "3", "--hostfile", "hf", "--bind-to"]
     argv, _ = run(hosts=parse_hostfile("n1:2\n", "hf"), launchers=launchers)
     assert argv[3:5] == ["-H", "n1:2"]
+
+
+def test_openmpi_gets_a_slot_per_rank_on_this_host_as_horovodrun_gives():
+    # Without hosts Open MPI gives this host one slot per core: -np 3 on two cores would fail.
+    launchers = info(flavour=detect.OPENMPI)
+    argv, _ = run(np=3, launchers=launchers)
+    assert argv[:5] == ["mpiexec", "-np", "3", "-H", "localhost:3"]
+    for env in ({"SLURM_JOB_ID": "7"}, {"PBS_JOBID": "7.pbs"}, {"LSB_JOBID": "7"}):  # the allocation's hosts
+        argv, _ = run(np=3, launcher="mpiexec", launchers=launchers, env=env)
+        assert "-H" not in argv, env
+    for mpi_args in (("--host", "a:3"), ("--hostfile=hf",), ("-H", "a:3")):  # the user's hosts
+        argv, _ = run(np=3, launchers=launchers, mpi_args=mpi_args)
+        assert argv.count("-H") == mpi_args.count("-H"), mpi_args
+    argv, _ = run(np=3, launchers=launchers, binding_args=("--bind-to", "core"))
+    assert argv[5:7] == ["--bind-to", "core"] and argv.count("--bind-to") == 1
 
 
 def test_mvapich2_disables_affinity_unless_set():

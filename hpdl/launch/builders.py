@@ -52,7 +52,13 @@ _OPENMPI_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 _SRUN_MPI_PLUGINS = {MPICH: "pmi2", INTELMPI: "pmi2", MVAPICH2: "pmi2", OPENMPI: "pmix"}
 # Passed by name to torchrun on other hosts: a remote shell starts with a minimal environment.
 _REMOTE_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-                   "NCCL_SOCKET_IFNAME", "UCX_TLS")
+                   "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "UCX_TLS")
+# Variables of the resource managers whose allocation Open MPI reads for its hosts; outside one,
+# Open MPI gives this host one slot per core and refuses more ranks.
+_ALLOCATION_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+# Open MPI's options that name hosts, as given through --mpi-args.
+_OPENMPI_HOST_OPTIONS = ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile", "-machinefile",
+                         "--default-hostfile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,7 @@ class RunOptions:
     stall_timeout_s: Optional[float] = None
     hierarchical_allreduce: bool = False
     remote_shell: Optional[str] = None  # how to reach other hosts (default: ssh)
+    binding_args: Tuple[str, ...] = ()  # Open MPI's process binding, in place of --bind-to none
     rendezvous_port: int = 29400  # torchrun's static rendezvous on the first host, across hosts
 
 
@@ -174,7 +181,7 @@ def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -
         if info.mpiexec is None:
             raise LaunchError("launcher mpiexec was not found on PATH (install an MPI, e.g. pip install mpich)")
         argv = build_mpiexec(info.mpiexec, info.mpi_flavour, np, hosts, hpdl_env, options.mpi_args, command, out_env,
-                             options.remote_shell)
+                             options.remote_shell, options.binding_args)
     elif launcher == "srun":
         if info.srun is None:
             raise LaunchError("launcher srun was not found on PATH (is Slurm installed here?)")
@@ -223,6 +230,7 @@ def build_mpiexec(
     command: Sequence[str],
     env: Optional[Mapping[str, str]] = None,
     remote_shell: Optional[str] = None,
+    binding_args: Sequence[str] = (),
 ) -> List[str]:
     """Return the mpiexec argv in the syntax of ``flavour`` (a flavour constant of ``detect``).
 
@@ -230,6 +238,7 @@ def build_mpiexec(
         hpdl_env: the ``HPDL_*`` variables to set on every rank.
         env: the launching environment, consulted for variables to forward.
         remote_shell: the program that reaches other hosts instead of ssh.
+        binding_args: Open MPI's process binding options (other MPIs: not used).
     """
     env = {} if env is None else env
     if flavour == OPENMPI:
@@ -241,8 +250,11 @@ def build_mpiexec(
                 argv += ["--hostfile", hosts.path]
             else:
                 argv += ["-H", hosts.colon_form()]
+        elif not any(key in env for key in _ALLOCATION_VARIABLES) and not _names_hosts(mpi_args):
+            # As horovodrun: this host with a slot per rank, so -np may exceed the cores.
+            argv += ["-H", f"localhost:{np}"]
         # Open MPI binds each rank to a core by default; hpdl's engine thread needs another.
-        argv += ["--bind-to", "none"]
+        argv += list(binding_args) or ["--bind-to", "none"]
         for key, value in hpdl_env.items():
             argv += ["-x", f"{key}={value}"]
         if hosts is not None:
@@ -280,6 +292,12 @@ def build_mpiexec(
             "give them through --mpi-args"
         )
     return [mpiexec, "-n", str(np)] + list(mpi_args) + list(command)
+
+
+def _names_hosts(mpi_args: Sequence[str]) -> bool:
+    """Whether ``mpi_args`` give Open MPI its hosts."""
+    return any(arg in _OPENMPI_HOST_OPTIONS or arg.startswith(tuple(f"{o}=" for o in _OPENMPI_HOST_OPTIONS))
+               for arg in mpi_args)
 
 
 def _intel_hosts(np: int, hosts: HostList, command: Sequence[str]) -> List[str]:
