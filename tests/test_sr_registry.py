@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hpdl.bench.models import MODELS as BENCH_MODELS, build_workload
+from hpdl.bench.models import benchmark_models, build_workload
 from hpdl.cli import main
 from hpdl.sr import registry
 from hpdl.sr.checkpoint import load_model, make_checkpoint, save_checkpoint
@@ -47,7 +47,7 @@ def config_from_state_dict(sd):
 
 def test_every_registered_model_is_accepted_everywhere_and_nothing_else():
     assert registry.model_names() == ("edsr_baseline", "edsr", "srresnet")
-    assert BENCH_MODELS == ("edsr-baseline", "edsr", "srresnet", "resnet50")
+    assert benchmark_models() == ("edsr-baseline", "edsr", "srresnet", "resnet50")
     for name in registry.model_names():
         assert load_config("demo", [f"model={name}"]).model == name
     with pytest.raises(ConfigError, match="model: must be edsr_baseline or edsr or srresnet, got 'rcan'"):
@@ -72,6 +72,49 @@ def test_a_new_architecture_is_one_module_and_one_registration(tmp_path, monkeyp
     assert type(loaded).__name__ == "Toy" and ckpt["meta"]["config"]["arch"] == "toy"
     torch.save(model.state_dict(), tmp_path / "bare.pt")  # recognised by its own module's inference
     assert load_model(tmp_path / "bare.pt")[1]["meta"]["model_name"] == "toy"
+
+
+def help_text(capsys, argv):
+    with pytest.raises(SystemExit):
+        main(argv + ["--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+
+
+def test_commands_and_benchmarks_take_models_and_scales_from_the_registry_alone(tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    from hpdl.bench.synthetic import SyntheticOptions
+    from test_sr_train import photo
+
+    (tmp_path / "toy_arch.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.ARCHITECTURES, "toy", None)  # undone after the test
+    monkeypatch.setitem(registry.SIZES, "toy", None)
+    registry.register(Architecture("toy", "toy_arch", scales=(8,), scale_specific=("conv.",)),
+                      ModelSize("toy", "toy", 1, 4))
+
+    # the help lists it, with its scale
+    assert "toy" in help_text(capsys, ["sr"]) and "toy" in help_text(capsys, ["sr", "train"])
+    assert "--scale {2,3,4,8}" in help_text(capsys, ["sr", "eval"])
+    bench_help = help_text(capsys, ["bench", "synthetic"])
+    assert "toy" in bench_help and "edsr-baseline, edsr, srresnet: 2, 3, 4; toy: 8" in bench_help
+
+    # eval takes --scale 8
+    save_checkpoint(tmp_path / "toy.pt", make_checkpoint(build_model("toy", 8)))
+    (tmp_path / "photos").mkdir()
+    Image.fromarray(photo(64, 48, 0)).save(tmp_path / "photos" / "a.png")
+    assert main(["sr", "eval", "--ckpt", str(tmp_path / "toy.pt"), "--scale", "8", "--data", str(tmp_path / "photos"),
+                 "--cache-dir", str(tmp_path / "cache"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["scale"] == 8
+
+    # and so does the benchmark, for this model only
+    assert "toy" in benchmark_models()
+    assert SyntheticOptions(model="toy", scale=8).scale == 8
+    with pytest.raises(ValueError, match="scale of toy must be one of 8, got 2"):
+        SyntheticOptions(model="toy", scale=2)
+    with pytest.raises(ValueError, match="scale of edsr-baseline must be one of 2, 3, 4, got 8"):
+        SyntheticOptions(model="edsr-baseline", scale=8)
+    assert build_workload("toy", 1, scale=8, patch=4).targets.shape == (1, 3, 32, 32)
 
 
 def test_srresnet_size_and_bench_workload():

@@ -139,13 +139,14 @@ def _register_synthetic(sub) -> None:
             "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling,lockstep"
         ),
     )
-    from hpdl.sr.registry import model_names  # the SR models, without importing torch for --help
+    from hpdl.sr.registry import describe_scales, model_names  # the SR models, without importing torch for --help
 
     models = [name.replace("_", "-") for name in model_names()] + ["resnet50"]
     p.add_argument("--model", default="resnet50", help=f"{', '.join(models)} (default: resnet50)")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per batch (default 32)")
-    p.add_argument("--scale", type=int, default=2, help="EDSR upscaling factor: 2, 3 or 4 (default 2)")
-    p.add_argument("--patch", type=int, default=48, help="EDSR LR patch size in pixels (default 48)")
+    p.add_argument("--scale", type=int, default=2,
+                   help=f"upscaling factor of the SR models: {describe_scales(dash=True)} (default 2)")
+    p.add_argument("--patch", type=int, default=48, help="LR patch size of the SR models in pixels (default 48)")
     p.add_argument("--num-iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per iteration (default 10)")
     p.add_argument("--num-warmup", "--num-warmup-batches", dest="num_warmup", type=int, default=10,

@@ -17,12 +17,21 @@ from torch import nn
 
 from hpdl.sr.registry import model_names
 
-__all__ = ["MODELS", "Bottleneck", "ResNet", "Workload", "build_workload", "count_parameters", "resnet50"]
+__all__ = ["Bottleneck", "ResNet", "Workload", "benchmark_models", "build_workload", "count_parameters", "resnet50",
+           "sr_models"]
 
-# The super-resolution models come from hpdl.sr's registry (no torch import there), spelled
-# with dashes as on this command line; ResNet-50 is the benchmarks' own reference.
-SR_MODELS = tuple(name.replace("_", "-") for name in model_names())
-MODELS = SR_MODELS + ("resnet50",)
+
+def sr_models() -> Tuple[str, ...]:
+    """Return the super-resolution models of hpdl.sr's registry, spelled with dashes as on the command line.
+
+    Read at each call, so an architecture registered after this module was imported is one too.
+    """
+    return tuple(name.replace("_", "-") for name in model_names())
+
+
+def benchmark_models() -> Tuple[str, ...]:
+    """Return every model the benchmarks build: the registry's, and ResNet-50, their own reference."""
+    return sr_models() + ("resnet50",)
 
 
 def _conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
@@ -128,7 +137,7 @@ def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, 
         inputs = torch.randn(batch_size, 3, 224, 224, generator=gen)
         targets = torch.randint(0, 1000, (batch_size,), generator=gen)
         return Workload(name, resnet50(), inputs, targets, F.cross_entropy)
-    if name in SR_MODELS:
+    if name in sr_models():
         from hpdl.sr.models import build_model  # the application layer, loaded only when asked for
 
         if patch < 1:
@@ -137,7 +146,7 @@ def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, 
         inputs = torch.rand(batch_size, 3, patch, patch, generator=gen) * 255
         targets = torch.rand(batch_size, 3, patch * scale, patch * scale, generator=gen) * 255
         return Workload(f"{name} x{scale}", model, inputs, targets, F.l1_loss)
-    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(benchmark_models())}")
 
 
 def count_parameters(model: nn.Module) -> Tuple[int, int]:

@@ -41,8 +41,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from hpdl.bench.cputime import GROUPS, CpuSnapshot
-from hpdl.bench.models import MODELS, SR_MODELS, build_workload, count_parameters
+from hpdl.bench.models import benchmark_models, build_workload, count_parameters, sr_models
 from hpdl.bench.stats import format_table, median, spread
+from hpdl.sr.registry import known_scales, scales_of
 
 __all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
 
@@ -100,15 +101,18 @@ class SyntheticOptions:
     breakdown: bool = False  # time the phases of every timed batch
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        if self.model not in benchmark_models():
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(benchmark_models())}")
         for name in ("batch_size", "patch", "num_iters", "num_batches_per_iter", "threads", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.num_warmup < 0:
             raise ValueError(f"num-warmup must be >= 0, got {self.num_warmup}")
-        if self.scale not in (2, 3, 4):
-            raise ValueError(f"scale must be 2, 3 or 4, got {self.scale}")
+        # ResNet-50 ignores the scale; a value no model takes is still a mistake on the command line.
+        scales = scales_of(self.model) if self.model in sr_models() else known_scales()
+        if self.scale not in scales:
+            of = f" of {self.model}" if self.model in sr_models() else ""
+            raise ValueError(f"scale{of} must be one of {', '.join(map(str, scales))}, got {self.scale}")
         if self.optimizer not in (None, "sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, got {self.optimizer!r}")
         unknown = [c for c in self.compare if c not in COMPARE]
@@ -118,7 +122,7 @@ class SyntheticOptions:
 
 def _optimizer_kind(opts: SyntheticOptions) -> str:
     """The optimizer asked for, else the model's usual one."""
-    return opts.optimizer or ("adam" if opts.model in SR_MODELS else "sgd")  # SR recipes train with Adam
+    return opts.optimizer or ("adam" if opts.model in sr_models() else "sgd")  # SR recipes train with Adam
 
 
 def _optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
@@ -345,7 +349,7 @@ def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
     params, nbytes = count_parameters(workload.model)
     optimizer = _optimizer_kind(opts)
     return [
-        f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if opts.model in SR_MODELS else "")
+        f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if opts.model in sr_models() else "")
         + f" ({params:,} parameters, {nbytes / 2**20:.1f} MiB of gradients)",
         f"Batch size: {opts.batch_size} per rank; optimizer {optimizer}; "
         f"{'fp16' if opts.fp16_allreduce else 'no'} compression"

@@ -26,10 +26,12 @@ DEFAULT_MAX_PIXELS = 20_000_000
 
 def register(subparsers: Any) -> None:
     """Add ``hpdl sr`` and its subcommands."""
+    from hpdl.sr.registry import model_names  # no torch: cheap enough for --help
+
     sr = subparsers.add_parser(
         "sr",
-        help="super-resolution (EDSR, SRResNet): train, evaluate, upscale, export weights",
-        description="Super-resolution with EDSR, EDSR-baseline and SRResNet: train, evaluate "
+        help=f"super-resolution ({', '.join(model_names())}): train, evaluate, upscale, export weights",
+        description=f"Super-resolution with the models {', '.join(model_names())}: train, evaluate "
         "checkpoints on DIV2K, benchmark sets, image folders or the embedded photos, upscale images "
         "of any size, and export weights for BasicSR or EDSR-PyTorch.",
     )
@@ -48,11 +50,13 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 def _register_train(sr_sub: Any) -> None:
     from hpdl.sr.config import config_names  # no torch: cheap enough for --help
+    from hpdl.sr.registry import describe_scales, model_names
 
     p = sr_sub.add_parser(
         "train",
-        help="train EDSR or SRResNet data-parallel (alone or under hpdl run / mpiexec / srun / torchrun)",
-        description="Train a model (model=edsr_baseline, edsr or srresnet) from a YAML config (a packaged name such as 'demo', "
+        help="train a model data-parallel (alone or under hpdl run / mpiexec / srun / torchrun)",
+        description=f"Train a model (model= one of {', '.join(model_names())}; scale= {describe_scales()}) "
+        "from a YAML config (a packaged name such as 'demo', "
         "'edsr_baseline_x2', or a path) with KEY=VALUE overrides, e.g. "
         "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes "
         "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs, curves.png and a summary. An OUT_DIR "
@@ -95,6 +99,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _register_eval(sr_sub: Any) -> None:
+    from hpdl.sr.registry import known_scales
+
     p = sr_sub.add_parser(
         "eval",
         help="measure PSNR/SSIM of a checkpoint (and of bicubic) on one or more datasets",
@@ -109,7 +115,7 @@ def _register_eval(sr_sub: Any) -> None:
     p.add_argument("--data", default="embedded", help="dataset folder(s) joined by '+', or 'embedded' (default)")
     p.add_argument("--data-root", metavar="DIR",
                    help="where to look for sets given by name (DIR/NAME or DIR/benchmark/NAME)")
-    p.add_argument("--scale", type=int, choices=(2, 3, 4), help="expected scale (default: the checkpoint's)")
+    p.add_argument("--scale", type=int, choices=known_scales(), help="expected scale (default: the checkpoint's)")
     p.add_argument(
         "--space",
         choices=("y", "rgb"),

@@ -38,7 +38,7 @@ class TrainConfig:
     """Everything one training run depends on. Defaults are the EDSR paper's x2 recipe."""
 
     # -- model --
-    model: str = "edsr_baseline"  # a registered model: edsr_baseline, edsr or srresnet (hpdl/sr/registry.py)
+    model: str = "edsr_baseline"  # a model of hpdl/sr/registry.py (model_names())
     scale: int = 2
     n_resblocks: int = 0  # 0: the named model's depth (16 / 32 / 16); smaller for tests and sketches
     n_feats: int = 0  # 0: the named model's width (64 / 256 / 64)

@@ -31,8 +31,7 @@ __all__ = [
 
 
 def build_model(name: str, scale: int, *, device: Union[str, torch.device, None] = None) -> nn.Module:
-    """Build a registered model (``edsr_baseline``, ``edsr``, ``srresnet``) for ``scale``
-    (``device="meta"`` for no memory)."""
+    """Build a model of the registry (``registry.model_names()``) for ``scale`` (``device="meta"`` for no memory)."""
     return build_model_from_config(make_config(name, scale), device=device)
 
 

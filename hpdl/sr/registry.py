@@ -21,6 +21,8 @@ __all__ = [
     "ModelConfig",
     "ModelSize",
     "architecture",
+    "describe_scales",
+    "known_scales",
     "make_config",
     "model_names",
     "normalise_name",
@@ -113,6 +115,24 @@ def register(arch: Architecture, *sizes: ModelSize) -> None:
 def model_names() -> Tuple[str, ...]:
     """Return the names ``model=`` accepts, in registration order."""
     return tuple(SIZES)
+
+
+def known_scales() -> Tuple[int, ...]:
+    """Return every scale some registered architecture is built for, ascending."""
+    return tuple(sorted({scale for arch in ARCHITECTURES.values() for scale in arch.scales}))
+
+
+def describe_scales(dash: bool = False) -> str:
+    """Return the scales of the models for help texts: ``2, 3, 4``, or per model where they differ.
+
+    ``dash`` spells the names with ``-`` for ``_``, as the benchmark command lines do.
+    """
+    groups: Dict[Tuple[int, ...], List[str]] = {}
+    for name, size in SIZES.items():
+        groups.setdefault(ARCHITECTURES[size.arch].scales, []).append(name.replace("_", "-") if dash else name)
+    if len(groups) == 1:
+        return ", ".join(map(str, next(iter(groups))))
+    return "; ".join(f"{', '.join(names)}: {', '.join(map(str, scales))}" for scales, names in groups.items())
 
 
 def spelling(name: str) -> str:
