@@ -107,6 +107,8 @@ def _dry_run(monkeypatch, capsys, *args, version_text=MPICH_TEXT):
     """`hpdl run ARGS --dry-run` with every launcher on PATH and the MPI of ``version_text``."""
     monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}" if name != "srun" else None)
     monkeypatch.setattr(detect, "_version_text", lambda exe: version_text)
+    # An option argparse does not know would put --dry-run into the command, which would then run.
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
     code = main(["run", *args, "--dry-run", "--", "python", "train.py"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -178,9 +180,121 @@ def test_config_file_fills_what_the_command_line_leaves(monkeypatch, capsys, cle
                 "HPDL_TIMELINE_MARK_CYCLES": "1", "HPDL_STALL_TIMEOUT": "120",
                 "HPDL_STALL_WARNING": "120"}  # stall check off: no warning before the timeout
     assert {k: v for k, v in (w.split("=", 1) for w in out.split(" mpiexec ")[0].split())} == expected
+    # hierarchical_allgather: false asks for what hpdl does: no warning for it.
+    assert err.splitlines() == [f"hpdl run: warning: {config}: autotune is not honoured by hpdl; ignoring it"]
+
+
+def _settings_of(out):
+    """The HPDL_* variables of a dry run's (MPICH) command line."""
+    return {k: v for k, v in (w.split("=", 1) for w in out.split(" mpiexec ")[0].split()) if k.startswith("HPDL_")}
+
+
+@pytest.mark.parametrize("file, args, warning", [
+    ("stall_check:\n  enabled: false\n  warning_time_seconds: 3\n", [], "1800"),  # off beats the file's time
+    ("stall_check:\n  enabled: false\n  warning_time_seconds: 3\n  shutdown_time_seconds: 240\n", [], "240"),
+    ("stall_check:\n  enabled: false\n", ["--stall-check-warning-time-seconds", "5"], "5"),  # the command line wins
+    ("stall_check:\n  enabled: true\n  warning_time_seconds: 3\n", ["--no-stall-check"], "1800"),
+    ("", ["--no-stall-check", "--stall-check-warning-time-seconds", "5"], "1800"),  # off wins, as in horovodrun
+    ("", ["--no-stall-check", "--stall-check-shutdown-time-seconds", "300"], "300"),
+])
+def test_stall_check_off_beats_the_warning_time(file, args, warning, monkeypatch, capsys, clean_env, tmp_path):
+    config = tmp_path / "horovod.yaml"
+    config.write_text(file or "params:\n  cycle_time_ms: 1\n")
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config), *args)
+    assert _settings_of(out)["HPDL_STALL_WARNING"] == warning
+
+
+def test_no_stall_check_puts_the_warning_at_the_environments_timeout(monkeypatch, capsys, clean_env):
+    monkeypatch.setenv("HPDL_STALL_TIMEOUT", "200")
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "--no-stall-check")
+    assert _settings_of(out)["HPDL_STALL_WARNING"] == "200"
+
+
+def test_horovods_own_config_file_runs_with_a_warning_per_unhonoured_setting(monkeypatch, capsys, clean_env,
+                                                                               tmp_path):
+    # The sections of the config file in Horovod's tests, elastic among them.
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "horovod.yaml"
+    config.write_text("controller: gloo\n"
+                      "params:\n  fusion_threshold_mb: 32\n  hierarchical_allgather: true\n  torus_allreduce: false\n"
+                      "autotune:\n  enabled: true\n  log_file: at.csv\n  warmup_samples: 5\n"
+                      "elastic:\n  timeout: 600\n  reset_limit: 3\n  cooldown_range: [10, 100]\n"
+                      "timeline:\n  filename: tl.json\n"
+                      "stall_check:\n  enabled: false\n  warning_time_seconds: 120\n  shutdown_time_seconds: 240\n"
+                      "library_options:\n  mpi_threads_disable: true\n  num_nccl_streams: 2\n"
+                      "logging:\n  level: INFO\n")
+    out, err = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config))
+    assert out.startswith("HPDL_BACKEND=gloo ") and " torchrun " in out  # controller: gloo
+    assert "HPDL_STALL_WARNING=240" in out and "HPDL_FUSION_THRESHOLD=33554432" in out
+    assert err.splitlines() == [f"hpdl run: warning: {config}: {line}; ignoring it" for line in (
+        "params.hierarchical_allgather is not honoured by hpdl", "autotune is not honoured by hpdl",
+        "elastic is not honoured: hpdl does not provide elastic training",
+        "library_options.mpi_threads_disable is not honoured by hpdl",
+        "library_options.num_nccl_streams is not honoured by hpdl", "logging.level is not honoured by hpdl")]
+
+
+def test_config_file_settings_that_ask_for_what_hpdl_does_are_silent(monkeypatch, capsys, clean_env, tmp_path):
+    config = tmp_path / "horovod.yaml"
+    config.write_text("params:\n  hierarchical_allgather: false\n  torus_allreduce: false\n"
+                      "autotune:\n  enabled: false\n  warmup_samples: 5\nelastic:\n"
+                      "library_options:\n  mpi_threads_disable: false\n")
+    _, err = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config))
+    assert err == ""
+
+
+@pytest.mark.parametrize("horovodrun, expected", [
+    (["--disable-cache"], "mpiexec -n 2 python train.py"),  # horovodrun's cache of launcher checks; hpdl has none
+    (["--tcp"], "NCCL_IB_DISABLE=1 mpiexec -n 2 python train.py"),
+    (["--timeline-mark-cycles"],
+     "HPDL_TIMELINE_MARK_CYCLES=1 mpiexec -genv HPDL_TIMELINE_MARK_CYCLES 1 -n 2 python train.py"),
+    (["--timeline-filename", "DYNAMIC"], "mpiexec -n 2 python train.py"),  # Horovod's: none until start_timeline()
+])
+def test_horovodrun_options_that_hpdl_honours(horovodrun, expected, monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert _dry_run(monkeypatch, capsys, "-np", "2", *horovodrun) == (expected, "")
+
+
+@pytest.mark.parametrize("option", [["--autotune"], ["--hierarchical-allgather"], ["--mpi-threads-disable"],
+                                    ["--num-nccl-streams", "2"], ["--log-level", "debug"]])
+def test_horovodrun_options_hpdl_has_no_counterpart_for_warn_once(option, monkeypatch, capsys, clean_env):
+    out, err = _dry_run(monkeypatch, capsys, "-np", "2", *option)
+    assert out == "mpiexec -n 2 python train.py"
+    assert err == f"hpdl run: warning: {option[0]} is not honoured by hpdl; ignoring it\n"
+
+
+def test_binding_and_timestamps_reach_open_mpi_and_warn_elsewhere(monkeypatch, capsys, clean_env):
+    args = ("-np", "2", "--binding-args=--bind-to core", "--prefix-output-with-timestamp")
+    out, err = _dry_run(monkeypatch, capsys, *args, version_text=OPENMPI4_TEXT)
+    assert out == ("mpiexec --allow-run-as-root --tag-output --timestamp-output -np 2 -H localhost:2 --bind-to core "
+                   "python train.py") and err == ""
+    out, err = _dry_run(monkeypatch, capsys, *args)
+    assert out == "mpiexec -n 2 python train.py"
     assert err.splitlines() == [
-        f"hpdl run: warning: {config}: params.hierarchical_allgather is not honoured by hpdl; ignoring it",
-        f"hpdl run: warning: {config}: autotune is not honoured by hpdl; ignoring it"]
+        f"hpdl run: warning: {option} is not honoured under the mpiexec of MPICH (Hydra); ignoring it"
+        for option in ("--binding-args", "--prefix-output-with-timestamp")]
+
+
+def test_open_mpi_gets_a_slot_per_rank_on_this_host(monkeypatch, capsys, clean_env):
+    out, _ = _dry_run(monkeypatch, capsys, "-np", "3", version_text=OPENMPI4_TEXT)
+    assert out == "mpiexec --allow-run-as-root --tag-output -np 3 -H localhost:3 --bind-to none python train.py"
+
+
+def test_ssh_options_are_ignored_with_a_note_when_every_rank_is_here(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.setattr(random, "randint", lambda a, b: 29500)
+    for args in (["--gloo"], ["-H", "localhost:2"], []):
+        plain, _ = _dry_run(monkeypatch, capsys, "-np", "2", *args)
+        out, err = _dry_run(monkeypatch, capsys, "-np", "2", *args, "-p", "2222", "-i", str(tmp_path / "no-key"))
+        assert out == plain and "2222" not in out
+        assert err == "hpdl run: note: every rank runs on this host; ignoring --ssh-port and --ssh-identity-file\n"
+
+
+def test_check_build_prints_the_check_report(monkeypatch, capsys, clean_env):
+    from hpdl.launch import check
+
+    monkeypatch.setattr(check, "print_check", lambda: print("the report") or 0)
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
+    assert main(["run", "--check-build"]) == 0 and main(["run", "-cb", "-np", "2", "--", "python", "x.py"]) == 0
+    assert capsys.readouterr().out == "the report\nthe report\n"
 
 
 def test_cli_run_help_explains_options(capsys):
@@ -193,7 +307,10 @@ def test_cli_run_help_explains_options(capsys):
                    "--stall-warning-s", "--stall-timeout-s", "--hierarchical-allreduce", "--profile", "examples:",
                    "--gloo", "--mpi", "--timeline-filename", "--stall-check-warning-time-seconds",
                    "--stall-check-shutdown-time-seconds", "--output-filename", "--verbose", "--start-timeout",
-                   "--ssh-port", "--ssh-identity-file", "--network-interfaces", "--config-file"):
+                   "--ssh-port", "--ssh-identity-file", "--network-interfaces", "--config-file", "--no-stall-check",
+                   "--disable-cache", "--check-build", "--tcp", "--binding-args", "--prefix-output-with-timestamp",
+                   "--log-level", "--autotune", "--hierarchical-allgather", "--mpi-threads-disable",
+                   "--num-nccl-streams", "--timeline-mark-cycles"):
         assert option in text
 
 

@@ -17,13 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from hpdl.cli import CliError
-from hpdl.config import BACKENDS, Settings
+from hpdl.config import BACKENDS, Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
-from hpdl.launch.detect import OPENMPI, LauncherInfo, detect_launchers
+from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
 _RUN_DESCRIPTION = """\
@@ -56,8 +56,17 @@ set are passed on too, and all are checked before anything starts.
 
 horovodrun's spellings work too: -hostfile, --gloo/--mpi, --timeline-filename,
 --stall-check-warning-time-seconds, --stall-check-shutdown-time-seconds (0: keep hpdl's
-timeout), and its --config-file (YAML sections params, timeline, stall_check; the command
-line wins). Its Open MPI options --allow-run-as-root --tag-output are passed as it does."""
+timeout), and its --config-file (YAML: controller and the sections params, timeline,
+stall_check; the command line wins over the file, the file over the environment). So do its
+other options (see "horovodrun's options" below); those hpdl has no counterpart for print one
+warning each and change nothing. As horovodrun, hpdl gives Open MPI --allow-run-as-root
+--tag-output, and -H localhost:N when no hosts are given, so N may exceed the cores.
+
+The stall check off (--no-stall-check, the file's stall_check.enabled: false, or
+HOROVOD_STALL_CHECK_DISABLE=1) means no stall warning before the stall timeout ends the job,
+whatever Horovod warning time comes with it, as in Horovod. Only hpdl's explicit warning time
+outranks it: --stall-warning-s on the command line over the file's switch, HPDL_STALL_WARNING
+over HOROVOD_STALL_CHECK_DISABLE."""
 
 _RUN_EPILOG = """\
 examples:
@@ -69,8 +78,14 @@ examples:
 
 hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment
 (-hostfile, horovodrun's spelling, is --hostfile).
-Open MPI refuses more ranks than cores unless told --mpi-args=--oversubscribe (write
-the "=" when the value starts with "-")."""
+With hosts given, Open MPI refuses more ranks than a host's cores unless told
+--mpi-args=--oversubscribe (write the "=" when the value starts with "-")."""
+
+
+# horovodrun's --log-level values.
+HOROVOD_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+# Horovod's timeline "file" that opens none: the script starts it with hvd.start_timeline().
+DYNAMIC_TIMELINE = "DYNAMIC"
 
 
 def register(subparsers) -> None:
@@ -133,9 +148,10 @@ def register(subparsers) -> None:
     how.add_argument("--verbose", action="store_true",
                      help="print the command (with the variables it sets) to stderr, then run it")
     how.add_argument("--config-file", metavar="FILE",
-                     help="horovodrun's YAML config file: sections params (fusion_threshold_mb, cycle_time_ms, "
-                          "cache_capacity, hierarchical_allreduce), timeline (filename, mark_cycles), stall_check "
-                          "(enabled, warning_time_seconds, shutdown_time_seconds); options given here win")
+                     help="horovodrun's YAML config file: controller (gloo or mpi), sections params (fusion_threshold_mb, "
+                          "cycle_time_ms, cache_capacity, hierarchical_allreduce), timeline (filename, mark_cycles), "
+                          "stall_check (enabled, warning_time_seconds, shutdown_time_seconds); its other settings "
+                          "(autotune, elastic, ...) get a warning each; options on the command line win")
     how.add_argument("--output-filename", metavar="DIR",
                      help="write each rank's output to DIR/rank.<rank>/stdout and stderr instead of the terminal")
     how.add_argument("--start-timeout", type=float, metavar="S",
@@ -144,7 +160,7 @@ def register(subparsers) -> None:
     remote = run.add_argument_group("remote hosts")
     remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
                         help="port of the ssh that starts remote ranks (mpiexec's, or the one that starts "
-                             "torchrun on each host)")
+                             "torchrun on each host); with every rank on this host: ignored, with a note")
     remote.add_argument("-i", "--ssh-identity-file", metavar="FILE",
                         help="identity (private key) file of that ssh")
     remote.add_argument("--network-interfaces", metavar="IF[,IF...]",
@@ -152,7 +168,10 @@ def register(subparsers) -> None:
                              "MPI's TCP transport)")
     knobs = run.add_argument_group("settings passed to every rank")
     knobs.add_argument("--timeline", "--timeline-filename", metavar="FILE",
-                       help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute)")
+                       help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute); "
+                            "DYNAMIC: none until hvd.start_timeline(), as Horovod")
+    knobs.add_argument("--timeline-mark-cycles", action="store_true", default=None,
+                       help="mark the engine's cycles in the timeline (HPDL_TIMELINE_MARK_CYCLES=1)")
     knobs.add_argument("--profile", metavar="FILE",
                        help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
                             "read it with `hpdl profile report FILE` (HPDL_PROFILE; made absolute)")
@@ -164,6 +183,9 @@ def register(subparsers) -> None:
                        help="entries of the negotiation response cache (HPDL_CACHE_CAPACITY; 0 disables)")
     knobs.add_argument("--stall-warning-s", "--stall-check-warning-time-seconds", type=float, metavar="S",
                        help="warn when a collective waits for some ranks longer than S seconds (HPDL_STALL_WARNING)")
+    knobs.add_argument("--no-stall-check", action="store_true", default=None,
+                       help="no stall warning before the stall timeout ends the job, even with a warning time "
+                            "given (horovodrun's)")
     stall_timeout = knobs.add_mutually_exclusive_group()
     stall_timeout.add_argument("--stall-timeout-s", type=float, metavar="S",
                                help="abort the job when a collective stalls longer than S seconds "
@@ -173,6 +195,28 @@ def register(subparsers) -> None:
                                                  "keeps hpdl's timeout")
     knobs.add_argument("--hierarchical-allreduce", action="store_true", default=None,
                        help="allreduce within each node, then across nodes (HPDL_HIERARCHICAL_ALLREDUCE=1)")
+    horovod = run.add_argument_group("horovodrun's options", "so that horovodrun command lines run unchanged")
+    horovod.add_argument("-cb", "--check-build", action="store_true",
+                         help="print `hpdl check`'s report of what is available here, and exit")
+    horovod.add_argument("--disable-cache", action="store_true",
+                         help="accepted: hpdl keeps no cache of its launcher checks (horovodrun's keeps them an "
+                              "hour); the response cache is --cache-capacity")
+    horovod.add_argument("--tcp", action="store_true",
+                         help="NCCL over sockets, not InfiniBand (NCCL_IB_DISABLE=1), as horovodrun")
+    horovod.add_argument("--binding-args", metavar="'ARGS'",
+                         help="Open MPI's process binding, in place of --bind-to none (ignored with a warning by "
+                              "the other launchers, as by horovodrun)")
+    horovod.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
+                         help="timestamp every output line (Open MPI's --timestamp-output; ignored with a warning "
+                              "by the other launchers)")
+    horovod.add_argument("--log-level", type=str.upper, choices=HOROVOD_LOG_LEVELS,
+                         help="not honoured (a warning): hpdl prints warnings and errors")
+    horovod.add_argument("--autotune", action="store_true", help="not honoured (a warning): hpdl does not autotune")
+    horovod.add_argument("--hierarchical-allgather", action="store_true",
+                         help="not honoured (a warning): hpdl's allgather is flat")
+    horovod.add_argument("--mpi-threads-disable", action="store_true",
+                         help="not honoured (a warning): hpdl's engine thread calls MPI")
+    horovod.add_argument("--num-nccl-streams", type=int, metavar="N", help="not honoured (a warning)")
     run.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
         help="the program each rank runs, after '--', e.g. -- python train.py --lr 0.1",
@@ -199,6 +243,10 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         mpi_args = tuple(shlex.split(args.mpi_args))
     except ValueError as err:
         raise LaunchError(f"--mpi-args {args.mpi_args!r}: {err}") from None
+    try:
+        binding_args = tuple(shlex.split(args.binding_args or ""))
+    except ValueError as err:
+        raise LaunchError(f"--binding-args {args.binding_args!r}: {err}") from None
     if args.stall_shutdown_s:
         args.stall_timeout_s = args.stall_shutdown_s
     if args.hosts is not None:
@@ -214,7 +262,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         backend=args.backend,
         launcher=args.launcher,
         mpi_args=mpi_args,
-        timeline=args.timeline,
+        timeline=None if args.timeline == DYNAMIC_TIMELINE else args.timeline,
         profile=args.profile,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
@@ -224,58 +272,71 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         hierarchical_allreduce=bool(args.hierarchical_allreduce),
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
+        binding_args=binding_args,
     )
 
 
-def apply_config_file(args: argparse.Namespace) -> Dict[str, str]:
-    """Fill the options not given on the command line from ``--config-file``.
-
-    Returns:
-        the settings the file gives that have no option of their own, as ``HPDL_*`` variables.
-    """
+def apply_config_file(args: argparse.Namespace) -> None:
+    """Fill the options not given on the command line from ``--config-file``."""
     if not args.config_file:
-        return {}
+        return
     values, ignored = horovodrun.read_config_file(args.config_file)
-    for key in ignored:
-        sys.stderr.write(f"hpdl run: warning: {args.config_file}: {key} is not honoured by hpdl; ignoring it\n")
-    extra = {}
-    if values.pop("timeline_mark_cycles", False):
-        extra["HPDL_TIMELINE_MARK_CYCLES"] = "1"
-    stall_check = values.pop("stall_check", True)
+    for line in ignored:
+        sys.stderr.write(f"hpdl run: warning: {args.config_file}: {line}; ignoring it\n")
     if values.get("stall_timeout_s") == 0:
         del values["stall_timeout_s"]  # horovodrun's 0: never; hpdl keeps its timeout
+    if values.pop("stall_check", True) is False:
+        # As Horovod: the check off makes the file's warning time moot; a warning time on the
+        # command line still wins over the file.
+        values.pop("stall_warning_s", None)
+        if args.stall_warning_s is None:
+            values["no_stall_check"] = True
     for option, value in values.items():
         if getattr(args, option) is None:
             setattr(args, option, value)
-    if not stall_check and args.stall_warning_s is None:
-        # The warning then comes no earlier than the timeout ends the job.
-        args.stall_warning_s = args.stall_timeout_s or args.stall_shutdown_s or Settings.stall_timeout_s
-    return extra
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Handle `hpdl run`: build the launcher command, then print it or exec it."""
+    if args.check_build:
+        return check_command(args)
     try:
         start_env = dict(os.environ)
-        start_env.update(apply_config_file(args))
+        apply_config_file(args)
+        if args.timeline_mark_cycles:
+            start_env["HPDL_TIMELINE_MARK_CYCLES"] = "1"
+        if args.tcp:
+            start_env["NCCL_IB_DISABLE"] = "1"
         start_env.update(horovodrun.interface_env(args.network_interfaces))
         if args.start_timeout is not None:
             if not args.start_timeout >= 0:
                 raise LaunchError(f"--start-timeout must be >= 0 seconds, got {args.start_timeout:g}")
             start_env["HPDL_START_TIMEOUT"] = str(args.start_timeout)
         options = options_from_args(args)
+        if args.no_stall_check:
+            options = dataclasses.replace(options, stall_warning_s=_stall_timeout(options, start_env))
         if args.output_filename:
             options = dataclasses.replace(options, command=tuple(
                 horovodrun.output_wrapper(args.output_filename, options.command)))
         info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
         commands, env = build_run(options, start_env, info)
-        commands, remote = horovodrun.remote_options(info, commands, args.ssh_port, args.ssh_identity_file,
+        ssh_port, ssh_identity_file = args.ssh_port, args.ssh_identity_file
+        if (ssh_port is not None or ssh_identity_file is not None) and _every_rank_here(options, start_env, info):
+            sys.stderr.write("hpdl run: note: every rank runs on this host; ignoring --ssh-port and "
+                             "--ssh-identity-file\n")
+            ssh_port = ssh_identity_file = None
+        commands, remote = horovodrun.remote_options(info, commands, ssh_port, ssh_identity_file,
                                                      args.network_interfaces)
     except LaunchError as err:
         raise CliError(str(err)) from None
     env.update(remote)
+    openmpi = info.mpi_flavour == OPENMPI and commands[0][0] == info.mpiexec
+    for line in _not_honoured(args, None if openmpi else _launcher_name(commands, info)):
+        sys.stderr.write(f"hpdl run: warning: {line}; ignoring it\n")
     forward = list(horovodrun.INTERFACE_VARIABLES) if args.network_interfaces else []
-    commands = [with_openmpi_defaults(argv, info, forward) for argv in commands]
+    if args.tcp:
+        forward.append("NCCL_IB_DISABLE")
+    commands = [with_openmpi_defaults(argv, info, forward, args.prefix_output_with_timestamp) for argv in commands]
     if args.dry_run or args.verbose:
         for argv in commands:
             print(format_command(argv, env, os.environ), file=sys.stdout if args.dry_run else sys.stderr, flush=True)
@@ -293,20 +354,66 @@ def run_command(args: argparse.Namespace) -> int:
     return 1  # pragma: no cover - execvpe does not return
 
 
+def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:
+    """The stall timeout the ranks will have: the stall check off puts the warning there."""
+    if options.stall_timeout_s:
+        return options.stall_timeout_s
+    try:
+        return Settings.from_env(env).stall_timeout_s
+    except SettingsError:
+        return Settings.stall_timeout_s  # the bad variable is reported when the command is built
+
+
+def _every_rank_here(options: RunOptions, env: Dict[str, str], info: LauncherInfo) -> bool:
+    """Whether the job's ranks all run on this host, so that no ssh starts any of them."""
+    if options.launcher == "srun" or "SLURM_JOB_ID" in env:
+        return False  # srun places the ranks on the allocation's nodes
+    return options.hosts is None or all(info.is_local(name) for name in options.hosts.names)
+
+
+def _launcher_name(commands: List[List[str]], info: LauncherInfo) -> str:
+    """What starts the ranks: "the mpiexec of MPICH (Hydra)", "srun" or "torchrun"."""
+    if len(commands) == 1 and commands[0][0] == info.mpiexec:
+        return f"the mpiexec of {FLAVOUR_NAMES[info.mpi_flavour]}"
+    return "torchrun" if len(commands) > 1 else os.path.basename(commands[0][0])
+
+
+def _not_honoured(args: argparse.Namespace, launcher: Optional[str]) -> List[str]:
+    """The warning lines for the horovodrun options given that this job does not honour.
+
+    Args:
+        launcher: what starts the ranks, or None for Open MPI's mpiexec (which honours the
+            launcher options, as under horovodrun).
+    """
+    lines = [f"{option} is not honoured by hpdl" for option, given in (
+        ("--autotune", args.autotune), ("--hierarchical-allgather", args.hierarchical_allgather),
+        ("--mpi-threads-disable", args.mpi_threads_disable), ("--num-nccl-streams", args.num_nccl_streams is not None),
+        ("--log-level", args.log_level is not None)) if given]
+    if launcher is not None:
+        lines += [f"{option} is not honoured under {launcher}" for option, given in (
+            ("--binding-args", args.binding_args is not None),
+            ("--prefix-output-with-timestamp", args.prefix_output_with_timestamp)) if given]
+    return lines
+
+
 # What horovodrun passes to Open MPI's mpiexec: containers commonly run as root, which Open MPI
 # refuses without the first; the second prefixes each output line with the rank it came from.
 OPENMPI_DEFAULTS = ("--allow-run-as-root", "--tag-output")
 
 
-def with_openmpi_defaults(argv: Sequence[str], info: LauncherInfo, forward: Sequence[str] = ()) -> List[str]:
+def with_openmpi_defaults(argv: Sequence[str], info: LauncherInfo, forward: Sequence[str] = (),
+                          timestamp_output: bool = False) -> List[str]:
     """Return ``argv`` with horovodrun's Open MPI options added when it starts Open MPI's mpiexec.
 
     Args:
         forward: variables for Open MPI to pass on to every rank (it passes none by default).
+        timestamp_output: prefix every output line with the time (horovodrun's
+            --prefix-output-with-timestamp).
     """
     if info.mpi_flavour != OPENMPI or not argv or argv[0] != info.mpiexec:
         return list(argv)
-    extra = [flag for flag in OPENMPI_DEFAULTS if flag not in argv]
+    extra = [flag for flag in OPENMPI_DEFAULTS + (("--timestamp-output",) if timestamp_output else ())
+             if flag not in argv]
     for name in forward:
         extra += ["-x", name]
     return [argv[0], *extra, *argv[1:]]

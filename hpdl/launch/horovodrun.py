@@ -1,7 +1,9 @@
 """horovodrun's options that `hpdl run` takes beside its own, where they need more than a new spelling.
 
-- ``--config-file``: horovodrun's YAML file (sections ``params``, ``timeline``, ``stall_check``,
-  ...), read into the values of `hpdl run`'s options; the command line wins over the file.
+- ``--config-file``: horovodrun's YAML file (``controller`` and the sections ``params``,
+  ``timeline``, ``stall_check``, ...), read into the values of `hpdl run`'s options; the command
+  line wins over the file. What hpdl has no counterpart for gets one warning line, unless its
+  value asks for what hpdl does anyway (``autotune: {enabled: false}``).
 - ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--network-interfaces``: variables that the
   launcher or the backends read (mpiexec passes ssh options to the ssh that starts remote
   ranks; gloo, NCCL and MPI's TCP transport keep to the named interfaces), or options of the
@@ -31,9 +33,17 @@ CONFIG_KEYS: Dict[Tuple[str, str], Tuple[str, type]] = {
     ("stall_check", "warning_time_seconds"): ("stall_warning_s", float),
     ("stall_check", "shutdown_time_seconds"): ("stall_timeout_s", float),
 }
-# Sections of horovodrun's file whose settings hpdl has no counterpart for: a warning each.
-UNHONOURED_SECTIONS = ("autotune", "library_options", "logging")
-UNHONOURED_KEYS = {("params", "hierarchical_allgather")}
+# horovodrun's one top-level setting that is not a section: the controller, gloo or mpi.
+CONTROLLERS = ("gloo", "mpi")
+# Sections of horovodrun's file whose settings hpdl has no counterpart for: one warning each
+# (one per key in library_options and logging, whose keys are unrelated settings).
+UNHONOURED_SECTIONS = ("autotune", "elastic", "library_options", "logging")
+# Keys hpdl has no counterpart for, in sections that it reads.
+UNHONOURED_KEYS = {("params", "hierarchical_allgather"), ("params", "torus_allreduce")}
+# Values that ask for what hpdl does anyway: no warning for them. (The rest of the autotune
+# section only tunes the autotuner, so `enabled: false` makes the whole section moot.)
+_HPDL_BEHAVIOUR = {("autotune", "enabled"): False, ("params", "hierarchical_allgather"): False,
+                   ("params", "torus_allreduce"): False, ("library_options", "mpi_threads_disable"): False}
 
 # Where each MPI's mpiexec takes extra arguments for the ssh that starts remote ranks, and the
 # interface to use (Hydra-based mpiexecs take one interface only).
@@ -48,7 +58,8 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
     """Read horovodrun's YAML config file.
 
     Returns:
-        the `hpdl run` option values it sets, and the keys it sets that hpdl does not honour.
+        the `hpdl run` option values it sets, and a line for each of its settings that hpdl
+        does not honour ("autotune is not honoured by hpdl").
 
     Raises:
         LaunchError: naming the file and key, for an unreadable file, an unknown key or a bad value.
@@ -72,17 +83,24 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
     ignored: List[str] = []
     sections = {section for section, _ in CONFIG_KEYS}
     for section, entries in document.items():
-        if section in UNHONOURED_SECTIONS:
-            ignored.append(str(section))
+        if section == "controller":
+            if not isinstance(entries, str) or entries.lower() not in CONTROLLERS:
+                raise LaunchError(f"--config-file {path}: controller must be gloo or mpi, got {entries!r}")
+            values["backend"] = entries.lower()
             continue
-        if section not in sections:
-            known = ", ".join(sorted(sections | set(UNHONOURED_SECTIONS)))
+        if section not in sections and section not in UNHONOURED_SECTIONS:
+            known = ", ".join(sorted(sections | set(UNHONOURED_SECTIONS) | {"controller"}))
             raise LaunchError(f"--config-file {path}: unknown section {section!r} (known: {known})")
+        if entries is None:
+            continue  # a section left empty sets nothing
         if not isinstance(entries, dict):
             raise LaunchError(f"--config-file {path}: section {section} must hold keys, got {entries!r}")
+        if section in UNHONOURED_SECTIONS:
+            ignored += _unhonoured(section, entries)
+            continue
         for key, value in entries.items():
             if (section, key) in UNHONOURED_KEYS:
-                ignored.append(f"{section}.{key}")
+                ignored += _unhonoured(section, {key: value})
                 continue
             if (section, key) not in CONFIG_KEYS:
                 known = ", ".join(k for s, k in CONFIG_KEYS if s == section)
@@ -90,6 +108,20 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
             option, kind = CONFIG_KEYS[(section, key)]
             values[option] = _typed(path, f"{section}.{key}", value, kind)
     return values, ignored
+
+
+def _unhonoured(section: str, entries: Dict[Any, Any]) -> List[str]:
+    """The warning lines for the settings in ``entries`` (of ``section``) that hpdl has no counterpart for."""
+    if section == "autotune":
+        # horovodrun reads a section without `enabled` as autotuning off.
+        return ["autotune is not honoured by hpdl"] if entries.get("enabled", False) is not False else []
+    if section == "elastic":
+        return ["elastic is not honoured: hpdl does not provide elastic training"] if entries else []
+    return [f"{section}.{key} is not honoured by hpdl" for key, value in entries.items()
+            if value != _HPDL_BEHAVIOUR.get((section, key), _NO_VALUE)]
+
+
+_NO_VALUE = object()  # unequal to every value: settings with no value that means what hpdl does
 
 
 def _typed(path: str, key: str, value: Any, kind: type) -> Any:
