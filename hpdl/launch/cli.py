@@ -148,8 +148,9 @@ def register(subparsers) -> None:
     how.add_argument("--verbose", action="store_true",
                      help="print the command (with the variables it sets) to stderr, then run it")
     how.add_argument("--config-file", metavar="FILE",
-                     help="horovodrun's YAML config file: controller (gloo or mpi), sections params (fusion_threshold_mb, "
-                          "cycle_time_ms, cache_capacity, hierarchical_allreduce), timeline (filename, mark_cycles), "
+                     help="horovodrun's YAML config file: controller (gloo or mpi), sections params "
+                          "(fusion_threshold_mb, cycle_time_ms, cache_capacity, hierarchical_allreduce), timeline "
+                          "(filename, mark_cycles), "
                           "stall_check (enabled, warning_time_seconds, shutdown_time_seconds); its other settings "
                           "(autotune, elastic, ...) get a warning each; options on the command line win")
     how.add_argument("--output-filename", metavar="DIR",
