@@ -10,7 +10,8 @@ from PIL import Image
 from hpdl.cli import main
 from hpdl.sr.checkpoint import load_model, make_checkpoint, save_checkpoint
 from hpdl.sr.datasets import open_pairs
-from hpdl.sr.figures import COLUMNS, LABEL_HEIGHT, cell_origin, grid_size, sample_crops, sample_grid
+from hpdl.sr.figures import (COLUMNS, GAP, LABEL_HEIGHT, cell_origin, column_labels, grid_size, label_width,
+                              sample_crops, sample_grid)
 from hpdl.sr.metrics import bicubic_upscale, quantize
 from hpdl.sr.models import build_model_from_config
 from hpdl.sr.registry import ModelConfig
@@ -59,6 +60,20 @@ def test_grid_lays_out_lr_bicubic_sr_hr_per_row_with_labels(setup):
             assert np.array_equal(grid[y : y + 30, x : x + 30], picture), (row, COLUMNS[column])
     assert (grid[:LABEL_HEIGHT] < 128).any()  # the column titles are drawn
     assert (grid[: LABEL_HEIGHT, :4] == 255).all()  # on white
+
+
+@pytest.mark.parametrize("crop,expected", [(40, ["LR", "bicubic", "SR", "HR"]), (24, ["LR", "bic.", "SR", "HR"]),
+                                           (8, ["L", "b", "S", "H"])])
+def test_column_titles_never_run_into_each_other_on_small_crops(setup, crop, expected):
+    model, pairs = setup
+    grid = sample_grid(sample_crops(model, pairs, [0], crop))
+    labels = column_labels(crop)
+    assert all(label_width(label) <= crop for label in labels)  # each title within its cell
+    for gap in range(len(COLUMNS) + 1):  # so nothing is drawn in the gaps of the title strip
+        x = gap * (crop + GAP)
+        assert (grid[:LABEL_HEIGHT, x : x + GAP] == 255).all(), (crop, gap)
+    assert labels == expected  # shortened first, cut only where even the short titles do not fit
+    assert column_labels(96) == list(COLUMNS)
 
 
 def test_eval_grid_writes_the_chosen_images(tmp_path, setup, capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -22,10 +23,11 @@ from hpdl.sr.metrics import bicubic_upscale, quantize
 from hpdl.sr.models import receptive_field_radius
 from hpdl.sr.upscale import upscale
 
-__all__ = ["COLUMNS", "GAP", "LABEL_HEIGHT", "Sample", "cell_origin", "grid_size", "plot_curves", "sample_crops",
-           "sample_grid"]
+__all__ = ["COLUMNS", "GAP", "LABEL_HEIGHT", "SHORT_COLUMNS", "Sample", "cell_origin", "column_labels", "fit_label",
+           "grid_size", "label_width", "plot_curves", "sample_crops", "sample_grid"]
 
 COLUMNS = ("LR (nearest)", "bicubic", "SR", "HR")
+SHORT_COLUMNS = ("LR", "bic.", "SR", "HR")  # over cells too narrow for the full titles
 GAP = 4  # white pixels between cells
 LABEL_HEIGHT = 14  # the strip above each row (and the header) that carries its text
 _BICUBIC_RADIUS = 2  # LR pixels a bicubic output pixel reads on each side
@@ -90,10 +92,39 @@ def cell_origin(row: int, column: int, cell: Tuple[int, int]) -> Tuple[int, int]
     return LABEL_HEIGHT + row * (LABEL_HEIGHT + h + GAP) + LABEL_HEIGHT, GAP + column * (w + GAP)
 
 
+@functools.lru_cache(maxsize=1)
+def _label_font():
+    from PIL import ImageFont
+
+    return ImageFont.load_default()  # what ImageDraw.text draws with when given no font
+
+
+def label_width(text: str) -> int:
+    """Return the width in pixels of ``text`` drawn in the grid's font (its ink, not only its advance)."""
+    return math.ceil(_label_font().getbbox(text)[2]) if text else 0
+
+
+def fit_label(text: str, width: int, short: str = "") -> str:
+    """Return ``text`` if it fits ``width`` pixels, else ``short`` if that does, else as much of either as fits."""
+    for candidate in (text, short):
+        if candidate and label_width(candidate) <= width:
+            return candidate
+    cut = short or text
+    while cut and label_width(cut) > width:
+        cut = cut[:-1]
+    return cut
+
+
+def column_labels(cell_width: int) -> List[str]:
+    """Return the column titles over cells ``cell_width`` pixels wide, each within its cell, so none runs into the next."""
+    return [fit_label(title, cell_width, short) for title, short in zip(COLUMNS, SHORT_COLUMNS)]
+
+
 def sample_grid(samples: Sequence[Sample]) -> np.ndarray:
     """Lay out samples as rows of LR / bicubic / SR / HR on white, labelled; uint8 ``(H, W, 3)``.
 
     Cells are as large as the largest crop; a smaller crop sits in its cell's top-left corner.
+    Titles too wide for a cell are shortened (``SHORT_COLUMNS``) or cut, names to the grid's width.
     """
     from PIL import Image, ImageDraw
 
@@ -105,11 +136,12 @@ def sample_grid(samples: Sequence[Sample]) -> np.ndarray:
             grid[y : y + picture.shape[0], x : x + picture.shape[1]] = picture
     image = Image.fromarray(grid)
     draw = ImageDraw.Draw(image)
-    for column, title in enumerate(COLUMNS):
-        draw.text((cell_origin(0, column, cell)[1], 2), title, fill=(0, 0, 0))
+    font = _label_font()
+    for column, title in enumerate(column_labels(cell[1])):
+        draw.text((cell_origin(0, column, cell)[1], 2), title, fill=(0, 0, 0), font=font)
     for row, sample in enumerate(samples):
         y = cell_origin(row, 0, cell)[0] - LABEL_HEIGHT
-        draw.text((GAP, y + 2), sample.name, fill=(0, 0, 0))
+        draw.text((GAP, y + 2), fit_label(sample.name, grid.shape[1] - 2 * GAP), fill=(0, 0, 0), font=font)
     return np.asarray(image).copy()
 
 
