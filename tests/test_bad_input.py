@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -469,11 +470,20 @@ def test_sr_upscale_removes_temp_files_of_dead_writers_only(tmp_path, sr_files):
     dead = _temp_path(output, pid=finished.pid)
     alive = _temp_path(output, pid=os.getpid())
     other_host = output.parent / f".{output.name}.{finished.pid}@elsewhere.0123abcd.tmp"
-    for tmp in (dead, alive, other_host):
+    # Earlier versions named them without the host: an hour without a write tells a dead writer
+    # (its pid may be alive on another host, or reused here).
+    hostless_dead = output.parent / f".{output.name}.{finished.pid}.0123abcd.tmp"
+    hostless_recent = output.parent / f".{output.name}.{finished.pid}.89abcdef.tmp"
+    hostless_alive = output.parent / f".{output.name}.{os.getpid()}.0123abcd.tmp"
+    for tmp in (dead, alive, other_host, hostless_dead, hostless_recent, hostless_alive):
         tmp.write_bytes(b"half an image")
+    two_hours_ago = time.time() - 7200
+    for tmp in (hostless_dead, hostless_alive):
+        os.utime(tmp, (two_hours_ago, two_hours_ago))
     result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in output.parent.iterdir()) == sorted([output.name, alive.name, other_host.name])
+    assert sorted(p.name for p in output.parent.iterdir()) == sorted(
+        p.name for p in (output, alive, other_host, hostless_recent, hostless_alive))
 
 
 @pytest.mark.parametrize("command", ["upscale", "eval"])

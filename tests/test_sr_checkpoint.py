@@ -92,7 +92,7 @@ def test_only_temp_files_of_our_naming_and_this_host_are_removed(tmp_path):
     finished = subprocess.Popen(["true"])
     finished.wait()  # a pid no longer in use
     keep = [f".last.pt.{finished.pid}@another-host.0123abcd.tmp",  # its writer may live on that host
-            f".last.pt.{finished.pid}.0123abcd.tmp",  # not our naming
+            f".last.pt.{finished.pid}.0123abcd.tmp",  # earlier naming, without host: kept until an hour old
             "notes.tmp", f"last.pt.{finished.pid}@{socket.gethostname()}.0123abcd.tmp"]
     stale = [f".last.pt.{finished.pid}@{socket.gethostname()}.0123abcd.tmp",
              f".other.npy.{finished.pid}@{socket.gethostname()}.89abcdef.tmp"]

@@ -4,7 +4,9 @@ A temp file is named ``.<target>.<pid>@<host>.<token>.tmp``. A writer killed mid
 is cancelled, the node fails) cannot remove its own, so every write first removes the ones its
 directory holds from writers of this host that are no longer alive. The host and pid tell a
 dead writer from one still writing (another rank on this node, or one on another node sharing
-the file system, whose pid means nothing here).
+the file system, whose pid means nothing here). Earlier versions named them
+``.<target>.<pid>.<token>.tmp``, without the host: such a file is removed only once its pid is
+not alive here and it has not been written to for an hour, as its writer may live on another host.
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ import os
 import re
 import secrets
 import socket
+import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Optional, Union
 
 # Host names cannot hold "@": the last "@" of a name ends the pid, whatever the target's name holds.
 _TEMP_NAME = re.compile(r"\..+\.(?P<pid>\d+)@(?P<host>[^@]+)\.[0-9a-f]{8}\.tmp")
+# The naming of earlier versions, without the host.
+_HOSTLESS_TEMP_NAME = re.compile(r"\..+\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+# A hostless temp file untouched this long is taken as dead even if its pid is alive on another
+# host: a live writer writes to it far more often.
+HOSTLESS_TEMP_AGE = 3600.0
 
 
 def atomic_write(
@@ -67,7 +75,8 @@ def atomic_write(
 def remove_stale_temp_files(directory: Union[str, os.PathLike]) -> int:
     """Remove the temp files in ``directory`` left by writers of this host that have died.
 
-    Returns how many were removed. Temp files of live writers and of other hosts are kept.
+    Returns how many were removed. Temp files of live writers and of other hosts are kept; so
+    are those of the earlier, hostless naming until they are an hour old.
     """
     removed = 0
     try:
@@ -76,8 +85,7 @@ def remove_stale_temp_files(directory: Union[str, os.PathLike]) -> int:
         return 0
     host = socket.gethostname()
     for name in entries:
-        match = _TEMP_NAME.fullmatch(name)
-        if match is None or match["host"] != host or _alive(int(match["pid"])):
+        if not _stale(os.path.join(directory, name), host):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -85,6 +93,21 @@ def remove_stale_temp_files(directory: Union[str, os.PathLike]) -> int:
         except FileNotFoundError:
             pass  # another writer removed it first
     return removed
+
+
+def _stale(path: str, host: str) -> bool:
+    name = os.path.basename(path)
+    # The current naming first: a host name holding ".<digits>" also fits the hostless pattern.
+    match = _TEMP_NAME.fullmatch(name)
+    if match is not None:
+        return match["host"] == host and not _alive(int(match["pid"]))
+    match = _HOSTLESS_TEMP_NAME.fullmatch(name)
+    if match is None or _alive(int(match["pid"])):
+        return False
+    try:
+        return time.time() - os.stat(path).st_mtime > HOSTLESS_TEMP_AGE
+    except OSError:  # removed meanwhile
+        return False
 
 
 def _temp_path(path: Path, pid: Optional[int] = None) -> Path:
