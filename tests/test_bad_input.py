@@ -13,6 +13,7 @@ layouts, weights, exports and grids). The shared helpers are in bad_input_suppor
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -436,27 +437,33 @@ def test_sr_train_into_an_earlier_run_is_refused_on_every_rank(earlier_run):
     assert checksums([out_dir]) == before
 
 
-@pytest.mark.parametrize("link", ["same path", "symlink", "hard link"])
+@pytest.mark.parametrize("link", ["same path", "symlink", "hard link", "missing/..", "missing/.. without --overwrite"])
 def test_sr_upscale_never_writes_over_its_input(tmp_path, sr_files, link):
+    # "none/../photo.png" is the photo only once "none" exists, which writing it would create.
     ckpt, photo = sr_files
-    output = {"same path": photo, "symlink": tmp_path / "sym.png", "hard link": tmp_path / "hard.png"}[link]
+    output = {"same path": photo, "symlink": tmp_path / "sym.png", "hard link": tmp_path / "hard.png"}.get(
+        link, tmp_path / "none" / ".." / photo.name)
     if link == "symlink":
         output.symlink_to(photo)
     elif link == "hard link":
         os.link(photo, output)
     before = checksums([photo])
-    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt), "--overwrite")
+    overwrite = [] if link.endswith("without --overwrite") else ["--overwrite"]
+    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt), *overwrite)
     assert_one_line_error(result, f"{output}: is the input image {photo}")
     assert checksums([photo]) == before
+    assert not (tmp_path / "none").exists()
 
 
-def test_sr_upscale_refuses_an_existing_output_without_overwrite(tmp_path, sr_files):
+@pytest.mark.parametrize("spelling", ["as is", "missing/.."])
+def test_sr_upscale_refuses_an_existing_output_without_overwrite(tmp_path, sr_files, spelling):
     ckpt, photo = sr_files
-    output = _photo(tmp_path / "earlier.png", 8, 8)
-    before = checksums([photo, output])
+    earlier = _photo(tmp_path / "earlier.png", 8, 8)
+    output = earlier if spelling == "as is" else tmp_path / "none" / ".." / earlier.name
+    before = checksums([photo, earlier])
     result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt))
     assert_one_line_error(result, f"{output}: already exists", "--overwrite")
-    assert checksums([photo, output]) == before
+    assert checksums([photo, earlier]) == before
 
 
 def test_sr_upscale_removes_temp_files_of_dead_writers_only(tmp_path, sr_files):
@@ -484,6 +491,34 @@ def test_sr_upscale_removes_temp_files_of_dead_writers_only(tmp_path, sr_files):
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in output.parent.iterdir()) == sorted(
         p.name for p in (output, alive, other_host, hostless_recent, hostless_alive))
+
+
+def test_sr_writer_checks_the_resolved_target_again_right_before_the_rename(tmp_path):
+    # The commands check their output before any work; the writer checks again the file its
+    # rename would replace: resolved once "none" exists, and after the write, when a file may
+    # have appeared there meanwhile (another job's).
+    from hpdl.sr._atomic import atomic_write
+
+    class Refused(Exception):
+        pass
+
+    target = Path(os.path.realpath(tmp_path)) / "out.png"
+    checked = []
+
+    def check(path: str) -> None:
+        checked.append(path)
+        if os.path.lexists(path):
+            raise Refused(path)
+
+    def write(f) -> None:
+        f.write(b"new")
+        target.write_bytes(b"another job's")
+
+    with pytest.raises(Refused):
+        atomic_write(tmp_path / "none" / ".." / "out.png", write, check_target=check)
+    assert checked == [str(target), str(target)]
+    assert target.read_bytes() == b"another job's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["none", "out.png"]  # no temp file left
 
 
 @pytest.mark.parametrize("command", ["upscale", "eval"])
@@ -547,6 +582,40 @@ def test_sr_unwritable_output_is_named(tmp_path, sr_files, output):
     assert ".tmp" not in line
 
 
+@pytest.mark.parametrize("args,fragments", [
+    (["--grid", "{tmp}/afile/g.png"], ["{tmp}/afile/g.png: {tmp}/afile is not a directory"]),
+    (["--save-results", "{tmp}/afile/res"], ["{tmp}/afile/res: {tmp}/afile is not a directory"]),
+], ids=["grid", "save-results"])
+def test_sr_eval_output_under_a_file_is_refused_before_the_evaluation(tmp_path, sr_files, args, fragments):
+    _, photo = sr_files
+    (tmp_path / "afile").write_text("not a directory")
+    # The checkpoint does not exist: an error about the output means nothing else was done first.
+    argv = [a.format(tmp=tmp_path) for a in args]
+    result = hpdl("sr", "eval", "--ckpt", str(tmp_path / "none.pt"), "--data", str(tmp_path), *argv)
+    assert_one_line_error(result, *[f.format(tmp=tmp_path) for f in fragments])
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--grid", "{tmp}/none/../data/photo.png"], ["{tmp}/none/../data/photo.png: already exists", "--overwrite"]),
+    (["--grid", "{tmp}/none/../data/photo.png", "--overwrite"],
+     ["{tmp}/none/../data/photo.png: is the input image {tmp}/data/photo.png"]),
+    (["--save-results", "{tmp}/none/../results"], ["results/data/photo_x2_SR.png", "would replace earlier results"]),
+], ids=["grid over an input", "grid over an input with --overwrite", "results over earlier ones"])
+def test_sr_eval_never_writes_over_its_inputs_or_earlier_results(tmp_path, sr_files, args, fragments):
+    # "none/../data" is "data" only once "none" exists, which writing the output would create.
+    ckpt, photo = sr_files
+    (tmp_path / "data").mkdir()
+    shutil.copy(photo, tmp_path / "data" / "photo.png")
+    (tmp_path / "results" / "data").mkdir(parents=True)
+    _photo(tmp_path / "results" / "data" / "photo_x2_SR.png", 60, 40)
+    before = checksums([tmp_path])
+    argv = [a.format(tmp=tmp_path) for a in args]
+    result = hpdl("sr", "eval", "--ckpt", str(ckpt), "--data", str(tmp_path / "data"),
+                  "--cache-dir", str(tmp_path / "cache"), *argv)
+    assert_one_line_error(result, *[f.format(tmp=tmp_path) for f in fragments])
+    assert {k: v for k, v in checksums([tmp_path]).items() if "/cache/" not in k} == before
+
+
 # == hpdl sr for researchers: dataset layouts, several sets, foreign weights, export, grids ========
 
 def _researcher_inputs(tmp_path: Path) -> Dict[str, Path]:
@@ -602,6 +671,7 @@ RESEARCHER_CASES = [
     ("export", "{tmp}/out.pt --ckpt {srresnet} --to edsr-pytorch", ["EDSR-PyTorch has no srresnet"]),
     ("export", "{tmp}/out.pth --ckpt {other_mean} --to basicsr", ["other_mean.pt", "mean is not DIV2K's"]),
     ("export", "{ckpt} --ckpt {ckpt} --to basicsr", ["is the checkpoint"]),
+    ("export", "{tmp}/none/../tiny.pt --ckpt {ckpt} --to basicsr --overwrite", ["none/../tiny.pt: is the checkpoint"]),
     ("train", "--config demo model=rcan", ["model: must be edsr_baseline or edsr or srresnet"]),
     ("train", "--config demo model=srresnet scale=8", ["scale: must be 2 or 3 or 4"]),
     ("train", "--config demo downscaler=pil", ["downscaler: must be matlab or torch"]),
@@ -611,7 +681,8 @@ RESEARCHER_CASES = [
 @pytest.mark.parametrize("command,args,fragments", RESEARCHER_CASES, ids=[
     "ambiguous layout", "LR without HR folder", "parent of sets", "missing set", "two sets of one name",
     "unknown grid image", "grid format", "earlier results", "unknown BasicSR key", "unknown architecture",
-    "params not a dict", "srresnet to edsr-pytorch", "mean not DIV2K's", "over the checkpoint", "unknown model",
+    "params not a dict", "srresnet to edsr-pytorch", "mean not DIV2K's", "over the checkpoint",
+    "over the checkpoint through missing/..", "unknown model",
     "scale of the model", "train downscaler"])
 def test_sr_researcher_bad_input_is_one_line_and_changes_nothing(tmp_path, command, args, fragments):
     paths = _researcher_inputs(tmp_path)

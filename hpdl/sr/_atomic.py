@@ -7,6 +7,9 @@ dead writer from one still writing (another rank on this node, or one on another
 the file system, whose pid means nothing here). Earlier versions named them
 ``.<target>.<pid>.<token>.tmp``, without the host: such a file is removed only once its pid is
 not alive here and it has not been written to for an hour, as its writer may live on another host.
+
+The target's directory is resolved once it exists: ``missing/../x`` names ``x`` only after
+``missing`` is created, so the checks a caller passes see the file the rename will replace.
 """
 
 from __future__ import annotations
@@ -30,19 +33,31 @@ HOSTLESS_TEMP_AGE = 3600.0
 
 
 def atomic_write(
-    path: Union[str, os.PathLike], write: Callable[[BinaryIO], None], *, fsync: bool = False
+    path: Union[str, os.PathLike],
+    write: Callable[[BinaryIO], None],
+    *,
+    fsync: bool = False,
+    check_target: Optional[Callable[[str], None]] = None,
 ) -> Path:
     """Call ``write(f)`` on a temp file beside ``path``, then rename it over ``path``.
 
     Readers see the old file or the whole new one, never a partial one (a killed job, or two
     ranks writing the same cache entry). ``fsync`` also forces data and rename to disk, for
     files that must survive a machine crash (checkpoints). An ``OSError`` names ``path``, not
-    the temp file.
+    the temp file. ``check_target(target)``, given the file the rename will replace (its
+    directory resolved), may raise to refuse it: it runs once the directory exists and again
+    right before the rename, so that neither a ``..`` after a missing directory nor a file put
+    there during the write slips past the caller's checks.
     """
     path = Path(path)
     _make_parent(path)
-    remove_stale_temp_files(path.parent)
-    tmp = _temp_path(path)
+    # Every later step uses the resolved directory: the temp file, the checks and the rename
+    # all name the same file, however `path` spells it.
+    target = Path(os.path.realpath(path.parent)) / path.name
+    if check_target is not None:
+        check_target(str(target))
+    remove_stale_temp_files(target.parent)
+    tmp = _temp_path(target)
     try:
         # Not mkstemp: that makes the file 0600, while mode 0666 lets the umask decide, as open() does.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -54,15 +69,17 @@ def atomic_write(
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if check_target is not None:
+            check_target(str(target))
+        os.replace(tmp, target)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename in (str(tmp), None):
+        if isinstance(err, OSError) and err.filename in (str(tmp), str(target), None):
             raise OSError(err.errno, err.strerror, str(path)) from None
         raise
     if fsync:
         try:  # persist the rename too; directories cannot be opened on every platform
-            dir_fd = os.open(path.parent, os.O_RDONLY)
+            dir_fd = os.open(target.parent, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:

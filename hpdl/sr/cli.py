@@ -180,7 +180,8 @@ def _register_export(sr_sub: Any) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    _refuse_output(args.ckpt, args.output, args.overwrite, "checkpoint")
+    guard = _OutputGuard([("checkpoint", args.ckpt)], args.overwrite)
+    guard.refuse_now(args.output)
 
     import torch
 
@@ -194,7 +195,7 @@ def _run_export(args: argparse.Namespace) -> int:
         exported = export_weights(model.state_dict(), model.config, args.to)
     except WeightsError as err:
         raise CliError(f"{args.ckpt}: {err}") from None
-    atomic_write(args.output, lambda f: torch.save(exported, f))
+    atomic_write(args.output, lambda f: torch.save(exported, f), check_target=guard.for_writer(args.output))
     print(f"wrote {args.output}: {model.config.describe()} as {args.to} weights")
     note = res_scale_note(model.config, args.to)
     if note:
@@ -256,9 +257,11 @@ def _run_eval(args: argparse.Namespace) -> int:
     sets = split_sets(args.data, args.data_root)
     if args.grid:
         output_format(args.grid)
-        _refuse_output(args.ckpt, args.grid, args.overwrite, "checkpoint")
-    if args.save_results and not args.overwrite:
-        _refuse_earlier_results(args.save_results, [name for name, _ in sets])
+        _OutputGuard([("checkpoint", args.ckpt)], args.overwrite).refuse_now(args.grid)
+    if args.save_results:
+        _refuse_blocked_directory(args.save_results, args.save_results)
+        if not args.overwrite:
+            _refuse_earlier_results(args.save_results, [name for name, _ in sets])
     device = resolve_device(args.device, "--device")
 
     from hpdl.sr.checkpoint import load_model
@@ -272,15 +275,19 @@ def _run_eval(args: argparse.Namespace) -> int:
         data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
         max_pixels=args.max_pixels, downscaler=args.downscaler)) for name, data in sets]
     grid_images = _grid_images(args, opened) if args.grid else []
+    # Now that the sets are open, their image files are inputs the outputs must not replace either.
+    guard = _OutputGuard([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
+    if args.grid:
+        guard.refuse_now(args.grid)
     scored = []
     for name, data, pairs in opened:
-        saver = _result_saver(args, name, model.scale) if args.save_results else None
+        saver = _result_saver(args, name, model.scale, guard) if args.save_results else None
         space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
         result = evaluate(model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
                           progress=True, on_output=saver)
         scored.append((name, data, pairs, result))
     if args.grid:
-        _write_grid(args, model, grid_images)
+        _write_grid(args, model, grid_images, guard)
     if args.json:
         record = {"checkpoint": str(args.ckpt), "model": model.config.name, "scale": model.scale,
                   "downscaler": args.downscaler,
@@ -297,12 +304,24 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_files(opened: list) -> list:
+    """``("input image", path)`` of every image file of the opened sets: HR and, in a set's folder, LR."""
+    from hpdl.sr.images import list_images
+
+    files = [path for _, _, pairs in opened for path in map(pairs.source, range(len(pairs)))]
+    for _, data, _ in opened:
+        if os.path.isdir(data):
+            files += list_images(data)
+    return [("input image", path) for path in files]
+
+
 def _print_notes(checkpoint: dict) -> None:
     for note in checkpoint["meta"].get("notes", []):
         print(f"hpdl: note: {note}", file=sys.stderr, flush=True)
 
 
-def _result_saver(args: argparse.Namespace, set_name: str, scale: int) -> Callable[[str, Any], None]:
+def _result_saver(args: argparse.Namespace, set_name: str, scale: int,
+                  guard: "_OutputGuard") -> Callable[[str, Any], None]:
     """Return a function that writes one SR output as ``DIR/<set>/<image>_x<s>_SR.png``."""
     from pathlib import Path
 
@@ -312,7 +331,8 @@ def _result_saver(args: argparse.Namespace, set_name: str, scale: int) -> Callab
     folder = Path(args.save_results) / set_name
 
     def save(name: str, sr: Any) -> None:
-        write_image(folder / f"{name}_x{scale}_SR.png", quantize(sr).byte().permute(1, 2, 0).cpu().numpy())
+        path = folder / f"{name}_x{scale}_SR.png"
+        write_image(path, quantize(sr).byte().permute(1, 2, 0).cpu().numpy(), check_target=guard.for_writer(path))
 
     return save
 
@@ -321,8 +341,10 @@ def _refuse_earlier_results(directory: str, set_names: list) -> None:
     """Refuse, before any work, to write SR images where earlier ones are, unless ``--overwrite``."""
     from pathlib import Path
 
+    # Resolved as the writes will be once the missing directories exist ("missing/../results").
+    resolved = Path(os.path.realpath(directory))
     for name in set_names:
-        earlier = sorted((Path(directory) / name).rglob("*_SR.png")) if (Path(directory) / name).is_dir() else []
+        earlier = sorted((resolved / name).rglob("*_SR.png")) if (resolved / name).is_dir() else []
         if earlier:
             raise CliError(f"{earlier[0]}: --save-results would replace earlier results; pass --overwrite "
                            "or choose another directory")
@@ -342,12 +364,12 @@ def _grid_images(args: argparse.Namespace, opened: list) -> list:
     return chosen
 
 
-def _write_grid(args: argparse.Namespace, model: Any, images: list) -> None:
+def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_OutputGuard") -> None:
     from hpdl.sr.figures import sample_crops, sample_grid
     from hpdl.sr.images import write_image
 
     samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
-    write_image(args.grid, sample_grid(samples))
+    write_image(args.grid, sample_grid(samples), check_target=guard.for_writer(args.grid))
     print(f"wrote {args.grid}: {len(samples)} crops of {args.grid_crop} px", file=sys.stderr)
 
 
@@ -360,7 +382,8 @@ def _run_upscale(args: argparse.Namespace) -> int:
     _check_max_pixels(args)
     # Everything about the output is checked before minutes of inference, not after.
     output_format(args.output)
-    _refuse_output(args.input, args.output, args.overwrite)
+    guard = _OutputGuard([("input image", args.input)], args.overwrite)
+    guard.refuse_now(args.output)
     image = read_image(args.input, max_pixels=args.max_pixels)
     device = resolve_device(args.device, "--device")
 
@@ -370,21 +393,63 @@ def _run_upscale(args: argparse.Namespace) -> int:
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
     out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
-    write_image(args.output, out)
+    write_image(args.output, out, check_target=guard.for_writer(args.output))
     (h, w), (sh, sw) = image.shape[:2], out.shape[:2]
     print(f"wrote {args.output}: {sw}x{sh} (x{model.scale} of {w}x{h})")
     return 0
 
 
-def _refuse_output(source: str, output: str, overwrite: bool, what: str = "input image") -> None:
-    """Refuse to write over the input (also through a link), or over any file without ``--overwrite``."""
-    if not os.path.lexists(output):
-        return
-    try:
-        same = os.path.samefile(source, output)
-    except OSError:  # the input is missing (reported when it is read) or the output a dangling link
-        same = False
-    if same:
-        raise CliError(f"{output}: is the {what} {source}; write the result to another file")
-    if not overwrite:
-        raise CliError(f"{output}: already exists; pass --overwrite to replace it")
+class _OutputGuard:
+    """Where an output may be written: never over an input (also through a link, or through a
+    ``..`` after a directory that does not exist yet), and over an existing file only with
+    ``--overwrite``.
+
+    The command checks before any work (``refuse_now``); the writer checks the file its rename
+    will replace again, once the directories exist and right before the rename (``for_writer``).
+    """
+
+    def __init__(self, inputs: list, overwrite: bool) -> None:
+        """``inputs``: ``(what, path)`` of every file the command reads, e.g. ``("checkpoint", "c.pt")``."""
+        self.overwrite = overwrite
+        self._inputs: dict = {}  # (device, inode) -> (what, path): links and other spellings alike
+        for what, path in inputs:
+            try:
+                st = os.stat(path)
+            except OSError:  # a missing input is reported when it is read
+                continue
+            self._inputs.setdefault((st.st_dev, st.st_ino), (what, path))
+
+    def refuse_now(self, output: Any) -> None:
+        """Refuse ``output`` before any work, as written and resolved as its write will resolve it."""
+        output = str(output)
+        _refuse_blocked_directory(os.path.dirname(output) or ".", output)
+        self.check(output, output)
+        # Non-strict realpath collapses "missing/.." as creating "missing" will make it mean.
+        self.check(output, os.path.realpath(output))
+
+    def for_writer(self, output: Any) -> Callable[[str], None]:
+        """Return the check the atomic writer runs on the file it is about to replace."""
+        return lambda target: self.check(str(output), target)
+
+    def check(self, output: str, target: str) -> None:
+        """Refuse writing ``output``, whose file is ``target``; errors name ``output``."""
+        try:
+            st = os.stat(target)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) in self._inputs:
+            what, path = self._inputs[(st.st_dev, st.st_ino)]
+            raise CliError(f"{output}: is the {what} {path}; write the result to another file")
+        if not self.overwrite and os.path.lexists(target):
+            raise CliError(f"{output}: already exists; pass --overwrite to replace it")
+
+
+def _refuse_blocked_directory(directory: str, output: str) -> None:
+    """Refuse, before any work, an output whose directory cannot be made: a file is in the way."""
+    from pathlib import Path
+
+    for ancestor in (Path(directory), *Path(directory).parents):
+        if os.path.exists(ancestor):
+            if not os.path.isdir(ancestor):
+                raise CliError(f"{output}: {ancestor} is not a directory")
+            return

@@ -144,13 +144,17 @@ def output_format(path: PathLike) -> str:
     return fmt
 
 
-def write_image(path: PathLike, image: np.ndarray) -> None:
-    """Write a uint8 ``(H, W, 3)`` array as an image file, atomically (temp file + rename)."""
+def write_image(path: PathLike, image: np.ndarray, *,
+                check_target: Optional[Callable[[str], None]] = None) -> None:
+    """Write a uint8 ``(H, W, 3)`` array as an image file, atomically (temp file + rename).
+
+    ``check_target`` is passed to ``atomic_write``: it may refuse the file about to be replaced.
+    """
     from PIL import Image
 
     fmt = output_format(path)
     pixels = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8))
-    atomic_write(path, lambda f: pixels.save(f, format=fmt))
+    atomic_write(path, lambda f: pixels.save(f, format=fmt), check_target=check_target)
 
 
 def list_images(folder: PathLike) -> List[Path]:
