@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -368,3 +369,73 @@ def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_
     # the second waited behind the first: its own time starts when the first finished
     assert second.time_us >= first.time_us + first.duration_us - 1
     assert 45_000 <= second.duration_us < 90_000
+
+
+class _PolledFlight:
+    """A collective that, like MPI's non-blocking ones, moves only when polled: done after
+    ``polls`` calls of done()."""
+
+    polled = True
+
+    def __init__(self, polls):
+        self.left = polls
+        self.callbacks = []
+
+    def done(self):
+        if self.left > 0:
+            self.left -= 1
+            if self.left == 0:
+                for callback in self.callbacks:
+                    callback()
+        return self.left == 0
+
+    def wait(self):
+        while not self.done():
+            pass
+
+    def on_done(self, callback):
+        self.callbacks.append(callback)
+
+
+class _PolledComm:
+    """One rank alone whose allreduces are polled flights."""
+
+    name = "fake"
+    rank = 0
+    size = 1
+
+    def __init__(self):
+        self.flights = []
+
+    def allreduce_control(self, tensor, op):
+        pass
+
+    def allgather_object(self, obj):
+        return [obj]
+
+    def allreduce_start(self, tensor, op):
+        self.flights.append(_PolledFlight(polls=5))
+        return self.flights[-1]
+
+
+def test_collectives_that_progress_only_when_polled_are_polled_between_rounds():
+    from hpdl.config import Settings
+    from hpdl.engine.engine import Engine
+
+    # A cycle time of a minute: if the collective were finished only by the next round, the
+    # handle would not complete before that round.
+    comm = _PolledComm()
+    engine = Engine(Settings.from_env({}, cycle_time_ms=60_000.0), comm)
+    try:
+        while engine.cycles < 1:  # the first round, with nothing to do, has passed
+            time.sleep(0.001)
+        rounds_before = engine.cycles
+        tensor = torch.ones(1 << 20)  # 4 MiB: reduced in place, one flight
+        request = Request(RequestKind.ALLREDUCE, "big", tensor=tensor, op=Op.SUM)
+        handle = engine.submit(request)
+        torch.testing.assert_close(handle.wait(), torch.ones(1 << 20))
+        assert len(comm.flights) == 1 and comm.flights[0].left == 0
+        # one round agreed and started it; the pause after it polled it to the end
+        assert engine.cycles == rounds_before + 1
+    finally:
+        engine.shutdown()

@@ -44,6 +44,10 @@ class InFlight:
     """A collective started by :meth:`Communicator.allreduce_start`: done when its output is
     written. This base is the finished one that blocking backends return."""
 
+    #: True when nothing completes it by itself: the engine must call :meth:`done` now and
+    #: then (MPI's progress happens only inside its calls).
+    polled = False
+
     def done(self) -> bool:
         return True
 

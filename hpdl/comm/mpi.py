@@ -16,7 +16,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hpdl.comm.base import CommError, Communicator, ReduceOp, even_split
+from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
 try:  # mpi4py is an optional dependency (extra "mpi").
     from mpi4py import MPI
@@ -147,6 +147,37 @@ _SPIN_SECONDS = 1e-4
 _MAX_SLEEP = 2e-3
 
 
+class _PolledInFlight(InFlight):
+    """A non-blocking MPI collective. MPI moves data only inside its calls (over TCP, no
+    thread of its own), so the engine thread polls it between rounds, sleeping in between:
+    the kernel's socket buffers carry the bytes meanwhile, and the core is left to the
+    compute instead of spinning in a blocking call."""
+
+    polled = True
+    __slots__ = ("_request", "_callback", "_done")
+
+    def __init__(self, request):
+        self._request = request
+        self._callback = None
+        self._done = False
+
+    def done(self) -> bool:
+        if not self._done and self._request.Test():
+            self._done = True
+            if self._callback is not None:
+                self._callback()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            _wait_politely(self._request)
+            self.done()
+
+    def on_done(self, callback) -> None:
+        self._callback = callback
+        self.done()
+
+
 class MPICommunicator(Communicator):
     """A communicator over an mpi4py ``Intracomm``."""
 
@@ -231,6 +262,16 @@ class MPICommunicator(Communicator):
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         mpi_op = _mpi_op(tensor.dtype, op)
         self._run_on_host(tensor, lambda t: self._comm.Allreduce(MPI.IN_PLACE, self._spec(t), op=mpi_op))
+
+    def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
+        """Start a non-blocking allreduce (``MPI_Iallreduce``) that the engine completes by
+        polling; device memory MPI cannot read goes the blocking way, through host staging."""
+        if tensor.is_cuda and not self.cuda_aware:
+            return super().allreduce_start(tensor, op)
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+        request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
+        return _PolledInFlight(request)
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))

@@ -58,7 +58,11 @@ log = logging.getLogger("hpdl.engine")
 
 _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
 _IDLE_PAUSE_CAP_S = 0.02  # pause of a rank with nothing pending (its own submissions wake it at once)
-_LIVENESS_WAIT_S = 2.0  # after a backend failure, how long the survivors listen for each other
+_LIVENESS_WAIT_S = 2.0
+# How often collectives that only progress when called (MPI over TCP) are polled while in
+# flight: often enough that the kernel's socket buffers never run dry at link speed, rarely
+# enough that the polling costs the compute little (each wake-up is tens of microseconds).
+_POLL_INTERVAL_S = 0.0005  # after a backend failure, how long the survivors listen for each other
 
 
 def _lower_priority(increment: int) -> None:
@@ -304,13 +308,16 @@ class Engine:
         in flight as the backend completes them, meanwhile and before the next round."""
         executor = self.executor
         while True:
+            polled = executor.polled_in_flight()
+            if polled:
+                executor.poll()  # drives the backend's progress; calls back when one is done
             if self._collectives_done:
                 self._collectives_done = False
                 executor.complete()
             remaining = until - time.monotonic()
             if remaining <= 0 or self._round_wanted:
                 break
-            self._wake.wait(remaining)
+            self._wake.wait(min(remaining, _POLL_INTERVAL_S) if polled else remaining)
             self._wake.clear()
         self._round_wanted = False
         self._wake.clear()

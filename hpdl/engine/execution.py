@@ -3,10 +3,10 @@
 Called on the engine thread with the responses of one negotiation, in the agreed order; every
 member runs the same backend calls in the same order. Each phase emits an event.
 
-Allreduces run in the background where the backend can (torch.distributed's gloo and nccl run
-collectives on threads of their own; MPI's progress needs the calling thread, so its calls
-block): the executor starts them, keeps them in flight and finishes them (scaling, copying
-out, completing handles) once the backend is done, so the engine thread negotiates the next
+Allreduces run in the background (torch.distributed's gloo and nccl run collectives on threads
+of their own; MPI's non-blocking calls progress when the engine polls them between rounds):
+the executor starts them, keeps them in flight and finishes them (scaling, copying out,
+completing handles) once the backend is done, so the engine thread negotiates the next
 gradients while the link is busy with the previous ones. Without this, every negotiation
 round and every call's start-up leaves the network idle between gradients, which costs most
 where the network is slowest (across nodes).
@@ -209,6 +209,18 @@ class Executor:
         flight.done_us = ev.now_us()
         if self._on_done is not None:
             self._on_done()
+
+    def polled_in_flight(self) -> bool:
+        """Whether a collective in flight progresses only when polled (see :meth:`poll`)."""
+        in_flight = self.in_flight
+        return bool(in_flight) and in_flight[0].flight.polled
+
+    def poll(self) -> None:
+        """Let a backend that progresses only inside its calls move the collectives in flight;
+        the oldest tells when it is done (they finish in order)."""
+        in_flight = self.in_flight
+        if in_flight:
+            in_flight[0].flight.done()
 
     def oldest_in_flight(self) -> Optional[float]:
         """When the oldest collective still in flight started (time.monotonic), if any."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -55,6 +56,15 @@ def main() -> None:
                 t = mine.clone()
                 comm.allreduce(t, op)
                 assert_equal(t, expected, f"allreduce {op.value} {dtype} {shape}")
+                # started in the background (gloo's threads; MPI's non-blocking call, which
+                # progresses only when polled): the same result once done
+                t = mine.clone()
+                flight = comm.allreduce_start(t, op)
+                if flight.polled:
+                    while not flight.done():
+                        time.sleep(0.0005)
+                flight.wait()
+                assert_equal(t, expected, f"allreduce_start {op.value} {dtype} {shape}")
         # control allreduce (used by the engine for its bit vectors)
         if dtype == torch.int64:
             t = rank_tensor(rank, (4,), dtype)
