@@ -539,12 +539,26 @@ def test_sr_image_declaring_too_many_pixels_is_refused_before_decoding(tmp_path,
     assert not (tmp_path / "out.png").exists()
 
 
-def test_sr_upscale_to_a_format_pillow_cannot_write_fails_before_any_work(tmp_path, sr_files):
+@pytest.mark.parametrize("suffix,fmt", [(".psd", "PSD"), (".blp", "BLP"), (".xbm", "XBM"), (".bufr", "BUFR")],
+                         ids=["read only", "no RGB mode", "one-bit only", "save handler a stub"])
+def test_sr_upscale_to_a_format_pillow_cannot_write_fails_before_any_work(tmp_path, sr_files, suffix, fmt):
     _, photo = sr_files
+    output = tmp_path / f"out{suffix}"
     # The checkpoint does not exist: an error about the output means nothing else was done first.
-    result = hpdl("sr", "upscale", str(photo), str(tmp_path / "out.psd"), "--ckpt", str(tmp_path / "none.pt"))
-    assert_one_line_error(result, "out.psd", "cannot write", "PSD")
-    assert not (tmp_path / "out.psd").exists()
+    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(tmp_path / "none.pt"))
+    assert_one_line_error(result, f"{output}: ", "cannot write", fmt)
+    assert not output.exists()
+
+
+def test_sr_upscale_output_pillow_fails_to_write_is_one_line_naming_it(tmp_path, sr_files):
+    # WebP takes RGB but not this size (at most 16383 pixels a side): known only when writing.
+    ckpt, _ = sr_files
+    wide = _photo(tmp_path / "wide.png", 8200, 2)
+    output = tmp_path / "out" / "x2.webp"
+    result = hpdl("sr", "upscale", str(wide), str(output), "--ckpt", str(ckpt))
+    line = assert_one_line_error(result, f"{output}: ", "WEBP")
+    assert ".tmp" not in line
+    assert list(output.parent.iterdir()) == []  # neither the image nor its temp file
 
 
 @pytest.mark.parametrize("args,setting", [

@@ -74,7 +74,9 @@ def atomic_write(
         os.replace(tmp, target)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename in (str(tmp), str(target), None):
+        # Only the system's errors (with an errno) are the file's; an OSError the writer raised
+        # itself (Pillow's "cannot write mode RGB as XBM") keeps its own message.
+        if isinstance(err, OSError) and err.errno is not None and err.filename in (str(tmp), str(target), None):
             raise OSError(err.errno, err.strerror, str(path)) from None
         raise
     if fsync:

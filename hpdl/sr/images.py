@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import io
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -141,6 +142,12 @@ def output_format(path: PathLike) -> str:
         raise SRDataError(f"{path}: unknown image extension {suffix!r} (use .png)")
     if fmt not in Image.SAVE:
         raise SRDataError(f"{path}: Pillow reads {fmt} images but cannot write them (use .png)")
+    # Some formats have a save handler that cannot write RGB (XBM, BLP) or is a stub waiting
+    # for a plugin (BUFR, HDF5): a tiny image tells, before minutes of work rather than after.
+    try:
+        Image.new("RGB", (8, 8)).save(io.BytesIO(), format=fmt)
+    except Exception as err:  # Pillow raises OSError, ValueError or KeyError, by format
+        raise SRDataError(f"{path}: Pillow cannot write RGB images as {fmt} ({_first_line(err)}; use .png)") from None
     return fmt
 
 
@@ -154,7 +161,21 @@ def write_image(path: PathLike, image: np.ndarray, *,
 
     fmt = output_format(path)
     pixels = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8))
-    atomic_write(path, lambda f: pixels.save(f, format=fmt), check_target=check_target)
+
+    def save(f: Any) -> None:
+        try:
+            pixels.save(f, format=fmt)
+        except Exception as err:
+            if isinstance(err, OSError) and err.errno is not None:
+                raise  # the file system's (disk full): atomic_write names the output
+            # The image's, not the file's: too large for the format, say.
+            raise SRDataError(f"{path}: Pillow cannot write this image as {fmt}: {_first_line(err)}") from None
+
+    atomic_write(path, save, check_target=check_target)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def list_images(folder: PathLike) -> List[Path]:
