@@ -13,6 +13,7 @@ layouts, weights, exports and grids). The shared helpers are in bad_input_suppor
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -572,18 +573,36 @@ def test_sr_bad_device_names_the_setting(tmp_path, sr_files, args, setting):
     assert_one_line_error(hpdl("sr", *argv), setting, "cpu, cuda or cuda:N")
 
 
-@pytest.mark.parametrize("kind", ["png", "pickle with code"])
+class _RunsCode:
+    def __reduce__(self):  # unpickling would call os.system("true")
+        return (os.system, ("true",))
+
+
+CHECKPOINTS_THAT_ARE_NOT = {
+    # kind: (file content, or None for the photo or a directory; what the line says)
+    "png": (None, "not a checkpoint (neither a zip nor a pickle file)"),
+    "directory": (None, "is a directory, not a checkpoint file"),
+    "pickle with code": (b"\x80\x02cposix\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.",
+                         "holds Python objects (posix.system)"),
+    # Python's default protocols: torch's safe loader warns of them, then stops at their first frame.
+    "pickle with code, protocol 4": (lambda: pickle.dumps(_RunsCode(), protocol=4), "not a checkpoint hpdl can read"),
+    "plain pickle, protocol 5": (lambda: pickle.dumps({"a": 1}, protocol=5), "not a checkpoint hpdl can read"),
+    "plain pickle, protocol 2": (lambda: pickle.dumps({"a": 1}, protocol=2), "not a checkpoint hpdl can read"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINTS_THAT_ARE_NOT))
 def test_sr_checkpoint_that_is_not_one_is_named_for_what_it_is(tmp_path, sr_files, kind):
+    # "could run code" only where the safe loader refused a global: elsewhere it would alarm for nothing.
     ckpt, photo = sr_files
-    if kind == "png":
-        bad, expected = photo, "not a checkpoint (neither a zip nor a pickle file)"
-    else:
-        bad, expected = tmp_path / "evil.pt", "holds Python objects"
-        bad.write_bytes(b"\x80\x02cposix\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.")
+    content, expected = CHECKPOINTS_THAT_ARE_NOT[kind]
+    bad = {"png": photo, "directory": tmp_path}.get(kind, tmp_path / "bad.pt")
+    if content is not None:
+        bad.write_bytes(content() if callable(content) else content)
     before = checksums([bad])
     result = hpdl("sr", "upscale", str(photo), str(tmp_path / "out.png"), "--ckpt", str(bad))
     line = assert_one_line_error(result, f"{bad}: ", expected)
-    assert ("could run code" in line) == (kind != "png")
+    assert ("could run code" in line) == (kind == "pickle with code")
     assert checksums([bad]) == before
 
 

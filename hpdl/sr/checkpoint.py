@@ -15,9 +15,11 @@ inferred from the tensor shapes, and what had to be assumed is listed in ``meta[
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -100,13 +102,19 @@ def load_checkpoint(
     (None: the published size's, else 1.0 with a note); an hpdl checkpoint must agree with it.
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    _check_file_type(path)
+    head = _check_file_type(path)
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            # torch's safe loader warns of any pickle protocol but 2 before it tries; whether it
+            # can read the file is what the error below, if any, says in one line.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # zip, pickle and EOF errors all mean the file is unusable
-        raise CheckpointError(f"{path}: {_load_failure(err)}") from None
+        raise CheckpointError(f"{path}: {_load_failure(err, path, head)}") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a checkpoint (holds a {type(obj).__name__}, not a dict)")
     if obj.get("format") != FORMAT:
@@ -125,7 +133,8 @@ def load_checkpoint(
     return obj
 
 
-def _check_file_type(path: Path) -> None:
+def _check_file_type(path: Path) -> bytes:
+    """Return the first bytes of ``path`` if it is a zip or a pickle file; ``CheckpointError`` if not."""
     # torch.save writes a zip file, or (before torch 1.6, and with the legacy format) a pickle of
     # protocol 2 or later. Anything else would reach the pickle reader and fail there with an
     # error that reads like a refused pickle, so an image passed by mistake is named as such.
@@ -138,14 +147,48 @@ def _check_file_type(path: Path) -> None:
         raise CheckpointError(f"{path}: empty file, not a checkpoint")
     if head != b"PK\x03\x04" and head[:1] != b"\x80":
         raise CheckpointError(f"{path}: not a checkpoint (neither a zip nor a pickle file)")
+    return head
 
 
-def _load_failure(err: BaseException) -> str:
-    if "Weights only load failed" in str(err):
-        found = re.search(r"unsupported GLOBAL (\S+)", str(err))
-        what = f" ({found.group(1)})" if found else ""
-        return f"refused: holds Python objects{what} besides tensors and plain values, which could run code"
+def _load_failure(err: BaseException, path: Path, head: bytes) -> str:
+    text = str(err)
+    # The safe loader refused a global (a function or class, which unpickling would import and
+    # may call): only then does the file hold code. It reads the whole file otherwise.
+    refused = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", text)
+    # A zip's pickle was read whole (the zip would not open otherwise); a bare pickle may end anywhere.
+    if refused and (head[:1] != b"\x80" or _holds_global(path, refused.group(1))):
+        return (f"refused: holds Python objects ({refused.group(1)}) besides tensors and plain values, "
+                "which could run code")
+    if refused:  # the file ends inside the name of a global
+        return "not a readable checkpoint (truncated or corrupt?): it ends inside a pickle instruction"
+    if head[:1] == b"\x80" and "Invalid magic number" in text:  # torch.save's legacy format starts with one
+        return "not a checkpoint hpdl can read (a pickle, but not in torch.save's format)"
+    if head[:1] == b"\x80" and "Weights only load failed" in text:
+        # What the safe loader does not read: the frames of protocol 4 and later, say.
+        return (f"not a checkpoint hpdl can read (a pickle of protocol {head[1]} that torch's safe loader "
+                f"cannot read: {_unpickler_reason(text)})")
     return f"not a readable checkpoint (truncated or corrupt?): {_reason(err)}"
+
+
+def _unpickler_reason(text: str) -> str:
+    # torch wraps the unpickler's own line in paragraphs of advice; it is the last but the link.
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip() and not p.strip().startswith("Check the")]
+    return paragraphs[-1].splitlines()[0].rstrip(".") if paragraphs else "refused"
+
+
+def _holds_global(path: Path, dotted: str) -> bool:
+    """Whether ``path`` holds a whole GLOBAL instruction naming ``dotted`` (a file cut inside one
+    makes the safe loader refuse the part it read)."""
+    # "module\nname\n": the module and the name may both hold dots. torch names builtins
+    # without their module, which protocols 0-2 spell __builtin__.
+    spellings = [f"{module}.{dotted}" for module in ("builtins", "__builtin__")] if "." not in dotted else [dotted]
+    instructions = [f"c{'.'.join(parts[:i])}\n{'.'.join(parts[i:])}\n".encode()
+                    for parts in (spelling.split(".") for spelling in spellings) for i in range(1, len(parts))]
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return any(data.find(instruction) >= 0 for instruction in instructions)
+    except (OSError, ValueError):
+        return True  # cannot tell: keep the warning
 
 
 def _reason(err: BaseException) -> str:
