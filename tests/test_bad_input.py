@@ -407,13 +407,17 @@ def _per_rank_mpiexec(n: int, args: Sequence[str]) -> List[str]:
 
 @pytest.fixture(scope="module")
 def earlier_run(tmp_path_factory):
-    """A real 2-rank training run with more torch threads than cores: (data dir, out_dir, its job)."""
+    """A real 2-rank training run with more torch threads than cores: (data dir, out_dir, its job).
+
+    Each rank asks for as many threads as the node has cores: either alone would fit, the two
+    together do not.
+    """
     root = tmp_path_factory.mktemp("sr_earlier_run")
     for split in ("train", "val"):
         (root / split).mkdir()
         for i in range(2):
             _photo(root / split / f"{i}.png", 36 + 4 * i, 32)
-    threads = len(os.sched_getaffinity(0)) + 1
+    threads = len(os.sched_getaffinity(0))
     job = run_job(_per_rank_mpiexec(2, _tiny_training(root, root / "run", threads)), timeout=120)
     assert job.returncode == 0, job.stderr
     return root, root / "run", job
@@ -425,6 +429,7 @@ def test_sr_train_warns_once_on_rank_0_of_threads_beyond_the_cores(earlier_run):
     warnings = [line for line in job.stderr.splitlines() if "threads=" in line]
     assert len(warnings) == 1, job.stderr
     assert warnings[0].startswith("hpdl: warning: threads=") and "more than the" in warnings[0]
+    assert f"on each of the 2 ranks of this node is {2 * len(os.sched_getaffinity(0))} threads" in warnings[0]
 
 
 @pytest.mark.multirank
@@ -436,6 +441,25 @@ def test_sr_train_into_an_earlier_run_is_refused_on_every_rank(earlier_run):
     assert_one_line_error(job, f"out_dir={out_dir} holds an earlier run", "resume=auto", "overwrite=true")
     assert sorted(job.stdout.split("\n")) == ["", "rank 0 exit 2", "rank 1 exit 2"], job.stdout
     assert checksums([out_dir]) == before
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["resume=auto without last.pt", "missing/.. before the directory"])
+def test_sr_train_cannot_slip_into_an_earlier_run(tmp_path, earlier_run, case):
+    # A run killed before its first checkpoint leaves its logs but no last.pt: resume=auto has
+    # nothing to continue, and starting afresh would replace them. "none/../run" is "run" only
+    # once "none" is made.
+    data, out_dir, _ = earlier_run
+    if case.startswith("resume"):
+        shutil.copytree(out_dir, tmp_path / "run")
+        (tmp_path / "run" / "last.pt").unlink()
+        target, given, extra = tmp_path / "run", tmp_path / "run", ["resume=auto"]
+    else:
+        target, given, extra = out_dir, out_dir.parent / "none" / ".." / out_dir.name, []
+    before = checksums([target])
+    result = hpdl(*_tiny_training(data, given, 1), *extra)
+    assert_one_line_error(result, f"out_dir={given} holds an earlier run", "overwrite=true")
+    assert checksums([target]) == before
 
 
 @pytest.mark.parametrize("link", ["same path", "symlink", "hard link", "missing/..", "missing/.. without --overwrite"])

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import random
 import shutil
+import socket
 import statistics
 import sys
 import time
@@ -151,9 +152,10 @@ def _join(cfg: TrainConfig) -> _World:
     if refusal is not None:
         raise TrainError(refusal)
     cores = _cpu_count()
-    if rank == 0 and cfg.threads > cores:
-        print(f"hpdl: warning: threads={cfg.threads} is more than the {cores} cores this process can use; "
-              "the threads will contend for them", file=sys.stderr, flush=True)
+    if cfg.threads:
+        warning = _thread_oversubscription(cfg.threads)  # every rank takes part: it gathers
+        if warning is not None:
+            print(f"hpdl: warning: {warning}; the threads will contend for them", file=sys.stderr, flush=True)
     torch.set_num_threads(cfg.threads or max(1, cores // hvd.local_size()))
     # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
     # weights all come from rank 0, so the models still start identical.
@@ -393,10 +395,38 @@ def _throughput(step_seconds: List[float], global_batch: int) -> Dict[str, float
 
 
 def _cpu_count() -> int:
+    return len(_cpu_set())
+
+
+def _cpu_set() -> List[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def _thread_oversubscription(threads: int) -> Optional[str]:
+    """On every rank (it gathers): on rank 0, why ``threads`` per rank are too many for its node, if they are.
+
+    The ranks of a node share its cores, unless the launcher bound each to its own: the threads
+    of all of them count against the cores they may run on together, and each rank's against
+    its own.
+    """
+    placement = hvd.allgather_object((socket.gethostname(), _cpu_set()), name="train.cores")
+    if hvd.rank() != 0:
+        return None
+    node = [set(cpus) for host, cpus in placement if host == placement[0][0]]
+    usable = set().union(*node)
+    if len(node) == 1:
+        return f"threads={threads} is more than the {len(usable)} cores this process can use" \
+            if threads > len(usable) else None
+    if threads * len(node) > len(usable):
+        return (f"threads={threads} on each of the {len(node)} ranks of this node is {threads * len(node)} "
+                f"threads, more than the {len(usable)} cores they can use")
+    fewest = min(len(cpus) for cpus in node)
+    if threads > fewest:
+        return f"threads={threads} is more than the {fewest} cores a rank of this node is bound to"
+    return None
 
 
 def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
@@ -408,15 +438,23 @@ def _build_model(cfg: TrainConfig) -> torch.nn.Module:
 
 
 def _earlier_run(out_dir: Path) -> List[str]:
-    return [name for name in RUN_FILES if (out_dir / name).exists()]
+    # Resolved as mkdir will make it mean: "missing/../run" is "run", whose files a run would replace.
+    resolved = Path(os.path.realpath(out_dir))
+    return [name for name in RUN_FILES if (resolved / name).exists()]
 
 
 def _earlier_run_refusal(out_dir: Path, cfg: TrainConfig) -> Optional[str]:
     """On rank 0: why ``out_dir`` cannot be used (it holds an earlier run, neither resumed nor overwritten)."""
     earlier = _earlier_run(out_dir)
-    if earlier and cfg.resume is None and not cfg.overwrite:
+    if not earlier or cfg.overwrite:
+        return None
+    if cfg.resume is None:
         return (f"out_dir={out_dir} holds an earlier run ({', '.join(earlier)}); continue it with resume=auto "
                 "or start over with overwrite=true")
+    if cfg.resume == "auto" and "last.pt" not in earlier:
+        # It stopped before its first checkpoint: starting afresh would replace its files unasked.
+        return (f"out_dir={out_dir} holds an earlier run ({', '.join(earlier)}) but no last.pt, so resume=auto "
+                "has nothing to continue; start over with overwrite=true instead")
     return None
 
 
@@ -425,9 +463,10 @@ def _prepare_out_dir(out_dir: Path, cfg: TrainConfig) -> None:
     if cfg.overwrite:
         # Nothing of the earlier run may be taken for this one's: resume=auto picking up its
         # last.pt after this run stopped early, TensorBoard showing its curves.
+        resolved = Path(os.path.realpath(out_dir))  # the files _earlier_run found
         for name in _earlier_run(out_dir):
-            (out_dir / name).unlink()
-        shutil.rmtree(out_dir / "tb", ignore_errors=True)
+            (resolved / name).unlink()
+        shutil.rmtree(resolved / "tb", ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
