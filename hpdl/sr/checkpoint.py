@@ -152,8 +152,8 @@ def _check_file_type(path: Path) -> bytes:
 
 def _load_failure(err: BaseException, path: Path, head: bytes) -> str:
     text = str(err)
-    # The safe loader refused a global (a function or class, which unpickling would import and
-    # may call): only then does the file hold code. It reads the whole file otherwise.
+    # Only a global the safe loader refused (a function or class, which unpickling would import
+    # and may call) means the file holds code; any other refusal is of a pickle it cannot read.
     refused = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", text)
     # A zip's pickle was read whole (the zip would not open otherwise); a bare pickle may end anywhere.
     if refused and (head[:1] != b"\x80" or _holds_global(path, refused.group(1))):
