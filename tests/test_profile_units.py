@@ -54,6 +54,24 @@ def test_a_failing_observer_is_reported_once_and_others_still_receive(caplog):
     assert len(reports) == 1 and "observer bug" in caplog.text
 
 
+def test_a_failing_observer_is_reported_once_per_process_across_engines(caplog):
+    class Tool:
+        def observe(self, event):
+            raise RuntimeError("tool bug")
+
+    tool = Tool()
+    ev.subscribe(tool.observe)  # a bound method: a new object at each access, equal to the others
+    try:
+        with caplog.at_level(logging.WARNING, logger="hpdl.engine.events"):
+            for _ in range(2):  # two init()/shutdown() cycles: each engine has a bus of its own
+                bus = ev.EventBus()
+                for t in range(2):
+                    bus.emit(ev.Event(ev.QUEUED, "allreduce", ("a",), float(t)))
+    finally:
+        ev.unsubscribe(tool.observe)
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1, caplog.text
+
+
 def test_mark_step_carries_the_time_blocked_since_the_last_step():
     seen = []
     bus = ev.EventBus()

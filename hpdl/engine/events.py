@@ -5,9 +5,9 @@ engine emits. Subscribe with :func:`subscribe`: the subscription is process-wide
 across ``hvd.shutdown()`` / ``hvd.init()`` (every engine started later delivers to it too)
 until :func:`unsubscribe`. An observer is called on the thread that emits (the engine thread,
 or the training thread for ``QUEUED`` and ``STEP``), must be quick and thread-safe, and must
-not call collectives. An observer that raises is reported once (a warning on the
-``hpdl.engine.events`` logger, with its traceback) and keeps receiving events; it never breaks
-a collective. When no observer is subscribed, :attr:`EventBus.active` is False and the engine
+not call collectives. An observer that raises is reported once per process (a warning on the
+``hpdl.engine.events`` logger, with its traceback), however many engines it sees, and keeps
+receiving events; it never breaks a collective. When no observer is subscribed, :attr:`EventBus.active` is False and the engine
 does not even build the events.
 """
 
@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Tuple
 
 log = logging.getLogger("hpdl.engine.events")
 
@@ -78,6 +78,16 @@ def now_us() -> float:
 _subscribers: List[Observer] = []
 _buses: "weakref.WeakSet[EventBus]" = weakref.WeakSet()
 _registry_lock = threading.Lock()
+# Observers whose failure was reported, compared by equality as _subscribers are (a bound
+# method is a new object at each access). Process-wide, since every init() makes a new bus;
+# an observer leaves it when it is unsubscribed or removed.
+_reported: List[Observer] = []
+_reported_lock = threading.Lock()
+
+
+def _forget_reported(observer: Observer) -> None:
+    with _reported_lock:
+        _reported[:] = [o for o in _reported if o != observer]
 
 
 def subscribe(observer: Observer) -> None:
@@ -96,6 +106,7 @@ def unsubscribe(observer: Observer) -> None:
         _subscribers[:] = [o for o in _subscribers if o != observer]
         for bus in list(_buses):
             bus._refresh()
+    _forget_reported(observer)
 
 
 class EventBus:
@@ -108,8 +119,6 @@ class EventBus:
     def __init__(self) -> None:
         self._own: List[Observer] = []
         self._observers: List[Observer] = []
-        self._reported: Set[int] = set()
-        self._lock = threading.Lock()
         self.active = False
         with _registry_lock:
             _buses.add(self)
@@ -131,6 +140,7 @@ class EventBus:
         with _registry_lock:
             self._own = [o for o in self._own if o != observer]
             self._refresh()
+        _forget_reported(observer)
 
     def emit(self, event: Event) -> None:
         """Call every observer with ``event``; an observer's failure is logged once, not raised."""
@@ -138,19 +148,19 @@ class EventBus:
             try:
                 observer(event)
             except Exception:  # an observer must never break a collective
-                self._report(observer)
-
-    def _report(self, observer: Observer) -> None:
-        key = id(observer)
-        with self._lock:
-            if key in self._reported:
-                return
-            self._reported.add(key)
-        log.warning("event observer %r failed (reported once; it keeps receiving events)", observer,
-                    exc_info=True)
+                _report(observer)
 
     def observers(self) -> List[Observer]:
         return list(self._observers)
+
+
+def _report(observer: Observer) -> None:
+    """Log the failure being handled, the first time ``observer`` fails in this process."""
+    with _reported_lock:
+        if observer in _reported:
+            return
+        _reported.append(observer)
+    log.warning("event observer %r failed (reported once; it keeps receiving events)", observer, exc_info=True)
 
 
 class WaitMeter:
