@@ -249,11 +249,49 @@ def test_timeline_tracks_and_phases():
     events = trace(make_profile())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     threads = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
-    assert (1, "engine") in threads and (0, "training") in threads
+    assert {(1, "backend calls"), (0, "copies (fusion buffer)"), (0, "training")} <= threads
     backend = [e for e in events if e["name"] == "MPI_ALLREDUCE"]
     assert len(backend) == 8 and all(e["dur"] == 100_000 for e in backend)
     waits = [e for e in events if e.get("cat") == "waiting"]
     assert {e["ph"] for e in waits} == {"b", "e"} and len(waits) == 2 * 2 * 8
+
+
+def assert_tracks_nest(events) -> None:
+    """Complete slices on one track must nest (viewers misdraw or drop the others)."""
+    tracks = {}
+    for e in events:
+        if e.get("ph") == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    for track, slices in tracks.items():
+        open_ends = []
+        for e in sorted(slices, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"] + 1e-3:
+                open_ends.pop()
+            end = e["ts"] + e["dur"]
+            assert not open_ends or end <= open_ends[-1] + 1e-3, \
+                f"track {track}: {e['name']} at {e['ts']} overlaps an open slice ending at {open_ends[-1]}"
+            open_ends.append(end)
+
+
+def test_timeline_tracks_nest_when_fused_messages_overlap():
+    # As with gloo's two fusion buffers: each message is copied in while the one before is in
+    # flight, and its backend call starts where that one's ends; a long copy-out even runs
+    # into the next message's copy-in.
+    profile = make_profile(sizes=(MiB, MiB), steps=6)
+    rank = profile["ranks"][0]
+    columns = rank["collectives"]["columns"]
+    for k, row in enumerate(rank["collectives"]["rows"]):
+        cell = dict(zip(columns, row))
+        cell.update(start_us=10_000.0 + 500 * k, copy_in_us=300.0, backend_us=500.0, copy_out_us=250.0,
+                    ready_us=9_000.0 + 500 * k, queue_us=10.0, negotiate_us=20.0)
+        row[:] = [cell[c] for c in columns]
+    events = trace(profile)["traceEvents"]
+    assert_tracks_nest(events)
+    mine = [e for e in events if e["pid"] == 0 and e.get("ph") == "X"]
+    assert len([e for e in mine if e["name"] == "MPI_ALLREDUCE"]) == 6
+    assert len([e for e in mine if e["name"] in ("copy in", "copy out")]) == 12
+    threads = {e["args"]["name"] for e in events if e["pid"] == 0 and e["name"] == "thread_name"}
+    assert "copies (fusion buffer) 2" in threads  # the copy-out that runs into the next copy-in
 
 
 def test_html_page_is_self_contained_with_plots():

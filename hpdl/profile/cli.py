@@ -102,11 +102,12 @@ def _compare(args) -> int:
 
 
 def _timeline(args) -> int:
-    from hpdl.profile.timeline import write_trace
+    from hpdl.profile.timeline import trace, write_trace
 
     analysis = _analysis(args.file, "128K")
+    document = trace(analysis.profile)
     try:
-        events = write_trace(analysis.profile, args.output)
+        events = write_trace(document, args.output)
     except OSError as err:
         raise CliError(f"cannot write {args.output}: {err.strerror or err}") from None
     print(f"wrote {args.output}: {events} trace events, one track per rank (open in ui.perfetto.dev or "
