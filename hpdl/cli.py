@@ -8,6 +8,7 @@ handlers, so ``hpdl --help`` and ``hpdl run --dry-run`` stay fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -60,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``hpdl`` command line; return the exit status."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # Flushed here, also before argparse's exit after --help, so that a reader that
+            # went away is seen here rather than in the interpreter's last flush.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -75,6 +88,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("hpdl: interrupted", file=sys.stderr)
         return 130
     return int(result or 0)
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (``hpdl ... | head``): end quietly, as a shell tool does.
+
+    Python's recipe: point stdout at devnull, so that the interpreter's final flush of what
+    is still buffered does not fail again; the status is a SIGPIPE death's, 128 + 13.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def _error(message: str, code: int) -> int:

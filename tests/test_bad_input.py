@@ -156,6 +156,7 @@ def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
     """A valid profile and damaged or foreign files beside it, by name."""
     import json
 
+    from hpdl.profile.schema import COLLECTIVE_COLUMNS
     from test_profile_units import make_profile
 
     text = json.dumps(make_profile())
@@ -163,6 +164,12 @@ def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
     newer["version"] = 99
     bad_table = make_profile()
     bad_table["ranks"][1]["steps"]["columns"] = ["step"]
+    # Valid JSON of the right shape with cells of the wrong type.
+    settings_null, hosts_number, names_text, threshold_nan = make_profile(), make_profile(), make_profile(), make_profile()
+    settings_null["job"]["settings"] = None
+    hosts_number["job"]["hosts"] = 5
+    names_text["ranks"][0]["collectives"]["rows"][2][COLLECTIVE_COLUMNS.index("names")] = "abc"
+    threshold_nan["job"]["settings"]["inplace_threshold"] = float("nan")  # a number to the schema, not to a size
     files = {
         "good.json": text,
         "truncated.json": text[: len(text) // 2],
@@ -171,6 +178,10 @@ def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
         "newer.json": json.dumps(newer),
         "bad_table.json": json.dumps(bad_table),
         "bench_foreign.json": json.dumps({"benchmark": "synthetic", "records": []}),
+        "settings_null.json": json.dumps(settings_null),
+        "hosts_number.json": json.dumps(hosts_number),
+        "names_text.json": json.dumps(names_text),
+        "threshold_nan.json": json.dumps(threshold_nan),
     }
     for name, content in files.items():
         (tmp_path / name).write_text(content)
@@ -193,15 +204,45 @@ def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
     (["compare", "{good}", "{truncated}"], ["truncated.json", "not complete JSON"]),
     (["timeline", "{newer}", "-o", "{dir}/t.json"], ["newer.json", "schema version 99"]),
     (["timeline", "{good}", "-o", "{dir}/no/such/dir/t.json"], ["cannot write", "t.json"]),
+    (["report", "{settings_null}"], ["settings_null.json", "job.settings must be an object", "null"]),
+    (["timeline", "{settings_null}", "-o", "{dir}/t.json"], ["settings_null.json", "job.settings"]),
+    (["report", "{hosts_number}"], ["hosts_number.json", "job.hosts must be a list of host names, got 5"]),
+    (["report", "{names_text}"], ["names_text.json", "ranks[0].collectives row 2: 'names' must be a list of integers"]),
+    (["timeline", "{names_text}", "-o", "{dir}/t.json"], ["names_text.json", "'names'"]),
+    (["report", "{threshold_nan}"], ["threshold_nan.json", "unusable value"]),
+    (["compare", "{good}", "{threshold_nan}"], ["threshold_nan.json", "unusable value"]),
 ], ids=["truncated", "foreign", "list", "binary", "newer-version", "bad-table", "missing", "buckets",
         "bench-truncated", "bench-foreign", "html-unwritable", "compare-truncated", "timeline-newer",
-        "timeline-unwritable"])
+        "timeline-unwritable", "settings-null", "timeline-settings-null", "hosts-number", "names-text",
+        "timeline-names-text", "nan-threshold", "compare-nan-threshold"])
 def test_profile_command_bad_input_is_one_line(tmp_path, args, fragments):
     files = _profile_inputs(tmp_path)
     before = checksums(files.values())
     argv = [arg.format(dir=tmp_path, **{path.stem: path for path in files.values()}) for arg in args]
     assert_one_line_error(hpdl("profile", *argv, timeout=60), *fragments)
     assert checksums(files.values()) == before
+
+
+def test_truncated_profile_message_says_where_once(tmp_path):
+    from hpdl.profile.schema import ProfileError, load
+
+    path = tmp_path / "p.json"
+    path.write_text('{"format": "hpdl-profile", "version": 1, "job": {"started": "2026-')
+    with pytest.raises(ProfileError) as raised:
+        load(str(path))
+    message = str(raised.value)
+    assert "Unterminated string starting at: line 1 column 61" in message and "at at" not in message, message
+
+
+def test_profile_report_into_a_closed_pipe_ends_quietly(tmp_path):
+    # `hpdl profile report p.json | head -2`: the reader is gone before the report is printed.
+    good = _profile_inputs(tmp_path)["good.json"]
+    proc = subprocess.Popen([sys.executable, "-m", "hpdl", "profile", "report", str(good)], cwd=str(ROOT),
+                            env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == ""
 # == Launching: hpdl run, hpdl check, hpdl bench allreduce, and worlds of the wrong size ==========
 
 def _exit_code(args: Sequence[str]) -> int:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 from hpdl.cli import CliError
+
+# What reading a damaged profile can raise in the arithmetic and formatting of its values
+# (the schema check catches what it can name; these are the rest).
+_UNUSABLE = (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, AttributeError, OverflowError)
 
 _DESCRIPTION = """\
 Read a communication profile: record one with `hpdl run --profile p.json -- ...`,
@@ -58,10 +64,19 @@ def _analysis(path: str, buckets: str):
     except ValueError as err:
         raise CliError(str(err)) from None
     try:
-        return Analysis(load(path), edges)
+        profile = load(path)
     except ProfileError as err:
         raise CliError(str(err)) from None
-    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as err:
+    with _reading(path):
+        return Analysis(profile, edges)
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Turn an error while analysing or rendering the profile ``path`` into one line naming it."""
+    try:
+        yield
+    except _UNUSABLE as err:
         raise CliError(f"{path}: profile has an unusable value ({type(err).__name__}: {err})") from None
 
 
@@ -82,12 +97,17 @@ def _report(args) -> int:
         bench = load_bench(args.bench) if args.bench else None
     except ProfileError as err:
         raise CliError(str(err)) from None
-    found = findings(analysis, bench)
-    if args.html:
-        from hpdl.profile.html import render_html
+    with _reading(args.file):
+        found = findings(analysis, bench)
+        page = None
+        if args.html:
+            from hpdl.profile.html import render_html
 
-        _write(args.html, render_html(analysis, args.file, found, bench))
-    print(render(analysis, args.file, found))
+            page = render_html(analysis, args.file, found, bench)
+        text = render(analysis, args.file, found)
+    if page is not None:
+        _write(args.html, page)
+    print(text)
     if args.html:
         print(f"\nHTML report: {args.html}")
     return 0
@@ -96,8 +116,10 @@ def _report(args) -> int:
 def _compare(args) -> int:
     from hpdl.profile.report import render_compare
 
-    print(render_compare(_analysis(args.before, args.buckets), args.before,
-                         _analysis(args.after, args.buckets), args.after))
+    before, after = _analysis(args.before, args.buckets), _analysis(args.after, args.buckets)
+    with _reading(f"{args.before} or {args.after}"):
+        text = render_compare(before, args.before, after, args.after)
+    print(text)
     return 0
 
 
@@ -105,7 +127,8 @@ def _timeline(args) -> int:
     from hpdl.profile.timeline import trace, write_trace
 
     analysis = _analysis(args.file, "128K")
-    document = trace(analysis.profile)
+    with _reading(args.file):
+        document = trace(analysis.profile)
     try:
         events = write_trace(document, args.output)
     except OSError as err:

@@ -32,6 +32,38 @@ COLLECTIVE_COLUMNS = ("seq", "step", "process_set", "kind", "backend", "dtype", 
                       "copy_out_us")
 TABLES = {"messages": MESSAGE_COLUMNS, "tensors_time": TENSOR_COLUMNS, "steps": STEP_COLUMNS,
           "collectives": COLLECTIVE_COLUMNS}
+# The name of the per-kind rows of tensors_time that hold the tensors beyond the ones kept.
+OTHER_TENSORS = "(other tensors)"
+_RANK_COUNTS = ("steps_dropped", "collectives_dropped", "tensors_folded")
+
+
+# What each cell holds, where it is not a number: readers compute with the cells, so a file
+# of the right shape but the wrong types is refused here, with the cell named.
+_TEXT_COLUMNS = {"kind", "backend", "dtype"}
+_INTEGER_COLUMNS = {"name"}  # an index into the rank's name table
+_LIST_COLUMNS = {"names": "integers", "sizes": "numbers"}
+# job.settings that readers compute with; the others are only shown.
+_NUMERIC_SETTINGS = ("fusion_threshold", "inplace_threshold")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _cell_check(column: str):
+    """A predicate for the cells of ``column`` and what it wants, for the error message."""
+    if column in _TEXT_COLUMNS:
+        return (lambda v: isinstance(v, str)), "a string"
+    if column in _INTEGER_COLUMNS:
+        return _is_integer, "an integer"
+    if column in _LIST_COLUMNS:
+        inner = _is_integer if _LIST_COLUMNS[column] == "integers" else _is_number
+        return (lambda v: isinstance(v, list) and all(inner(x) for x in v)), f"a list of {_LIST_COLUMNS[column]}"
+    return _is_number, "a number"
 
 
 class ProfileError(ValueError):
@@ -63,7 +95,7 @@ def load(path: str) -> Dict[str, Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ProfileError(f"{path} is not complete JSON (truncated or damaged? {err.msg} at line {err.lineno}); "
+        raise ProfileError(f"{path} is not complete JSON (truncated or damaged? {err}); "
                            "profiles are written at hvd.shutdown()") from None
     check(data, path)
     return data
@@ -79,20 +111,56 @@ def check(data: Any, path: str) -> None:
     if version > VERSION:
         raise ProfileError(f"{path} has profile schema version {version}, newer than this hpdl reads "
                            f"(up to {VERSION}): upgrade hpdl")
-    if not isinstance(data.get("job"), dict):
+    job = data.get("job")
+    if not isinstance(job, dict):
         raise ProfileError(f"{path}: key 'job' is missing or not an object")
+    _check_job(job, path)
     ranks = data.get("ranks")
     if not isinstance(ranks, list) or not ranks:
         raise ProfileError(f"{path}: key 'ranks' must be a non-empty list")
     for i, rank in enumerate(ranks):
-        if not isinstance(rank, dict) or not isinstance(rank.get("rank"), int):
+        if not isinstance(rank, dict) or not _is_integer(rank.get("rank")):
             raise ProfileError(f"{path}: ranks[{i}] is not a rank object with an integer 'rank'")
-        if not isinstance(rank.get("tensors"), list):
+        tensors = rank.get("tensors")
+        if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
             raise ProfileError(f"{path}: ranks[{i}].tensors must be a list of names")
+        for key in _RANK_COUNTS:
+            if key in rank and not _is_integer(rank[key]):
+                raise ProfileError(f"{path}: ranks[{i}].{key} must be an integer, got {_shown(rank[key])}")
+        engine = rank.get("engine", {})
+        if not isinstance(engine, dict) or not all(_is_number(v) for v in engine.values()):
+            raise ProfileError(f"{path}: ranks[{i}].engine must be an object of counters (numbers)")
         for name, columns in TABLES.items():
             stored = rank.get(name)
             if not isinstance(stored, dict) or not isinstance(stored.get("rows"), list) \
                     or stored.get("columns") != list(columns):
                 raise ProfileError(f"{path}: ranks[{i}].{name} must be a table with columns {', '.join(columns)}")
-            if any(not isinstance(row, list) or len(row) != len(columns) for row in stored["rows"]):
+            rows = stored["rows"]
+            if any(not isinstance(row, list) or len(row) != len(columns) for row in rows):
                 raise ProfileError(f"{path}: ranks[{i}].{name} has a row without {len(columns)} values")
+            for c, column in enumerate(columns):
+                valid, wanted = _cell_check(column)
+                for r, row in enumerate(rows):
+                    if not valid(row[c]):
+                        raise ProfileError(f"{path}: ranks[{i}].{name} row {r}: '{column}' must be {wanted}, "
+                                           f"got {_shown(row[c])}")
+
+
+def _check_job(job: Dict[str, Any], path: str) -> None:
+    """Check the types of the job fields that readers use (any of them may be absent)."""
+    wanted = {"size": (lambda v: _is_integer(v) and v > 0, "a positive integer"),
+              "backend": (lambda v: isinstance(v, str), "a string"),
+              "hosts": (lambda v: isinstance(v, list) and all(isinstance(h, str) for h in v), "a list of host names"),
+              "missing_ranks": (lambda v: isinstance(v, list) and all(_is_integer(r) for r in v),
+                                "a list of integers"),
+              "settings": (lambda v: isinstance(v, dict) and all(_is_number(v.get(k, 0)) for k in _NUMERIC_SETTINGS),
+                           f"an object (with numbers for {', '.join(_NUMERIC_SETTINGS)})")}
+    for key, (valid, what) in wanted.items():
+        if key in job and not valid(job[key]):
+            raise ProfileError(f"{path}: job.{key} must be {what}, got {_shown(job[key])}")
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message: as JSON writes it, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
