@@ -141,6 +141,68 @@ def test_recorder_keeps_totals_but_bounded_windows():
     assert list(schema.records(part, "messages"))[0]["calls"] == 10
 
 
+def feed_call(recorder: Recorder, kind: str, names, t: float, sizes=None, backend_us: float = 100.0) -> None:
+    """One collective of ``names`` (not fused unless several), submitted at ``t``."""
+    names = tuple(names)
+    sizes = tuple(sizes or [16] * len(names))
+    for name in names:
+        recorder.observe(ev.Event(ev.QUEUED, kind, (name,), t))
+    recorder.observe(ev.Event(ev.COLLECTIVE, kind, names, t + 10, duration_us=backend_us, nbytes=sum(sizes),
+                              fused=len(names), sizes=sizes, dtype="float32", backend="mpi"))
+    for name in names:
+        recorder.observe(ev.Event(ev.DONE, kind, (name,), t + 20 + backend_us))
+
+
+def tensor_rows(part: dict) -> dict:
+    return {(t["kind"], part["tensors"][t["name"]]): t for t in schema.records(part, "tensors_time")}
+
+
+def test_unnamed_collectives_share_one_tensor_row_per_kind():
+    from hpdl.torch.mpi_ops import _name  # the automatic names, as hpdl.torch makes them
+
+    recorder = Recorder(rank=0, zero_us=0.0)
+    for call in range(300):
+        feed_call(recorder, "allreduce", [_name("allreduce", None)], 1000.0 * call)
+        feed_call(recorder, "barrier", [_name("barrier.0", None)], 1000.0 * call + 500, sizes=[0])
+        group = _name("grouped_allreduce", None)
+        feed_call(recorder, "allreduce", [f"{group}.0", f"{group}.1"], 1000.0 * call + 700)
+    # Stable names stay their own rows, also the optimizer's for unnamed parameters.
+    feed_call(recorder, "allreduce", ["allreduce.allreduce.noname.0.1", "allreduce.body.0.weight"], 9e6)
+    rows = tensor_rows(recorder.snapshot())
+    assert sorted(rows) == [("allreduce", "allreduce.allreduce.noname.0.1"), ("allreduce", "allreduce.body.0.weight"),
+                            ("allreduce", "allreduce.noname"), ("allreduce", "grouped_allreduce.noname"),
+                            ("barrier", "barrier.0.noname")]
+    assert rows[("allreduce", "allreduce.noname")]["calls"] == 300
+    assert rows[("allreduce", "grouped_allreduce.noname")]["calls"] == 600
+    assert rows[("barrier", "barrier.0.noname")]["calls"] == 300
+
+
+def test_tensor_rows_are_capped_keeping_the_most_time_and_folding_the_rest():
+    recorder = Recorder(rank=0, zero_us=0.0, tensor_rows=10)
+    for call in range(500):  # a new name every call, and later calls take longer
+        feed_call(recorder, "allreduce", [f"loss.{call}"], 1000.0 * call, backend_us=100.0 + call)
+        assert len(recorder._tensors) <= 2 * 10 + 1  # bounded all along, not only in the file
+    part = recorder.snapshot()
+    rows = tensor_rows(part)
+    assert len(rows) == 11 and part["tensors_folded"] == 490
+    assert {name for _, name in rows} - {schema.OTHER_TENSORS} == {f"loss.{call}" for call in range(490, 500)}
+    other = rows[("allreduce", schema.OTHER_TENSORS)]
+    assert other["calls"] == 490 and other["bytes"] == 16  # bytes per call
+    assert sum(t["time_us"] for t in rows.values()) == pytest.approx(sum(100.0 + c for c in range(500)))
+    text = render(Analysis(two_ranks_of(part)), "p.json", [])
+    assert "Top tensors (of 11, 490 more folded into the '(other tensors)' rows;" in text
+
+
+def two_ranks_of(part: dict) -> dict:
+    """A profile of two ranks that both recorded ``part``."""
+    ranks = [dict(part, rank=rank, host="h", engine={}) for rank in (0, 1)]
+    profile = {"format": schema.FORMAT, "version": schema.VERSION, "ranks": ranks,
+               "job": {"size": 2, "backend": "mpi", "hosts": ["h", "h"], "missing_ranks": [],
+                       "settings": {"fusion_threshold": 64 * MiB, "inplace_threshold": MiB}}}
+    schema.check(profile, "made-up")
+    return profile
+
+
 def test_paused_recorder_records_nothing():
     recorder = Recorder(rank=0, zero_us=0.0)
     recorder.paused = True

@@ -1,10 +1,14 @@
 """The recorder: an event observer that turns one rank's engine events into profile tables.
 
-Memory stays bounded on long runs. Totals over the whole recording are kept per distinct
-backend message (kind, backend, dtype, size, tensors fused: a training job repeats a few
-dozen) and per tensor; per-step aggregates are kept for the last :data:`STEP_WINDOW` steps
-and raw collectives (one row each, with phase times and member tensors) for the last
-:data:`RAW_WINDOW` collectives; how many older ones were dropped is recorded.
+Memory stays bounded on long runs, whatever the job names its tensors. Totals over the whole
+recording are kept per distinct backend message (kind, backend, dtype, size, tensors fused: a
+training job repeats a few dozen) and per tensor, for at most :data:`TENSOR_ROWS` tensors
+(the ones with the most time; the rest are folded into one ``(other tensors)`` row per kind).
+Unnamed collectives, whose automatic names carry a per-call counter, share one row per kind
+(:func:`tensor_key`). Per-step aggregates are kept for the last :data:`STEP_WINDOW` steps and
+raw collectives (one row each, with phase times and member tensors) for the last
+:data:`RAW_WINDOW` collectives; how many older ones were dropped is recorded. With both
+windows full that is about 52 MB per rank (docs/profile.md; ``scripts/profile_memory.py``).
 
 A collective's phases: queue wait (its last member's submission until the engine thread
 took that request from its queue), negotiation (until the ranks agreed to run it), copy in
@@ -14,32 +18,62 @@ was submitted: when this rank arrived at it.
 
 from __future__ import annotations
 
+import array
 import collections
+import functools
+import re
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hpdl.engine import events as ev
 from hpdl.profile import schema
 
 STEP_WINDOW = 100_000
 RAW_WINDOW = 50_000
+TENSOR_ROWS = 1000
+OTHER_TENSORS = schema.OTHER_TENSORS
+
+# The names hpdl.torch gives unnamed collectives (hpdl.torch.mpi_ops._name): the kind, a
+# per-call counter, then a grouped member's index or a sparse allreduce's part. The counter
+# makes every call a new name; the optimizer's names for unnamed parameters
+# (``allreduce.allreduce.noname.<group>.<index>``) are stable and do not match.
+_AUTOMATIC_NAME = re.compile(r"(?P<kind>allreduce|allgather|broadcast|alltoall|reducescatter|grouped_allreduce|"
+                             r"grouped_allgather|grouped_reducescatter|barrier\.\d+)\.noname\.\d+"
+                             r"(?:\.\d+|(?P<part>\.indices|\.values))?")
+
+
+@functools.lru_cache(maxsize=4096)  # called for every tensor of every collective; the names repeat
+def tensor_key(name: str) -> str:
+    """The row of the per-tensor totals that ``name`` adds to: an automatic name without its counter.
+
+    ``allreduce.noname.17`` -> ``allreduce.noname``, ``barrier.0.noname.3`` -> ``barrier.0.noname``,
+    ``grouped_allreduce.noname.4.1`` -> ``grouped_allreduce.noname``; other names are their own key.
+    """
+    match = _AUTOMATIC_NAME.fullmatch(name)
+    if match is None:
+        return name
+    return f"{match['kind']}.noname{match['part'] or ''}"
 
 # Indexes into a per-message totals list (schema.MESSAGE_COLUMNS from "calls" on).
 _CALLS, _BACKEND, _COPY_IN, _COPY_OUT, _QUEUE, _NEGOTIATE, _MIN, _MAX = range(8)
+# Indexes of the member names and sizes in a raw row (schema.COLLECTIVE_COLUMNS).
+_NAMES, _SIZES = schema.COLLECTIVE_COLUMNS.index("names"), schema.COLLECTIVE_COLUMNS.index("sizes")
 
 
 class Recorder:
     """Collect one rank's collectives and steps; thread-safe (events come from two threads)."""
 
-    def __init__(self, rank: int, zero_us: float, raw_window: int = RAW_WINDOW, step_window: int = STEP_WINDOW):
+    def __init__(self, rank: int, zero_us: float, raw_window: int = RAW_WINDOW, step_window: int = STEP_WINDOW,
+                 tensor_rows: int = TENSOR_ROWS):
         """Args:
             zero_us: this rank's wall-clock time (µs since the epoch) that is time 0 in the
                 tables: the job's origin plus this rank's clock offset to rank 0.
+            tensor_rows: how many tensors keep a row of their own in the per-tensor totals.
         """
         self.rank = rank
         self.zero_us = zero_us
+        self.tensor_rows = tensor_rows
         self._lock = threading.Lock()
-        self._names: Dict[str, int] = {}
         self._queued: Dict[Tuple[int, str], float] = {}
         self._negotiated: Dict[Tuple[int, str], Tuple[float, float]] = {}
         # Copy-in time by message (its names) until its collective ends: several fused
@@ -48,7 +82,9 @@ class Recorder:
         self._last: Optional[Tuple[Tuple[str, ...], list, list]] = None  # names, raw row, message totals
         self._seq: Dict[int, int] = collections.defaultdict(int)
         self._messages: Dict[tuple, list] = {}
+        # (kind, tensor_key(name)) -> [bytes of all calls, calls, time]
         self._tensors: Dict[Tuple[str, str], list] = {}
+        self.tensors_folded = 0  # rows folded into the OTHER_TENSORS rows
         self._raw: "collections.deque[list]" = collections.deque(maxlen=raw_window)
         self._steps: "collections.deque[list]" = collections.deque(maxlen=step_window)
         self.collectives_seen = 0
@@ -80,12 +116,6 @@ class Recorder:
             elif phase == ev.STEP:
                 self._step(event)
 
-    def _name_index(self, name: str) -> int:
-        index = self._names.get(name)
-        if index is None:
-            index = self._names[name] = len(self._names)
-        return index
-
     def _collective(self, event: ev.Event) -> None:
         ps = event.process_set_id
         zero = self.zero_us
@@ -107,8 +137,10 @@ class Recorder:
         seq = self._seq[ps]
         self._seq[ps] = seq + 1
         step = self.steps_seen
+        # Names by reference to the event's tuple, sizes packed: a raw row is the bulk of the
+        # recorder's memory (names become indices into the name table in snapshot()).
         row = [seq, step, ps, event.kind, event.backend, event.dtype, event.nbytes, event.fused,
-               [self._name_index(n) for n in event.names], list(event.sizes), ready - zero, queue_us, negotiate_us,
+               event.names, array.array("q", event.sizes), ready - zero, queue_us, negotiate_us,
                event.time_us - zero, copy_in, backend_us, 0.0]
         self._raw.append(row)
         self.collectives_seen += 1
@@ -126,15 +158,33 @@ class Recorder:
         sizes = event.sizes or (event.nbytes,)
         total_bytes = sum(sizes) or 1
         for name, nbytes in zip(event.names, sizes):
-            entry = self._tensors.get((event.kind, name))
+            key = (event.kind, tensor_key(name))
+            entry = self._tensors.get(key)
             if entry is None:
-                entry = self._tensors[(event.kind, name)] = [nbytes, 0, 0.0]
+                if len(self._tensors) >= 2 * self.tensor_rows:
+                    self._fold(self.tensor_rows)
+                entry = self._tensors[key] = [0, 0, 0.0]
+            entry[0] += nbytes
             entry[1] += 1
             entry[2] += backend_us * nbytes / total_bytes  # the tensor's share of the message's time
         self._step_comm[0] += copy_in + backend_us
         self._step_comm[1] += 1
         self._step_comm[2] += event.nbytes
         self._last = (event.names, row, totals)
+
+    def _fold(self, keep: int) -> None:
+        """Keep the ``keep`` tensors with the most time; add the others to their kind's OTHER_TENSORS row.
+
+        Called when the table has twice ``keep`` rows, so that folding costs little per call.
+        """
+        own = sorted((key for key in self._tensors if key[1] != OTHER_TENSORS),
+                     key=lambda key: -self._tensors[key][2])
+        for key in own[keep:]:
+            entry = self._tensors.pop(key)
+            other = self._tensors.setdefault((key[0], OTHER_TENSORS), [0, 0, 0.0])
+            for i, value in enumerate(entry):
+                other[i] += value
+            self.tensors_folded += 1
 
     def _copy_out(self, event: ev.Event) -> None:
         if self._last is None or self._last[0] != event.names:
@@ -148,7 +198,7 @@ class Recorder:
     def _step(self, event: ev.Event) -> None:
         end = event.time_us - self.zero_us
         comm_us, messages, nbytes = self._step_comm
-        self._steps.append([self.steps_seen, self._step_start, end, event.duration_us, comm_us, messages, nbytes])
+        self._steps.append((self.steps_seen, self._step_start, end, event.duration_us, comm_us, messages, nbytes))
         self.steps_seen += 1
         self._step_start = end
         self._step_comm = [0.0, 0, 0]
@@ -156,16 +206,39 @@ class Recorder:
     def snapshot(self) -> Dict[str, Any]:
         """This rank's part of the profile file (``ranks[i]`` without the job-level fields)."""
         with self._lock:
+            if len(self._tensors) > self.tensor_rows:
+                self._fold(self.tensor_rows)
+            names: Dict[str, int] = {}
+            index = lambda name: names.setdefault(name, len(names))  # noqa: E731
             messages = [_rounded([*key, *totals]) for key, totals in sorted(self._messages.items(), key=lambda kv: kv[0][3])]
-            tensors = [_rounded([self._name_index(name), kind, *entry]) for (kind, name), entry in self._tensors.items()]
+            tensors = [_rounded([index(name), kind, round(entry[0] / entry[1]) if entry[1] else 0, *entry[1:]])
+                       for (kind, name), entry in self._tensors.items()]
+            # A training job repeats a few dozen messages: each one's member indices and sizes
+            # are made once and shared by its rows (also in the pickle sent to rank 0).
+            members: Dict[Tuple[str, ...], List[int]] = {}
+            member_sizes: Dict[bytes, List[int]] = {}
+            raw: List[list] = []
+            for row in self._raw:
+                row = _rounded(row)
+                indices = members.get(row[_NAMES])
+                if indices is None:
+                    indices = members[row[_NAMES]] = [index(name) for name in row[_NAMES]]
+                row[_NAMES] = indices
+                packed = row[_SIZES].tobytes()
+                sizes = member_sizes.get(packed)
+                if sizes is None:
+                    sizes = member_sizes[packed] = row[_SIZES].tolist()
+                row[_SIZES] = sizes
+                raw.append(row)
             return {
                 "rank": self.rank,
-                "tensors": list(self._names),
+                "tensors": list(names),
                 "messages": schema.table(schema.MESSAGE_COLUMNS, messages),
                 "tensors_time": schema.table(schema.TENSOR_COLUMNS, tensors),
+                "tensors_folded": self.tensors_folded,
                 "steps": schema.table(schema.STEP_COLUMNS, [_rounded(s) for s in self._steps]),
                 "steps_dropped": self.steps_seen - len(self._steps),
-                "collectives": schema.table(schema.COLLECTIVE_COLUMNS, [_rounded(r) for r in self._raw]),
+                "collectives": schema.table(schema.COLLECTIVE_COLUMNS, raw),
                 "collectives_dropped": self.collectives_seen - len(self._raw),
             }
 

@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence
 
 from hpdl.bench.stats import format_table
 from hpdl.profile.analysis import Analysis, Row, format_size
+from hpdl.profile.schema import OTHER_TENSORS
 
 TOP = 10
 
@@ -51,6 +52,11 @@ def job_line(a: Analysis, path: str) -> str:
     return line + (f"; MISSING ranks {', '.join(map(str, missing))}" if missing else "")
 
 
+def _folded(a: Analysis) -> str:
+    folded = max((r.get("tensors_folded", 0) for r in a.ranks), default=0)
+    return f", {folded} more folded into the {OTHER_TENSORS!r} rows" if folded else ""
+
+
 def tables(a: Analysis) -> List[Table]:
     """Every table of the report, in order."""
     head = ["calls", "total ms", "mean ms", "busbw GB/s", "share"]
@@ -60,7 +66,7 @@ def tables(a: Analysis) -> List[Table]:
               "(allreduce: bytes/time x 2(p-1)/p)", "classes"),
         Table(f"Top backend messages (of {len(a.by_message)})", ["message", *head], _time_rows(a.by_message[:TOP]),
               key="messages"),
-        Table(f"Top tensors (of {len(a.by_tensor)}; a fused message's time shared by bytes)",
+        Table(f"Top tensors (of {len(a.by_tensor)}{_folded(a)}; a fused message's time shared by bytes)",
               ["tensor", "bytes", "calls", "total ms", "share"],
               [[r.label, format_size(r.nbytes), f"{r.calls:.0f}", _ms(r.time_us), _pct(r.share)]
                for r in a.by_tensor[:TOP]], key="tensors"),

@@ -3,7 +3,8 @@
 Started by ``HPDL_PROFILE`` (at ``hvd.init()``) or ``hvd.start_profile(path)``; every rank
 records. The recording survives ``hvd.shutdown()`` / ``hvd.init()``: at each shutdown, before
 the engine stops, the ranks' records are gathered to rank 0 through the engine (a collective
-of every rank) and rank 0 writes the whole recording so far to the file, replacing it
+of every rank: an alltoall in which every rank sends its part to rank 0 alone, so only rank 0
+holds them all) and rank 0 writes the whole recording so far to the file, replacing it
 atomically; ``hvd.stop_profile()`` does the same and ends the recording.
 
 When the gather is impossible (the engine failed: a stall timeout, a lost peer), each rank
@@ -166,19 +167,45 @@ def _at_shutdown() -> None:
 def write(session: Session) -> None:
     """Gather every rank's part to rank 0 through the engine and write the file there."""
     from hpdl.torch import runtime
-    from hpdl.torch.functions import allgather_object
 
     part = session.part(session.counters(runtime.engine()))
     session.recorder.paused = True  # the gather is the profiler's, not the job's
     try:
-        parts = allgather_object(part, name="hpdl.profile.gather")
+        parts = _gather_to_rank_0(part)
     except HorovodInternalError:
         _write_parts(session, part, runtime.settings())
         return
     finally:
         session.recorder.paused = False
-    if session.rank == 0:
+    if parts is not None:
         _write_json(session.path, session.document(parts, runtime.settings()))
+
+
+def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    """Every rank's ``part``, in rank order, on rank 0 (None on the others).
+
+    The engine has no gather; an alltoall in which each rank sends all of its bytes to rank 0
+    and none to the others is one, so no other rank holds every rank's part (an allgather
+    would: tens of MB each on a long run).
+    """
+    import pickle
+
+    import torch
+
+    import hpdl.torch as hvd
+
+    payload = torch.frombuffer(bytearray(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    splits = [payload.numel()] + [0] * (hvd.size() - 1)
+    received, counts = hvd.alltoall(payload, splits=splits, name="hpdl.profile.gather")
+    if hvd.rank() != 0:
+        return None
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    data = received.numpy().tobytes()
+    parts, offset = [], 0
+    for count in counts:
+        parts.append(pickle.loads(data[offset:offset + count]))
+        offset += count
+    return parts
 
 
 def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
