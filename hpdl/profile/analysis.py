@@ -124,9 +124,39 @@ class Arrival:
     p90_spread_us: float
     max_spread_us: float
     ranks: List[RankArrival]
-    # Median negotiation time of the rank that arrived last: what a round itself costs, since
-    # that rank had no one left to wait for.
-    last_negotiate_us: float = 0.0
+
+
+@dataclasses.dataclass
+class RankWaits:
+    """One rank's waits at the collectives matched across ranks (totals, µs)."""
+
+    rank: int
+    queue_us: float
+    negotiate_us: float
+    last: int  # collectives this rank joined last (its submission plus its queue wait)
+    late_us: float  # at those, how far behind the first rank to join
+    late_queue_us: float  # of late_us, what its queue wait beyond the others' explains
+
+
+@dataclasses.dataclass
+class Waits:
+    """Negotiation time split by cause, over the collectives matched across ranks.
+
+    A rank joins a collective's negotiation when its engine thread takes the request from its
+    queue (submission plus queue wait). The last rank to join has no one left to wait for:
+    its negotiation is the round's own cost, and every rank pays up to that much; the rest of
+    the ranks' negotiation is waiting for the last one.
+    """
+
+    collectives: int
+    negotiate_us: float  # all ranks' negotiation
+    round_us: float  # of it, each rank's negotiation up to the last joiner's
+    ranks: List[RankWaits]
+
+    @property
+    def waiting_share(self) -> float:
+        """The share of negotiation time spent waiting for a rank that joined later."""
+        return 1.0 - self.round_us / self.negotiate_us if self.negotiate_us else 0.0
 
 
 @dataclasses.dataclass
@@ -156,7 +186,9 @@ class Analysis:
         self.by_tensor = self._by_tensor()
         self.per_rank_steps = [self._step_stats(f"rank {r['rank']}", [r]) for r in self.ranks]
         self.steps = self._step_stats("all ranks", self.ranks)
-        self.arrival = self._arrival()
+        matched = self.matched_collectives() if len(self.ranks) > 1 else []
+        self.arrival = self._arrival(matched)
+        self.waits = self._waits(matched)
         self.fusion = self._fusion()
 
     def _row(self, rows: Dict[Any, Row], key: Any, label: str, message: Dict[str, Any]) -> None:
@@ -222,21 +254,18 @@ class Analysis:
         rows = list(schema.records(rank, "collectives"))
         return [c for c in rows if c["step"] > 0] or rows
 
-    def _arrival(self) -> Optional[Arrival]:
-        if len(self.ranks) < 2:
-            return None
-        ready: Dict[Tuple[int, int], Dict[int, float]] = {}
-        negotiate: Dict[Tuple[int, int], Dict[int, float]] = {}
+    def matched_collectives(self) -> List[Dict[int, Dict[str, Any]]]:
+        """The steady collectives that more than one rank recorded: per collective, rank -> row."""
+        by_key: Dict[Tuple[int, int], Dict[int, Dict[str, Any]]] = {}
         for rank in self.ranks:
             for c in self.steady_collectives(rank):
-                key = (c["process_set"], c["seq"])
-                ready.setdefault(key, {})[rank["rank"]] = c["ready_us"]
-                negotiate.setdefault(key, {})[rank["rank"]] = c["negotiate_us"]
-        keys = [key for key, times in ready.items() if len(times) > 1]
-        matched = [ready[key] for key in keys]
+                by_key.setdefault((c["process_set"], c["seq"]), {})[rank["rank"]] = c
+        return [rows for rows in by_key.values() if len(rows) > 1]
+
+    def _arrival(self, collectives: List[Dict[int, Dict[str, Any]]]) -> Optional[Arrival]:
+        matched = [{r: c["ready_us"] for r, c in rows.items()} for rows in collectives]
         if not matched:
             return None
-        last_negotiate = [negotiate[key][max(ready[key], key=ready[key].get)] for key in keys]
         spreads = sorted(max(t.values()) - min(t.values()) for t in matched)
         last = {r["rank"]: 0 for r in self.ranks}
         late = {r["rank"]: [] for r in self.ranks}
@@ -247,7 +276,29 @@ class Analysis:
                 late[rank].append(t - first)
         ranks = [RankArrival(r, last[r], statistics.fmean(late[r]) if late[r] else 0.0) for r in sorted(last)]
         return Arrival(len(matched), float(statistics.median(spreads)), spreads[int(0.9 * (len(spreads) - 1))],
-                       spreads[-1], ranks, float(statistics.median(last_negotiate)))
+                       spreads[-1], ranks)
+
+    def _waits(self, matched: List[Dict[int, Dict[str, Any]]]) -> Optional[Waits]:
+        if not matched:
+            return None
+        ranks = {r["rank"]: RankWaits(r["rank"], 0.0, 0.0, 0, 0.0, 0.0) for r in self.ranks}
+        total = rounds = 0.0
+        for rows in matched:
+            joined = {r: c["ready_us"] + c["queue_us"] for r, c in rows.items()}
+            last = max(joined, key=joined.get)
+            round_us = rows[last]["negotiate_us"]
+            for r, c in rows.items():
+                ranks[r].queue_us += c["queue_us"]
+                ranks[r].negotiate_us += c["negotiate_us"]
+                total += c["negotiate_us"]
+                rounds += min(c["negotiate_us"], round_us)
+            late = joined[last] - min(joined.values())
+            others_queue = min(c["queue_us"] for r, c in rows.items() if r != last)
+            waits = ranks[last]
+            waits.last += 1
+            waits.late_us += late
+            waits.late_queue_us += min(late, max(0.0, rows[last]["queue_us"] - others_queue))
+        return Waits(len(matched), total, rounds, [ranks[r] for r in sorted(ranks)])
 
     def _fusion(self) -> Fusion:
         threshold = int(self.job.get("settings", {}).get("fusion_threshold", 0))

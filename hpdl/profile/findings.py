@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from typing import Dict, List, Optional, Tuple
 
 from hpdl.profile.analysis import Analysis, format_size
@@ -121,18 +120,29 @@ def _negotiation(a: Analysis) -> Optional[str]:
         return None
     text = (f"collectives wait {_ms(negotiate)} per rank in negotiation against {_ms(backend)} in backend "
             "calls (after start-up): ")
-    typical = statistics.median(c["negotiate_us"] for cs in steady for c in cs)
-    arrival = a.arrival
-    if arrival is not None and arrival.last_negotiate_us >= 0.5 * typical:
-        # The last rank to arrive waits for no one: what it still waits is the rounds' own cost.
-        return text + (f"even the last rank to reach a collective waits {_ms(arrival.last_negotiate_us)} (median) "
-                       "for its round, so the rounds are slow, not the ranks: with collectives in flight on a "
-                       "slow link they queue behind the data (a smaller HPDL_PRIORITY_WINDOW keeps less in "
-                       "flight), else the engine cycles too slowly (HPDL_CYCLE_TIME).")
-    if arrival is None:
-        return text + "the ranks reach them at different times, or the engine cycles too slowly (HPDL_CYCLE_TIME)."
-    return text + (f"mostly the ranks reaching them at different times (see arrival): the last to arrive waits "
-                   f"{_ms(arrival.last_negotiate_us)} (median) for its round.")
+    slow_rounds = ("with collectives in flight on a slow link they queue behind the data (a smaller "
+                   "HPDL_PRIORITY_WINDOW keeps less in flight), else the engine cycles too slowly (HPDL_CYCLE_TIME).")
+    if a.size < 2:
+        return text + ("with one rank there is no one to wait for, so this is the engine's rounds themselves: it "
+                       "cycles too slowly (HPDL_CYCLE_TIME).")
+    w = a.waits
+    if w is None or not w.negotiate_us:
+        return text + (f"the file has no collective recorded by more than one of the {a.size} ranks, so it cannot "
+                       "tell ranks waiting for each other from slow rounds.")
+    # Weighed by time: what share of all negotiation is waiting for a rank that joined later.
+    if w.waiting_share < 0.5:
+        return text + (f"{1 - w.waiting_share:.0%} of it is what even the last rank to join a collective waits "
+                       f"for its round, so the rounds are slow, not the ranks: {slow_rounds}")
+    worst = max(w.ranks, key=lambda r: r.late_us)
+    text += (f"{w.waiting_share:.0%} of it is ranks waiting for the last to join. Rank {worst.rank} joins last at "
+             f"{worst.last / w.collectives:.0%} of collectives, {_ms(worst.late_us / max(worst.last, 1))} behind the "
+             "first on average")
+    if worst.late_us > 0 and worst.late_queue_us >= 0.5 * worst.late_us:
+        return text + (f", {worst.late_queue_us / worst.late_us:.0%} of that in its queue: rank {worst.rank}'s "
+                       f"engine thread is late to take requests from its queue ({_ms(worst.queue_us)} of queue wait "
+                       "in all), waiting for a core; the engine threads run at low priority (HPDL_ENGINE_NICE), so "
+                       "leave them a core (fewer compute threads) or raise their priority.")
+    return text + ": it submits them late, its training thread still computing (see arrival)."
 
 
 def _fill(a: Analysis) -> Optional[str]:
