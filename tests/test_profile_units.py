@@ -331,10 +331,30 @@ def test_report_and_compare_text():
     assert "32 MiB-64 MiB" in text and "exposed comm ms" in text and "Findings" in text
     compare = render_compare(before, "a.json", after, "b.json")
     row = next(line for line in compare.splitlines() if line.startswith("32 MiB-64 MiB"))
-    assert "-50%" in row and "settings: the same" in compare
+    assert "-50%" in row and "settings: the same" in compare and "job: the same (2 ranks, mpi, 1 host(s))" in compare
     tuned = make_profile(fusion_threshold=32 * MiB)
     assert "settings changed: fusion_threshold 67108864 -> 33554432" in render_compare(
         before, "a.json", Analysis(tuned), "b.json")
+
+
+def test_compare_reports_job_differences_and_fractional_messages_per_step():
+    one_rank = make_profile()
+    one_rank["ranks"] = one_rank["ranks"][:1]
+    one_rank["job"].update(size=1, hosts=["h"])
+    gloo = make_profile()
+    gloo["job"].update(backend="gloo", hosts=["h", "g"])
+    text = render_compare(Analysis(one_rank), "a.json", Analysis(gloo), "b.json")
+    assert "job changed: ranks 1 -> 2, backend mpi -> gloo, hosts 1 -> 2" in text, text
+    assert "settings: the same" in text
+    # Rank 0 sends 1 message per step and rank 1 sends 2: the median step sends 1.5.
+    mixed = make_profile()
+    steps = mixed["ranks"][1]["steps"]
+    column = steps["columns"].index("messages")
+    for row in steps["rows"]:
+        row[column] = 2
+    text = render_compare(Analysis(mixed), "a.json", Analysis(make_profile()), "b.json")
+    row = next(line for line in text.splitlines() if line.startswith("messages per step"))
+    assert row.split() == ["messages", "per", "step", "1.5", "1.0", "-33%"], row
 
 
 def test_timeline_tracks_and_phases():

@@ -91,7 +91,7 @@ def tables(a: Analysis) -> List[Table]:
             f"{_ms(arr.p90_spread_us)} ms, largest {_ms(arr.max_spread_us)} ms", "arrival"))
     f = a.fusion
     out.append(Table("Fusion", ["figure", "value"], [
-        ["messages per step (median)", f"{f.messages_per_step:.0f}"],
+        ["messages per step (median)", f"{f.messages_per_step:.1f}"],
         ["tensors per message (mean)", f"{f.tensors_per_message:.1f}"],
         ["messages carrying several tensors", _pct(f.fused_share)],
         [f"fill of the {format_size(f.threshold)} fusion buffer (mean, max)", f"{_pct(f.fill)}, {_pct(f.max_fill)}"],
@@ -133,7 +133,7 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
         out.append(Table("Per step (medians over all ranks' steps)", ["figure", "A", "B", "change"], step_rows))
     fa, fb = a.fusion, b.fusion
     out.append(Table("Fusion", ["figure", "A", "B", "change"], [
-        ["messages per step", f"{fa.messages_per_step:.0f}", f"{fb.messages_per_step:.0f}",
+        ["messages per step", f"{fa.messages_per_step:.1f}", f"{fb.messages_per_step:.1f}",
          _change(fa.messages_per_step, fb.messages_per_step)],
         ["tensors per message", f"{fa.tensors_per_message:.1f}", f"{fb.tensors_per_message:.1f}",
          _change(fa.tensors_per_message, fb.tensors_per_message)],
@@ -144,6 +144,12 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
 def render_compare(a: Analysis, path_a: str, b: Analysis, path_b: str) -> str:
     """The terminal comparison of run A (before) and run B (after)."""
     parts = [f"A: {job_line(a, path_a)}", f"B: {job_line(b, path_b)}"]
+    hosts_a, hosts_b = len(set(a.job.get("hosts", []))), len(set(b.job.get("hosts", [])))
+    job = [("ranks", a.size, b.size), ("backend", a.job.get("backend", "?"), b.job.get("backend", "?")),
+           ("hosts", hosts_a, hosts_b)]
+    differ = [f"{name} {x} -> {y}" for name, x, y in job if x != y]
+    parts.append(f"job changed: {', '.join(differ)}" if differ else
+                 f"job: the same ({a.size} ranks, {a.job.get('backend', '?')}, {hosts_a} host(s))")
     sa, sb = a.job.get("settings", {}), b.job.get("settings", {})
     changed = [f"{key} {sa.get(key, '-')} -> {sb.get(key, '-')}" for key in sorted({*sa, *sb})
                if sa.get(key) != sb.get(key)]
