@@ -165,7 +165,7 @@ def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
     bad_table = make_profile()
     bad_table["ranks"][1]["steps"]["columns"] = ["step"]
     # Valid JSON of the right shape with cells of the wrong type.
-    settings_null, hosts_number, names_text, threshold_nan = make_profile(), make_profile(), make_profile(), make_profile()
+    settings_null, hosts_number, names_text, threshold_nan = (make_profile() for _ in range(4))
     settings_null["job"]["settings"] = None
     hosts_number["job"]["hosts"] = 5
     names_text["ranks"][0]["collectives"]["rows"][2][COLLECTIVE_COLUMNS.index("names")] = "abc"

@@ -7,8 +7,8 @@ until :func:`unsubscribe`. An observer is called on the thread that emits (the e
 or the training thread for ``QUEUED`` and ``STEP``), must be quick and thread-safe, and must
 not call collectives. An observer that raises is reported once per process (a warning on the
 ``hpdl.engine.events`` logger, with its traceback), however many engines it sees, and keeps
-receiving events; it never breaks a collective. When no observer is subscribed, :attr:`EventBus.active` is False and the engine
-does not even build the events.
+receiving events; it never breaks a collective. When no observer is subscribed,
+:attr:`EventBus.active` is False and the engine does not even build the events.
 """
 
 from __future__ import annotations
