@@ -306,11 +306,11 @@ def test_fused_average_writes_the_mean_into_every_output(count):
 
 def test_waiting_on_a_handle_calls_its_on_wait_hook():
     woken = []
-    h = Handle("w", on_wait=lambda: woken.append(1))
+    h = Handle("w", on_wait=lambda handle: woken.append(handle))
     threading.Timer(0.05, h.set_result, args=(1,)).start()
-    assert h.wait() == 1 and woken == [1]
+    assert h.wait() == 1 and woken == [h]
     h.wait()  # already done: no hook
-    assert woken == [1]
+    assert woken == [h]
 
 
 def _prioritized(name, numel, priority):
@@ -375,7 +375,7 @@ class _PolledFlight:
     """A collective that, like MPI's non-blocking ones, moves only when polled: done after
     ``polls`` calls of done()."""
 
-    polled = True
+    poll_interval_s = 0.0005
 
     def __init__(self, polls):
         self.left = polls

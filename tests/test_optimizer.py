@@ -171,7 +171,7 @@ def test_synchronize_blocks_once_on_the_last_submitted_gradient(monkeypatch):
         first_block.set()
 
     def fake_allreduce_async_(tensor, name, **kwargs):
-        handle = Handle(name, on_wait=lambda: on_wait(name))
+        handle = Handle(name, on_wait=lambda _handle: on_wait(name))
         submitted.append((handle, tensor))
         return mpi_ops.AsyncHandle([handle], None, inplace=tensor)
 

@@ -44,9 +44,10 @@ class InFlight:
     """A collective started by :meth:`Communicator.allreduce_start`: done when its output is
     written. This base is the finished one that blocking backends return."""
 
-    #: True when nothing completes it by itself: the engine must call :meth:`done` now and
-    #: then (MPI's progress happens only inside its calls).
-    polled = False
+    #: How often the engine must call :meth:`done` while it is in flight, in seconds, for a
+    #: collective that nothing else moves on (MPI's progress happens only inside its calls);
+    #: 0: it completes by itself.
+    poll_interval_s = 0.0
 
     def done(self) -> bool:
         return True

@@ -120,7 +120,7 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp):
     return result
 
 
-def _wait_politely(request) -> None:
+def _wait_politely(request, max_sleep: Optional[float] = None) -> None:
     """Complete a non-blocking MPI request without occupying a core while the peers are late.
 
     On a machine with as many cores as ranks, a spinning wait steals the core that this rank's
@@ -136,15 +136,22 @@ def _wait_politely(request) -> None:
     else:
         return
     delay = 5e-5
+    longest = _MAX_SLEEP if max_sleep is None else max_sleep
     while not request.Test():
         time.sleep(delay)
-        delay = min(delay * 2, _MAX_SLEEP)
+        delay = min(delay * 2, longest)
 
 
 _SPIN_SECONDS = 1e-4
 # Each wake-up costs tens of microseconds of CPU on a virtual machine; a late peer (its engine
 # thread descheduled by the compute) is better waited for with few, longer sleeps.
 _MAX_SLEEP = 2e-3
+# While allreduces are in flight, MPI is called at least this often (the engine's polls, and
+# any wait meanwhile): they move only inside MPI's calls, and a longer gap lets the socket
+# buffers run dry; a round that slept 2 ms at a time while waiting for a late peer held every
+# transfer under way (measured: a 576 KiB allreduce beside a busy compute thread took 6.6 ms
+# polled every 0.5 ms, 23 ms every 2 ms, 20 ms in a blocking wait that spins on the shared core).
+POLL_INTERVAL_S = 5e-4
 
 
 class _PolledInFlight(InFlight):
@@ -153,24 +160,27 @@ class _PolledInFlight(InFlight):
     the kernel's socket buffers carry the bytes meanwhile, and the core is left to the
     compute instead of spinning in a blocking call."""
 
-    polled = True
-    __slots__ = ("_request", "_callback", "_done")
+    poll_interval_s = POLL_INTERVAL_S
+    __slots__ = ("_request", "_callback", "_done", "_owner")
 
-    def __init__(self, request):
+    def __init__(self, request, owner: "MPICommunicator"):
         self._request = request
         self._callback = None
         self._done = False
+        self._owner = owner
+        owner.in_flight += 1
 
     def done(self) -> bool:
         if not self._done and self._request.Test():
             self._done = True
+            self._owner.in_flight -= 1
             if self._callback is not None:
                 self._callback()
         return self._done
 
     def wait(self) -> None:
         if not self._done:
-            _wait_politely(self._request)
+            _wait_politely(self._request, POLL_INTERVAL_S)
             self.done()
 
     def on_done(self, callback) -> None:
@@ -196,6 +206,7 @@ class MPICommunicator(Communicator):
         # create, so made now), where no half-finished collective of the engine's is pending.
         self._probe = self._comm.Dup()
         self._probes = 0
+        self.in_flight = 0  # started allreduces not yet seen done (they progress when polled)
 
     @property
     def rank(self) -> int:
@@ -271,11 +282,11 @@ class MPICommunicator(Communicator):
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
         request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
-        return _PolledInFlight(request)
+        return _PolledInFlight(request, self)
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
-        _wait_politely(request)
+        _wait_politely(request, POLL_INTERVAL_S if self.in_flight else _MAX_SLEEP)
 
     def unanswering(self, wait_s: float) -> Optional[List[int]]:
         # Every rank sends a word to every other and listens for theirs: a peer whose word has

@@ -58,11 +58,12 @@ log = logging.getLogger("hpdl.engine")
 
 _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
 _IDLE_PAUSE_CAP_S = 0.02  # pause of a rank with nothing pending (its own submissions wake it at once)
-_LIVENESS_WAIT_S = 2.0
-# How often collectives that only progress when called (MPI over TCP) are polled while in
-# flight: often enough that the kernel's socket buffers never run dry at link speed, rarely
-# enough that the polling costs the compute little (each wake-up is tens of microseconds).
-_POLL_INTERVAL_S = 0.0005  # after a backend failure, how long the survivors listen for each other
+_LIVENESS_WAIT_S = 2.0  # after a backend failure, how long the survivors listen for each other
+# How often collectives that move only when polled (MPI over TCP) are polled while a caller
+# waits for a result: its core is idle then, and every protocol step the backend takes only
+# when called (a rendezvous, a reduction) would otherwise wait for the next poll. Otherwise
+# they are polled as often as the backend asks (InFlight.poll_interval_s).
+_AWAITED_POLL_INTERVAL_S = 5e-5
 
 
 def _lower_priority(increment: int) -> None:
@@ -140,6 +141,7 @@ class Engine:
         self._hot = False  # the last round started a negotiation that needs quick rounds
         self._timeline = None
         self._round_started: Optional[float] = None  # while a round runs: when it started
+        self._awaited: Optional[Handle] = None  # the handle a caller last started waiting for
         self._thread = threading.Thread(target=self._run, name="hpdl-engine", daemon=True)
         self._started = threading.Event()
         self._thread.start()
@@ -185,8 +187,10 @@ class Engine:
             self._wake.set()
         return handle
 
-    def expedite(self) -> None:
-        """Someone waits for a result: run the next cycle after at most the cycle time."""
+    def expedite(self, handle: Optional[Handle] = None) -> None:
+        """Someone waits for ``handle``: run the next cycle after at most the cycle time, and
+        poll what is in flight often until it is done (the waiter's core is idle meanwhile)."""
+        self._awaited = handle
         if self._fruitless:
             self._fruitless = 0
             self._round_wanted = True
@@ -308,8 +312,8 @@ class Engine:
         in flight as the backend completes them, meanwhile and before the next round."""
         executor = self.executor
         while True:
-            polled = executor.polled_in_flight()
-            if polled:
+            poll_s = executor.poll_interval_s()
+            if poll_s:
                 executor.poll()  # drives the backend's progress; calls back when one is done
             if self._collectives_done:
                 self._collectives_done = False
@@ -317,7 +321,11 @@ class Engine:
             remaining = until - time.monotonic()
             if remaining <= 0 or self._round_wanted:
                 break
-            self._wake.wait(min(remaining, _POLL_INTERVAL_S) if polled else remaining)
+            if poll_s:
+                awaited = self._awaited
+                urgent = awaited is not None and not awaited.poll()
+                remaining = min(remaining, _AWAITED_POLL_INTERVAL_S if urgent else poll_s)
+            self._wake.wait(remaining)
             self._wake.clear()
         self._round_wanted = False
         self._wake.clear()

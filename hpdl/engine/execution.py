@@ -210,10 +210,10 @@ class Executor:
         if self._on_done is not None:
             self._on_done()
 
-    def polled_in_flight(self) -> bool:
-        """Whether a collective in flight progresses only when polled (see :meth:`poll`)."""
+    def poll_interval_s(self) -> float:
+        """How often the collectives in flight must be polled (see :meth:`poll`); 0: never."""
         in_flight = self.in_flight
-        return bool(in_flight) and in_flight[0].flight.polled
+        return in_flight[0].flight.poll_interval_s if in_flight else 0.0
 
     def poll(self) -> None:
         """Let a backend that progresses only inside its calls move the collectives in flight;

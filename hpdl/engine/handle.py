@@ -20,12 +20,12 @@ class Handle:
     __slots__ = ("name", "_lock", "_result", "_error", "_callbacks", "_registry", "_key", "_on_wait")
 
     def __init__(self, name: str, registry: Optional[set] = None, key: Any = None,
-                 on_wait: Optional[Callable[[], None]] = None):
+                 on_wait: Optional[Callable[["Handle"], None]] = None):
         """Args:
             registry, key: ``key`` is removed from the set ``registry`` just before the handle
                 completes (the engine's names in flight), so a waiter can reuse the name at once.
-            on_wait: called when a caller starts blocking on the unfinished handle (the engine
-                then stops pacing its cycles down).
+            on_wait: called with the handle when a caller starts blocking on it unfinished (the
+                engine then stops pacing its cycles down, and polls what it waits for often).
         """
         self.name = name
         self._on_wait = on_wait
@@ -45,7 +45,7 @@ class Handle:
         """Block until done, neither returning the result nor raising its error."""
         if self._lock.locked():
             if self._on_wait is not None:
-                self._on_wait()
+                self._on_wait(self)
             started = time.perf_counter() if WAITS.enabled else None  # a profile counts exposed waits
             if not self._lock.acquire(True, -1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
