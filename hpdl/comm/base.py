@@ -48,6 +48,10 @@ class InFlight:
     #: collective that nothing else moves on (MPI's progress happens only inside its calls);
     #: 0: it completes by itself.
     poll_interval_s = 0.0
+    #: Whether the backend runs its collectives one after another (gloo's worker, nccl's
+    #: stream): then one's own time starts when the one before it finished. MPI's
+    #: non-blocking collectives progress side by side.
+    runs_in_order = True
 
     def done(self) -> bool:
         return True

@@ -161,6 +161,7 @@ class _PolledInFlight(InFlight):
     compute instead of spinning in a blocking call."""
 
     poll_interval_s = POLL_INTERVAL_S
+    runs_in_order = False
     __slots__ = ("_request", "_callback", "_done", "_owner")
 
     def __init__(self, request, owner: "MPICommunicator"):

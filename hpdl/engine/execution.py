@@ -192,15 +192,18 @@ class Executor:
 
     def _end_span(self, flight: _Flight) -> None:
         """Emit a background collective's COLLECTIVE event: from when the backend was free of
-        the ones before it (or its start, if later) to when it finished. Time spent queued
-        behind earlier collectives is not this one's (summing queued times would count the
-        same seconds of the network several times over)."""
+        the ones before it (or its start, if later) to when it finished, where the backend
+        runs them in order. Time spent queued behind earlier collectives is not this one's
+        (summing queued times would count the same seconds of the network several times
+        over). Collectives that progress side by side (MPI's) are timed from their start."""
         span = flight.span
         if span.start is None:
             return
         end = flight.done_us if flight.done_us is not None else ev.now_us()
         key = flight.process_set_id
-        begin = max(span.start, min(self._backend_free_us.get(key, 0.0), end))
+        begin = span.start
+        if flight.flight.runs_in_order:
+            begin = max(begin, min(self._backend_free_us.get(key, 0.0), end))
         self._backend_free_us[key] = end
         self.bus.emit(ev.Event(time_us=begin, duration_us=end - begin, **span.fields))
 
