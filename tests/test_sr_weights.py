@@ -183,6 +183,41 @@ def test_custom_edsr_round_trips_through_basicsr_and_edsr_pytorch_with_its_res_s
     assert len(assumed_notes) == 1 and assumed_notes[0].startswith("hpdl: note: res_scale is not stored")
 
 
+@pytest.mark.parametrize("name,blocks,feats,res_scale,read_as", [
+    ("edsr", 16, 64, 0.1, "edsr_baseline"), ("edsr_baseline", 32, 256, 1.0, "edsr"),
+], ids=["edsr at the baseline's size", "baseline at edsr's size"])
+def test_edsr_of_a_published_size_with_another_res_scale_is_exported_with_how_to_read_it_back(
+        tmp_path, capsys, name, blocks, feats, res_scale, read_as):
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import make_config
+
+    # hpdl reads weights of a published size as that published model: here the other res_scale
+    config = make_config(name, 2, blocks, feats)
+    assert config.res_scale == res_scale and (config.n_resblocks, config.n_feats) == (blocks, feats)
+    torch.manual_seed(0)
+    model = build_model_from_config(config).eval()
+    ckpt = save_checkpoint(tmp_path / "model.pt", make_checkpoint(model))
+    x = lr_batch(size=(5, 6))
+    with torch.no_grad():
+        ours = model(x)
+    for fmt, exported in (("edsr-pytorch", tmp_path / "e.pt"), ("basicsr", tmp_path / "b.pth")):
+        assert main(["sr", "export", str(exported), "--ckpt", str(ckpt), "--to", fmt]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpdl: note:")]
+        assert len(notes) == 1, notes
+        assert f"--res-scale {res_scale} when hpdl reads the file back" in notes[0]
+        assert f"otherwise it takes {read_as}'s" in notes[0]
+        assert (f"--res_scale {res_scale} for EDSR-PyTorch" in notes[0]) == (fmt == "edsr-pytorch" and res_scale != 1.0)
+        # without the option the file is read as the published model, with it as the model exported
+        assumed, told = load_model(exported)
+        assert told["meta"]["model_name"] == read_as and assumed.config.res_scale != res_scale
+        back, _ = load_model(exported, res_scale=res_scale)
+        with torch.no_grad():
+            assert not torch.allclose(assumed(x), ours, atol=1e-2)
+            assert torch.equal(back(x), ours)
+        del assumed, back
+        exported.unlink()
+
+
 def test_foreign_edsr_of_a_custom_size_takes_the_res_scale_it_is_given(tmp_path):
     ref = randomise(BasicsrEDSR(num_feat=16, num_block=3, upscale=3, res_scale=0.1), seed=7)
     torch.save({"params": ref.state_dict()}, tmp_path / "net.pth")
@@ -193,7 +228,7 @@ def test_foreign_edsr_of_a_custom_size_takes_the_res_scale_it_is_given(tmp_path)
         torch.testing.assert_close(model(x), ref(x / 255) * 255, atol=1e-3, rtol=1e-5)
 
 
-def test_res_scale_is_refused_where_the_weights_store_it_or_the_model_has_none(tmp_path):
+def test_res_scale_is_refused_where_the_weights_store_it_or_the_model_has_none(tmp_path, capsys):
     from hpdl.sr.errors import CheckpointError
     from hpdl.sr.registry import make_config, with_res_scale
     from hpdl.sr.weights import res_scale_note
@@ -202,6 +237,13 @@ def test_res_scale_is_refused_where_the_weights_store_it_or_the_model_has_none(t
     assert load_model(ckpt, res_scale=1.0)[1]["meta"]["config"]["res_scale"] == 1.0
     with pytest.raises(CheckpointError, match=r"b\.pt: an hpdl checkpoint of res_scale 1\.0, not 0\.1"):
         load_model(ckpt, res_scale=0.1)
+    # on the command line as docs/sr.md says: the stored value is accepted, another one refused in one line
+    export = ["sr", "export", str(tmp_path / "out.pth"), "--ckpt", str(ckpt), "--to", "basicsr", "--res-scale"]
+    assert main(export + ["0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hpdl: error: ") and "an hpdl checkpoint of res_scale 1.0, not 0.1" in err
+    assert not (tmp_path / "out.pth").exists()
+    assert main(export + ["1"]) == 0 and (tmp_path / "out.pth").exists()
     torch.save({"params": randomise(BasicsrMSRResNet(num_feat=8, num_block=1, upscale=2), 0).state_dict()},
                tmp_path / "msr.pth")
     with pytest.raises(CheckpointError, match=r"msr\.pth: srresnet has no res_scale"):

@@ -215,7 +215,8 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 def _add_res_scale(p: argparse.ArgumentParser) -> None:
     p.add_argument("--res-scale", type=float, metavar="X",
                    help="EDSR's residual scaling of EDSR-PyTorch or BasicSR weights, which do not store it "
-                   "(default: the published model's for its size, else 1.0)")
+                   "(default: the published model's for its size, else 1.0); an hpdl checkpoint's must equal "
+                   "its stored one")
 
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

@@ -13,7 +13,7 @@ from typing import List, Mapping, Optional
 import torch
 from torch import nn
 
-from hpdl.sr.registry import ModelConfig, architecture, published_size
+from hpdl.sr.registry import ModelConfig, architecture, assumed_res_scale, published_size
 
 __all__ = ["DIV2K_RGB_MEAN", "EDSR", "MeanShift", "build", "config_from_state_dict"]
 
@@ -113,6 +113,5 @@ def config_from_state_dict(sd: Mapping[str, torch.Tensor]) -> Optional[ModelConf
     if scale not in architecture("edsr").scales:
         return None
     size = published_size("edsr", blocks, feats)
-    if size is not None:
-        return ModelConfig(size.name, scale, blocks, feats, size.res_scale)
-    return ModelConfig("edsr_custom", scale, blocks, feats, 1.0)
+    return ModelConfig(size.name if size is not None else "edsr_custom", scale, blocks, feats,
+                       assumed_res_scale("edsr", blocks, feats))

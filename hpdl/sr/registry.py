@@ -21,6 +21,7 @@ __all__ = [
     "ModelConfig",
     "ModelSize",
     "architecture",
+    "assumed_res_scale",
     "describe_scales",
     "known_scales",
     "make_config",
@@ -165,6 +166,16 @@ def published_size(arch: str, n_resblocks: int, n_feats: int) -> Optional[ModelS
     """Return the published size of ``arch`` with these numbers, or None for another size."""
     return next((size for size in SIZES.values()
                  if size.arch == arch and (size.n_resblocks, size.n_feats) == (n_resblocks, n_feats)), None)
+
+
+def assumed_res_scale(arch: str, n_resblocks: int, n_feats: int) -> float:
+    """Return the res_scale hpdl takes for weights of this size that do not store it.
+
+    The published model's for a published size (EDSR 32x256: 0.1), else 1.0, the default of
+    EDSR-PyTorch and BasicSR.
+    """
+    published = published_size(arch, n_resblocks, n_feats)
+    return float(published.res_scale) if published is not None else 1.0
 
 
 def with_res_scale(config: ModelConfig, res_scale: Optional[float]) -> Tuple[ModelConfig, List[str]]:

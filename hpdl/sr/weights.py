@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from hpdl.sr.edsr import DIV2K_RGB_MEAN
-from hpdl.sr.registry import ModelConfig, architecture, published_size
+from hpdl.sr.registry import ModelConfig, architecture, assumed_res_scale, published_size
 
 __all__ = ["EXPORT_FORMATS", "WeightsError", "export_weights", "import_weights", "mean_shift_tensors", "res_scale_note"]
 
@@ -121,15 +121,24 @@ def export_weights(state: Mapping[str, torch.Tensor], config: ModelConfig, fmt: 
 def res_scale_note(config: ModelConfig, fmt: str) -> Optional[str]:
     """Return what the reader of exported weights must be told of their res_scale, which they do not hold.
 
-    EDSR-PyTorch and BasicSR build EDSR with res_scale 1.0 unless told otherwise, and hpdl
-    reads a size that is not a published one as 1.0: None when that is already right.
+    EDSR-PyTorch and BasicSR build EDSR with res_scale 1.0 unless told otherwise. hpdl reads
+    weights of a published size as the published model (its res_scale) and any other size as
+    1.0, so a model whose res_scale is not the one its size implies needs ``--res-scale`` to be
+    read back. None when both readers' defaults are already right.
     """
     if not architecture(config.arch).res_scaled:
         return None
-    custom = published_size(config.arch, config.n_resblocks, config.n_feats) is None
-    if config.res_scale == 1.0 and not custom:
+    res_scale = float(config.res_scale)
+    published = published_size(config.arch, config.n_resblocks, config.n_feats)
+    assumed_by_hpdl = assumed_res_scale(config.arch, config.n_resblocks, config.n_feats)
+    needs = []
+    if res_scale != 1.0:
+        needs.append(f"--res_scale {res_scale} for EDSR-PyTorch" if fmt == "edsr-pytorch"
+                     else f"res_scale: {res_scale} under network_g in BasicSR's options")
+    if res_scale != assumed_by_hpdl:
+        otherwise = (f"{published.name}'s {assumed_by_hpdl} for this size" if published is not None
+                     else f"{assumed_by_hpdl}, as for any size that is not a published one")
+        needs.append(f"--res-scale {res_scale} when hpdl reads the file back (otherwise it takes {otherwise})")
+    if not needs:
         return None
-    setting = (f"--res_scale {float(config.res_scale)} for EDSR-PyTorch" if fmt == "edsr-pytorch"
-               else f"res_scale: {float(config.res_scale)} under network_g in BasicSR's options")
-    back = f"; hpdl reads the file back with --res-scale {float(config.res_scale)}" if custom and config.res_scale != 1.0 else ""
-    return f"res_scale is not stored in the weights: this {config.describe()} needs {setting}{back}"
+    return f"res_scale is not stored in the weights: this {config.describe()} needs {', and '.join(needs)}"
