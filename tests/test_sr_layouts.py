@@ -160,9 +160,10 @@ def test_layout_folders_are_recognised_in_any_case(tmp_path, make, layout):
     (lambda r: (pair_set(r, "HR", "LR"), save(r / "LQ" / "baby.png", photo(24, 18))), ["two LR folders (LQ/ and LR/)"]),
     (lambda r: pair_set(r, "GT", "LR_bicubic"), ["ambiguous layout", "GT/, LR_bicubic/", "benchmark and hr_lr"]),
     (lambda r: pair_set(r / "Set5", "hr", "lr"), ["would take the LR images in lr/"]),
-    (lambda r: pair_set(r, "high", "low"), ["high/baby.png and low/baby.png share a name across two folders"]),
+    (lambda r: pair_set(r, "high", "low"),
+     ["high/baby.png (36x48) and low/baby.png (18x24) look like an HR image and its x2 LR image", "HR/ and LR/"]),
     (lambda r: (save(r / "a" / "baby.png", photo(24, 24)), save(r / "b" / "babyx2.png", photo(12, 12))),
-     ["a/baby.png and b/babyx2.png share a name"]),
+     ["a/baby.png (24x24) and b/babyx2.png (12x12) look like an HR image and its x2 LR image"]),
 ], ids=["lr alone", "GT alone", "two HR folders", "two LR folders", "GT with LR_bicubic", "parent of hr/lr sets",
         "same names in two plain folders", "babyx2 beside baby"])
 def test_an_hr_lr_folder_that_is_incomplete_doubled_or_plain_is_refused(tmp_path, make, fragments):
@@ -175,6 +176,41 @@ def test_an_hr_lr_folder_that_is_incomplete_doubled_or_plain_is_refused(tmp_path
     assert "\n" not in message and message.startswith(str(root))
     for fragment in fragments:
         assert fragment in message
+
+
+@pytest.mark.parametrize("images", [
+    {"2023/IMG_0001.png": (96, 96), "2024/IMG_0001.png": (96, 96), "2024/IMG_0002.png": (96, 96)},
+    {"cat/001.png": (40, 60), "dog/001.png": (33, 45), "dog/002.png": (40, 60)},
+    # box2 is not bo's x2 LR image unless its size is: here it is a quarter of it
+    {"a/bo.png": (96, 96), "b/box2.png": (24, 24), "b/box25.png": (48, 48), "c/bo.png": (90, 90)},
+], ids=["date folders", "class folders", "names ending in x and digits"])
+def test_photos_whose_sub_folders_reuse_names_are_a_plain_folder(tmp_path, images):
+    root = tmp_path / "photos"
+    for i, (name, (h, w)) in enumerate(images.items()):
+        save(root / name, photo(h, w, i))
+    assert detect_layout(root) == "folder"
+    pairs = open_pairs(root, 2, cache_dir=tmp_path / "cache")
+    assert pairs.names == sorted(name[: -len(".png")] for name in images)
+
+
+@pytest.mark.parametrize("images,fragment", [
+    ({"2023/baby.png": (36, 48), "misc/baby.png": (12, 16)},
+     "2023/baby.png (48x36) and misc/baby.png (16x12) look like an HR image and its x3 LR image"),
+    ({"shoot/day1/img.png": (50, 50), "other/img.png": (25, 25), "other/img2.png": (50, 50)},
+     "shoot/day1/img.png (50x50) and other/img.png (25x25) look like an HR image and its x2 LR image"),
+    ({"sets/baby.png": (96, 96), "small/babyX4.png": (24, 24)},
+     "sets/baby.png (96x96) and small/babyX4.png (24x24) look like an HR image and its x4 LR image"),
+    ({"baby.png": (48, 48), "babyx2.png": (24, 24)},
+     "baby.png (48x48) and babyx2.png (24x24) look like an HR image and its x2 LR image"),
+], ids=["same name at x3", "deeper folder, HR not a multiple", "x4 suffix", "one folder"])
+def test_an_hr_lr_pair_hidden_in_a_plain_folder_is_refused(tmp_path, images, fragment):
+    root = tmp_path / "photos"
+    for i, (name, (h, w)) in enumerate(images.items()):
+        save(root / name, photo(h, w, i))
+    with pytest.raises(SRDataError) as err:
+        detect_layout(root)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{root}: not a dataset layout") and fragment in message
 
 
 def test_an_lr_image_without_its_hr_image_is_named(tmp_path):

@@ -16,8 +16,9 @@ Layouts, chosen by ``open_pairs(data, ...)`` from what ``data`` contains:
 Folder names are compared regardless of case. HR and LR images are paired by name, and every
 LR image needs its HR image. A folder that mixes layouts, or holds part of one (LR images
 without their HR folder), is refused, naming what was found: read as a plain folder, its LR
-images would be scored as HR images. So is a plain folder with LR-like sub-folders, or with an
-image name in two sub-folders.
+images would be scored as HR images. So is a plain folder with LR-like sub-folders, or with two
+images of one name (``babyx2`` counting as ``baby``) whose sizes are those of an HR image and its
+LR image at a scale some model has.
 
 Every pair is decoded (or found in the cache) and checked when the dataset is built, in the
 main process, so bad files fail early with their name instead of inside a DataLoader worker.
@@ -42,9 +43,11 @@ from hpdl.sr.images import (
     DOWNSCALERS,
     bicubic_downscale,
     default_cache_dir,
+    header_size,
     list_images,
     prepare_embedded,
 )
+from hpdl.sr.registry import known_scales
 from hpdl.sr.transforms import NUM_DIHEDRAL, dihedral_array
 
 __all__ = [
@@ -233,8 +236,8 @@ _MARKERS = (
 )
 # A directory of LR images somewhere inside a folder that is read as HR images.
 _LR_DIR = re.compile(r"LR_bicubic|LRbicx\d+|DIV2K_(train|valid)_LR_.*|X\d+|LR|LQ", re.IGNORECASE)
-# EDSR-PyTorch names the x2 LR image of baby.png babyx2.png.
-_SCALE_SUFFIX = re.compile(r"x\d+$", re.IGNORECASE)
+# EDSR-PyTorch names the x2 LR image of baby.png babyx2.png (matched against a whole stem).
+_SCALE_SUFFIX = re.compile(r"(.+)x([1-9][0-9]*)", re.IGNORECASE)
 
 
 def detect_layout(data: PathLike) -> str:
@@ -288,14 +291,56 @@ def _refuse_lr_inside(folder: Path) -> None:
         if lr_dir is not None:
             raise SRDataError(f"{folder}: not a dataset layout, and read as a folder of HR images it would take "
                               f"the LR images in {lr_dir}/ for HR ones; give one set (e.g. .../Set5) or its HR folder")
-    first_of_name: Dict[str, Path] = {}  # image name, without an x<s> suffix -> first such image
+    _refuse_hr_lr_pairs(folder, images)
+
+
+def _refuse_hr_lr_pairs(folder: Path, images: List[Path]) -> None:
+    """Refuse two images of one name whose sizes are an HR image's and its LR image's at a known scale.
+
+    Photos that merely share a name (``2023/IMG_0001.png`` and ``2024/IMG_0001.png``, ``cat/001.png``
+    and ``dog/001.png``) pass; only the sizes tell an LR image from another photo, and only
+    images whose names collide have their headers read.
+    """
+    scales = known_scales()
+    by_name: Dict[str, List[Path]] = {}
     for relative in images:
-        name = _SCALE_SUFFIX.sub("", relative.stem) or relative.stem
-        other = first_of_name.setdefault(name, relative)
-        if other.parent != relative.parent:
-            raise SRDataError(f"{folder}: not a dataset layout, and {other} and {relative} share a name across two "
-                              "folders (an HR image and its LR image?); read as a folder of HR images both would be "
-                              "scored as HR: name the folders HR/ and LR/, or give one of them")
+        by_name.setdefault(_split_scale_suffix(relative.stem, scales)[0], []).append(relative)
+    for group in by_name.values():
+        if len(group) < 2:
+            continue
+        sizes = {relative: header_size(folder / relative) for relative in group}
+        of_size: Dict[Tuple[int, int], List[Path]] = {}
+        for relative, size in sizes.items():
+            if size is not None:
+                of_size.setdefault(size, []).append(relative)
+        for hr in group:
+            if sizes[hr] is None:
+                continue
+            width, height = sizes[hr]
+            for scale in scales:
+                for lr in of_size.get((width // scale, height // scale), ()):
+                    if lr != hr and _named_as_lr(lr.stem, hr.stem, scale, scales):
+                        raise SRDataError(
+                            f"{folder}: not a dataset layout, and {hr} ({width}x{height}) and {lr} "
+                            f"({width // scale}x{height // scale}) look like an HR image and its x{scale} LR image; "
+                            "read as a folder of HR images both would be scored as HR: name their folders HR/ "
+                            "and LR/, or give the HR images alone")
+
+
+def _split_scale_suffix(stem: str, scales: Sequence[int]) -> Tuple[str, Optional[int]]:
+    """Split ``babyx2`` into ``("baby", 2)`` if some model has scale 2, else return ``(stem, None)``.
+
+    Only a known scale counts, so that ``box25`` stays a name of its own.
+    """
+    match = _SCALE_SUFFIX.fullmatch(stem)
+    if match is not None and int(match[2]) in scales:
+        return match[1], int(match[2])
+    return stem, None
+
+
+def _named_as_lr(lr_stem: str, hr_stem: str, scale: int, scales: Sequence[int]) -> bool:
+    # BasicSR's LR image has its HR image's name, EDSR-PyTorch's adds x<scale>: the scale its size shows.
+    return lr_stem == hr_stem or _split_scale_suffix(lr_stem, scales) == (hr_stem, scale)
 
 
 @dataclasses.dataclass(frozen=True)

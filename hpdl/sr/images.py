@@ -14,6 +14,7 @@ import glob
 import hashlib
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -31,6 +32,7 @@ __all__ = [
     "bicubic_downscale",
     "check_pixels",
     "default_cache_dir",
+    "header_size",
     "list_images",
     "output_format",
     "prepare_embedded",
@@ -90,6 +92,23 @@ def read_image(path: PathLike, *, max_pixels: Optional[int] = None) -> np.ndarra
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, zlib errors...
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptImageError(f"{path}: cannot decode image (corrupt or truncated?): {reason}") from None
+
+
+def header_size(path: PathLike) -> Optional[Tuple[int, int]]:
+    """Return ``(width, height)`` from an image file's header without decoding its pixels; None if unreadable.
+
+    Decoding reports an unreadable file with its own error later; here it only cannot be compared.
+    """
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            # Only the header is read, so a huge declared size costs nothing here.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                return img.size
+    except Exception:  # PIL raises OSError, SyntaxError, DecompressionBombError...
+        return None
 
 
 def check_pixels(path: PathLike, size: Tuple[int, int], max_pixels: Optional[int]) -> None:
