@@ -241,7 +241,8 @@ def test_res_scale_is_refused_where_the_weights_store_it_or_the_model_has_none(t
     export = ["sr", "export", str(tmp_path / "out.pth"), "--ckpt", str(ckpt), "--to", "basicsr", "--res-scale"]
     assert main(export + ["0.1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("hpdl: error: ") and "an hpdl checkpoint of res_scale 1.0, not 0.1" in err
+    assert err.count("\n") == 1 and err.startswith("hpdl: error: ")
+    assert "an hpdl checkpoint of res_scale 1.0, not 0.1" in err
     assert not (tmp_path / "out.pth").exists()
     assert main(export + ["1"]) == 0 and (tmp_path / "out.pth").exists()
     torch.save({"params": randomise(BasicsrMSRResNet(num_feat=8, num_block=1, upscale=2), 0).state_dict()},
