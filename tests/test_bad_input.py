@@ -134,6 +134,44 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
         "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"
 
 
+def _nccl_runs_here() -> bool:
+    import torch
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+
+
+NCCL_REFUSED = "backend nccl: this PyTorch"
+NCCL_CASES = {
+    "bench --backend nccl": (["bench", "allreduce", "--min-size", "8", "--max-size", "8", "--backend", "nccl"], {}),
+    "sr train": (["sr", "train", "--config", "demo", "n_resblocks=1", "n_feats=8", "total_updates=1"],
+                 {"HPDL_BACKEND": "nccl"}),
+    "run --backend nccl": (["run", "-np", "1", "--backend", "nccl", "--", "true"], {}),
+    "run, HPDL_BACKEND=nccl": (["run", "-np", "1", "--", sys.executable, "-c", "import hpdl.torch as hvd; hvd.init()"],
+                               {"HPDL_BACKEND": "nccl"}),
+}
+
+
+@pytest.mark.skipif(_nccl_runs_here(), reason="this PyTorch has NCCL and a CUDA device")
+@pytest.mark.parametrize("case", list(NCCL_CASES))
+def test_nccl_without_nccl_or_cuda_is_one_line(case, tmp_path):
+    args, env = NCCL_CASES[case]
+    if args[:2] == ["sr", "train"]:
+        args = args + [f"out_dir={tmp_path / 'run'}"]
+    assert_one_line_error(hpdl(*args, env=env), NCCL_REFUSED, "use gloo or mpi")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(_nccl_runs_here(), reason="this PyTorch has NCCL and a CUDA device")
+def test_nccl_without_nccl_or_cuda_in_a_user_script_is_one_exception():
+    result = run_job([sys.executable, "-c", "import hpdl.torch as hvd; hvd.init()"], env={"HPDL_BACKEND": "nccl"})
+    assert result.returncode == 1
+    assert result.stderr.count("Traceback") == 1 and "During handling" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hpdl.comm.select.BackendUnavailableError: " + NCCL_REFUSED), last
+    assert last.endswith("use gloo or mpi"), last
+
+
 # == hpdl bench scaling: a study that cannot be run ==================================================
 
 @pytest.mark.parametrize("args,message", [

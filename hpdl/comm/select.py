@@ -6,6 +6,39 @@ from typing import Optional
 
 from hpdl.comm.base import CommError, Communicator
 from hpdl.comm.topology import Topology
+from hpdl.config import SettingsError
+
+
+class BackendUnavailableError(CommError, SettingsError):
+    """The backend asked for (``backend=``, ``HPDL_BACKEND``) cannot run with this installation.
+
+    A setting error too, so that hpdl's commands and ``hpdl run`` report it in one line as they
+    do any bad setting; a CommError still, for callers that catch the backend's errors.
+    """
+
+
+def nccl_unavailable_reason() -> Optional[str]:
+    """Why this PyTorch cannot run the nccl backend here, or None when it can."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        build = " (a CPU-only build)" if torch.version.cuda is None else ""
+        return f"this PyTorch {torch.__version__} has no NCCL{build}"
+    if not torch.cuda.is_available():
+        return f"this PyTorch {torch.__version__} sees no CUDA device"
+    return None
+
+
+def check_nccl_available() -> None:
+    """Raise :class:`BackendUnavailableError` unless this PyTorch can run the nccl backend.
+
+    Checked before torch.distributed is asked, whose own failure is a long traceback that
+    does not say what to use instead.
+    """
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"backend nccl: {reason}, use gloo or mpi")
 
 
 def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: bool = False) -> str:
@@ -22,7 +55,10 @@ def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: 
         return "nccl" if cuda else "gloo"
     if requested in ("mpi", "gloo", "nccl"):
         if requested == "mpi" and not mpi_present:
-            raise CommError("backend 'mpi' requested but mpi4py is not installed (pip install 'hpdl[mpi]')")
+            raise BackendUnavailableError(
+                "backend 'mpi' requested but mpi4py is not installed (pip install 'hpdl[mpi]')")
+        if requested == "nccl":
+            check_nccl_available()
         return requested
     if requested != "auto":
         raise CommError(f"unknown backend {requested!r}; use auto, mpi, gloo, nccl or torch")
@@ -49,6 +85,8 @@ def create_world(backend: str, topology: Topology, timeout_s: float = 1800.0, mp
 
         return MPICommunicator(mpi_comm, cuda_aware=cuda_aware)
     if backend in ("gloo", "nccl"):
+        if backend == "nccl":
+            check_nccl_available()
         from hpdl.comm.torch_dist import TorchCommunicator, init_process_group
 
         init_process_group(backend, topology.rank, topology.size, timeout_s)

@@ -321,6 +321,8 @@ def run_command(args: argparse.Namespace) -> int:
                 horovodrun.output_wrapper(args.output_filename, options.command)))
         info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
         commands, env = build_run(options, start_env, info)
+        if env.get("HPDL_BACKEND") == "nccl" and _every_rank_here(options, start_env, info):
+            _check_nccl_here()
         ssh_port, ssh_identity_file = args.ssh_port, args.ssh_identity_file
         if (ssh_port is not None or ssh_identity_file is not None) and _every_rank_here(options, start_env, info):
             sys.stderr.write("hpdl run: note: every rank runs on this host; ignoring --ssh-port and "
@@ -363,6 +365,17 @@ def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:
         return Settings.from_env(env).stall_timeout_s
     except SettingsError:
         return Settings.stall_timeout_s  # the bad variable is reported when the command is built
+
+
+def _check_nccl_here() -> None:
+    """Refuse backend nccl before launching when this host's PyTorch cannot run it (every rank
+    runs here); on other hosts it is their PyTorch that counts, and hvd.init() checks it there."""
+    from hpdl.comm.select import BackendUnavailableError, check_nccl_available
+
+    try:
+        check_nccl_available()
+    except BackendUnavailableError as err:
+        raise LaunchError(str(err)) from None
 
 
 def _every_rank_here(options: RunOptions, env: Dict[str, str], info: LauncherInfo) -> bool:
