@@ -125,7 +125,21 @@ def test_failed_engine_writes_parts_and_rank_0_merges_them(tmp_path):
     out = result.stdout
     assert out.count("RAISED") == 2, out
     assert result.returncode != 0  # after the failure the job is aborted, not finalized
+    assert "at shutdown failed" not in result.stderr, result.stderr[-3000:]  # the failure path raises nothing
     data = schema.load(str(path))
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["job"]["missing_ranks"] == []
     assert all(len(_rows(r, "steps")) == 2 for r in data["ranks"])
     assert not list(tmp_path.glob("abort.json.rank*"))  # merged parts are removed
+
+
+def test_rank_dying_from_an_exception_ends_the_job_promptly_with_both_parts(tmp_path):
+    # HPDL_STALL_TIMEOUT keeps its default (30 min): a gather at the dying rank's exit would hang.
+    path = tmp_path / "crash.json"
+    result = run_ranks("profile_api.py", 2, "mpiexec", args=["crash", str(path)], timeout=60, expect_ok=False)
+    assert result.returncode != 0
+    assert "rank 1 fails" in result.stderr
+    assert "at shutdown failed" not in result.stderr, result.stderr[-3000:]
+    data = schema.load(str(path))
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["job"]["missing_ranks"] == []
+    assert all(len(_rows(r, "steps")) == 2 for r in data["ranks"])
+    assert not list(tmp_path.glob("crash.json.rank*"))

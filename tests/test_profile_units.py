@@ -415,3 +415,48 @@ def test_html_page_is_self_contained_with_plots():
     assert "<script" not in page and "<link" not in page and "@import" not in page
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert "32 MiB-64 MiB" in page and "exposed communication is" in page
+
+
+def test_shutdown_hook_on_the_failure_path_leaves_no_error_of_its_own(monkeypatch, caplog):
+    # The gather fails (a peer is gone): write() takes the failure path, which ends the recording.
+    from hpdl.profile import session as sess
+    from hpdl.torch import runtime
+
+    class Engine:
+        def stats(self):
+            return {"cycles": 1}
+
+    recording = object.__new__(sess.Session)
+    recording.engine_counters = {}
+    recording.recorder = Recorder(0, 0.0)
+    monkeypatch.setattr(sess, "_session", recording)
+    monkeypatch.setattr(runtime, "engine", lambda: Engine())
+    monkeypatch.setattr(sess, "write", lambda s: sess._end(s))
+    monkeypatch.setattr(runtime, "_shutdown_hooks", [sess._at_shutdown])
+    with caplog.at_level(logging.ERROR, logger="hpdl"):
+        runtime._run_shutdown_hooks()
+    assert sess._session is None and not caplog.records, caplog.text
+
+
+def test_an_uncaught_exception_is_noted_and_passed_on_and_the_hooks_are_restored(monkeypatch):
+    import sys
+    import threading
+
+    from hpdl.profile import session as sess
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(("sys", a[0])))
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(("thread", args.exc_type)))
+    earlier = (sys.excepthook, threading.excepthook)
+    monkeypatch.setattr(sess, "_dying_from", None)
+    sess._wrap_excepthooks()
+    try:
+        thread = threading.Thread(target=lambda: 1 / 0)
+        thread.start()
+        thread.join()
+        assert sess._dying_from == "ZeroDivisionError" and seen == [("thread", ZeroDivisionError)]
+        sys.excepthook(KeyError, KeyError("k"), None)
+        assert seen[-1] == ("sys", KeyError) and sess._dying_from == "ZeroDivisionError"
+    finally:
+        sess._restore_excepthooks()
+    assert (sys.excepthook, threading.excepthook) == earlier and sess._previous_hooks is None

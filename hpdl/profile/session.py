@@ -13,6 +13,14 @@ from the thread that saw the failure (a stalled rank may never get further, and 
 aborted soon after: ``hpdl.engine.abort``). Rank 0 waits a moment for the other parts, merges
 the ones it finds into ``FILE`` (naming the missing ranks in ``job.missing_ranks``), removes
 them and ends the recording.
+
+The gather is skipped, and each rank writes its part the same way, when this process is dying
+from an uncaught exception (``sys.excepthook`` or ``threading.excepthook`` saw it): the other
+ranks may be waiting in a collective this rank will never submit, and a gather would wait with
+them until ``HPDL_STALL_TIMEOUT``. Once this rank's engine stops, their collectives fail, their
+gathers fail too and rank 0 merges the parts. A gather that has not finished within
+``GATHER_DEADLINE_S`` (a rank that died some other way, or one far behind) is given up for the
+same path.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -34,6 +43,9 @@ from hpdl.profile.clock import JobClock, estimate
 from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
 
 _PART_WAIT_S = 2.0  # within abort's allowance for failure hooks
+# Longer than a healthy gather takes (a few MB per rank) and than ranks usually drift apart
+# before shutdown, far shorter than HPDL_STALL_TIMEOUT (documented in docs/profile.md).
+GATHER_DEADLINE_S = 10.0
 _SETTINGS = ("fusion_threshold", "inplace_threshold", "cycle_time_ms", "cache_capacity", "hierarchical_allreduce",
              "engine_nice")
 # Engine counters summed over the engines a recording spans (its fusion-buffer size is a maximum).
@@ -91,6 +103,53 @@ class Session:
 
 
 _session: Optional[Session] = None
+# Set by the exception hooks below: the process is dying from an uncaught exception.
+_dying_from: Optional[str] = None
+# The hooks that were installed when start() wrapped them (restored by _end()).
+_previous_hooks: Optional[tuple] = None
+
+
+def _note_uncaught(exc_type) -> None:
+    global _dying_from
+    if _dying_from is None:
+        _dying_from = getattr(exc_type, "__name__", str(exc_type))
+
+
+def _sys_excepthook(exc_type, exc, tb) -> None:
+    _note_uncaught(exc_type)
+    previous = _previous_hooks[0] if _previous_hooks else sys.__excepthook__
+    previous(exc_type, exc, tb)
+
+
+def _threading_excepthook(args) -> None:
+    # SystemExit ends a thread quietly; anything else is a thread that died, whose peers may
+    # wait for what it would have submitted.
+    if args.exc_type is not SystemExit:
+        _note_uncaught(args.exc_type)
+    previous = _previous_hooks[1] if _previous_hooks else threading.__excepthook__
+    previous(args)
+
+
+def _wrap_excepthooks() -> None:
+    """Note an uncaught exception, then hand it to whatever hook was installed before."""
+    global _previous_hooks
+    if _previous_hooks is None:
+        _previous_hooks = (sys.excepthook, threading.excepthook)
+        sys.excepthook = _sys_excepthook
+        threading.excepthook = _threading_excepthook
+
+
+def _restore_excepthooks() -> None:
+    """Put back the earlier hooks, unless someone has wrapped ours since (theirs calls ours then)."""
+    global _previous_hooks
+    if _previous_hooks is None:
+        return
+    if sys.excepthook is _sys_excepthook:
+        sys.excepthook = _previous_hooks[0]
+    if threading.excepthook is _threading_excepthook:
+        threading.excepthook = _previous_hooks[1]
+    if sys.excepthook is not _sys_excepthook and threading.excepthook is not _threading_excepthook:
+        _previous_hooks = None
 
 
 def active() -> Optional[Session]:
@@ -115,6 +174,7 @@ def start(path: str) -> None:
     ev.subscribe(_session.recorder.observe)
     runtime._shutdown_hooks.append(_at_shutdown)
     abort.add_failure_hook(_at_failure)
+    _wrap_excepthooks()
 
 
 def stop() -> None:
@@ -140,6 +200,7 @@ def _end(session: Session) -> None:
     if _at_shutdown in runtime._shutdown_hooks:
         runtime._shutdown_hooks.remove(_at_shutdown)
     abort.remove_failure_hook(_at_failure)
+    _restore_excepthooks()
 
 
 def _at_failure() -> None:
@@ -159,9 +220,16 @@ def _at_shutdown() -> None:
     """Write the recording so far before the engine stops; keep recording for a later init()."""
     from hpdl.torch import runtime
 
-    if _session is not None:
-        write(_session)
-        _session.engine_counters = _session.counters(runtime.engine())  # that engine is about to stop
+    session = _session
+    if session is None:
+        return
+    if _dying_from is not None:
+        # The other ranks may be waiting for a collective this rank will never submit.
+        _write_parts(session, session.part(session.counters(runtime.engine())), runtime.settings())
+        return
+    write(session)  # may end the recording (the failure path)
+    if _session is session:
+        session.engine_counters = session.counters(runtime.engine())  # that engine is about to stop
 
 
 def write(session: Session) -> None:
@@ -172,7 +240,7 @@ def write(session: Session) -> None:
     session.recorder.paused = True  # the gather is the profiler's, not the job's
     try:
         parts = _gather_to_rank_0(part)
-    except HorovodInternalError:
+    except (HorovodInternalError, TimeoutError):
         _write_parts(session, part, runtime.settings())
         return
     finally:
@@ -183,6 +251,9 @@ def write(session: Session) -> None:
 
 def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     """Every rank's ``part``, in rank order, on rank 0 (None on the others).
+
+    Raises:
+        TimeoutError: the gather had not finished within ``GATHER_DEADLINE_S``.
 
     The engine has no gather; an alltoall in which each rank sends all of its bytes to rank 0
     and none to the others is one, so no other rank holds every rank's part (an allgather
@@ -196,7 +267,14 @@ def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
 
     payload = torch.frombuffer(bytearray(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
     splits = [payload.numel()] + [0] * (hvd.size() - 1)
-    received, counts = hvd.alltoall(payload, splits=splits, name="hpdl.profile.gather")
+    handle = hvd.alltoall_async(payload, splits=splits, name="hpdl.profile.gather")
+    deadline = time.monotonic() + GATHER_DEADLINE_S
+    while not hvd.poll(handle):
+        if time.monotonic() > deadline:
+            # Left pending: stopping this rank's engine next fails it here and on the peers.
+            raise TimeoutError(f"the profile's gather did not finish within {GATHER_DEADLINE_S:g} s")
+        time.sleep(0.005)
+    received, counts = hvd.synchronize(handle)
     if hvd.rank() != 0:
         return None
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)

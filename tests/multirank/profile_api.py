@@ -1,7 +1,7 @@
 """The profiler from code: start/stop, profile_step, a recording and a subscription across
 shutdown()/init(), and the failure path (the engine failed: parts written, rank 0 merges).
 
-Usage: profile_api.py {api|survive|abort} FILE. Rank 0 prints what the pytest wrapper checks.
+Usage: profile_api.py {api|survive|abort|crash} FILE. Rank 0 prints what the pytest wrapper checks.
 """
 
 from __future__ import annotations
@@ -77,4 +77,18 @@ def abort() -> None:
     hvd.shutdown()
 
 
-run_main({"api": api, "survive": survive, "abort": abort}[mode])
+def crash() -> None:
+    # Rank 1 dies from an uncaught exception while rank 0 waits in a collective: its exit must
+    # not gather (rank 0 would never join), but write its part and let the job end.
+    hvd.init()
+    hvd.start_profile(path)
+    steps(2, "grad")
+    if hvd.rank() == 1:
+        raise RuntimeError("rank 1 fails")
+    steps(1, "waiting")
+
+
+if mode == "crash":
+    crash()  # not run_main, which would end the process before the exception hooks see it
+else:
+    run_main({"api": api, "survive": survive, "abort": abort}[mode])
