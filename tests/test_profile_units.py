@@ -460,3 +460,20 @@ def test_an_uncaught_exception_is_noted_and_passed_on_and_the_hooks_are_restored
     finally:
         sess._restore_excepthooks()
     assert (sys.excepthook, threading.excepthook) == earlier and sess._previous_hooks is None
+
+
+def test_bus_bandwidth_factors_follow_nccl_tests():
+    from hpdl.profile.analysis import bus_factor
+
+    # Allgather: nccl-tests' size is the gathered output (input x p), with (p-1)/p.
+    for p in (2, 3, 8):
+        assert bus_factor("allgather", p) == pytest.approx(p * (p - 1) / p)
+        assert bus_factor("allreduce", p) == pytest.approx(2 * (p - 1) / p)
+        assert bus_factor("reducescatter", p) == bus_factor("alltoall", p) == pytest.approx((p - 1) / p)
+        assert bus_factor("broadcast", p) == 1.0
+    profile = make_profile(sizes=(4 * MiB,))
+    for rank in profile["ranks"]:
+        for row in rank["messages"]["rows"]:
+            row[rank["messages"]["columns"].index("kind")] = "allgather"
+    # 4 MiB per rank gathered on 2 ranks in 0.1 s: 8 MiB output x 1/2 / 0.1 s.
+    assert Analysis(profile).classes[1].busbw_gbps == pytest.approx(8 * MiB / 2 / 0.1 / 1e9, rel=1e-3)

@@ -3,7 +3,8 @@
 Every figure is a mean over the ranks recorded (all ranks run the same collectives), except
 where a table is per rank. Communication time is the backend call's (what the study behind
 the size classes measured); bus bandwidth is ``bytes / time * factor`` as nccl-tests define it
-(allreduce ``2(p-1)/p``, allgather, reducescatter and alltoall ``(p-1)/p``, broadcast 1). The
+(allreduce ``2(p-1)/p``; allgather ``(p-1)/p`` of the gathered output, ``p-1`` of the input
+recorded; reducescatter and alltoall ``(p-1)/p`` of the input; broadcast 1). The
 first step (start-up: model building, the initial broadcasts) is left out of the per-step,
 fusion and arrival figures whenever later steps exist.
 """
@@ -53,12 +54,20 @@ def class_of(nbytes: int, edges: Sequence[int]) -> int:
 
 
 def bus_factor(kind: str, size: int) -> float:
-    """nccl-tests' bus-bandwidth factor of a collective on ``size`` ranks (0: not meaningful)."""
+    """nccl-tests' bus-bandwidth factor of a collective on ``size`` ranks, applied to the bytes
+    recorded (this rank's input; 0: not meaningful).
+
+    nccl-tests measure allgather by its gathered output (p times the input), with the factor
+    (p-1)/p: on the input that is (p-1). Reducescatter's and alltoall's size is the input
+    (the whole buffer each rank sends), with (p-1)/p; broadcast's the buffer, with 1.
+    """
     if size < 2:
         return 0.0
     if kind == "allreduce":
         return 2 * (size - 1) / size
-    if kind in ("allgather", "reducescatter", "alltoall"):
+    if kind == "allgather":
+        return float(size - 1)
+    if kind in ("reducescatter", "alltoall"):
         return (size - 1) / size
     return 1.0 if kind == "broadcast" else 0.0
 
