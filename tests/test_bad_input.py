@@ -654,6 +654,16 @@ def test_sr_upscale_to_a_format_pillow_cannot_write_fails_before_any_work(tmp_pa
     assert not output.exists()
 
 
+@pytest.mark.parametrize("suffix,fmt", [(".ico", "ICO"), (".icns", "ICNS")])
+def test_sr_upscale_to_a_format_that_resizes_the_image_fails_before_any_work(tmp_path, sr_files, suffix, fmt):
+    # Pillow's icon writers succeed by writing icon sizes, which would throw the result away.
+    _, photo = sr_files
+    output = tmp_path / f"out{suffix}"
+    result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(tmp_path / "none.pt"))
+    assert_one_line_error(result, f"{output}: ", f"{fmt} writer does not keep the image's size")
+    assert not output.exists()
+
+
 def test_sr_upscale_output_pillow_fails_to_write_is_one_line_naming_it(tmp_path, sr_files):
     # WebP takes RGB but not this size (at most 16383 pixels a side): known only when writing.
     ckpt, _ = sr_files

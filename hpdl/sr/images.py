@@ -10,6 +10,7 @@ to a temporary file and renamed, so concurrent ranks or a killed job never leave
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import io
@@ -161,13 +162,42 @@ def output_format(path: PathLike) -> str:
         raise SRDataError(f"{path}: unknown image extension {suffix!r} (use .png)")
     if fmt not in Image.SAVE:
         raise SRDataError(f"{path}: Pillow reads {fmt} images but cannot write them (use .png)")
-    # Some formats have a save handler that cannot write RGB (XBM, BLP) or is a stub waiting
-    # for a plugin (BUFR, HDF5): a tiny image tells, before minutes of work rather than after.
-    try:
-        Image.new("RGB", (8, 8)).save(io.BytesIO(), format=fmt)
-    except Exception as err:  # Pillow raises OSError, ValueError or KeyError, by format
-        raise SRDataError(f"{path}: Pillow cannot write RGB images as {fmt} ({_first_line(err)}; use .png)") from None
+    problem = _writer_problem(fmt)
+    if problem is not None:
+        raise SRDataError(f"{path}: {problem}; use .png")
     return fmt
+
+
+# Wider than ICO's largest icon (256 px) and of no icon's shape, so that a writer that resizes
+# to icon sizes shows it; small enough to cost milliseconds.
+_PROBE_SIZE = (300, 200)
+
+
+@functools.lru_cache(maxsize=None)
+def _writer_problem(fmt: str) -> Optional[str]:
+    """Why Pillow's ``fmt`` writer cannot hold an RGB result, or None when it can.
+
+    A probe image tells before minutes of work rather than after: some save handlers cannot
+    write RGB (XBM, BLP) or are stubs waiting for a plugin (BUFR, HDF5), and some succeed by
+    writing another size (ICO shrinks to at most 256 px, ICNS scales to fixed icon sizes).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    written = io.BytesIO()
+    try:
+        Image.new("RGB", _PROBE_SIZE).save(written, format=fmt)
+    except Exception as err:  # Pillow raises OSError, ValueError or KeyError, by format
+        return f"Pillow cannot write RGB images as {fmt} ({_first_line(err)})"
+    written.seek(0)
+    try:
+        with Image.open(written) as back:  # the header only: no pixels are decoded
+            size = back.size
+    except (UnidentifiedImageError, OSError):
+        return None  # a format Pillow writes but does not read back (PDF): nothing to compare
+    if size != _PROBE_SIZE:
+        return (f"Pillow's {fmt} writer does not keep the image's size (a {_PROBE_SIZE[0]}x{_PROBE_SIZE[1]} "
+                f"image comes back {size[0]}x{size[1]})")
+    return None
 
 
 def write_image(path: PathLike, image: np.ndarray, *,
