@@ -477,3 +477,25 @@ def test_bus_bandwidth_factors_follow_nccl_tests():
             row[rank["messages"]["columns"].index("kind")] = "allgather"
     # 4 MiB per rank gathered on 2 ranks in 0.1 s: 8 MiB output x 1/2 / 0.1 s.
     assert Analysis(profile).classes[1].busbw_gbps == pytest.approx(8 * MiB / 2 / 0.1 / 1e9, rel=1e-3)
+
+
+def test_per_step_row_adds_up_when_step_and_wait_medians_come_from_different_steps():
+    profile = make_profile(steps=5)
+    # Long steps that wait little, short steps that wait long: each column's own median
+    # would come from different steps, and compute + exposed would not be the step.
+    lengths, waits = (100_000, 300_000, 200_000, 400_000), (90_000, 10_000, 50_000, 20_000)
+    for rank in profile["ranks"]:
+        table = rank["steps"]
+        col = {name: i for i, name in enumerate(table["columns"])}
+        start = 0.0
+        for row, length, wait in zip(table["rows"], (0, *lengths), (0, *waits)):
+            row[col["start_us"]], row[col["end_us"]], row[col["blocked_us"]] = start, start + length, wait
+            start += length
+    a = Analysis(profile)
+    for s in (*a.per_rank_steps, a.steps):
+        assert s.compute_us + s.exposed_us == pytest.approx(s.step_us)
+        assert s.exposed_share + s.efficiency == pytest.approx(1.0)
+    out = render(a, "p.json", [])
+    row = next(line for line in out.splitlines() if line.startswith("all ranks"))
+    step, compute, _comm, exposed = (float(x) for x in row.split()[3:7])
+    assert compute + exposed == pytest.approx(step, abs=0.02)

@@ -100,7 +100,11 @@ class Row:
 
 @dataclasses.dataclass
 class StepStats:
-    """Medians over one rank's steps (or all ranks'), in microseconds."""
+    """Medians over one rank's steps (or all ranks'), in microseconds.
+
+    Compute is the median step minus the median exposed communication, not a median of its
+    own, so that the row adds up: compute + exposed = step, exposed share + efficiency = 100 %.
+    """
 
     label: str
     steps: int
@@ -253,10 +257,9 @@ class Analysis:
         if not steps:
             return None
         med = lambda values: float(statistics.median(values))  # noqa: E731
-        durations = [s["end_us"] - s["start_us"] for s in steps]
-        return StepStats(label, len(steps), med(durations),
-                         med([d - s["blocked_us"] for d, s in zip(durations, steps)]),
-                         med([s["comm_us"] for s in steps]), med([s["blocked_us"] for s in steps]))
+        step = med([s["end_us"] - s["start_us"] for s in steps])
+        exposed = med([s["blocked_us"] for s in steps])
+        return StepStats(label, len(steps), step, step - exposed, med([s["comm_us"] for s in steps]), exposed)
 
     def steady_collectives(self, rank: Dict[str, Any]) -> List[Dict[str, Any]]:
         """The rank's raw collectives outside the start-up step (all of them if there is nothing else)."""

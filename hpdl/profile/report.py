@@ -78,7 +78,8 @@ def tables(a: Analysis) -> List[Table]:
             ["ranks", "steps", "step ms", "compute ms", "comm ms", "exposed comm ms", "exposed %", "efficiency"],
             [[s.label, str(s.steps), _ms(s.step_us), _ms(s.compute_us), _ms(s.comm_us), _ms(s.exposed_us),
               _pct(s.exposed_share), _pct(s.efficiency)] for s in steps],
-            "compute: step minus the time blocked waiting for collectives (exposed communication); comm: engine "
+            "compute: step minus the time blocked waiting for collectives (exposed communication), of the "
+            "medians, so that compute + exposed = step; comm: engine "
             "time of the step's collectives (copies and backend calls, mostly hidden behind backward); "
             "efficiency estimate: compute / step", "steps"))
     if a.arrival is not None:
