@@ -267,7 +267,23 @@ def test_straggler_is_named_with_its_lateness():
     assert arrival.ranks[1].last == 3 and arrival.ranks[1].mean_late_us == pytest.approx(8000.0)
     assert arrival.median_spread_us == pytest.approx(8000.0)
     text = " ".join(findings(a))
-    assert "rank 1 arrives last at 100% of collectives, 8.0 ms behind the first rank" in text
+    assert "rank 1 is 8.0 ms behind the first rank to arrive at a collective on average, 100% of all ranks' time" in text
+
+
+def test_straggler_is_weighed_by_time_behind_not_by_how_often_last():
+    profile = make_profile(late_rank1=30_000.0, steps=6)
+    # Rank 0 is last, by a hair, at 3 of the 5 steady collectives; rank 1 is far behind at the others.
+    for rank in profile["ranks"]:
+        table = rank["collectives"]
+        col = {name: i for i, name in enumerate(table["columns"])}
+        for row in table["rows"]:
+            if row[col["step"]] >= 3:
+                row[col["ready_us"]] += 100.0 if rank["rank"] == 0 else -30_000.0
+    a = Analysis(profile)
+    ranks = a.arrival.ranks
+    assert ranks[0].last == 3 and ranks[1].last == 2 and ranks[1].mean_late_us > 10 * ranks[0].mean_late_us
+    text = " ".join(findings(a))
+    assert "rank 1 is 12.0 ms behind" in text and "last at 40% of collectives" in text, text
 
 
 def test_negotiation_finding_tells_slow_rounds_from_late_ranks():

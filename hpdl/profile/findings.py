@@ -92,12 +92,16 @@ def _straggler(a: Analysis) -> Optional[str]:
     if arrival is None or not arrival.collectives:
         return None
     worst = max(arrival.ranks, key=lambda r: r.mean_late_us)
-    share = worst.last / arrival.collectives
+    # Weighed by time, not by count: a rank last by a hair at most collectives costs less than
+    # one that is last less often but far behind.
+    behind = sum(r.mean_late_us for r in arrival.ranks)
+    share = worst.mean_late_us / behind if behind else 0.0
     threshold = max(1000.0, 0.05 * steps.step_us) if steps else 1000.0
     if share >= 0.6 and worst.mean_late_us >= threshold:
-        return (f"rank {worst.rank} arrives last at {share:.0%} of collectives, {_ms(worst.mean_late_us)} behind the "
-                f"first rank on average (median spread {_ms(arrival.median_spread_us)}): it computes slower (a busy "
-                "core, uneven data) and every other rank waits for it.")
+        return (f"rank {worst.rank} is {_ms(worst.mean_late_us)} behind the first rank to arrive at a collective on "
+                f"average, {share:.0%} of all ranks' time behind (last at {worst.last / arrival.collectives:.0%} of "
+                f"collectives; median spread {_ms(arrival.median_spread_us)}): it computes slower (a busy core, "
+                "uneven data) and every other rank waits for it.")
     return (f"no rank straggles: the median spread of arrival at a collective is {_ms(arrival.median_spread_us)} "
             f"(90th percentile {_ms(arrival.p90_spread_us)}).")
 
