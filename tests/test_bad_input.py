@@ -643,6 +643,35 @@ def test_sr_image_declaring_too_many_pixels_is_refused_before_decoding(tmp_path,
     assert not (tmp_path / "out.png").exists()
 
 
+@pytest.mark.parametrize("bad", ["huge training image", "max_pixels below a training image", "missing val_data"])
+def test_sr_train_checks_image_sizes_and_val_data_before_decoding_the_training_set(tmp_path, bad):
+    from PIL import Image
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    _photo(tmp_path / "train" / "0.png", 36, 32)
+    _photo(tmp_path / "val" / "0.png", 30, 20)  # within max_pixels=1000 below, which 36x32 is not
+    huge = tmp_path / "train" / "huge.png"
+    Image.new("1", (12000, 12000)).save(huge)  # a few KB on disk, 432 MB decoded
+    args = _tiny_training(tmp_path, tmp_path / "run", 1)
+    if bad == "huge training image":
+        fragments = (str(huge), "12000x12000", "20,000,000", "max_pixels")
+    elif bad == "max_pixels below a training image":
+        huge.unlink()
+        args.append("max_pixels=1000")
+        fragments = (str(tmp_path / "train" / "0.png"), "36x32", "1,000", "max_pixels")
+    else:
+        # The training set's huge image would be refused too, but only once the set is read.
+        args = [a for a in args if not a.startswith("val_data=")] + [f"val_data={tmp_path / 'none'}", "val_at_end=true"]
+        fragments = (str(tmp_path / "none"), "no such directory")
+    start = time.monotonic()
+    result = hpdl(*args)
+    assert_one_line_error(result, *fragments)
+    assert time.monotonic() - start < 30  # nothing of the huge image was decoded
+    assert not list((tmp_path / "cache").rglob("huge*"))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("suffix,fmt", [(".psd", "PSD"), (".blp", "BLP"), (".xbm", "XBM"), (".bufr", "BUFR")],
                          ids=["read only", "no RGB mode", "one-bit only", "save handler a stub"])
 def test_sr_upscale_to_a_format_pillow_cannot_write_fails_before_any_work(tmp_path, sr_files, suffix, fmt):

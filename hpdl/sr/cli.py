@@ -15,13 +15,9 @@ import sys
 from typing import Any, Callable
 
 from hpdl.cli import CliError
+from hpdl.sr.config import DEFAULT_MAX_PIXELS
 
 __all__ = ["DEFAULT_MAX_PIXELS", "register"]
-
-# A small file can declare a huge image. The default keeps the x4 output of the largest input
-# allowed (3 bytes a pixel, 16x the input's pixels) under 1 GB, and an evaluated image's float
-# copies (HR, output, bicubic) within a few GB.
-DEFAULT_MAX_PIXELS = 20_000_000
 
 
 def register(subparsers: Any) -> None:

@@ -27,6 +27,10 @@ COMPRESSIONS = ("none", "fp16", "bf16")
 METRIC_SPACES = ("y", "rgb")
 BAD_IMAGE_POLICIES = ("fail", "skip")
 DOWNSCALERS = ("matlab", "torch")  # hpdl.sr.images.DOWNSCALERS, without importing numpy here
+# A small file can declare a huge image. The default keeps the x4 output of the largest input
+# allowed (3 bytes a pixel, 16x the input's pixels) under 1 GB, and an evaluated image's float
+# copies (HR, output, bicubic) within a few GB; training and validation images are held likewise.
+DEFAULT_MAX_PIXELS = 20_000_000
 
 
 class ConfigError(ValueError):
@@ -58,6 +62,7 @@ class TrainConfig:
     cache_dir: Optional[str] = None  # decode cache (default ~/.cache/hpdl/sr)
     on_bad_image: str = "fail"  # fail, or skip undecodable images with a warning
     downscaler: str = "matlab"  # LR made from HR (folders, embedded): matlab (imresize, as the benchmarks) or torch
+    max_pixels: int = DEFAULT_MAX_PIXELS  # refuse training/validation image files of more pixels (checked in the header)
 
     # -- optimisation --
     lr: float = 1e-4
@@ -136,7 +141,7 @@ def _check_ranges(c: TrainConfig) -> None:
     for key in ("n_resblocks", "n_feats", "global_batch_size", "workers", "warmup_updates", "lr_decay_steps",
                 "val_every", "val_tile", "ckpt_every", "threads"):
         need(getattr(c, key) >= 0, key, ">= 0")
-    for key in ("patch_size", "batch_size", "repeat", "total_updates", "log_every"):
+    for key in ("patch_size", "batch_size", "repeat", "total_updates", "log_every", "max_pixels"):
         need(getattr(c, key) >= 1, key, ">= 1")
     need(math.isfinite(c.lr) and c.lr > 0, "lr", "a positive number")
     need(all(0 <= b < 1 for b in c.betas), "betas", "two numbers in [0, 1)")

@@ -42,6 +42,7 @@ from hpdl.sr.images import (
     ImageCache,
     DOWNSCALERS,
     bicubic_downscale,
+    check_pixels,
     default_cache_dir,
     header_size,
     list_images,
@@ -524,6 +525,7 @@ def open_pairs(
     on_bad_image: str = "fail",
     max_pixels: Optional[int] = None,
     downscaler: str = "matlab",
+    limit_name: str = "--max-pixels",
 ) -> ImagePairs:
     """Find, decode (once) and check the pairs of ``data`` (a folder or ``"embedded"``).
 
@@ -538,6 +540,7 @@ def open_pairs(
         max_pixels: refuse image files of more pixels than this (None: Pillow's limit).
         downscaler: how LR is made where the dataset has none (plain folders, embedded):
             ``matlab`` (as the benchmark sets were made) or ``torch``.
+        limit_name: the option or key that sets ``max_pixels``, for its error.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -545,9 +548,33 @@ def open_pairs(
     layout = detect_layout(data)
     sources = _sources(data, layout, int(scale), split, index_range, root)
     return ImagePairs(
-        sources, scale, cache=ImageCache(root / "decoded", max_pixels=max_pixels), on_bad_image=on_bad_image,
-        layout=layout, downscaler=downscaler,
+        sources, scale, cache=ImageCache(root / "decoded", max_pixels=max_pixels, limit_name=limit_name),
+        on_bad_image=on_bad_image, layout=layout, downscaler=downscaler,
     )
+
+
+def check_pairs(
+    data: PathLike,
+    scale: int,
+    split: str = "val",
+    *,
+    cache_dir: Optional[PathLike] = None,
+    index_range: Optional[Tuple[int, int]] = None,
+    max_pixels: Optional[int] = None,
+    limit_name: str = "--max-pixels",
+) -> None:
+    """Check what ``open_pairs`` would open without decoding any image: the layout, the files,
+    and each file's size in its header against ``max_pixels``.
+
+    For a second data set whose errors should not wait for the first one's decoding (training
+    checks its validation set before decoding the training images).
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    for source in _sources(data, detect_layout(data), int(scale), split, index_range, root):
+        for path in (source.hr, source.lr):
+            size = header_size(path) if path is not None else None
+            if size is not None:  # an unreadable header is reported when the file is decoded
+                check_pixels(path, size, max_pixels, limit_name)
 
 
 def build_train_dataset(
@@ -562,11 +589,13 @@ def build_train_dataset(
     index_range: Optional[Tuple[int, int]] = None,
     on_bad_image: str = "fail",
     downscaler: str = "matlab",
+    max_pixels: Optional[int] = None,
+    limit_name: str = "--max-pixels",
 ) -> TrainPatches:
     """Build the training patches of ``data`` (see ``open_pairs`` for the arguments)."""
     pairs = open_pairs(
         data, scale, "train", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image,
-        downscaler=downscaler,
+        max_pixels=max_pixels, downscaler=downscaler, limit_name=limit_name,
     )
     return TrainPatches(pairs, patch_size, repeat=repeat, augment=augment, seed=seed)
 
@@ -580,9 +609,10 @@ def build_val_dataset(
     on_bad_image: str = "fail",
     max_pixels: Optional[int] = None,
     downscaler: str = "matlab",
+    limit_name: str = "--max-pixels",
 ) -> ImagePairs:
     """Build the whole-image validation pairs of ``data`` (see ``open_pairs``)."""
     return open_pairs(
         data, scale, "val", cache_dir=cache_dir, index_range=index_range, on_bad_image=on_bad_image,
-        max_pixels=max_pixels, downscaler=downscaler,
+        max_pixels=max_pixels, downscaler=downscaler, limit_name=limit_name,
     )

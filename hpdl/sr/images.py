@@ -73,15 +73,16 @@ def default_cache_dir() -> Path:
     return Path(base) / "hpdl" / "sr"
 
 
-def read_image(path: PathLike, *, max_pixels: Optional[int] = None) -> np.ndarray:
+def read_image(path: PathLike, *, max_pixels: Optional[int] = None, limit_name: str = "--max-pixels") -> np.ndarray:
     """Decode an image file to a uint8 ``(H, W, 3)`` RGB array (gray is repeated, alpha dropped).
 
     With ``max_pixels``, an image declaring more pixels is refused before it is decoded (a small
-    file can declare a huge image); that limit then replaces Pillow's own.
+    file can declare a huge image); that limit then replaces Pillow's own. ``limit_name`` is the
+    option or key that sets it, for the error.
     """
     try:
         with _opened(path, max_pixels) as img:
-            check_pixels(path, img.size, max_pixels)
+            check_pixels(path, img.size, max_pixels, limit_name)
             img.load()  # decode now, so truncation fails here and not at first use
             return _to_rgb(img)
     except SRDataError:
@@ -112,13 +113,15 @@ def header_size(path: PathLike) -> Optional[Tuple[int, int]]:
         return None
 
 
-def check_pixels(path: PathLike, size: Tuple[int, int], max_pixels: Optional[int]) -> None:
-    """Raise ``SRDataError`` naming ``path`` if an image of ``size`` (width, height) exceeds ``max_pixels``."""
+def check_pixels(path: PathLike, size: Tuple[int, int], max_pixels: Optional[int],
+                 limit_name: str = "--max-pixels") -> None:
+    """Raise ``SRDataError`` naming ``path`` if an image of ``size`` (width, height) exceeds ``max_pixels``
+    (set by the option or key ``limit_name``)."""
     width, height = size
     if max_pixels is not None and width * height > max_pixels:
         raise SRDataError(
             f"{path}: image of {width}x{height} ({width * height:,} pixels) exceeds the limit of "
-            f"{max_pixels:,} pixels; raise it with --max-pixels"
+            f"{max_pixels:,} pixels; raise it with {limit_name}"
         )
 
 
@@ -270,15 +273,20 @@ def bicubic_downscale(hr: np.ndarray, scale: int, downscaler: str = "matlab") ->
 class ImageCache:
     """Decode-once cache of images (and arrays derived from them) as memory-mapped ``.npy``."""
 
-    def __init__(self, root: Optional[PathLike] = None, *, max_pixels: Optional[int] = None) -> None:
-        """Keep entries under ``root``; refuse images of more than ``max_pixels`` (None: Pillow's limit)."""
+    def __init__(self, root: Optional[PathLike] = None, *, max_pixels: Optional[int] = None,
+                 limit_name: str = "--max-pixels") -> None:
+        """Keep entries under ``root``; refuse images of more than ``max_pixels`` (None: Pillow's limit),
+        set by the option or key ``limit_name``."""
         self.root = Path(root) if root is not None else default_cache_dir() / "decoded"
         self.max_pixels = max_pixels
+        self.limit_name = limit_name
 
     def image(self, path: PathLike) -> np.ndarray:
         """Return the decoded uint8 RGB image of ``path``, read-only and memory-mapped."""
-        image = self.derived(path, "rgb", lambda: read_image(path, max_pixels=self.max_pixels))
-        check_pixels(path, (image.shape[1], image.shape[0]), self.max_pixels)  # decoded earlier, without a limit
+        image = self.derived(path, "rgb", lambda: read_image(path, max_pixels=self.max_pixels,
+                                                             limit_name=self.limit_name))
+        # Decoded earlier, perhaps under another limit or none.
+        check_pixels(path, (image.shape[1], image.shape[0]), self.max_pixels, self.limit_name)
         return image
 
     def derived(self, source: PathLike, variant: str, compute: Callable[[], np.ndarray]) -> np.ndarray:

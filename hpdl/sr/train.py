@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 import hpdl.torch as hvd
 from hpdl.sr.checkpoint import capture_rng_state, load_checkpoint, make_checkpoint, restore_rng_state, save_checkpoint
 from hpdl.sr.config import TrainConfig, resolve_device
-from hpdl.sr.datasets import build_train_dataset, build_val_dataset, parse_range
+from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
 from hpdl.sr.errors import CheckpointError
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
@@ -171,19 +171,25 @@ def _open_data(cfg: TrainConfig, world: _World) -> _Data:
     """Open the training patches (this rank's shard of each epoch) and the validation images.
 
     Every image is decoded and checked here, in the main process, so that a bad file fails now
-    with its name; the DataLoader workers only crop memory-mapped arrays.
+    with its name; the DataLoader workers only crop memory-mapped arrays. A separate validation
+    set is checked first, without decoding, so that its errors do not wait for the training set's.
     """
+    validating = cfg.val_at_end or cfg.val_every > 0
+    if validating and cfg.val_data:
+        agreed("validation files", lambda: check_pairs(
+            cfg.val_data, cfg.scale, "val", cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
+            max_pixels=cfg.max_pixels, limit_name="max_pixels"))
     train_set = agreed("train data", lambda: build_train_dataset(
         cfg.data, cfg.scale, patch_size=cfg.patch_size, repeat=cfg.repeat, augment=cfg.augment, seed=cfg.seed,
         cache_dir=cfg.cache_dir, index_range=_range(cfg.train_range), on_bad_image=cfg.on_bad_image,
-        downscaler=cfg.downscaler))
+        downscaler=cfg.downscaler, max_pixels=cfg.max_pixels, limit_name="max_pixels"))
     if len(train_set) // world.size < world.batch_size:
         raise TrainError(f"{len(train_set)} patches per epoch give each of {world.size} ranks fewer than "
                          f"batch_size={world.batch_size}; raise repeat")
-    validating = cfg.val_at_end or cfg.val_every > 0
     val_set = agreed("validation data", lambda: build_val_dataset(
         cfg.val_data or cfg.data, cfg.scale, cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
-        on_bad_image=cfg.on_bad_image, downscaler=cfg.downscaler)) if validating else None
+        on_bad_image=cfg.on_bad_image, max_pixels=cfg.max_pixels, downscaler=cfg.downscaler,
+        limit_name="max_pixels")) if validating else None
     # The sampler gives each rank a disjoint share of every epoch's permutation, the same number
     # of samples on every rank; drop_last keeps every batch full, so all ranks make as many steps.
     sampler = ShardSampler(train_set, rank=world.rank, num_replicas=world.size, seed=cfg.seed)
