@@ -190,7 +190,27 @@ def test_tensor_rows_are_capped_keeping_the_most_time_and_folding_the_rest():
     assert other["calls"] == 490 and other["bytes"] == 16  # bytes per call
     assert sum(t["time_us"] for t in rows.values()) == pytest.approx(sum(100.0 + c for c in range(500)))
     text = render(Analysis(two_ranks_of(part)), "p.json", [])
-    assert "Top tensors (of 11, 490 more folded into the '(other tensors)' rows;" in text
+    assert "Top tensors (of 500, 490 of them folded into the '(other tensors)' rows;" in text
+
+
+def test_tensor_rows_fold_again_to_one_top_set_across_ranks(monkeypatch):
+    from hpdl.profile import recorder as rec
+
+    monkeypatch.setattr(rec, "TENSOR_ROWS", 10)
+    parts = []
+    for rank in (0, 1):  # the same 500 tensors; each rank's slowest are others' fastest
+        recorder = Recorder(rank=rank, zero_us=0.0, tensor_rows=10)
+        for call in range(500):
+            slow = call if rank == 0 else 499 - call
+            feed_call(recorder, "allreduce", [f"loss.{call}"], 1000.0 * call, backend_us=100.0 + slow)
+        parts.append(recorder.snapshot())
+    profile = two_ranks_of(parts[0])
+    profile["ranks"][1] = dict(parts[1], rank=1, host="h", engine={})
+    a = Analysis(profile)
+    assert a.tensor_count == 500 and a.tensors_folded == 490
+    assert len(a.by_tensor) == 11  # one top set of 10 and one "(other tensors)" row
+    assert sum(r.time_us for r in a.by_tensor) == pytest.approx(sum(100.0 + c for c in range(500)))
+    assert "Top tensors (of 500, 490 of them folded" in render(a, "p.json", [])
 
 
 def two_ranks_of(part: dict) -> dict:

@@ -236,15 +236,42 @@ class Analysis:
         return self._shares(sorted(rows.values(), key=lambda r: -r.time_us))
 
     def _by_tensor(self) -> List[Row]:
+        """Per tensor, over the ranks, folded again to one top set of ``TENSOR_ROWS``.
+
+        Each rank kept its own top tensors, so a tensor can have a row on one rank and be folded
+        into "(other tensors)" on another; its time would be split between two rows, and the
+        union of the ranks' rows is larger than any one rank's. Sets ``tensor_count`` (distinct
+        tensors recorded) and ``tensors_folded`` (of those, the ones without a row here).
+        """
+        from hpdl.profile.recorder import TENSOR_ROWS
+
         rows: Dict[tuple, Row] = {}
         n = len(self.ranks)
+        own_per_rank: List[int] = []
         for rank in self.ranks:
             names = rank["tensors"]
+            own = 0
             for t in schema.records(rank, "tensors_time"):
                 name = names[t["name"]] if 0 <= t["name"] < len(names) else f"#{t['name']}"
+                own += name != schema.OTHER_TENSORS
                 row = rows.setdefault((t["kind"], name), Row(f"{name} ({t['kind']})", nbytes=t["bytes"]))
                 row.calls += t["calls"] / n
                 row.time_us += t["time_us"] / n
+            own_per_rank.append(own)
+        named = sorted((key for key in rows if key[1] != schema.OTHER_TENSORS), key=lambda key: -rows[key].time_us)
+        # A rank's folded tensors are the ones it has no row for; those that another rank has a
+        # row for are already counted, the rest were folded on every rank (the ranks run the same
+        # collectives, so the largest such remainder is the count).
+        folded_everywhere = max((r.get("tensors_folded", 0) - (len(named) - own)
+                                 for r, own in zip(self.ranks, own_per_rank)), default=0)
+        self.tensor_count = len(named) + max(0, folded_everywhere)
+        for key in named[TENSOR_ROWS:]:
+            row = rows.pop(key)
+            other = rows.setdefault((key[0], schema.OTHER_TENSORS),
+                                    Row(f"{schema.OTHER_TENSORS} ({key[0]})", nbytes=row.nbytes))
+            other.calls += row.calls
+            other.time_us += row.time_us
+        self.tensors_folded = self.tensor_count - min(len(named), TENSOR_ROWS)
         return self._shares(sorted(rows.values(), key=lambda r: -r.time_us))
 
     @staticmethod

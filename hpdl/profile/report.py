@@ -53,8 +53,8 @@ def job_line(a: Analysis, path: str) -> str:
 
 
 def _folded(a: Analysis) -> str:
-    folded = max((r.get("tensors_folded", 0) for r in a.ranks), default=0)
-    return f", {folded} more folded into the {OTHER_TENSORS!r} rows" if folded else ""
+    folded = a.tensors_folded
+    return f", {folded} of them folded into the {OTHER_TENSORS!r} rows" if folded else ""
 
 
 def tables(a: Analysis) -> List[Table]:
@@ -66,7 +66,7 @@ def tables(a: Analysis) -> List[Table]:
               "(allreduce: bytes/time x 2(p-1)/p)", "classes"),
         Table(f"Top backend messages (of {len(a.by_message)})", ["message", *head], _time_rows(a.by_message[:TOP]),
               key="messages"),
-        Table(f"Top tensors (of {len(a.by_tensor)}{_folded(a)}; a fused message's time shared by bytes)",
+        Table(f"Top tensors (of {a.tensor_count}{_folded(a)}; a fused message's time shared by bytes)",
               ["tensor", "bytes", "calls", "total ms", "share"],
               [[r.label, format_size(r.nbytes), f"{r.calls:.0f}", _ms(r.time_us), _pct(r.share)]
                for r in a.by_tensor[:TOP]], key="tensors"),
