@@ -535,3 +535,30 @@ def test_per_step_row_adds_up_when_step_and_wait_medians_come_from_different_ste
     row = next(line for line in out.splitlines() if line.startswith("all ranks"))
     step, compute, _comm, exposed = (float(x) for x in row.split()[3:7])
     assert compute + exposed == pytest.approx(step, abs=0.02)
+
+
+def test_one_rank_and_an_empty_profile_read_plainly():
+    one = make_profile()
+    one["ranks"] = one["ranks"][:1]
+    one["job"].update(size=1, hosts=["h"])
+    a = Analysis(one)
+    assert "p.json: 1 rank (mpi)" in render(a, "p.json", findings(a))
+    assert "job: the same (1 rank, mpi, 1 host(s))" in render_compare(a, "a.json", a, "b.json")
+    empty = make_profile(steps=0)
+    for rank in empty["ranks"]:
+        rank["messages"]["rows"] = []
+        rank["tensors_time"]["rows"] = []
+    a = Analysis(empty)
+    text = render(a, "p.json", findings(a))
+    assert "nothing recorded" in text and "Findings" not in text and "messages per step" not in text, text
+
+
+def test_timeline_to_stdout(tmp_path, capsys, monkeypatch):
+    import json
+
+    from hpdl.profile.timeline import write_trace
+
+    monkeypatch.chdir(tmp_path)  # not a file named "-"
+    document = trace(make_profile())
+    assert write_trace(document, "-") == len(document["traceEvents"])
+    assert json.loads(capsys.readouterr().out) == document

@@ -199,6 +199,8 @@ class Analysis:
         self.by_tensor = self._by_tensor()
         self.per_rank_steps = [self._step_stats(f"rank {r['rank']}", [r]) for r in self.ranks]
         self.steps = self._step_stats("all ranks", self.ranks)
+        # Nothing between the start of the recording and its end (e.g. init() then shutdown()).
+        self.empty = not any(self.messages) and self.steps is None
         matched = self.matched_collectives() if len(self.ranks) > 1 else []
         self.arrival = self._arrival(matched)
         self.waits = self._waits(matched)

@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
     timeline = sub.add_parser("timeline", help="write a Chrome-trace / Perfetto file, one track per rank")
     timeline.add_argument("file", help="profile JSON file")
-    timeline.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
+    timeline.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write ('-': stdout)")
     timeline.set_defaults(func=_timeline)
     profile.set_defaults(func=lambda args: profile.print_help() or 2)
 
@@ -131,8 +131,11 @@ def _timeline(args) -> int:
         document = trace(analysis.profile)
     try:
         events = write_trace(document, args.output)
+    except BrokenPipeError:
+        raise  # stdout's reader went away: the CLI ends quietly, as for any output
     except OSError as err:
         raise CliError(f"cannot write {args.output}: {err.strerror or err}") from None
-    print(f"wrote {args.output}: {events} trace events, one track per rank (open in ui.perfetto.dev or "
-          "chrome://tracing)")
+    if args.output != "-":
+        print(f"wrote {args.output}: {events} trace events, one track per rank (open in ui.perfetto.dev or "
+              "chrome://tracing)")
     return 0

@@ -46,10 +46,14 @@ def job_line(a: Analysis, path: str) -> str:
     settings = job.get("settings", {})
     hosts = sorted(set(job.get("hosts", [])))
     missing = job.get("missing_ranks") or []
-    line = (f"{path}: {a.size} ranks ({job.get('backend', '?')}) on {', '.join(hosts) or '?'}; fusion threshold "
+    line = (f"{path}: {_ranks(a.size)} ({job.get('backend', '?')}) on {', '.join(hosts) or '?'}; fusion threshold "
             f"{format_size(settings.get('fusion_threshold', 0))}, in place from "
             f"{format_size(settings.get('inplace_threshold', 0))}; recorded {job.get('started', '?')}")
     return line + (f"; MISSING ranks {', '.join(map(str, missing))}" if missing else "")
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank" if count == 1 else f"{count} ranks"
 
 
 def _folded(a: Analysis) -> str:
@@ -92,7 +96,7 @@ def tables(a: Analysis) -> List[Table]:
             f"{_ms(arr.p90_spread_us)} ms, largest {_ms(arr.max_spread_us)} ms", "arrival"))
     f = a.fusion
     out.append(Table("Fusion", ["figure", "value"], [
-        ["messages per step (median)", f"{f.messages_per_step:.1f}"],
+        ["messages per step (median)", f"{f.messages_per_step:.1f}" if a.steps is not None else "-"],
         ["tensors per message (mean)", f"{f.tensors_per_message:.1f}"],
         ["messages carrying several tensors", _pct(f.fused_share)],
         [f"fill of the {format_size(f.threshold)} fusion buffer (mean, max)", f"{_pct(f.fill)}, {_pct(f.max_fill)}"],
@@ -104,9 +108,13 @@ def tables(a: Analysis) -> List[Table]:
 def render(a: Analysis, path: str, found: List[str]) -> str:
     """The terminal report."""
     parts = [job_line(a, path)]
+    if a.empty:
+        parts.append("nothing recorded: no collectives and no steps between the start of the recording and its end")
+        return "\n".join(parts)
     for t in tables(a):
         parts += ["", t.title, format_table(t.header, t.rows)] + ([t.note] if t.note else [])
-    parts += ["", "Findings"] + [f"- {text}" for text in found]
+    if found:
+        parts += ["", "Findings"] + [f"- {text}" for text in found]
     return "\n".join(parts)
 
 
@@ -150,7 +158,7 @@ def render_compare(a: Analysis, path_a: str, b: Analysis, path_b: str) -> str:
            ("hosts", hosts_a, hosts_b)]
     differ = [f"{name} {x} -> {y}" for name, x, y in job if x != y]
     parts.append(f"job changed: {', '.join(differ)}" if differ else
-                 f"job: the same ({a.size} ranks, {a.job.get('backend', '?')}, {hosts_a} host(s))")
+                 f"job: the same ({_ranks(a.size)}, {a.job.get('backend', '?')}, {hosts_a} host(s))")
     sa, sb = a.job.get("settings", {}), b.job.get("settings", {})
     changed = [f"{key} {sa.get(key, '-')} -> {sb.get(key, '-')}" for key in sorted({*sa, *sb})
                if sa.get(key) != sb.get(key)]

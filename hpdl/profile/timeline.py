@@ -21,6 +21,7 @@ every track nests.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Dict, List
 
 from hpdl.profile import schema
@@ -128,7 +129,12 @@ def trace(profile: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def write_trace(document: Dict[str, Any], path: str) -> int:
-    """Write a trace document (:func:`trace`) to ``path``; return the number of trace events."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(document, f, separators=(",", ":"))
+    """Write a trace document (:func:`trace`) to ``path`` ("-": stdout); return the number of trace events."""
+    if path == "-":
+        json.dump(document, sys.stdout, separators=(",", ":"))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(document, f, separators=(",", ":"))
     return len(document["traceEvents"])
