@@ -164,7 +164,7 @@ def test_cli_upscale_bad_input(tmp_path, ckpt, capsys):
     (tmp_path / "cut.pt").write_bytes(cut)
     assert main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "o.png"), "--ckpt",
                  str(tmp_path / "cut.pt")]) == 2
-    assert "cut.pt: not a readable checkpoint (truncated or corrupt?)" in error_line(capsys)
+    assert "cut.pt: not a readable checkpoint: the zip archive is truncated or damaged" in error_line(capsys)
 
 
 def test_cli_sr_without_subcommand_prints_help(capsys):

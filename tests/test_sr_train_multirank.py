@@ -82,7 +82,7 @@ def test_errors_are_one_line_on_rank_0_and_silent_elsewhere(tmp_path, data):
         "bad_value": "batch_size: expected an integer, got 'two'",
         "missing_config": "nope.yaml: no such config file",
         "missing_data": "absent: no such directory",
-        "truncated_ckpt": "truncated.pt: not a readable checkpoint (truncated or corrupt?)",
+        "truncated_ckpt": "truncated.pt: not a readable checkpoint: the zip archive is truncated or damaged",
         "other_scale_ckpt": "checkpoint is for edsr_custom x3, not edsr_custom x2",
         "corrupt_image": "broken.png: cannot decode image",
     }

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickletools
 import random
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -161,13 +162,84 @@ def _load_failure(err: BaseException, path: Path, head: bytes) -> str:
                 "which could run code")
     if refused:  # the file ends inside the name of a global
         return "not a readable checkpoint (truncated or corrupt?): it ends inside a pickle instruction"
+    # A bare pickle that torch refused unread (protocol 4 and later, or not torch.save's format)
+    # may hold code all the same: its instructions tell, read without being run.
+    code = _code_global(path) if head[:1] == b"\x80" else None
+    if code is not None:
+        return f"refused: holds Python objects ({code}) besides tensors and plain values, which could run code"
     if head[:1] == b"\x80" and "Invalid magic number" in text:  # torch.save's legacy format starts with one
         return "not a checkpoint hpdl can read (a pickle, but not in torch.save's format)"
     if head[:1] == b"\x80" and "Weights only load failed" in text:
         # What the safe loader does not read: the frames of protocol 4 and later, say.
         return (f"not a checkpoint hpdl can read (a pickle of protocol {head[1]} that torch's safe loader "
                 f"cannot read: {_unpickler_reason(text)})")
+    if head == b"PK\x03\x04" and (isinstance(err, OSError) and err.filename is None or "zip archive" in text):
+        # torch's zip reader reports a cut archive as a bare errno ("Invalid argument") or as a
+        # missing central directory: either way the file is no longer a whole zip archive.
+        return "not a readable checkpoint: the zip archive is truncated or damaged"
     return f"not a readable checkpoint (truncated or corrupt?): {_reason(err)}"
+
+
+# The pickle instructions that push a string, which STACK_GLOBAL takes as module and name.
+_STRING_OPCODES = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE",
+                   "BINUNICODE8"}
+# Those that push nothing, so that the strings STACK_GLOBAL takes stay the last two pushed.
+_NO_PUSH_OPCODES = {"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
+
+
+def _code_global(path: Path) -> Optional[str]:
+    """The first global of the pickle in ``path`` that torch's safe loader does not allow (a
+    function or class, which unpickling would import and may call), or None.
+
+    ``pickletools.genops`` only decodes the instructions: nothing is imported or run. A file cut
+    short is read as far as it goes.
+    """
+    allowed = _safe_globals()
+    pushed: List[Optional[str]] = []  # what each instruction pushed: its string, or None
+    memo: Dict[int, Optional[str]] = {}
+    try:
+        with open(path, "rb") as f:
+            for opcode, arg, _ in pickletools.genops(f):
+                name = opcode.name
+                if name in ("GLOBAL", "INST"):
+                    dotted = str(arg).replace(" ", ".")  # genops gives "module name"
+                elif name == "STACK_GLOBAL":
+                    module, attr = pushed[-2:] if len(pushed) >= 2 else (None, None)
+                    dotted = f"{module}.{attr}" if module and attr else "a global of unknown name"
+                    del pushed[-2:]
+                else:
+                    if name == "MEMOIZE":
+                        memo[len(memo)] = pushed[-1] if pushed else None
+                    elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                        memo[arg] = pushed[-1] if pushed else None
+                    elif name in ("GET", "BINGET", "LONG_BINGET"):
+                        pushed.append(memo.get(arg))
+                    elif name not in _NO_PUSH_OPCODES:
+                        pushed.append(str(arg) if name in _STRING_OPCODES else None)
+                    continue
+                if dotted not in allowed:
+                    return dotted
+                pushed.append(None)
+    except Exception:  # truncated or not a pickle past some point: what was read is the answer
+        pass
+    return None
+
+
+def _safe_globals() -> Set[str]:
+    """The globals torch's safe loader allows, as "module.name"."""
+    allowed = {"collections.OrderedDict", "_codecs.encode"}
+    try:
+        from torch import _weights_only_unpickler
+
+        allowed |= set(_weights_only_unpickler._get_allowed_globals())
+    except (ImportError, AttributeError):  # a torch without that table: its tensors and sizes
+        pass
+    for entry in torch.serialization.get_safe_globals():
+        if isinstance(entry, tuple):
+            allowed.add(entry[1])
+        else:
+            allowed.add(f"{entry.__module__}.{entry.__qualname__}")
+    return allowed
 
 
 def _unpickler_reason(text: str) -> str:
