@@ -134,6 +134,18 @@ def test_a_bad_setting_in_a_user_script_is_one_exception_with_a_one_line_message
         "hpdl.config.SettingsError: HPDL_CYCLE_TIME='inf': expected a finite number"
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"HPDL_CYCLE_TIME": "inf"}, "HPDL_CYCLE_TIME='inf': expected a finite number"),
+    ({"HPDL_BOGUS": "1"}, "unknown setting HPDL_BOGUS"),
+], ids=["HPDL_CYCLE_TIME=inf", "HPDL_BOGUS=1"])
+def test_check_reports_a_bad_setting_as_a_failed_line(env, message):
+    result = hpdl("check", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stderr == "", result.stderr
+    failed = [line for line in result.stdout.splitlines() if line.startswith("    [ ] HPDL_* settings")]
+    assert len(failed) == 1 and message in failed[0], result.stdout
+
+
 def _nccl_runs_here() -> bool:
     import torch
     import torch.distributed as dist

@@ -35,6 +35,13 @@ def test_report_shows_topology_of_a_launched_rank():
     assert "launcher: mpi-pmi" in text and "rank 1 of 4 (local 1 of 2)" in text
 
 
+def test_report_shows_the_settings_given():
+    text = "\n".join(check_report(env={"HPDL_CYCLE_TIME": "5"}, info=FAKE))
+    assert "Settings:\n    [X] HPDL_* settings (HPDL_CYCLE_TIME)" in text
+    text = "\n".join(check_report(env={"HPDL_CYCLE_TIME": "nan"}, info=FAKE))
+    assert "    [ ] HPDL_* settings (error: HPDL_CYCLE_TIME='nan': expected a finite number)" in text
+
+
 def test_report_survives_a_failing_probe():
     text = "\n".join(check_report(env={"OMPI_COMM_WORLD_RANK": "x"}, info=FAKE))
     assert "[ ] topology (error: ValueError" in text

@@ -8,6 +8,7 @@ because the report is what a user runs to find out what is missing.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Callable, List, Mapping, Optional, Tuple
 
@@ -88,6 +89,25 @@ def _topology_lines(env: Optional[Mapping[str, str]]) -> List[str]:
     ]
 
 
+def settings_error(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why the ``HPDL_*`` variables of ``env`` (default ``os.environ``) are not valid settings, or None."""
+    from hpdl.config import Settings, SettingsError
+
+    try:
+        Settings.from_env(env)
+    except SettingsError as err:
+        return str(err)
+    return None
+
+
+def _settings_lines(env: Optional[Mapping[str, str]]) -> List[str]:
+    error = settings_error(env)
+    if error is not None:
+        return [f"    [ ] HPDL_* settings (error: {error})"]
+    names = sorted(k for k in (os.environ if env is None else env) if k.startswith("HPDL_"))
+    return [f"    [X] HPDL_* settings ({', '.join(names) if names else 'none set'})"]
+
+
 def check_report(env: Optional[Mapping[str, str]] = None, info: Optional[LauncherInfo] = None) -> List[str]:
     """Return the lines of the `hpdl check` report.
 
@@ -100,6 +120,7 @@ def check_report(env: Optional[Mapping[str, str]] = None, info: Optional[Launche
         ("Available backends:", _guard(_mpi_line, "MPI") + _guard(_torch_backend_lines, "Gloo / NCCL")),
         ("Available launchers:", _guard(lambda: _launcher_lines(info or detect_launchers(env)), "launchers")),
         ("Topology of this process:", _guard(lambda: _topology_lines(env), "topology")),
+        ("Settings:", _guard(lambda: _settings_lines(env), "HPDL_* settings")),
     ]
     lines = [f"hpdl v{__version__} (Python {sys.version.split()[0]}):", ""]
     for title, body in sections:
@@ -108,6 +129,7 @@ def check_report(env: Optional[Mapping[str, str]] = None, info: Optional[Launche
 
 
 def print_check(env: Optional[Mapping[str, str]] = None) -> int:
-    """Print the `hpdl check` report; return 0."""
+    """Print the `hpdl check` report; return 0, or 2 when an ``HPDL_*`` setting is invalid (as
+    hpdl's other commands exit on one): a job started here would fail on it."""
     print("\n".join(check_report(env)), flush=True)
-    return 0
+    return 0 if settings_error(env) is None else 2

@@ -228,7 +228,8 @@ def register(subparsers) -> None:
         "check",
         help="show the frameworks, backends and launchers available here",
         description="Report the hpdl and PyTorch versions, CUDA, the backends (MPI with its flavour, "
-        "gloo, nccl), the launchers on PATH and this process's place in a job. Always exits 0.",
+        "gloo, nccl), the launchers on PATH, this process's place in a job and whether its HPDL_* "
+        "settings are valid. Exits 0, or 2 when an HPDL_* setting is invalid (a failed line names it).",
     )
     check.set_defaults(func=check_command)
 
