@@ -108,3 +108,88 @@ def launch(launcher: str, n: int, script: str, *args: str) -> List[str]:
         return [sys.executable, str(Path(__file__).parent / "plain_ranks.py"), str(n), path, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
             "--no-python", sys.executable, path, *args]
+
+
+# == inputs the cases spoil: made in a test's tmp_path ===========================================
+
+def make_photo(path: Path, width: int = 30, height: int = 20) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def profile_inputs(tmp_path: Path) -> Dict[str, Path]:
+    """A valid profile and damaged or foreign files beside it, by name."""
+    import json
+
+    from hpdl.profile.schema import COLLECTIVE_COLUMNS
+    from test_profile_units import make_profile
+
+    text = json.dumps(make_profile())
+    newer = make_profile()
+    newer["version"] = 99
+    bad_table = make_profile()
+    bad_table["ranks"][1]["steps"]["columns"] = ["step"]
+    # Valid JSON of the right shape with cells of the wrong type.
+    settings_null, hosts_number, names_text, threshold_nan = (make_profile() for _ in range(4))
+    settings_null["job"]["settings"] = None
+    hosts_number["job"]["hosts"] = 5
+    names_text["ranks"][0]["collectives"]["rows"][2][COLLECTIVE_COLUMNS.index("names")] = "abc"
+    threshold_nan["job"]["settings"]["inplace_threshold"] = float("nan")  # a number to the schema, not to a size
+    files = {
+        "good.json": text,
+        "truncated.json": text[: len(text) // 2],
+        "foreign.json": json.dumps({"traceEvents": []}),
+        "list.json": "[1, 2, 3]",
+        "newer.json": json.dumps(newer),
+        "bad_table.json": json.dumps(bad_table),
+        "bench_foreign.json": json.dumps({"benchmark": "synthetic", "records": []}),
+        "settings_null.json": json.dumps(settings_null),
+        "hosts_number.json": json.dumps(hosts_number),
+        "names_text.json": json.dumps(names_text),
+        "threshold_nan.json": json.dumps(threshold_nan),
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
+    return {name: tmp_path / name for name in [*files, "binary.json"]}
+
+
+def researcher_inputs(tmp_path: Path) -> Dict[str, Path]:
+    """Checkpoints, weight files and dataset folders, each wrong in one way (or right, to compare)."""
+    import torch
+
+    from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig, make_config
+
+    torch.manual_seed(0)
+    edsr = build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))
+    paths = {"ckpt": save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(edsr)),
+             "srresnet": save_checkpoint(tmp_path / "srresnet.pt", make_checkpoint(
+                 build_model_from_config(make_config("srresnet", 2, 1, 8))))}
+    with torch.no_grad():
+        edsr.add_mean.bias.add_(1.0)
+    paths["other_mean"] = save_checkpoint(tmp_path / "other_mean.pt", make_checkpoint(edsr))
+    weird = {k: torch.zeros(1) for k in ("conv_first.weight", "conv_after_body.weight", "attention.weight")}
+    torch.save({"params": weird}, tmp_path / "rcan_like.pth")
+    torch.save({"fc.weight": torch.zeros(2, 2)}, tmp_path / "classifier.pt")
+    torch.save({"params": [1, 2, 3]}, tmp_path / "params_list.pth")
+    for name in ("Set5", "mixed/Set5", "lr_only", "benchmark/Set14"):
+        (tmp_path / name).mkdir(parents=True)
+    for hr_dir, lr_dir in (("Set5/GTmod12", "Set5/LRbicx2"), ("mixed/Set5/GTmod12", "mixed/Set5/LRbicx2"),
+                           ("mixed/Set5/HR", "mixed/Set5/LR_bicubic/X2"), ("benchmark/Set14/HR",
+                                                                         "benchmark/Set14/LR_bicubic/X2")):
+        (tmp_path / hr_dir).mkdir(parents=True)
+        (tmp_path / lr_dir).mkdir(parents=True)
+        make_photo(tmp_path / hr_dir / "baby.png", 24, 24)
+        lr_name = "babyx2.png" if "LR_bicubic" in lr_dir else "baby.png"
+        make_photo(tmp_path / lr_dir / lr_name, 12, 12)
+    (tmp_path / "lr_only" / "LRbicx2").mkdir()
+    make_photo(tmp_path / "lr_only" / "LRbicx2" / "baby.png", 12, 12)
+    (tmp_path / "results" / "Set5").mkdir(parents=True)
+    make_photo(tmp_path / "results" / "Set5" / "baby_x2_SR.png", 24, 24)
+    return paths

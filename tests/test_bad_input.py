@@ -20,12 +20,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import pytest
 
 from ranks import ROOT, SCRIPTS, kill_tree
-from bad_input_support import _clean_env, assert_one_line_error, checksums, hpdl, launch, run_job
+from bad_input_support import (
+    _clean_env, assert_one_line_error, checksums, hpdl, launch, make_photo, profile_inputs, researcher_inputs, run_job,
+)
 
 
 # == Hangs and slow failures =====================================================================
@@ -202,43 +204,6 @@ def test_bench_scaling_bad_requests_are_one_line(args, message, tmp_path):
 
 # == hpdl profile: files that are not (readable) profiles ==========================================
 
-def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
-    """A valid profile and damaged or foreign files beside it, by name."""
-    import json
-
-    from hpdl.profile.schema import COLLECTIVE_COLUMNS
-    from test_profile_units import make_profile
-
-    text = json.dumps(make_profile())
-    newer = make_profile()
-    newer["version"] = 99
-    bad_table = make_profile()
-    bad_table["ranks"][1]["steps"]["columns"] = ["step"]
-    # Valid JSON of the right shape with cells of the wrong type.
-    settings_null, hosts_number, names_text, threshold_nan = (make_profile() for _ in range(4))
-    settings_null["job"]["settings"] = None
-    hosts_number["job"]["hosts"] = 5
-    names_text["ranks"][0]["collectives"]["rows"][2][COLLECTIVE_COLUMNS.index("names")] = "abc"
-    threshold_nan["job"]["settings"]["inplace_threshold"] = float("nan")  # a number to the schema, not to a size
-    files = {
-        "good.json": text,
-        "truncated.json": text[: len(text) // 2],
-        "foreign.json": json.dumps({"traceEvents": []}),
-        "list.json": "[1, 2, 3]",
-        "newer.json": json.dumps(newer),
-        "bad_table.json": json.dumps(bad_table),
-        "bench_foreign.json": json.dumps({"benchmark": "synthetic", "records": []}),
-        "settings_null.json": json.dumps(settings_null),
-        "hosts_number.json": json.dumps(hosts_number),
-        "names_text.json": json.dumps(names_text),
-        "threshold_nan.json": json.dumps(threshold_nan),
-    }
-    for name, content in files.items():
-        (tmp_path / name).write_text(content)
-    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
-    return {name: tmp_path / name for name in [*files, "binary.json"]}
-
-
 @pytest.mark.parametrize("args,fragments", [
     (["report", "{truncated}"], ["truncated.json", "not complete JSON", "truncated"]),
     (["report", "{foreign}"], ["foreign.json", "is not an hpdl profile"]),
@@ -266,7 +231,7 @@ def _profile_inputs(tmp_path: Path) -> Dict[str, Path]:
         "timeline-unwritable", "settings-null", "timeline-settings-null", "hosts-number", "names-text",
         "timeline-names-text", "nan-threshold", "compare-nan-threshold"])
 def test_profile_command_bad_input_is_one_line(tmp_path, args, fragments):
-    files = _profile_inputs(tmp_path)
+    files = profile_inputs(tmp_path)
     before = checksums(files.values())
     argv = [arg.format(dir=tmp_path, **{path.stem: path for path in files.values()}) for arg in args]
     assert_one_line_error(hpdl("profile", *argv, timeout=60), *fragments)
@@ -286,7 +251,7 @@ def test_truncated_profile_message_says_where_once(tmp_path):
 
 def test_profile_report_into_a_closed_pipe_ends_quietly(tmp_path):
     # `hpdl profile report p.json | head -2`: the reader is gone before the report is printed.
-    good = _profile_inputs(tmp_path)["good.json"]
+    good = profile_inputs(tmp_path)["good.json"]
     proc = subprocess.Popen([sys.executable, "-m", "hpdl", "profile", "report", str(good)], cwd=str(ROOT),
                             env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()
@@ -460,15 +425,6 @@ def test_run_output_filename_on_a_file_leaves_it_alone(tmp_path):
 
 # == hpdl sr: train, upscale and eval with bad input =============================================
 
-def _photo(path: Path, width: int = 30, height: int = 20) -> Path:
-    import numpy as np
-    from PIL import Image
-
-    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
-
-
 @pytest.fixture
 def sr_files(tmp_path):
     """A tiny x2 checkpoint and a small photo, in tmp_path."""
@@ -480,7 +436,7 @@ def sr_files(tmp_path):
 
     torch.manual_seed(0)
     ckpt = save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))))
-    return ckpt, _photo(tmp_path / "photo.png")
+    return ckpt, make_photo(tmp_path / "photo.png")
 
 
 def _tiny_training(data: Path, out_dir: Path, threads: int) -> List[str]:
@@ -507,7 +463,7 @@ def earlier_run(tmp_path_factory):
     for split in ("train", "val"):
         (root / split).mkdir()
         for i in range(2):
-            _photo(root / split / f"{i}.png", 36 + 4 * i, 32)
+            make_photo(root / split / f"{i}.png", 36 + 4 * i, 32)
     threads = len(os.sched_getaffinity(0))
     job = run_job(_per_rank_mpiexec(2, _tiny_training(root, root / "run", threads)), timeout=120)
     assert job.returncode == 0, job.stderr
@@ -574,7 +530,7 @@ def test_sr_upscale_never_writes_over_its_input(tmp_path, sr_files, link):
 @pytest.mark.parametrize("spelling", ["as is", "missing/.."])
 def test_sr_upscale_refuses_an_existing_output_without_overwrite(tmp_path, sr_files, spelling):
     ckpt, photo = sr_files
-    earlier = _photo(tmp_path / "earlier.png", 8, 8)
+    earlier = make_photo(tmp_path / "earlier.png", 8, 8)
     output = earlier if spelling == "as is" else tmp_path / "none" / ".." / earlier.name
     before = checksums([photo, earlier])
     result = hpdl("sr", "upscale", str(photo), str(output), "--ckpt", str(ckpt))
@@ -661,8 +617,8 @@ def test_sr_train_checks_image_sizes_and_val_data_before_decoding_the_training_s
 
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()
-    _photo(tmp_path / "train" / "0.png", 36, 32)
-    _photo(tmp_path / "val" / "0.png", 30, 20)  # within max_pixels=1000 below, which 36x32 is not
+    make_photo(tmp_path / "train" / "0.png", 36, 32)
+    make_photo(tmp_path / "val" / "0.png", 30, 20)  # within max_pixels=1000 below, which 36x32 is not
     huge = tmp_path / "train" / "huge.png"
     Image.new("1", (12000, 12000)).save(huge)  # a few KB on disk, 432 MB decoded
     args = _tiny_training(tmp_path, tmp_path / "run", 1)
@@ -708,7 +664,7 @@ def test_sr_upscale_to_a_format_that_resizes_the_image_fails_before_any_work(tmp
 def test_sr_upscale_output_pillow_fails_to_write_is_one_line_naming_it(tmp_path, sr_files):
     # WebP takes RGB but not this size (at most 16383 pixels a side): known only when writing.
     ckpt, _ = sr_files
-    wide = _photo(tmp_path / "wide.png", 8200, 2)
+    wide = make_photo(tmp_path / "wide.png", 8200, 2)
     output = tmp_path / "out" / "x2.webp"
     result = hpdl("sr", "upscale", str(wide), str(output), "--ckpt", str(ckpt))
     line = assert_one_line_error(result, f"{output}: ", "WEBP")
@@ -802,7 +758,7 @@ def test_sr_eval_never_writes_over_its_inputs_or_earlier_results(tmp_path, sr_fi
     (tmp_path / "data").mkdir()
     shutil.copy(photo, tmp_path / "data" / "photo.png")
     (tmp_path / "results" / "data").mkdir(parents=True)
-    _photo(tmp_path / "results" / "data" / "photo_x2_SR.png", 60, 40)
+    make_photo(tmp_path / "results" / "data" / "photo_x2_SR.png", 60, 40)
     before = checksums([tmp_path])
     argv = [a.format(tmp=tmp_path) for a in args]
     result = hpdl("sr", "eval", "--ckpt", str(ckpt), "--data", str(tmp_path / "data"),
@@ -812,43 +768,6 @@ def test_sr_eval_never_writes_over_its_inputs_or_earlier_results(tmp_path, sr_fi
 
 
 # == hpdl sr for researchers: dataset layouts, several sets, foreign weights, export, grids ========
-
-def _researcher_inputs(tmp_path: Path) -> Dict[str, Path]:
-    """Checkpoints, weight files and dataset folders, each wrong in one way (or right, to compare)."""
-    import torch
-
-    from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
-    from hpdl.sr.models import build_model_from_config
-    from hpdl.sr.registry import ModelConfig, make_config
-
-    torch.manual_seed(0)
-    edsr = build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0))
-    paths = {"ckpt": save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(edsr)),
-             "srresnet": save_checkpoint(tmp_path / "srresnet.pt", make_checkpoint(
-                 build_model_from_config(make_config("srresnet", 2, 1, 8))))}
-    with torch.no_grad():
-        edsr.add_mean.bias.add_(1.0)
-    paths["other_mean"] = save_checkpoint(tmp_path / "other_mean.pt", make_checkpoint(edsr))
-    weird = {k: torch.zeros(1) for k in ("conv_first.weight", "conv_after_body.weight", "attention.weight")}
-    torch.save({"params": weird}, tmp_path / "rcan_like.pth")
-    torch.save({"fc.weight": torch.zeros(2, 2)}, tmp_path / "classifier.pt")
-    torch.save({"params": [1, 2, 3]}, tmp_path / "params_list.pth")
-    for name in ("Set5", "mixed/Set5", "lr_only", "benchmark/Set14"):
-        (tmp_path / name).mkdir(parents=True)
-    for hr_dir, lr_dir in (("Set5/GTmod12", "Set5/LRbicx2"), ("mixed/Set5/GTmod12", "mixed/Set5/LRbicx2"),
-                           ("mixed/Set5/HR", "mixed/Set5/LR_bicubic/X2"), ("benchmark/Set14/HR",
-                                                                         "benchmark/Set14/LR_bicubic/X2")):
-        (tmp_path / hr_dir).mkdir(parents=True)
-        (tmp_path / lr_dir).mkdir(parents=True)
-        _photo(tmp_path / hr_dir / "baby.png", 24, 24)
-        lr_name = "babyx2.png" if "LR_bicubic" in lr_dir else "baby.png"
-        _photo(tmp_path / lr_dir / lr_name, 12, 12)
-    (tmp_path / "lr_only" / "LRbicx2").mkdir()
-    _photo(tmp_path / "lr_only" / "LRbicx2" / "baby.png", 12, 12)
-    (tmp_path / "results" / "Set5").mkdir(parents=True)
-    _photo(tmp_path / "results" / "Set5" / "baby_x2_SR.png", 24, 24)
-    return paths
-
 
 RESEARCHER_CASES = [
     ("eval", "--ckpt {ckpt} --data {tmp}/mixed/Set5", ["mixed/Set5: ambiguous layout", "GTmod12/", "LR_bicubic/"]),
@@ -880,7 +799,7 @@ RESEARCHER_CASES = [
     "over the checkpoint through missing/..", "unknown model",
     "scale of the model", "train downscaler"])
 def test_sr_researcher_bad_input_is_one_line_and_changes_nothing(tmp_path, command, args, fragments):
-    paths = _researcher_inputs(tmp_path)
+    paths = researcher_inputs(tmp_path)
     before = checksums([tmp_path])
     argv = [a.format(tmp=tmp_path, **paths) for a in args.split()]
     assert_one_line_error(hpdl("sr", command, *argv), *fragments)
