@@ -215,15 +215,19 @@ class Executor:
 
     def poll_interval_s(self) -> float:
         """How often the collectives in flight must be polled (see :meth:`poll`); 0: never."""
-        in_flight = self.in_flight
-        return in_flight[0].flight.poll_interval_s if in_flight else 0.0
+        try:  # the watch thread may empty the queue meanwhile (fail_in_flight)
+            return self.in_flight[0].flight.poll_interval_s
+        except IndexError:
+            return 0.0
 
     def poll(self) -> None:
         """Let a backend that progresses only inside its calls move the collectives in flight;
         the oldest tells when it is done (they finish in order)."""
-        in_flight = self.in_flight
-        if in_flight:
-            in_flight[0].flight.done()
+        try:
+            head = self.in_flight[0]
+        except IndexError:
+            return
+        head.flight.done()
 
     def oldest_in_flight(self) -> Optional[float]:
         """When the oldest collective still in flight started (time.monotonic), if any."""
