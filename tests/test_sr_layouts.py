@@ -93,6 +93,19 @@ def test_both_benchmark_layouts_give_the_same_scores(tmp_path, ckpt):
     assert a.means()["psnr"] == pytest.approx(b.means()["psnr"]) and a.means()["ssim"] == pytest.approx(b.means()["ssim"])
 
 
+def _assert_refused_in_one_line(tmp_path, make, fragments):
+    """The folder ``make`` builds is refused in one line that names it and every fragment."""
+    root = tmp_path / "data"
+    root.mkdir()
+    make(root)
+    with pytest.raises(SRDataError) as err:
+        open_pairs(root, 2, cache_dir=tmp_path / "cache")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(root))
+    for fragment in fragments:
+        assert fragment in message
+
+
 @pytest.mark.parametrize("make,fragments", [
     (lambda r: (basicsr_set(r), edsr_set(r)), ["ambiguous layout", "GTmod12/", "HR/", "LR_bicubic/", "LRbicx2/",
                                                 "basicsr and benchmark"]),
@@ -105,15 +118,7 @@ def test_both_benchmark_layouts_give_the_same_scores(tmp_path, ckpt):
 ], ids=["basicsr and edsr", "div2k and edsr", "LRbicx alone", "LR_bicubic alone", "HR alone", "benchmark root",
         "basicsr root"])
 def test_a_mixed_partial_or_parent_folder_is_refused_saying_what_was_found(tmp_path, make, fragments):
-    root = tmp_path / "data"
-    root.mkdir()
-    make(root)
-    with pytest.raises(SRDataError) as err:
-        open_pairs(root, 2, cache_dir=tmp_path / "cache")
-    message = str(err.value)
-    assert "\n" not in message and message.startswith(str(root))
-    for fragment in fragments:
-        assert fragment in message
+    _assert_refused_in_one_line(tmp_path, make, fragments)
 
 
 @pytest.mark.parametrize("hr_name,lr_name,by_scale", [
@@ -167,15 +172,7 @@ def test_layout_folders_are_recognised_in_any_case(tmp_path, make, layout):
 ], ids=["lr alone", "GT alone", "two HR folders", "two LR folders", "GT with LR_bicubic", "parent of hr/lr sets",
         "same names in two plain folders", "babyx2 beside baby"])
 def test_an_hr_lr_folder_that_is_incomplete_doubled_or_plain_is_refused(tmp_path, make, fragments):
-    root = tmp_path / "data"
-    root.mkdir()
-    make(root)
-    with pytest.raises(SRDataError) as err:
-        open_pairs(root, 2, cache_dir=tmp_path / "cache")
-    message = str(err.value)
-    assert "\n" not in message and message.startswith(str(root))
-    for fragment in fragments:
-        assert fragment in message
+    _assert_refused_in_one_line(tmp_path, make, fragments)
 
 
 @pytest.mark.parametrize("images", [
