@@ -322,25 +322,70 @@ def _prioritized(name, numel, priority):
     return Response(name, RequestKind.ALLREDUCE, (req.signature(), req.signature())), req
 
 
-def test_backlog_starts_the_most_urgent_that_fit_in_the_agreed_room():
+def _queued_names(ps):
+    return [[r.name for r in responses] for responses, _, _ in ps.queued]
+
+
+def test_backlog_queues_the_most_urgent_that_fit_in_the_agreed_room():
     from types import SimpleNamespace
 
     from hpdl.engine.engine import Engine, _ProcessSet
     from hpdl.engine.negotiation import ROOM_UNITS
 
-    engine = SimpleNamespace(_window=32 * 4096)  # one unit: 4096 bytes (1024 float32)
+    # one unit: 4096 bytes (1024 float32); tensors of 4096 bytes and more go alone
+    engine = SimpleNamespace(_window=32 * 4096, _queued_bytes=0, settings=SimpleNamespace(inplace_threshold=4096))
     ps = _ProcessSet(0, [0, 1], None)
     # arrival order is backward's (last layer first); priority is the forward's order
     ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in (5, 4, 3, 2, 1, 0)]
-    requests = {}
-    started = Engine._start_from_backlog(engine, ps, 3, requests)  # room for three tensors
-    assert [r.name for r in started] == ["p0", "p1", "p2"] and set(requests) == {"p0", "p1", "p2"}
+    Engine._queue_from_backlog(engine, ps, 3)  # room for three tensors
+    assert _queued_names(ps) == [["p0"], ["p1"], ["p2"]] and engine._queued_bytes == 3 * 4096
+    assert set(ps.queued[0][1]) == {"p0"}  # each batch carries this rank's requests
     assert [r.name for r, _ in ps.backlog] == ["p3", "p4", "p5"]
-    assert Engine._start_from_backlog(engine, ps, 0, {}) == []  # some rank has no room: nothing starts
-    # a tensor larger than the whole window starts once every window is empty
+    Engine._queue_from_backlog(engine, ps, 0)  # some rank has no room: nothing more is queued
+    assert len(ps.queued) == 3
+    # a tensor larger than the whole window is queued once every window is empty
+    ps.queued.clear()
     ps.backlog = [_prioritized("huge", 64 * 1024, 0)]
-    assert Engine._start_from_backlog(engine, ps, ROOM_UNITS - 1, {}) == []
-    assert [r.name for r in Engine._start_from_backlog(engine, ps, ROOM_UNITS, {})] == ["huge"]
+    Engine._queue_from_backlog(engine, ps, ROOM_UNITS - 1)
+    assert not ps.queued
+    Engine._queue_from_backlog(engine, ps, ROOM_UNITS)
+    assert _queued_names(ps) == [["huge"]]
+    # tensors under the in-place size are queued together (to be fused), up to that size
+    ps.queued.clear()
+    ps.backlog = [_prioritized(f"s{prio}", 256, prio) for prio in range(6)]  # 1 KiB each
+    Engine._queue_from_backlog(engine, ps, ROOM_UNITS)
+    assert _queued_names(ps) == [["s0", "s1", "s2", "s3"], ["s4", "s5"]]
+
+
+def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
+    from types import SimpleNamespace
+
+    from hpdl.engine.engine import Engine, _ProcessSet
+
+    started = []
+
+    class _Executor:
+        in_flight_bytes = 0
+
+        def run(self, comm, ps_id, responses, requests, cycle, special):
+            started.append([r.name for r in responses])
+            self.in_flight_bytes += sum(r.nbytes for r in responses)
+
+    executor = _Executor()
+    engine = SimpleNamespace(executor=executor, _flight_window=2 * 4096, _queued_bytes=0, cycles=0,
+                             _special=None, settings=SimpleNamespace(inplace_threshold=4096), _window=32 * 4096)
+    ps = _ProcessSet(0, [0, 1], None)
+    ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in range(4)]
+    Engine._queue_from_backlog(engine, ps, 32)
+    Engine._start_queued_of(engine, ps, everything=False)
+    assert started == [["p0"], ["p1"]] and engine._queued_bytes == 2 * 4096  # the flight window is full
+    Engine._start_queued_of(engine, ps, everything=False)
+    assert len(started) == 2
+    executor.in_flight_bytes = 4096  # the first one is done: room for one more
+    Engine._start_queued_of(engine, ps, everything=False)
+    assert started[-1] == ["p2"]
+    Engine._start_queued_of(engine, ps, everything=True)  # before a round's own collectives: all of them
+    assert started[-1] == ["p3"] and not ps.queued and engine._queued_bytes == 0
 
 
 def test_priorities_must_agree_across_ranks():
@@ -424,6 +469,8 @@ class _PolledComm:
 
     def allgather_object(self, obj):
         return [obj]
+
+    allgather_object_control = allgather_object
 
     def allreduce_start(self, tensor, op):
         self.flights.append(_PolledFlight(polls=5))

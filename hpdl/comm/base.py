@@ -14,7 +14,7 @@ import enum
 import os
 import pickle
 import socket
-from typing import Any, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -72,6 +72,12 @@ class Communicator(abc.ABC):
 
     #: "mpi", "gloo" or "nccl"
     name: str = "?"
+    #: Called between polls while a control message waits for the peers, by a backend that
+    #: moves the collectives in flight only inside its calls (MPI over TCP): the engine finishes
+    #: what is done and starts what it has agreed meanwhile, so a round held up by a late peer
+    #: (or by a control message queued behind megabytes of data on the same connection) does
+    #: not leave the network idle.
+    control_wait_hook: Optional[Callable[[], None]] = None
 
     @property
     @abc.abstractmethod
@@ -97,6 +103,10 @@ class Communicator(abc.ABC):
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """Reduce a small control message in place, waiting without spinning where possible."""
         self.allreduce(tensor, op)
+
+    def allgather_object_control(self, obj: Any) -> List[Any]:
+        """:meth:`allgather_object` for the engine's negotiation, beside its control messages."""
+        return self.allgather_object(obj)
 
     @abc.abstractmethod
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import time
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -120,14 +121,15 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp):
     return result
 
 
-def _wait_politely(request, max_sleep: Optional[float] = None) -> None:
+def _wait_politely(request, max_sleep: Optional[float] = None,
+                   between: Optional[Callable[[], None]] = None) -> None:
     """Complete a non-blocking MPI request without occupying a core while the peers are late.
 
     On a machine with as many cores as ranks, a spinning wait steals the core that this rank's
     compute thread needs. Peers usually arrive within microseconds, so the request is first
     polled in a tight loop for a short budget (each Test also drives MPI's progress; a
     ``sleep(0)`` here costs ~100 µs, as it hands the core away); then a back-off of real
-    sleeps, up to 2 ms, takes over.
+    sleeps, up to ``max_sleep``, takes over, calling ``between`` (if given) after each.
     """
     deadline = time.perf_counter() + _SPIN_SECONDS
     while not request.Test():
@@ -140,6 +142,8 @@ def _wait_politely(request, max_sleep: Optional[float] = None) -> None:
     while not request.Test():
         time.sleep(delay)
         delay = min(delay * 2, longest)
+        if between is not None:
+            between()
 
 
 _SPIN_SECONDS = 1e-4
@@ -206,6 +210,10 @@ class MPICommunicator(Communicator):
         # For the liveness check after a failure: a communicator of its own (collective to
         # create, so made now), where no half-finished collective of the engine's is pending.
         self._probe = self._comm.Dup()
+        # The engine's negotiation runs here, apart from the data: the engine may start the
+        # collectives it has agreed while a round waits (control_wait_hook), and collectives on
+        # one communicator must start in the same order on every rank.
+        self._control = self._comm.Dup()
         self._probes = 0
         self.in_flight = 0  # started allreduces not yet seen done (they progress when polled)
 
@@ -286,8 +294,21 @@ class MPICommunicator(Communicator):
         return _PolledInFlight(request, self)
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        request = self._comm.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
-        _wait_politely(request, POLL_INTERVAL_S if self.in_flight else _MAX_SLEEP)
+        request = self._control.Iallreduce(MPI.IN_PLACE, self._spec(tensor), op=_mpi_op(tensor.dtype, op))
+        self._wait_control(request)
+
+    def allgather_object_control(self, obj: Any) -> List[Any]:
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        counts = np.zeros(self._size, dtype=np.int64)
+        self._wait_control(self._control.Iallgather(np.array([payload.size], dtype=np.int64), counts))
+        received = np.empty(int(counts.sum()), dtype=np.uint8)
+        sizes = [int(c) for c in counts]
+        displs = [sum(sizes[:r]) for r in range(self._size)]
+        self._wait_control(self._control.Iallgatherv(payload, [received, sizes, displs, MPI.BYTE]))
+        return [pickle.loads(received[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
+
+    def _wait_control(self, request) -> None:
+        _wait_politely(request, POLL_INTERVAL_S if self.in_flight else _MAX_SLEEP, self.control_wait_hook)
 
     def unanswering(self, wait_s: float) -> Optional[List[int]]:
         # Every rank sends a word to every other and listens for theirs: a peer whose word has
@@ -393,7 +414,7 @@ class MPICommunicator(Communicator):
         return layout
 
     def close(self) -> None:
-        for comm in (self._comm, self._probe):
+        for comm in (self._comm, self._probe, self._control):
             if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and comm != MPI.COMM_NULL:
                 try:
                     comm.Free()

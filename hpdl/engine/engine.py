@@ -98,6 +98,11 @@ class _ProcessSet:
         self.pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
         # Agreed prioritized allreduces not started yet, with this rank's request (None: joined).
         self.backlog: List[Tuple[Response, Optional[Request]]] = []
+        # Taken from the backlog in an agreed order, started as this rank's window has room:
+        # batches of responses, this rank's requests by name, and their bytes.
+        self.queued: "collections.deque[Tuple[List[Response], Dict[str, Request], int]]" = collections.deque()
+        # Whether queued allreduces may start between rounds (see Engine._start_queued).
+        self.paced = False
 
 
 class Engine:
@@ -121,6 +126,7 @@ class Engine:
         self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold,
                                  background=settings.background_collectives, on_done=self._collective_done)
         world = _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
+        world.paced = self._paced(world)
         self._sets: Dict[int, _ProcessSet] = {0: world}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
@@ -131,6 +137,10 @@ class Engine:
         self._round_wanted = False
         self._collectives_done = False
         self._window = settings.priority_window
+        # Of the window, what may be in flight at once; the rest waits in order, queued, to
+        # start as the earlier ones finish, without waiting for a round.
+        self._flight_window = max(1, self._window // 2)
+        self._queued_bytes = 0
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
@@ -151,7 +161,16 @@ class Engine:
 
     def _controller(self, comm: Communicator, set_id: int, ranks: Sequence[int]) -> Controller:
         s = self.settings
+        comm.control_wait_hook = self._service
         return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks))
+
+    def _paced(self, ps: _ProcessSet) -> bool:
+        """Whether ``ps``'s queued allreduces may start between rounds, as room frees: only where
+        they run in the background. A blocking call started outside the agreed order of rounds
+        could wait for a peer blocked in another process set's collective."""
+        comm = ps.data_comm
+        return (self.executor.background and comm is not None
+                and type(comm).allreduce_start is not Communicator.allreduce_start)
 
     # -- called from user threads ----------------------------------------------------------
 
@@ -199,20 +218,52 @@ class Engine:
     def _collective_done(self) -> None:
         """From the backend's thread: a collective in flight is done; the engine finishes it."""
         self._collectives_done = True
-        if self._backlogged:  # room for the next prioritized ones: agree on them now
+        if any(ps.backlog for ps in list(self._sets.values())):  # room for the next prioritized ones: agree on them now
             self._round_wanted = True
         self._wake.set()
 
     @property
     def _backlogged(self) -> bool:
-        return any(ps.backlog for ps in list(self._sets.values()))
+        return any(ps.backlog or ps.queued for ps in list(self._sets.values()))
 
     def _room(self) -> int:
-        """This rank's room for prioritized allreduces, in units of the window."""
-        in_flight = self.executor.in_flight_bytes
+        """This rank's room for prioritized allreduces, in units of the window: what is in
+        flight and what is queued to start counts against it."""
+        in_flight = self.executor.in_flight_bytes + self._queued_bytes
         if in_flight <= 0:
             return ROOM_UNITS
         return max(0, self._window - in_flight) * ROOM_UNITS // self._window
+
+    def _service(self) -> None:
+        """Between polls of a round that waits: finish the collectives in flight that are done
+        and start the queued ones that now have room."""
+        executor = self.executor
+        if executor.poll_interval_s():
+            executor.poll()
+        if self._collectives_done:
+            self._collectives_done = False
+            executor.complete()
+        if self._queued_bytes or any(ps.queued for ps in self._sets.values()):
+            self._start_queued()
+
+    def _start_queued(self) -> None:
+        """Start the queued allreduces of every paced process set, in their agreed order, while
+        they fit in the flight window (one at least when nothing is in flight)."""
+        for ps in list(self._sets.values()):
+            if ps.paced:
+                self._start_queued_of(ps, everything=False)
+
+    def _start_queued_of(self, ps: _ProcessSet, everything: bool) -> None:
+        executor = self.executor
+        queued = ps.queued
+        while queued:
+            responses, requests, nbytes = queued[0]
+            in_flight = executor.in_flight_bytes
+            if not everything and in_flight > 0 and in_flight + nbytes > self._flight_window:
+                return
+            queued.popleft()
+            self._queued_bytes -= nbytes
+            executor.run(ps.data_comm, ps.id, responses, requests, self.cycles, self._special)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
@@ -318,6 +369,8 @@ class Engine:
             if self._collectives_done:
                 self._collectives_done = False
                 executor.complete()
+                if self._queued_bytes or any(ps.queued for ps in self._sets.values()):
+                    self._start_queued()
             remaining = until - time.monotonic()
             if remaining <= 0 or self._round_wanted:
                 break
@@ -392,6 +445,8 @@ class Engine:
         room = self._room()
         result = world.controller.cycle(world.pending, flags, sets_pending, room)
         if result.shutdown:
+            for ps in list(self._sets.values()):  # agreed on every rank: they start everywhere
+                self._start_queued_of(ps, everything=True)
             self.executor.complete(block=True)  # started on every rank: they finish everywhere
             self._fail_pending("hpdl has been shut down (hvd.shutdown() was called on some rank)")
             return None
@@ -428,7 +483,7 @@ class Engine:
         return ran or self._hot
 
     def _execute(self, ps: _ProcessSet, result: CycleResult) -> None:
-        if not result.responses and not ps.backlog:
+        if not result.responses and not ps.backlog and not ps.queued:
             return
         requests: Dict[str, Request] = {}
         pending = ps.pending
@@ -442,9 +497,9 @@ class Engine:
             ready.append(response)
             if request is not None:
                 requests[response.name] = request
-        if ps.backlog:
-            ready.extend(self._start_from_backlog(ps, result.room, requests))
-        if self.bus.active:
+        if ready or not ps.paced:
+            # What the round agreed runs after what earlier rounds queued, as on every rank.
+            self._start_queued_of(ps, everything=True)
             t = ev.now_us()
             now = time.monotonic()
             for response, request in zip(result.responses, popped):
@@ -455,10 +510,14 @@ class Engine:
         # The executor emits DONE as each response completes (allreduces may finish rounds later).
         if ready:
             self.executor.run(ps.data_comm, ps.id, ready, requests, self.cycles, self._special)
+        if ps.backlog:
+            self._queue_from_backlog(ps, result.room)
+        self._start_queued_of(ps, everything=not ps.paced)
 
-    def _start_from_backlog(self, ps: _ProcessSet, room: int, requests: Dict[str, Request]) -> List[Response]:
-        """Take the most urgent of ``ps.backlog`` that fit in ``room`` (agreed by every member,
-        so every rank takes the same); put their requests into ``requests``."""
+    def _queue_from_backlog(self, ps: _ProcessSet, room: int) -> None:
+        """Queue the most urgent of ``ps.backlog`` that fit in ``room`` (agreed by every member,
+        so every rank queues the same, in the same order): tensors of the in-place size alone,
+        smaller ones together, to be fused."""
         backlog = ps.backlog
         backlog.sort(key=lambda item: (item[0].priority, item[0].name))
         budget = room * self._window // ROOM_UNITS
@@ -470,10 +529,24 @@ class Engine:
             used += response.nbytes
             taken += 1
         started, ps.backlog = backlog[:taken], backlog[taken:]
+        alone = max(1, self.settings.inplace_threshold)
+        batch: List[Response] = []
+        requests: Dict[str, Request] = {}
+        nbytes = 0
         for response, request in started:
+            if response.nbytes >= alone and batch:
+                ps.queued.append((batch, requests, nbytes))
+                batch, requests, nbytes = [], {}, 0
+            batch.append(response)
+            nbytes += response.nbytes
             if request is not None:
                 requests[response.name] = request
-        return [response for response, _ in started]
+            if nbytes >= alone:
+                ps.queued.append((batch, requests, nbytes))
+                batch, requests, nbytes = [], {}, 0
+        if batch:
+            ps.queued.append((batch, requests, nbytes))
+        self._queued_bytes += used
 
     def _special(self, response: Response, request: Optional[Request]) -> None:
         """Run the responses that change the engine itself: join and process-set changes."""
@@ -487,7 +560,8 @@ class Engine:
             set_id = self._next_set_id
             self._next_set_id += 1
             controller = self._controller(sub, set_id, ranks) if sub is not None else None
-            self._sets[set_id] = _ProcessSet(set_id, ranks, controller)
+            added = self._sets[set_id] = _ProcessSet(set_id, ranks, controller)
+            added.paced = self._paced(added)
             if handle is not None:
                 handle.set_result(set_id)
         elif response.kind == RequestKind.REMOVE_PROCESS_SET:
@@ -519,7 +593,11 @@ class Engine:
     def _fail_set(self, ps: _ProcessSet, message: str) -> None:
         pending, ps.pending = ps.pending, collections.OrderedDict()
         backlog, ps.backlog = ps.backlog, []
-        for request in list(pending.values()) + [request for _, request in backlog if request is not None]:
+        queued, ps.queued = ps.queued, collections.deque()
+        self._queued_bytes -= sum(nbytes for _, _, nbytes in queued)
+        waiting = [request for _, request in backlog if request is not None]
+        waiting += [request for _, requests, _ in queued for request in requests.values()]
+        for request in list(pending.values()) + waiting:
             request.handle.set_error(HorovodInternalError(message))
 
     def _fail_pending(self, message: str) -> None:

@@ -187,7 +187,7 @@ class Controller:
         self.full_negotiations += 1
         self._last_full = now
         mine = [(name, request.signature()) for name, request in pending.items()]
-        messages = self.comm.allgather_object((flags, mine, self._abort if self.rank == 0 else None))
+        messages = self.comm.allgather_object_control((flags, mine, self._abort if self.rank == 0 else None))
         result.full = True
         abort = messages[0][2]
         if abort is not None:
