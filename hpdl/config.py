@@ -100,7 +100,8 @@ class Settings:
         default=True, metadata={"env": "HPDL_BACKGROUND_COLLECTIVES"}
     )
     # Bytes of prioritized allreduces (DistributedOptimizer(overlap_forward=...)) a rank keeps
-    # in flight; the rest wait, agreed, to start in priority order (see engine.py, Priorities).
+    # in flight or queued to start (over MPI, half of it at most in flight); the rest wait,
+    # agreed, to start in priority order (see engine.py, Priorities).
     priority_window: int = dataclasses.field(default=8 * 1024 * 1024, metadata={"env": "HPDL_PRIORITY_WINDOW"})
     stall_warning_s: float = dataclasses.field(
         default=60.0, metadata={"env": "HPDL_STALL_WARNING"}

@@ -372,9 +372,10 @@ def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
             self.in_flight_bytes += sum(r.nbytes for r in responses)
 
     executor = _Executor()
-    engine = SimpleNamespace(executor=executor, _flight_window=2 * 4096, _queued_bytes=0, cycles=0,
+    engine = SimpleNamespace(executor=executor, _queued_bytes=0, cycles=0,
                              _special=None, settings=SimpleNamespace(inplace_threshold=4096), _window=32 * 4096)
     ps = _ProcessSet(0, [0, 1], None)
+    ps.flight_window = 2 * 4096
     ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in range(4)]
     Engine._queue_from_backlog(engine, ps, 32)
     Engine._start_queued_of(engine, ps, everything=False)
@@ -496,5 +497,54 @@ def test_collectives_that_progress_only_when_polled_are_polled_between_rounds():
         assert len(comm.flights) == 1 and comm.flights[0].left == 0
         # one round agreed and started it; the pause after it polled it to the end
         assert engine.cycles == rounds_before + 1
+    finally:
+        engine.shutdown()
+
+
+class _LateRoundComm(_PolledComm):
+    """A rank whose rounds wait (for a late peer, or behind data on the connection): each
+    calls ``control_wait_hook`` between polls, as MPI's control waits do."""
+
+    control_wait_hook = None
+    runs_in_order = False  # as MPI's: half the window in flight, half queued
+
+    def __init__(self):
+        super().__init__()
+        self.in_round = False
+        self.started_in_round = 0
+
+    def allreduce_control(self, tensor, op):
+        self.in_round = True
+        try:
+            for _ in range(30):
+                time.sleep(0.0005)
+                if self.control_wait_hook is not None:
+                    self.control_wait_hook()
+        finally:
+            self.in_round = False
+
+    def allreduce_start(self, tensor, op):
+        self.started_in_round += self.in_round
+        return super().allreduce_start(tensor, op)
+
+
+def test_a_round_that_waits_finishes_what_is_done_and_starts_what_is_queued():
+    from hpdl.config import Settings
+    from hpdl.engine.engine import Engine
+
+    comm = _LateRoundComm()
+    # 4 KiB tensors, each reduced alone, a window of two: one in flight at a time, one queued
+    engine = Engine(Settings.from_env({}, priority_window=8192, inplace_threshold=4096), comm)
+    try:
+        handles = []
+        for i in range(6):
+            request = Request(RequestKind.ALLREDUCE, f"g{i}", tensor=torch.full((1024,), float(i)), op=Op.SUM,
+                              priority=i)
+            handles.append(engine.submit(request))
+        for i, handle in enumerate(handles):
+            torch.testing.assert_close(handle.wait(), torch.full((1024,), float(i)))
+        assert len(comm.flights) == 6
+        # the queued ones did not all wait for a round to end: some started inside one
+        assert comm.started_in_round > 0
     finally:
         engine.shutdown()

@@ -1,5 +1,5 @@
-"""scripts/measure_handoff.py and scripts/measure_mpi_polling.py, whose figures docs/perf.md
-quotes, still run and report sanely."""
+"""scripts/measure_handoff.py, scripts/measure_mpi_polling.py and scripts/link_use.py, whose
+figures docs/perf.md quotes, still run and report sanely."""
 
 import runpy
 import shutil
@@ -34,3 +34,39 @@ def test_mpi_polling_script_reports_every_kind_of_wait_once():
     assert len(lines) == 4 and lines[0].startswith("64 KiB allreduce, busy core, blocking wait: median ")
     assert [line.split(": median")[0].rsplit(", ", 1)[1] for line in lines[1:]] == [
         "polled every 0.5 ms", "polled every 0.1 ms", "polled every 2 ms"]
+
+
+LINK_USE = SCRIPT.parent / "link_use.py"
+
+
+def _profile(rank_starts):
+    """Two ranks, four 10 ms steps; per rank, allreduces of 1 MB as (seq, start ms, duration ms)."""
+    columns = ["seq", "step", "kind", "bytes", "start_us", "copy_in_us", "backend_us"]
+    steps = {"columns": ["step", "start_us", "end_us"], "rows": [[i, i * 10e3, (i + 1) * 10e3] for i in range(4)]}
+    ranks = []
+    for flights in rank_starts:
+        rows = [[seq, int(start // 10), "allreduce", 1_000_000, start * 1e3, 0.0, dur * 1e3]
+                for seq, start, dur in flights]
+        ranks.append({"collectives": {"columns": columns, "rows": rows}, "steps": steps,
+                      "clock_offset_us": 0.0, "clock_offset_applied": True})
+    return {"ranks": ranks}
+
+
+def test_link_use_counts_an_allreduce_from_the_last_rank_to_start():
+    module = runpy.run_path(str(LINK_USE))
+    # in steps 2 and 3: rank 1 starts each allreduce 2 ms after rank 0; both end together
+    rank0 = [(0, 20.0, 6.0), (1, 30.0, 6.0), (2, 33.0, 3.0)]
+    rank1 = [(0, 22.0, 4.0), (1, 32.0, 4.0), (2, 33.0, 3.0)]
+    result = module["link_use"](_profile([rank0, rank1]))
+    assert result["steps"] == 2 and result["step_ms"] == 10.0
+    # busy 22-26 and 32-36 ms: 8 of 20 ms; 3 MB in 8 ms
+    assert abs(result["busy_share"] - 0.4) < 1e-9
+    assert abs(result["rate_mb_s"] - 3e6 / 8e3) < 1e-6
+    assert [(a / 1e3, b / 1e3) for a, b in result["gaps"]] == [(26.0, 32.0)]
+
+
+def test_link_use_refuses_a_file_it_cannot_read_in_one_line(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    out = subprocess.run([sys.executable, str(LINK_USE), str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and str(bad) in out.stderr

@@ -32,6 +32,19 @@ def test_equivalence_with_one_process(launcher, n):
     _assert_all_ok(result.stdout, EQUIVALENCE)
 
 
+OVERLAP = [name for name in EQUIVALENCE if name.endswith("overlap") or "overlap-" in name]
+
+
+@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)],
+                         ids=["mpiexec-2", "mpiexec-3", "torchrun-2"])
+def test_overlap_forward_with_a_priority_window_smaller_than_any_gradient(launcher, n):
+    # Every gradient then waits queued, in the agreed order, and starts alone as the one
+    # before it finishes (between rounds, or while a round waits): the results must not change.
+    result = run_ranks("optimizer_equivalence.py", n, launcher, args=OVERLAP,
+                       env={"HPDL_PRIORITY_WINDOW": "16"}, timeout=240)
+    _assert_all_ok(result.stdout, OVERLAP)
+
+
 @pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 2)], ids=LAYOUT_IDS + ["openmpi-2"])
 def test_behaviour(launcher, n):
     result = run_ranks("optimizer_behaviour.py", n, launcher, timeout=240)

@@ -78,6 +78,10 @@ class Communicator(abc.ABC):
     #: (or by a control message queued behind megabytes of data on the same connection) does
     #: not leave the network idle.
     control_wait_hook: Optional[Callable[[], None]] = None
+    #: Whether the collectives started with :meth:`allreduce_start` run one after another in
+    #: the order they started (gloo's and nccl's work queues) rather than side by side (MPI's
+    #: non-blocking collectives, which share the network as they progress).
+    runs_in_order: bool = True
 
     @property
     @abc.abstractmethod

@@ -197,6 +197,7 @@ class MPICommunicator(Communicator):
     """A communicator over an mpi4py ``Intracomm``."""
 
     name = "mpi"
+    runs_in_order = False
 
     def __init__(self, comm=None, cuda_aware: Optional[bool] = None):
         if MPI is None:

@@ -25,10 +25,17 @@ its polling and copies use the gaps the compute leaves instead of preempting it.
 Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
 forward overlaps the gradients' exchange: the first layers' gradients are needed first, but
 backward makes them last) is not started as soon as it is agreed: it waits in its process
-set's backlog, and each round starts the backlog's most urgent allreduces that fit in the
-room every member has left in its window of ``HPDL_PRIORITY_WINDOW`` bytes in flight (the room
-travels in the negotiation, so every rank starts the same ones in the same order). What the
-backend has not started can still be overtaken; what it has, cannot, so the window is kept
+set's backlog, and each round queues the backlog's most urgent allreduces that fit in the
+room every member has left in its window of ``HPDL_PRIORITY_WINDOW`` bytes in flight or
+queued (the room travels in the negotiation, so every rank queues the same ones in the same
+order). Each rank starts its queue in that order as its window frees (half of it in flight
+where collectives progress side by side, as MPI's do; see ``_pace``), without waiting
+for a round: between rounds, and while a round waits (the backend calls back,
+``Communicator.control_wait_hook``), since over TCP a round's control message can queue
+behind megabytes of data and a late peer can hold a round for milliseconds, during which the
+link would otherwise run dry. A round's own collectives start after everything queued
+before them, so every rank starts the same collectives in the same order. What is still in
+the backlog can be overtaken; what is queued or started, cannot, so the window is kept
 small, just enough to keep the network busy.
 """
 
@@ -101,8 +108,10 @@ class _ProcessSet:
         # Taken from the backlog in an agreed order, started as this rank's window has room:
         # batches of responses, this rank's requests by name, and their bytes.
         self.queued: "collections.deque[Tuple[List[Response], Dict[str, Request], int]]" = collections.deque()
-        # Whether queued allreduces may start between rounds (see Engine._start_queued).
+        # Whether queued allreduces may start between rounds (see Engine._start_queued), and
+        # how many of their bytes may be in flight at once.
         self.paced = False
+        self.flight_window = 1
 
 
 class Engine:
@@ -123,10 +132,12 @@ class Engine:
         self.rank = comm.rank
         self.size = comm.size
         self.bus = ev.EventBus()
+        self._window = settings.priority_window
+        self._queued_bytes = 0
         self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold,
                                  background=settings.background_collectives, on_done=self._collective_done)
         world = _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
-        world.paced = self._paced(world)
+        self._pace(world)
         self._sets: Dict[int, _ProcessSet] = {0: world}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
@@ -136,11 +147,6 @@ class Engine:
         # only a collective in flight is done (finished without a round).
         self._round_wanted = False
         self._collectives_done = False
-        self._window = settings.priority_window
-        # Of the window, what may be in flight at once; the rest waits in order, queued, to
-        # start as the earlier ones finish, without waiting for a round.
-        self._flight_window = max(1, self._window // 2)
-        self._queued_bytes = 0
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
@@ -164,13 +170,18 @@ class Engine:
         comm.control_wait_hook = self._service
         return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks))
 
-    def _paced(self, ps: _ProcessSet) -> bool:
-        """Whether ``ps``'s queued allreduces may start between rounds, as room frees: only where
-        they run in the background. A blocking call started outside the agreed order of rounds
-        could wait for a peer blocked in another process set's collective."""
+    def _pace(self, ps: _ProcessSet) -> None:
+        """Set how ``ps``'s queued allreduces start. Between rounds, as room frees, only where
+        they run in the background: a blocking call started outside the agreed order of rounds
+        could wait for a peer blocked in another process set's collective. Where they progress
+        side by side (MPI), half the window is in flight and half queued, so that the urgent
+        ones are not slowed by many others sharing the network; where they run in order
+        (gloo, nccl) the backend's own queue does that, and the whole window is in flight."""
         comm = ps.data_comm
-        return (self.executor.background and comm is not None
-                and type(comm).allreduce_start is not Communicator.allreduce_start)
+        ps.paced = (self.executor.background and comm is not None
+                    and type(comm).allreduce_start is not Communicator.allreduce_start)
+        in_order = getattr(comm, "runs_in_order", True)
+        ps.flight_window = self._window if in_order else max(1, self._window // 2)
 
     # -- called from user threads ----------------------------------------------------------
 
@@ -259,7 +270,7 @@ class Engine:
         while queued:
             responses, requests, nbytes = queued[0]
             in_flight = executor.in_flight_bytes
-            if not everything and in_flight > 0 and in_flight + nbytes > self._flight_window:
+            if not everything and in_flight > 0 and in_flight + nbytes > ps.flight_window:
                 return
             queued.popleft()
             self._queued_bytes -= nbytes
@@ -560,8 +571,9 @@ class Engine:
             set_id = self._next_set_id
             self._next_set_id += 1
             controller = self._controller(sub, set_id, ranks) if sub is not None else None
-            added = self._sets[set_id] = _ProcessSet(set_id, ranks, controller)
-            added.paced = self._paced(added)
+            added = _ProcessSet(set_id, ranks, controller)
+            self._pace(added)
+            self._sets[set_id] = added
             if handle is not None:
                 handle.set_result(set_id)
         elif response.kind == RequestKind.REMOVE_PROCESS_SET:
