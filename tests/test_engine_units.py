@@ -472,6 +472,7 @@ class _PolledComm:
         return [obj]
 
     allgather_object_control = allgather_object
+    background_collectives = True
 
     def allreduce_start(self, tensor, op):
         self.flights.append(_PolledFlight(polls=5))

@@ -75,6 +75,7 @@ def test_hierarchical_allreduce_across_nodes_equals_the_reference(cluster, launc
     out = on_first_node(cluster, sys.executable, "-m", "hpdl", "run", "-np", "4", "--hierarchical-allreduce", *launch,
                         "--", sys.executable, str(SCRIPTS / "hierarchical_nodes.py"))
     assert "topology: ['n1', 'n1', 'n2', 'n2']" in out
+    assert "background collectives: True" in out
     assert "OK hierarchical nodes: size=4" in out
 
 

@@ -82,6 +82,10 @@ class Communicator(abc.ABC):
     #: the order they started (gloo's and nccl's work queues) rather than side by side (MPI's
     #: non-blocking collectives, which share the network as they progress).
     runs_in_order: bool = True
+    #: Whether :meth:`allreduce_start` returns before the collective is done (a backend with
+    #: threads of its own, or polled), so that the engine may start collectives between its
+    #: rounds; when it blocks, the engine starts them only in its rounds' agreed order.
+    background_collectives: bool = False
 
     @property
     @abc.abstractmethod

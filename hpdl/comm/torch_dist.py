@@ -179,6 +179,8 @@ class TorchCommunicator(Communicator):
             return
         dist.all_reduce(tensor, op=_OPS[op], group=group)
 
+    background_collectives = True
+
     def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
         """Start the allreduce on the backend's own threads (gloo's workers, nccl's stream);
         the conversions of :meth:`_allreduce` (bool, gloo's missing types) run blocking."""

@@ -178,8 +178,7 @@ class Engine:
         ones are not slowed by many others sharing the network; where they run in order
         (gloo, nccl) the backend's own queue does that, and the whole window is in flight."""
         comm = ps.data_comm
-        ps.paced = (self.executor.background and comm is not None
-                    and type(comm).allreduce_start is not Communicator.allreduce_start)
+        ps.paced = self.executor.background and bool(getattr(comm, "background_collectives", False))
         in_order = getattr(comm, "runs_in_order", True)
         ps.flight_window = self._window if in_order else max(1, self._window // 2)
 

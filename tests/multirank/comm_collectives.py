@@ -120,6 +120,9 @@ def main() -> None:
         sub.barrier()
     else:
         assert sub is None
+    # All ranks on this host: MPI's allreduces block (shared memory moves only inside MPI's
+    # calls, fastest in a blocking one); gloo's run on its own threads.
+    assert comm.background_collectives == (comm.name != "mpi"), (comm.name, comm.background_collectives)
     local_rank, local_size, cross_rank, cross_size = comm.node_layout()
     assert (local_rank, local_size, cross_rank, cross_size) == (rank, size, 0, 1), (local_rank, local_size, cross_rank, cross_size)
     comm.barrier()

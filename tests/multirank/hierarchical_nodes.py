@@ -16,6 +16,7 @@ from _common import ALL_DTYPES, assert_equal, rank_tensor, run_main
 from torch_api import reduce_ref
 
 import hpdl.torch as hvd
+from hpdl.torch import runtime
 
 
 def check_topology(rank: int, size: int) -> None:
@@ -28,6 +29,8 @@ def check_topology(rank: int, size: int) -> None:
     assert (hvd.cross_rank(), hvd.cross_size()) == (node, len(nodes)), (rank, hosts)
     if rank == 0:
         print(f"topology: {hosts}", flush=True)
+        # Peers on another node: the world's allreduces run in flight (polled, over MPI).
+        print(f"background collectives: {runtime._require().comm.background_collectives}", flush=True)
 
 
 def check_allreduce(rank: int, size: int) -> None:
