@@ -245,11 +245,12 @@ class Engine:
         return max(0, self._window - in_flight) * ROOM_UNITS // self._window
 
     def _service(self) -> None:
-        """Between polls of a round that waits: finish the collectives in flight that are done
-        and start the queued ones that now have room."""
+        """Drive the backend's progress, finish the collectives in flight that are done and
+        start the queued ones that now have room: in the engine's pauses, and between the polls
+        of a round that waits."""
         executor = self.executor
         if executor.poll_interval_s():
-            executor.poll()
+            executor.poll()  # calls back (_collective_done) when one is done
         if self._collectives_done:
             self._collectives_done = False
             executor.complete()
@@ -373,17 +374,11 @@ class Engine:
         in flight as the backend completes them, meanwhile and before the next round."""
         executor = self.executor
         while True:
-            poll_s = executor.poll_interval_s()
-            if poll_s:
-                executor.poll()  # drives the backend's progress; calls back when one is done
-            if self._collectives_done:
-                self._collectives_done = False
-                executor.complete()
-                if self._queued_bytes or any(ps.queued for ps in self._sets.values()):
-                    self._start_queued()
+            self._service()
             remaining = until - time.monotonic()
             if remaining <= 0 or self._round_wanted:
                 break
+            poll_s = executor.poll_interval_s()
             if poll_s:
                 awaited = self._awaited
                 urgent = awaited is not None and not awaited.poll()
