@@ -254,8 +254,7 @@ class Engine:
         if self._collectives_done:
             self._collectives_done = False
             executor.complete()
-        if self._queued_bytes or any(ps.queued for ps in self._sets.values()):
-            self._start_queued()
+        self._start_queued()
 
     def _start_queued(self) -> None:
         """Start the queued allreduces of every paced process set, in their agreed order, while
@@ -502,8 +501,9 @@ class Engine:
             ready.append(response)
             if request is not None:
                 requests[response.name] = request
-        if ready or not ps.paced:
-            # What the round agreed runs after what earlier rounds queued, as on every rank.
+        if ready:
+            # What the round agreed runs after what earlier rounds queued, as on every rank
+            # (only a paced set keeps a queue from one round to the next).
             self._start_queued_of(ps, everything=True)
             t = ev.now_us()
             now = time.monotonic()
