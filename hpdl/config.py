@@ -103,6 +103,12 @@ class Settings:
     # in flight or queued to start (over MPI, half of it at most in flight); the rest wait,
     # agreed, to start in priority order (see engine.py, Priorities).
     priority_window: int = dataclasses.field(default=8 * 1024 * 1024, metadata={"env": "HPDL_PRIORITY_WINDOW"})
+    # A round for allreduces no caller waits for yet waits until this many bytes of them are
+    # pending or the oldest has waited HPDL_GATHER_TIME ms, so that a round agrees, and one
+    # call moves, a fused message worth its cost (see engine.py, Gathering); 0: a round as
+    # soon as anything is pending.
+    gather_bytes: int = dataclasses.field(default=1024 * 1024, metadata={"env": "HPDL_GATHER_BYTES"})
+    gather_time_ms: float = dataclasses.field(default=50.0, metadata={"env": "HPDL_GATHER_TIME"})
     stall_warning_s: float = dataclasses.field(
         default=60.0, metadata={"env": "HPDL_STALL_WARNING"}
     )
@@ -144,6 +150,10 @@ class Settings:
             raise SettingsError(f"HPDL_INPLACE_THRESHOLD must be >= 0 bytes, got {self.inplace_threshold}")
         if self.priority_window < 1:
             raise SettingsError(f"HPDL_PRIORITY_WINDOW must be >= 1 byte, got {self.priority_window}")
+        if self.gather_bytes < 0:
+            raise SettingsError(f"HPDL_GATHER_BYTES must be >= 0 bytes, got {self.gather_bytes}")
+        if self.gather_time_ms < 0:
+            raise SettingsError(f"HPDL_GATHER_TIME must be >= 0 ms, got {self.gather_time_ms}")
         if self.cache_capacity < 0:
             raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
         if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:

@@ -549,3 +549,109 @@ def test_a_round_that_waits_finishes_what_is_done_and_starts_what_is_queued():
         assert comm.started_in_round > 0
     finally:
         engine.shutdown()
+
+
+class _RecordingComm(_PolledComm):
+    """One rank alone that records its rounds and the size of each allreduce it starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.rounds = 0
+        self.started = []  # elements per allreduce started (a fused batch is one)
+
+    def allreduce_control(self, tensor, op):
+        self.rounds += 1
+
+    def allreduce_start(self, tensor, op):
+        self.started.append(tensor.numel())
+        return super().allreduce_start(tensor, op)
+
+
+def _gathering_engine(comm, **settings):
+    from hpdl.config import Settings
+    from hpdl.engine.engine import Engine
+
+    engine = Engine(Settings.from_env({}, **settings), comm)
+    while engine.cycles < 1:  # the first round, with nothing to do, has passed
+        time.sleep(0.001)
+    return engine
+
+
+def _small_allreduce(name, value=1.0):
+    return Request(RequestKind.ALLREDUCE, name, tensor=torch.full((256,), float(value)), op=Op.SUM)  # 1 KiB
+
+
+def test_allreduces_no_one_waits_for_are_gathered_into_one_round_and_one_call():
+    comm = _RecordingComm()
+    # gather 4 KiB, for as long as a minute: only the bytes can end it here
+    engine = _gathering_engine(comm, gather_bytes=4096, gather_time_ms=60_000.0)
+    try:
+        handles = [engine.submit(_small_allreduce(f"g{i}", i)) for i in range(3)]
+        time.sleep(0.05)
+        rounds = comm.rounds
+        time.sleep(0.2)
+        assert comm.started == [] and comm.rounds == rounds  # 3 KiB: still gathering, no round
+        handles.append(engine.submit(_small_allreduce("g3", 3)))
+        for i, handle in enumerate(handles):
+            torch.testing.assert_close(handle.wait(), torch.full((256,), float(i)))
+        assert comm.started == [4 * 256]  # one round agreed the four: one fused allreduce
+    finally:
+        engine.shutdown()
+
+
+def test_a_caller_waiting_ends_the_gathering():
+    comm = _RecordingComm()
+    engine = _gathering_engine(comm, gather_bytes=1 << 20, gather_time_ms=60_000.0)
+    try:
+        handle = engine.submit(_small_allreduce("metric", 2.0))
+        time.sleep(0.1)
+        assert comm.started == []
+        # without the waiter's call the round would wait a minute (and the test time out)
+        torch.testing.assert_close(handle.wait(timeout=30), torch.full((256,), 2.0))
+        assert comm.started == [256]
+    finally:
+        engine.shutdown()
+
+
+def test_gathering_ends_after_the_gather_time_without_a_waiter():
+    comm = _RecordingComm()
+    engine = _gathering_engine(comm, gather_bytes=1 << 20, gather_time_ms=20.0)
+    try:
+        handle = engine.submit(_small_allreduce("lonely"))
+        deadline = time.monotonic() + 30
+        while not handle.poll() and time.monotonic() < deadline:  # poll() does not expedite
+            time.sleep(0.005)
+        assert handle.poll() and comm.started == [256]
+    finally:
+        engine.shutdown()
+
+
+def test_without_gather_bytes_every_submission_starts_a_round():
+    comm = _RecordingComm()
+    engine = _gathering_engine(comm, gather_bytes=0, gather_time_ms=60_000.0)
+    try:
+        handle = engine.submit(_small_allreduce("at_once"))
+        deadline = time.monotonic() + 30
+        while not handle.poll() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert handle.poll() and comm.started == [256]
+    finally:
+        engine.shutdown()
+
+
+def test_an_idle_engine_spaces_its_rounds_out():
+    from hpdl.engine import engine as engine_module
+
+    comm = _RecordingComm()
+    engine = _gathering_engine(comm)
+    try:
+        before = comm.rounds
+        time.sleep(1.0)
+        idle_rounds = comm.rounds - before
+        # at a fixed first pause a second holds 1 / 0.02 = 50 rounds; doubled after each, few
+        assert 1 <= idle_rounds <= 1.0 / engine_module._IDLE_PAUSE_MIN_S / 3
+        # a submission is still served at once, and resets the pause
+        handle = engine.submit(_small_allreduce("after_idle"))
+        torch.testing.assert_close(handle.wait(timeout=30), torch.full((256,), 1.0))
+    finally:
+        engine.shutdown()

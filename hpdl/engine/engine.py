@@ -10,17 +10,32 @@ Pacing. A cycle is a collective round: every member's engine thread must take pa
 machine whose cores are all busy computing (data-parallel training), each round costs CPU
 time taken from the compute, more so when a peer's thread is descheduled and the others poll
 for it. So rounds happen when they can achieve something:
-- a rank with nothing pending sleeps until its next submission wakes it (at most
-  ``_IDLE_PAUSE_CAP_S``): in data-parallel training every rank submits the same tensors, so
+- a rank with nothing pending sleeps until its next submission wakes it, or for at most
+  ``_IDLE_PAUSE_MIN_S``, doubled after each idle round that agreed nothing, up to
+  ``_IDLE_PAUSE_MAX_S``: in data-parallel training every rank submits the same tensors, so
   the round a peer started is joined when this rank's own gradient arrives, not by a timer;
 - a rank whose pending requests a round could not run (a peer has not submitted them yet)
   doubles its pause after each such fruitless round, up to ``_BUSY_PAUSE_CAP_S``;
 - a full negotiation or a process set with work keeps every rank at the cycle time, and a
   caller starting to wait on a handle cuts a doubled pause short.
-A request submitted to an idle engine thus still starts a cycle at once, and the cycle time
-bounds the latency of a collective whose ranks are all ready. Where the ranks' compute fills
-the CPU cores, the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so
+A request submitted to an idle engine thus still starts a cycle at once (unless it is
+gathered, below), and the cycle time bounds the latency of a collective whose ranks are all
+ready; one that a peer idle for long has not submitted waits for that peer's timer (at most
+``_IDLE_PAUSE_MAX_S``) to learn that it cannot run yet. Where the ranks' compute fills the CPU
+cores, the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so
 its polling and copies use the gaps the compute leaves instead of preempting it.
+
+Gathering. Each round costs every rank CPU time (the negotiation, then starting the agreed
+collectives), whatever it agrees. Backward makes gradients one layer at a time, milliseconds
+apart; a round per gradient is a round and a backend call per tensor, which on CPU-bound nodes
+comes out of the compute (EDSR-baseline across two nodes: 76 rounds per step, 40 ms of the
+engine's CPU per 460 ms step; docs/perf.md). So while every request pending is an allreduce
+that no caller waits for yet, the engine gathers instead of running a round: until
+``HPDL_GATHER_BYTES`` of them are pending (a fused message worth a round), the oldest has
+waited ``HPDL_GATHER_TIME``, or a caller starts waiting for one (the optimizer's step, a
+synchronous call), whichever comes first. The last gradients of a step are therefore never
+held back: the optimizer waits for them. Every rank gathers by the same rule over the same
+tensors, so the ranks reach their rounds together, as before.
 
 Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
 forward overlaps the gradients' exchange: the first layers' gradients are needed first, but
@@ -64,7 +79,10 @@ from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Resp
 log = logging.getLogger("hpdl.engine")
 
 _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
-_IDLE_PAUSE_CAP_S = 0.02  # pause of a rank with nothing pending (its own submissions wake it at once)
+# Pauses of a rank with nothing pending (its own submissions wake it at once): the first, and
+# the longest they double to while its rounds agree nothing (each costs the compute CPU time).
+_IDLE_PAUSE_MIN_S = 0.02
+_IDLE_PAUSE_MAX_S = 0.1
 _LIVENESS_WAIT_S = 2.0  # after a backend failure, how long the survivors listen for each other
 # How often collectives that move only when polled (MPI over TCP) are polled while a caller
 # waits for a result: its core is idle then, and every protocol step the backend takes only
@@ -154,6 +172,9 @@ class Engine:
         self.cycles = 0
         self._fruitless = 0  # consecutive rounds that agreed nothing with no new local request
         self._idle = True  # nothing pending on this rank: a submission wakes the engine at once
+        self._idle_pause = _IDLE_PAUSE_MIN_S  # the next pause of an idle rank
+        self._gathering = False  # holding the next round back (see Gathering): a waiter wakes the engine
+        self._gather_left = 0  # while gathering: bytes still to come before a round is worth it
         self._hot = False  # the last round started a negotiation that needs quick rounds
         self._timeline = None
         self._round_started: Optional[float] = None  # while a round runs: when it started
@@ -214,13 +235,20 @@ class Engine:
             self._idle = False
             self._round_wanted = True
             self._wake.set()
+        elif self._gathering:
+            # Counted here, so that the engine sleeps through the submissions of a gathering
+            # (a wake-up per gradient would cost the compute a thread switch each).
+            self._gather_left -= request.nbytes
+            if self._gather_left <= 0 or request.kind is not RequestKind.ALLREDUCE:
+                self._round_wanted = True
+                self._wake.set()
         return handle
 
     def expedite(self, handle: Optional[Handle] = None) -> None:
         """Someone waits for ``handle``: run the next cycle after at most the cycle time, and
         poll what is in flight often until it is done (the waiter's core is idle meanwhile)."""
         self._awaited = handle
-        if self._fruitless:
+        if self._fruitless or self._gathering:
             self._fruitless = 0
             self._round_wanted = True
             self._wake.set()
@@ -342,8 +370,13 @@ class Engine:
         self._started.set()
         try:
             while True:
-                started = self._round_started = time.monotonic()
                 arrived = self._drain()
+                gather_until = self._gather_until()
+                if gather_until is not None:
+                    self._pause(gather_until)
+                    self._gathering = False
+                    continue
+                started = self._round_started = time.monotonic()
                 progressed = self._cycle()
                 self._round_started = None
                 if progressed is None:
@@ -352,10 +385,15 @@ class Engine:
                 if self._idle:
                     # Nothing pending here: the next local submission wakes the engine. Peers
                     # with work wait for this rank's next round, which they get at once if they
-                    # submit the same tensors (the data-parallel case) and within the idle cap
-                    # otherwise.
+                    # submit the same tensors (the data-parallel case) and within the idle
+                    # pause otherwise; it grows while the rounds find nothing to do (in
+                    # training: the forward), as each costs the compute CPU time.
                     self._fruitless = 0
-                    pause = cycle_s if self._hot else max(_IDLE_PAUSE_CAP_S, cycle_s)
+                    if progressed:
+                        self._idle_pause = _IDLE_PAUSE_MIN_S
+                    pause = cycle_s if self._hot else max(self._idle_pause, cycle_s)
+                    if not progressed:
+                        self._idle_pause = min(2 * self._idle_pause, _IDLE_PAUSE_MAX_S)
                 elif progressed or arrived:
                     self._fruitless = 0
                     pause = cycle_s
@@ -367,6 +405,37 @@ class Engine:
             self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
+
+    def _gather_until(self) -> Optional[float]:
+        """Until when to hold the next round back to gather more allreduces (see Gathering),
+        or None to run it now. Sets the engine gathering when it returns a time."""
+        settings = self.settings
+        if not settings.gather_bytes or self._shutdown_requested or self._hot or self._backlogged:
+            return None
+        awaited = self._awaited
+        if awaited is not None and not awaited.poll():
+            return None
+        pending_bytes = 0
+        oldest = None
+        allreduce = RequestKind.ALLREDUCE
+        for ps in self._sets.values():
+            for request in ps.pending.values():
+                if request.kind is not allreduce:
+                    return None
+                pending_bytes += request.nbytes
+                if oldest is None or request.arrival < oldest:
+                    oldest = request.arrival
+        if oldest is None or pending_bytes >= settings.gather_bytes:
+            return None
+        until = oldest + settings.gather_time_ms / 1000.0
+        if until <= time.monotonic():
+            return None
+        self._gather_left = settings.gather_bytes - pending_bytes
+        self._gathering = True
+        self._idle = False  # submissions are counted (submit) rather than each waking the engine
+        if self._queue:  # submitted before the flag was up: count it first
+            self._round_wanted = True
+        return until
 
     def _pause(self, until: float) -> None:
         """Sleep until ``until`` (time.monotonic) or a reason for a round; finish the collectives

@@ -111,8 +111,8 @@ def _small_messages(a: Analysis) -> Optional[str]:
     per_step = a.fusion.messages_per_step
     if small.share >= 0.3 and per_step > 20:
         return (f"{small.share:.0%} of communication time is in {small.label} messages, {per_step:.0f} messages per "
-                "step: per-call overhead dominates; fuse more (a larger HPDL_FUSION_THRESHOLD, or a longer "
-                "HPDL_CYCLE_TIME so that more tensors are ready per cycle).")
+                "step: per-call overhead dominates; fuse more (a larger HPDL_GATHER_BYTES, so that a round waits for "
+                "more tensors, or a larger HPDL_FUSION_THRESHOLD).")
     return None
 
 
