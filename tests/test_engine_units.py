@@ -606,8 +606,9 @@ def test_a_caller_waiting_ends_the_gathering():
         handle = engine.submit(_small_allreduce("metric", 2.0))
         time.sleep(0.1)
         assert comm.started == []
-        # without the waiter's call the round would wait a minute (and the test time out)
-        torch.testing.assert_close(handle.wait(timeout=30), torch.full((256,), 2.0))
+        # without the waiter's call the round would wait a minute, or 5 s, when a round must
+        # check for stalls: the wait would time out
+        torch.testing.assert_close(handle.wait(timeout=2), torch.full((256,), 2.0))
         assert comm.started == [256]
     finally:
         engine.shutdown()

@@ -37,6 +37,18 @@ def test_fusion_cache_and_poll(launcher, n):
     assert "OK engine behaviour" in result.stdout
 
 
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_gradients_no_one_waits_for_are_gathered_into_one_call_per_step(launcher):
+    # 15 steps of 20 small allreduces 2 ms apart: with gatherings only the bytes or a waiting
+    # caller can end, one backend call per step (check_gathering asserts it on every rank).
+    result = run_ranks("engine_behaviour.py", 2, launcher, env={"HPDL_GATHER_TIME": "60000"})
+    assert "gathered_calls=15" in result.stdout, result.stdout
+    # a round per submission: a call for most tensors
+    result = run_ranks("engine_behaviour.py", 2, launcher, env={"HPDL_GATHER_BYTES": "0"})
+    calls = int(result.stdout.split("gathered_calls=")[1].split()[0])
+    assert calls > 15 * 5, result.stdout
+
+
 def test_cache_disabled_takes_the_full_path():
     result = run_ranks("engine_behaviour.py", 2, "mpiexec", env={"HPDL_CACHE_CAPACITY": "0"})
     assert "cache_hits=0" in result.stdout

@@ -427,7 +427,9 @@ class Engine:
                     oldest = request.arrival
         if oldest is None or pending_bytes >= settings.gather_bytes:
             return None
-        until = oldest + settings.gather_time_ms / 1000.0
+        # Never past the point where a round must check for stalled requests (negotiation.py).
+        hold = min(settings.gather_time_ms / 1000.0, self._sets[0].controller.stall_check_interval)
+        until = oldest + hold
         if until <= time.monotonic():
             return None
         self._gather_left = settings.gather_bytes - pending_bytes

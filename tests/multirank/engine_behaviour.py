@@ -54,6 +54,28 @@ def check_cache(rank, size, steps=10, tensors=20):
     return hits
 
 
+def check_gathering(rank, size, steps=15, tensors=20):
+    """Gradients arriving a few milliseconds apart, none waited for until the step's end (as
+    in backward): the engine gathers them into one round and one fused call per step, where a
+    round per submission made a call per tensor. Only when the gather time is long enough
+    that nothing but the bytes or the waiting caller can end a gathering is the count exact;
+    a caller whose wait did not end it would hold each step for seconds."""
+    engine = runtime.engine()
+    settings = runtime.settings()
+    before = engine.stats()
+    for step in range(steps):
+        handles = []
+        for i in range(tensors):
+            handles.append(hvd.allreduce_async(torch.full((256,), float(rank + i)), name=f"gather.{i}", op=hvd.Sum))
+            time.sleep(0.002)
+        for i, h in enumerate(handles):
+            assert_equal(hvd.synchronize(h), torch.full((256,), float(sum(range(size)) + size * i)), f"gathered {i}")
+    calls = engine.stats()["backend_calls"] - before["backend_calls"]
+    if settings.gather_bytes >= tensors * 1024 and settings.gather_time_ms >= 10_000:
+        assert calls == steps, f"{steps} steps of {tensors} gathered allreduces took {calls} backend calls"
+    return calls
+
+
 def check_poll_in_flight(rank, size):
     if size == 1:
         return  # alone, nothing keeps the op in flight
@@ -75,10 +97,12 @@ def main():
     rank, size = hvd.rank(), hvd.size()
     calls, biggest = check_fusion(rank, size)
     hits = check_cache(rank, size)
+    gathered_calls = check_gathering(rank, size)
     check_poll_in_flight(rank, size)
     hvd.shutdown()
     if rank == 0:
-        print(f"OK engine behaviour: size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits}")
+        print(f"OK engine behaviour: size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits} "
+              f"gathered_calls={gathered_calls}")
 
 
 if __name__ == "__main__":
