@@ -329,12 +329,13 @@ def _queued_names(ps):
 def test_backlog_queues_the_most_urgent_that_fit_in_the_agreed_room():
     from types import SimpleNamespace
 
-    from hpdl.engine.engine import Engine, _ProcessSet
+    from hpdl.engine.engine import Engine
+    from hpdl.engine.process_set import ProcessSet
     from hpdl.engine.negotiation import ROOM_UNITS
 
     # one unit: 4096 bytes (1024 float32); tensors of 4096 bytes and more go alone
     engine = SimpleNamespace(_window=32 * 4096, _queued_bytes=0, settings=SimpleNamespace(inplace_threshold=4096))
-    ps = _ProcessSet(0, [0, 1], None)
+    ps = ProcessSet(0, [0, 1], None)
     # arrival order is backward's (last layer first); priority is the forward's order
     ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in (5, 4, 3, 2, 1, 0)]
     Engine._queue_from_backlog(engine, ps, 3)  # room for three tensors
@@ -360,7 +361,8 @@ def test_backlog_queues_the_most_urgent_that_fit_in_the_agreed_room():
 def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
     from types import SimpleNamespace
 
-    from hpdl.engine.engine import Engine, _ProcessSet
+    from hpdl.engine.engine import Engine
+    from hpdl.engine.process_set import ProcessSet
 
     started = []
 
@@ -374,7 +376,7 @@ def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
     executor = _Executor()
     engine = SimpleNamespace(executor=executor, _queued_bytes=0, cycles=0,
                              _special=None, settings=SimpleNamespace(inplace_threshold=4096), _window=32 * 4096)
-    ps = _ProcessSet(0, [0, 1], None)
+    ps = ProcessSet(0, [0, 1], None)
     ps.flight_window = 2 * 4096
     ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in range(4)]
     Engine._queue_from_backlog(engine, ps, 32)
@@ -581,6 +583,15 @@ def _small_allreduce(name, value=1.0):
     return Request(RequestKind.ALLREDUCE, name, tensor=torch.full((256,), float(value)), op=Op.SUM)  # 1 KiB
 
 
+def _done_without_waiting(handle, limit_s=30.0):
+    """Whether ``handle`` completes within ``limit_s`` while nobody waits on it (poll() does not
+    end a gathering, as a waiter does)."""
+    deadline = time.monotonic() + limit_s
+    while not handle.poll() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return handle.poll()
+
+
 def test_allreduces_no_one_waits_for_are_gathered_into_one_round_and_one_call():
     comm = _RecordingComm()
     # gather 4 KiB, for as long as a minute: only the bytes can end it here
@@ -619,10 +630,7 @@ def test_gathering_ends_after_the_gather_time_without_a_waiter():
     engine = _gathering_engine(comm, gather_bytes=1 << 20, gather_time_ms=20.0)
     try:
         handle = engine.submit(_small_allreduce("lonely"))
-        deadline = time.monotonic() + 30
-        while not handle.poll() and time.monotonic() < deadline:  # poll() does not expedite
-            time.sleep(0.005)
-        assert handle.poll() and comm.started == [256]
+        assert _done_without_waiting(handle) and comm.started == [256]
     finally:
         engine.shutdown()
 
@@ -632,10 +640,7 @@ def test_without_gather_bytes_every_submission_starts_a_round():
     engine = _gathering_engine(comm, gather_bytes=0, gather_time_ms=60_000.0)
     try:
         handle = engine.submit(_small_allreduce("at_once"))
-        deadline = time.monotonic() + 30
-        while not handle.poll() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert handle.poll() and comm.started == [256]
+        assert _done_without_waiting(handle) and comm.started == [256]
     finally:
         engine.shutdown()
 

@@ -62,7 +62,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -74,6 +74,7 @@ from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
 from hpdl.engine.handle import Handle
 from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, Controller, CycleResult
+from hpdl.engine.process_set import ProcessSet
 from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Response
 
 log = logging.getLogger("hpdl.engine")
@@ -109,29 +110,6 @@ class StallAbort(HorovodInternalError):
         super().__init__(*(args or (self.message,)))
 
 
-class _ProcessSet:
-    """One process set as the engine sees it on this rank."""
-
-    def __init__(self, set_id: int, ranks: Sequence[int], controller: Optional[Controller],
-                 data_comm: Optional[Communicator] = None):
-        self.id = set_id
-        self.ranks = list(ranks)
-        self.controller = controller  # None when this rank is not a member
-        # Where the collectives themselves run: the controller's group, or a node-aware
-        # wrapper of it (hierarchical allreduce).
-        self.data_comm = data_comm if data_comm is not None else (controller.comm if controller else None)
-        self.pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
-        # Agreed prioritized allreduces not started yet, with this rank's request (None: joined).
-        self.backlog: List[Tuple[Response, Optional[Request]]] = []
-        # Taken from the backlog in an agreed order, started as this rank's window has room:
-        # batches of responses, this rank's requests by name, and their bytes.
-        self.queued: "collections.deque[Tuple[List[Response], Dict[str, Request], int]]" = collections.deque()
-        # Whether queued allreduces may start between rounds (see Engine._start_queued), and
-        # how many of their bytes may be in flight at once.
-        self.paced = False
-        self.flight_window = 1
-
-
 class Engine:
     """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
 
@@ -154,9 +132,9 @@ class Engine:
         self._queued_bytes = 0
         self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold,
                                  background=settings.background_collectives, on_done=self._collective_done)
-        world = _ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
+        world = ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
         self._pace(world)
-        self._sets: Dict[int, _ProcessSet] = {0: world}
+        self._sets: Dict[int, ProcessSet] = {0: world}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
         self._in_flight: set = set()
@@ -191,7 +169,7 @@ class Engine:
         comm.control_wait_hook = self._service
         return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks))
 
-    def _pace(self, ps: _ProcessSet) -> None:
+    def _pace(self, ps: ProcessSet) -> None:
         """Set how ``ps``'s queued allreduces start. Between rounds, as room frees, only where
         they run in the background: a blocking call started outside the agreed order of rounds
         could wait for a peer blocked in another process set's collective. Where they progress
@@ -291,7 +269,7 @@ class Engine:
             if ps.paced:
                 self._start_queued_of(ps, everything=False)
 
-    def _start_queued_of(self, ps: _ProcessSet, everything: bool) -> None:
+    def _start_queued_of(self, ps: ProcessSet, everything: bool) -> None:
         executor = self.executor
         queued = ps.queued
         while queued:
@@ -557,7 +535,7 @@ class Engine:
             self.bus.emit(ev.Event(ev.CYCLE, "cycle", (), ev.now_us(), rank=self.rank, cycle=self.cycles))
         return ran or self._hot
 
-    def _execute(self, ps: _ProcessSet, result: CycleResult) -> None:
+    def _execute(self, ps: ProcessSet, result: CycleResult) -> None:
         if not result.responses and not ps.backlog and not ps.queued:
             return
         requests: Dict[str, Request] = {}
@@ -590,39 +568,10 @@ class Engine:
             self._queue_from_backlog(ps, result.room)
         self._start_queued_of(ps, everything=not ps.paced)
 
-    def _queue_from_backlog(self, ps: _ProcessSet, room: int) -> None:
-        """Queue the most urgent of ``ps.backlog`` that fit in ``room`` (agreed by every member,
-        so every rank queues the same, in the same order): tensors of the in-place size alone,
-        smaller ones together, to be fused."""
-        backlog = ps.backlog
-        backlog.sort(key=lambda item: (item[0].priority, item[0].name))
-        budget = room * self._window // ROOM_UNITS
-        taken, used = 0, 0
-        for response, _ in backlog:
-            # A window empty on every rank takes the next one whatever its size.
-            if used + response.nbytes > budget and not (taken == 0 and room == ROOM_UNITS):
-                break
-            used += response.nbytes
-            taken += 1
-        started, ps.backlog = backlog[:taken], backlog[taken:]
-        alone = max(1, self.settings.inplace_threshold)
-        batch: List[Response] = []
-        requests: Dict[str, Request] = {}
-        nbytes = 0
-        for response, request in started:
-            if response.nbytes >= alone and batch:
-                ps.queued.append((batch, requests, nbytes))
-                batch, requests, nbytes = [], {}, 0
-            batch.append(response)
-            nbytes += response.nbytes
-            if request is not None:
-                requests[response.name] = request
-            if nbytes >= alone:
-                ps.queued.append((batch, requests, nbytes))
-                batch, requests, nbytes = [], {}, 0
-        if batch:
-            ps.queued.append((batch, requests, nbytes))
-        self._queued_bytes += used
+    def _queue_from_backlog(self, ps: ProcessSet, room: int) -> None:
+        """Queue the most urgent of ``ps.backlog`` that fit in the agreed ``room``: tensors of
+        the in-place size alone, smaller ones together, to be fused."""
+        self._queued_bytes += ps.queue_from_backlog(room, self._window, max(1, self.settings.inplace_threshold))
 
     def _special(self, response: Response, request: Optional[Request]) -> None:
         """Run the responses that change the engine itself: join and process-set changes."""
@@ -636,7 +585,7 @@ class Engine:
             set_id = self._next_set_id
             self._next_set_id += 1
             controller = self._controller(sub, set_id, ranks) if sub is not None else None
-            added = _ProcessSet(set_id, ranks, controller)
+            added = ProcessSet(set_id, ranks, controller)
             self._pace(added)
             self._sets[set_id] = added
             if handle is not None:
@@ -667,7 +616,7 @@ class Engine:
         names = ", ".join(str(world[r]) for r in lost)
         return f" (lost: rank {names} does not answer)" if len(lost) == 1 else f" (lost: ranks {names} do not answer)"
 
-    def _fail_set(self, ps: _ProcessSet, message: str) -> None:
+    def _fail_set(self, ps: ProcessSet, message: str) -> None:
         pending, ps.pending = ps.pending, collections.OrderedDict()
         backlog, ps.backlog = ps.backlog, []
         queued, ps.queued = ps.queued, collections.deque()
