@@ -625,21 +625,15 @@ def test_a_caller_waiting_ends_the_gathering():
         engine.shutdown()
 
 
-def test_gathering_ends_after_the_gather_time_without_a_waiter():
+@pytest.mark.parametrize("gather_bytes,gather_time_ms", [(1 << 20, 20.0), (0, 60_000.0)],
+                         ids=["the-gather-time-ends-it", "no-gather-bytes-no-gathering"])
+def test_an_allreduce_no_one_waits_for_still_runs(gather_bytes, gather_time_ms):
+    # Without a waiter, a gathering ends after the gather time; with no gather bytes, there
+    # is none: every submission starts a round (a minute's gathering would outlast the poll).
     comm = _RecordingComm()
-    engine = _gathering_engine(comm, gather_bytes=1 << 20, gather_time_ms=20.0)
+    engine = _gathering_engine(comm, gather_bytes=gather_bytes, gather_time_ms=gather_time_ms)
     try:
         handle = engine.submit(_small_allreduce("lonely"))
-        assert _done_without_waiting(handle) and comm.started == [256]
-    finally:
-        engine.shutdown()
-
-
-def test_without_gather_bytes_every_submission_starts_a_round():
-    comm = _RecordingComm()
-    engine = _gathering_engine(comm, gather_bytes=0, gather_time_ms=60_000.0)
-    try:
-        handle = engine.submit(_small_allreduce("at_once"))
         assert _done_without_waiting(handle) and comm.started == [256]
     finally:
         engine.shutdown()
