@@ -579,8 +579,9 @@ def _gathering_engine(comm, **settings):
     return engine
 
 
-def _small_allreduce(name, value=1.0):
-    return Request(RequestKind.ALLREDUCE, name, tensor=torch.full((256,), float(value)), op=Op.SUM)  # 1 KiB
+def _small_allreduce(name, value=1.0, bytes_to_come=None):
+    return Request(RequestKind.ALLREDUCE, name, tensor=torch.full((256,), float(value)), op=Op.SUM,  # 1 KiB
+                   bytes_to_come=bytes_to_come)
 
 
 def _done_without_waiting(handle, limit_s=30.0):
@@ -606,6 +607,24 @@ def test_allreduces_no_one_waits_for_are_gathered_into_one_round_and_one_call():
         for i, handle in enumerate(handles):
             torch.testing.assert_close(handle.wait(), torch.full((256,), float(i)))
         assert comm.started == [4 * 256]  # one round agreed the four: one fused allreduce
+    finally:
+        engine.shutdown()
+
+
+def test_a_burst_s_last_allreduces_are_not_held_back_together():
+    # The submitter tells how many bytes are still to come: once as many are held, holding
+    # more would only grow the burst's last round, so the round runs, with no waiter.
+    comm = _RecordingComm()
+    engine = _gathering_engine(comm, gather_bytes=1 << 20, gather_time_ms=60_000.0)
+    try:
+        first = engine.submit(_small_allreduce("a", bytes_to_come=3072))
+        time.sleep(0.2)
+        assert comm.started == []  # 1 KiB held, 3 KiB to come: still gathering
+        second = engine.submit(_small_allreduce("b", bytes_to_come=2048))  # 2 KiB held, 2 to come
+        assert _done_without_waiting(first) and _done_without_waiting(second)
+        assert comm.started == [2 * 256]
+        last = engine.submit(_small_allreduce("c", bytes_to_come=0))
+        assert _done_without_waiting(last) and comm.started == [2 * 256, 256]
     finally:
         engine.shutdown()
 

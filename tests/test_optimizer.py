@@ -192,3 +192,70 @@ def test_synchronize_blocks_once_on_the_last_submitted_gradient(monkeypatch):
     opt.step()
     completer.join()
     assert blocked_on == [submitted[-1][0].name]
+
+
+def _record_submissions(monkeypatch):
+    """Replace the optimizer's allreduces with ones that complete at once, recording each
+    submission's name and ``bytes_to_come``."""
+    from hpdl.engine import Handle
+    from hpdl.torch import mpi_ops
+    from hpdl.torch import optimizer as optimizer_module
+
+    hints = []
+
+    def done(name, tensors):
+        handle = Handle(name)
+        handle.set_result(tensors)
+        return handle
+
+    def fake_allreduce_async_(tensor, name, bytes_to_come=None, **kwargs):
+        hints.append((name, bytes_to_come))
+        return mpi_ops.AsyncHandle([done(name, tensor)], None, inplace=tensor)
+
+    def fake_grouped_allreduce_async_(tensors, name, bytes_to_come=None, **kwargs):
+        hints.append((name, bytes_to_come))
+        return mpi_ops.AsyncHandle([done(f"{name}.{i}", t) for i, t in enumerate(tensors)], list)
+
+    monkeypatch.setattr(optimizer_module.mpi_ops, "allreduce_async_", fake_allreduce_async_)
+    monkeypatch.setattr(optimizer_module.mpi_ops, "grouped_allreduce_async_", fake_grouped_allreduce_async_)
+    return hints
+
+
+@pytest.mark.parametrize("compression,itemsize", [(Compression.none, 4), (Compression.fp16, 2)])
+def test_each_gradient_tells_the_engine_the_bytes_still_to_come_in_the_step(monkeypatch, compression, itemsize):
+    hints = _record_submissions(monkeypatch)
+    model = _model()  # 12 + 3 + 6 + 2 parameters: 23 float32 elements per step
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compression,
+                                   backward_passes_per_step=2)
+    sizes = {f"allreduce.{name}": p.numel() for name, p in model.named_parameters()}
+    for step in range(2):
+        hints.clear()
+        for _ in range(2):  # the first pass accumulates locally and submits nothing
+            model(torch.randn(2, 4)).sum().backward()
+        assert len(hints) == 4
+        left = sum(sizes.values())
+        for name, bytes_to_come in hints:  # in the order backward made them
+            left -= sizes[name]
+            assert bytes_to_come == left * itemsize
+        assert hints[-1][1] == 0
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_group_tells_the_engine_the_bytes_after_it(monkeypatch):
+    hints = _record_submissions(monkeypatch)
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=[list(model[0].parameters())])
+    model(torch.randn(2, 4)).sum().backward()
+    sizes = {f"allreduce.{name}": p.numel() for name, p in model.named_parameters()}
+    (group_name,) = opt._group_names.values()
+    sizes[group_name] = 12 + 3
+    assert len(hints) == 3 and group_name in dict(hints)
+    left = 23
+    for name, bytes_to_come in hints:  # a group counts the bytes after all its members
+        left -= sizes[name]
+        assert bytes_to_come == left * 4
+    assert left == 0
+    opt.step()

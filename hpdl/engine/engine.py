@@ -32,9 +32,12 @@ comes out of the compute (EDSR-baseline across two nodes: 76 rounds per step, 40
 engine's CPU per 460 ms step; docs/perf.md). So while every request pending is an allreduce
 that no caller waits for yet, the engine gathers instead of running a round: until
 ``HPDL_GATHER_BYTES`` of them are pending (a fused message worth a round), the oldest has
-waited ``HPDL_GATHER_TIME``, or a caller starts waiting for one (the optimizer's step, a
-synchronous call), whichever comes first. The last gradients of a step are therefore never
-held back: the optimizer waits for them. Every rank gathers by the same rule over the same
+waited ``HPDL_GATHER_TIME``, a caller starts waiting for one (the optimizer's step, a
+synchronous call), or as many bytes are pending as the latest submission says are still to
+come (``Request.bytes_to_come``), whichever comes first. The last rule is for the end of a
+step: whatever is held when backward ends is transferred while the optimizer waits, so the
+held bytes halve as the step's last gradients arrive (the optimizer knows how many bytes are
+left) and the last round carries about one gradient, as without gathering. Every rank gathers by the same rule over the same
 tensors, so the ranks reach their rounds together, as before.
 
 Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
@@ -152,7 +155,7 @@ class Engine:
         self._idle = True  # nothing pending on this rank: a submission wakes the engine at once
         self._idle_pause = _IDLE_PAUSE_MIN_S  # the next pause of an idle rank
         self._gathering = False  # holding the next round back (see Gathering): a waiter wakes the engine
-        self._gather_left = 0  # while gathering: bytes still to come before a round is worth it
+        self._gathered = 0  # while gathering: the bytes pending
         self._hot = False  # the last round started a negotiation that needs quick rounds
         self._timeline = None
         self._round_started: Optional[float] = None  # while a round runs: when it started
@@ -216,8 +219,9 @@ class Engine:
         elif self._gathering:
             # Counted here, so that the engine sleeps through the submissions of a gathering
             # (a wake-up per gradient would cost the compute a thread switch each).
-            self._gather_left -= request.nbytes
-            if self._gather_left <= 0 or request.kind is not RequestKind.ALLREDUCE:
+            gathered = self._gathered = self._gathered + request.nbytes
+            if (request.kind is not RequestKind.ALLREDUCE
+                    or not self._worth_holding(gathered, request.bytes_to_come)):
                 self._round_wanted = True
                 self._wake.set()
         return handle
@@ -394,7 +398,7 @@ class Engine:
         if awaited is not None and not awaited.poll():
             return None
         pending_bytes = 0
-        oldest = None
+        oldest = newest = None
         allreduce = RequestKind.ALLREDUCE
         for ps in self._sets.values():
             for request in ps.pending.values():
@@ -403,19 +407,28 @@ class Engine:
                 pending_bytes += request.nbytes
                 if oldest is None or request.arrival < oldest:
                     oldest = request.arrival
-        if oldest is None or pending_bytes >= settings.gather_bytes:
+                if newest is None or request.arrival >= newest.arrival:
+                    newest = request
+        if oldest is None or not self._worth_holding(pending_bytes, newest.bytes_to_come):
             return None
         # Never past the point where a round must check for stalled requests (negotiation.py).
         hold = min(settings.gather_time_ms / 1000.0, self._sets[0].controller.stall_check_interval)
         until = oldest + hold
         if until <= time.monotonic():
             return None
-        self._gather_left = settings.gather_bytes - pending_bytes
+        self._gathered = pending_bytes
         self._gathering = True
         self._idle = False  # submissions are counted (submit) rather than each waking the engine
         if self._queue:  # submitted before the flag was up: count it first
             self._round_wanted = True
         return until
+
+    def _worth_holding(self, gathered: int, bytes_to_come: Optional[int]) -> bool:
+        """Whether ``gathered`` pending bytes are worth holding for more (see Gathering): fewer
+        than ``HPDL_GATHER_BYTES``, and fewer than the latest submitter says are still to come.
+        Holding past the latter would only make the burst's last round bigger, and its
+        transfer is what the caller waits for at the end."""
+        return gathered < self.settings.gather_bytes and (bytes_to_come is None or gathered < bytes_to_come)
 
     def _pause(self, until: float) -> None:
         """Sleep until ``until`` (time.monotonic) or a reason for a round; finish the collectives

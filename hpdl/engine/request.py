@@ -49,18 +49,22 @@ class Request:
     allreduce and broadcast (it may be ``tensor`` itself); other kinds allocate their output.
     ``group`` = (group name, member count) asks that all members be negotiated and fused
     together. ``priority`` (an allreduce's; lower runs sooner) holds it back once agreed, to
-    start in priority order as the backend has room (see engine.py, Priorities). A plain class
-    with slots: one is made per tensor per training step.
+    start in priority order as the backend has room (see engine.py, Priorities).
+    ``bytes_to_come`` (an allreduce's, optional) is how many bytes the caller will submit right
+    after it in the same burst (DistributedOptimizer: the step's gradients not yet made); it
+    ends a gathering early, so that the last gradients are not held back together (see
+    engine.py, Gathering). It is a local hint, not part of the signature. A plain class with
+    slots: one is made per tensor per training step.
     """
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits",
-                 "process_set_id", "group", "priority", "handle", "arrival", "_signature")
+                 "process_set_id", "group", "priority", "bytes_to_come", "handle", "arrival", "_signature")
 
     def __init__(self, kind: RequestKind, name: str, tensor: Optional[torch.Tensor] = None,
                  output: Optional[torch.Tensor] = None, op: Op = Op.SUM, prescale: float = 1.0,
                  postscale: float = 1.0, root: int = 0, splits: Optional[Tuple[int, ...]] = None,
                  process_set_id: int = 0, group: Optional[Tuple[str, int]] = None,
-                 priority: Optional[int] = None):
+                 priority: Optional[int] = None, bytes_to_come: Optional[int] = None):
         self.kind = kind
         self.name = name
         self.tensor = tensor
@@ -73,6 +77,7 @@ class Request:
         self.process_set_id = process_set_id
         self.group = group
         self.priority = priority
+        self.bytes_to_come = bytes_to_come
         self.handle = None  # set by the engine at submission
         self.arrival = 0.0  # time.monotonic() when the engine thread took it from the queue
         self._signature: Optional[Tuple[Any, ...]] = None

@@ -127,11 +127,12 @@ def synchronize(handle: AsyncHandle) -> Any:
 # -- allreduce ---------------------------------------------------------------------------------
 
 def _allreduce_request(tensor, output, name, op, prescale, postscale, process_set, group=None,
-                       priority=None) -> Request:
+                       priority=None, bytes_to_come=None) -> Request:
     if op is Adasum:
         _check_adasum(tensor, process_set)
     return Request(RequestKind.ALLREDUCE, name, tensor=tensor, output=output, op=op, prescale=float(prescale),
-                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group, priority=priority)
+                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group, priority=priority,
+                   bytes_to_come=bytes_to_come)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -148,12 +149,16 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[Op] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set, priority: Optional[int] = None) -> AsyncHandle:
+                     process_set: ProcessSet = global_process_set, priority: Optional[int] = None,
+                     bytes_to_come: Optional[int] = None) -> AsyncHandle:
     """Start reducing ``tensor`` in place; return a handle.
 
     ``priority`` (hpdl's own; lower is sooner, the same on every rank): once agreed, the
     allreduce waits to start in priority order as the backend has room (DistributedOptimizer's
     ``overlap_forward`` uses it so that the first layers' gradients travel first).
+    ``bytes_to_come`` (hpdl's own, a hint): how many bytes of allreduces this caller will submit
+    right after this one (DistributedOptimizer: the step's gradients not yet made), so that
+    the engine does not hold the last ones back to gather them (engine.py, Gathering).
     """
     op = _resolve_op(average, op)
     # This runs once per gradient per step: the common case (contiguous) is kept short.
@@ -164,11 +169,11 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         _check_adasum(work, process_set)
     if work.is_contiguous():
         request = Request(RequestKind.ALLREDUCE, name, work, work, op, prescale_factor, postscale_factor, 0, None,
-                          _set_id(process_set), priority=priority)
+                          _set_id(process_set), priority=priority, bytes_to_come=bytes_to_come)
         return AsyncHandle([_submit(request)], None, tensor)
     work, write_back = _in_place(tensor)
     handle = _submit(_allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set,
-                                        priority=priority))
+                                        priority=priority, bytes_to_come=bytes_to_come))
     return AsyncHandle([handle], lambda results: write_back(results[0]))
 
 
@@ -203,14 +208,19 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_set, in_place) -> AsyncHandle:
+def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_set, in_place,
+                       bytes_to_come=None) -> AsyncHandle:
     op = _resolve_op(average, op)
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
     base = _name("grouped_allreduce", name)
     handles, finishers = [], []
+    if bytes_to_come is not None:  # each member's hint counts the members after it
+        bytes_to_come += sum(t.numel() * t.element_size() for t in tensors)
     for i, tensor in enumerate(tensors):
+        if bytes_to_come is not None:
+            bytes_to_come -= tensor.numel() * tensor.element_size()
         if in_place:
             work, write_back = _in_place(tensor)
             output = work
@@ -218,7 +228,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
             work = _contiguous(tensor, "grouped_allreduce")
             output, write_back = torch.empty_like(work), (lambda out: out)
         handles.append(_submit(_allreduce_request(work, output, f"{base}.{i}", op, prescale, postscale, process_set,
-                                                  group=(base, len(tensors)))))
+                                                  group=(base, len(tensors)), bytes_to_come=bytes_to_come)))
         finishers.append(write_back)
     return AsyncHandle(handles, lambda results: [f(r) for f, r in zip(finishers, results)])
 
@@ -230,9 +240,12 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None, name=
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None,
-                             prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> AsyncHandle:
-    """Start reducing a list of tensors in place as one unit."""
-    return _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, process_set, True)
+                             prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                             bytes_to_come: Optional[int] = None) -> AsyncHandle:
+    """Start reducing a list of tensors in place as one unit (``bytes_to_come``: as for
+    allreduce_async_, the bytes to be submitted after the whole group)."""
+    return _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, process_set, True,
+                              bytes_to_come)
 
 
 class _GroupedAllreduce(torch.autograd.Function):

@@ -133,6 +133,9 @@ class _DistributedOptimizerMixin:
         self._priority: Dict[torch.Tensor, int] = {}
         self._overlap_hooks: List[Any] = []
         self._warned_tied = False
+        # The bytes of gradient one step reduces, and those not submitted yet this step: each
+        # allreduce tells the engine how many are still to come (engine.py, Gathering).
+        self._step_bytes = 0
         if self._included:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -142,6 +145,7 @@ class _DistributedOptimizerMixin:
                 self._make_groups(groups)
             if overlap_forward is not None:
                 self._overlap(overlap_forward)
+        self._bytes_left = self._step_bytes
 
     def _overlap(self, model: torch.nn.Module) -> None:
         """Hook ``model`` so that updates wait for the forward that needs them."""
@@ -163,6 +167,7 @@ class _DistributedOptimizerMixin:
 
     def _track(self, p: torch.Tensor) -> None:
         self._params.append(p)
+        self._step_bytes += p.numel() * p.element_size()
         self._delay[p] = self.backward_passes_per_step
         previous = getattr(p, _HOOK_ATTR, None)
         if previous is not None:
@@ -211,6 +216,7 @@ class _DistributedOptimizerMixin:
                 self._names[p] = f"allreduce.{name}"
             if self._included and p.requires_grad and p not in self._delay:
                 self._track(p)
+                self._bytes_left += p.numel() * p.element_size()
 
     # -- the hook path: once per parameter per backward, on the autograd thread -------------
 
@@ -267,14 +273,22 @@ class _DistributedOptimizerMixin:
         name = self._names[p]
         if grad.is_sparse:
             if not self._sparse_as_dense:
+                self._submitted((p,), p.element_size())
                 return _Submitted(mpi_ops.sparse_allreduce_async(grad, name=name, op=self.op,
                                                                  process_set=self.process_set), (p,), (None,), True)
             grad = grad.to_dense()
         compressed, ctx = self._compression.compress(grad)
         handle = mpi_ops.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=self._prescale,
                                           postscale_factor=self._postscale, process_set=self.process_set,
-                                          priority=self._priority.get(p))
+                                          priority=self._priority.get(p),
+                                          bytes_to_come=self._submitted((p,), compressed.element_size()))
         return _Submitted(handle, (p,), (ctx,))
+
+    def _submitted(self, params: Tuple[torch.Tensor, ...], wire_itemsize: int) -> int:
+        """Count ``params`` as submitted this step; return the bytes still to come after them,
+        as sent (compressed to ``wire_itemsize`` bytes per element, as these were)."""
+        left = self._bytes_left = max(0, self._bytes_left - sum(p.numel() * p.element_size() for p in params))
+        return left * wire_itemsize // params[0].element_size()
 
     def _submit_group(self, group: Tuple[torch.Tensor, ...]) -> _Submitted:
         tensors, ctxs = [], []
@@ -290,7 +304,8 @@ class _DistributedOptimizerMixin:
             ctxs.append(ctx)
         handle = mpi_ops.grouped_allreduce_async_(tensors, name=self._group_names[group], op=self.op,
                                                   prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                                  process_set=self.process_set)
+                                                  process_set=self.process_set,
+                                                  bytes_to_come=self._submitted(group, tensors[0].element_size()))
         return _Submitted(handle, group, tuple(ctxs))
 
     # -- waiting ---------------------------------------------------------------------------
@@ -333,6 +348,7 @@ class _DistributedOptimizerMixin:
         for group in self._group_ready:
             self._group_ready[group] = 0
         self._fired = 0
+        self._bytes_left = self._step_bytes
 
     def _defer(self) -> None:
         """overlap_forward's step(): leave the updates to the next forward."""
