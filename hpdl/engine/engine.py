@@ -37,8 +37,8 @@ synchronous call), or as many bytes are pending as the latest submission says ar
 come (``Request.bytes_to_come``), whichever comes first. The last rule is for the end of a
 step: whatever is held when backward ends is transferred while the optimizer waits, so the
 held bytes halve as the step's last gradients arrive (the optimizer knows how many bytes are
-left) and the last round carries about one gradient, as without gathering. Every rank gathers by the same rule over the same
-tensors, so the ranks reach their rounds together, as before.
+left) and the last round carries about one gradient, as without gathering. Every rank
+gathers by the same rule over the same tensors, so the ranks reach their rounds together.
 
 Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
 forward overlaps the gradients' exchange: the first layers' gradients are needed first, but
