@@ -65,11 +65,11 @@ def main() -> None:
                         time.sleep(flight.poll_interval_s)
                 flight.wait()
                 assert_equal(t, expected, f"allreduce_start {op.value} {dtype} {shape}")
-        # control allreduce (used by the engine for its bit vectors)
-        if dtype == torch.int64:
-            t = rank_tensor(rank, (4,), dtype)
-            comm.allreduce_control(t, ReduceOp.BOR)
-            assert_equal(t, reference_reduce([rank_tensor(r, (4,), dtype) for r in range(size)], ReduceOp.BOR), "control bor")
+                # the control allreduce (the engine's negotiation vectors, the benchmarks'
+                # barriers): over gloo, small ones are gathered and reduced on every rank
+                t = mine.clone()
+                comm.allreduce_control(t, op)
+                assert_equal(t, expected, f"allreduce_control {op.value} {dtype} {shape}")
 
         # allgather with different first dims
         first = [r + 1 for r in range(size)]
