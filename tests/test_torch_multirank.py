@@ -43,6 +43,10 @@ def test_gradients_no_one_waits_for_are_gathered_into_one_call_per_step(launcher
     # caller can end, one backend call per step (check_gathering asserts it on every rank).
     result = run_ranks("engine_behaviour.py", 2, launcher, env={"HPDL_GATHER_TIME": "60000"})
     assert "gathered_calls=15" in result.stdout, result.stdout
+    # a model's backward: its last gradient says nothing more is to come, which ends the
+    # gathering without a waiter (held otherwise until a round must check for stalls, 5 s)
+    burst_done_s = float(result.stdout.split("burst_done_s=")[1].split()[0])
+    assert burst_done_s < 2.5, result.stdout
     # a round per submission: a call for most tensors
     result = run_ranks("engine_behaviour.py", 2, launcher, env={"HPDL_GATHER_BYTES": "0"})
     calls = int(result.stdout.split("gathered_calls=")[1].split()[0])

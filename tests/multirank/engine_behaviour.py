@@ -81,6 +81,31 @@ def check_gathering(rank, size, steps=15, tensors=20):
     return calls
 
 
+def check_backward_ends_its_gathering(rank, size, steps=3):
+    """DistributedOptimizer tells the engine the bytes of the step still to come with each
+    gradient: once backward has made the last one, nothing is held back, though no one waits
+    yet (with a gather time too long to end it, they would be held for seconds). Returns the
+    longest time from the end of backward to every allreduce done."""
+    from hpdl.torch import mpi_ops
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters())
+    longest = 0.0
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        ended = time.monotonic()
+        handles = [submitted.handle for submitted in optimizer._pending.values()]
+        assert len(handles) == 4, f"{len(handles)} allreduces submitted by backward"
+        while not all(mpi_ops.poll(h) for h in handles) and time.monotonic() - ended < 30:
+            time.sleep(0.002)
+        longest = max(longest, time.monotonic() - ended)
+        optimizer.step()
+    return longest
+
+
 def check_poll_in_flight(rank, size):
     if size == 1:
         return  # alone, nothing keeps the op in flight
@@ -103,11 +128,12 @@ def main():
     calls, biggest = check_fusion(rank, size)
     hits = check_cache(rank, size)
     gathered_calls = check_gathering(rank, size)
+    burst_done_s = check_backward_ends_its_gathering(rank, size)
     check_poll_in_flight(rank, size)
     hvd.shutdown()
     if rank == 0:
         print(f"OK engine behaviour: size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits} "
-              f"gathered_calls={gathered_calls}")
+              f"gathered_calls={gathered_calls} burst_done_s={burst_done_s:.3f}")
 
 
 if __name__ == "__main__":
