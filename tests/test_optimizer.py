@@ -259,3 +259,14 @@ def test_a_group_tells_the_engine_the_bytes_after_it(monkeypatch):
         assert bytes_to_come == left * 4
     assert left == 0
     opt.step()
+
+
+@pytest.mark.parametrize("hint", [-1, 1.5, "many", True])
+def test_a_bad_bytes_to_come_hint_fails_the_call_naming_the_collective(hint):
+    # checked where it is given: the engine thread compares it, and must not be the one to fail
+    from hpdl.torch import mpi_ops
+
+    with pytest.raises(ValueError, match=r"grad\.w: bytes_to_come must be a whole number of bytes"):
+        mpi_ops.allreduce_async_(torch.ones(4), name="grad.w", bytes_to_come=hint)
+    with pytest.raises(ValueError, match=r"grads: bytes_to_come must be"):
+        mpi_ops.grouped_allreduce_async_([torch.ones(4)], name="grads", bytes_to_come=hint)

@@ -8,6 +8,7 @@ ones plus a wait; the ones without a trailing underscore are differentiable.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -97,6 +98,19 @@ def _returning(tensor: torch.Tensor) -> Callable[[Any], torch.Tensor]:
     return lambda _out: tensor
 
 
+def _byte_count(bytes_to_come: Any, name: str) -> int:
+    """``bytes_to_come`` as an int, or a ValueError naming the collective (a bad hint must
+    fail the call, not the engine thread that compares it)."""
+    try:
+        count = operator.index(bytes_to_come)
+    except TypeError:
+        count = -1
+    if isinstance(bytes_to_come, bool) or count < 0:
+        raise ValueError(f"{name}: bytes_to_come must be a whole number of bytes, 0 or more; "
+                         f"got {bytes_to_come!r}")
+    return count
+
+
 def _first(results: List[Any]) -> Any:
     return results[0]
 
@@ -165,6 +179,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     work = tensor.detach() if tensor.requires_grad else tensor
     if name is None:
         name = _name("allreduce", None)
+    if bytes_to_come is not None:
+        bytes_to_come = _byte_count(bytes_to_come, name)
     if op is Adasum:
         _check_adasum(work, process_set)
     if work.is_contiguous():
@@ -217,7 +233,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
     base = _name("grouped_allreduce", name)
     handles, finishers = [], []
     if bytes_to_come is not None:  # each member's hint counts the members after it
-        bytes_to_come += sum(t.numel() * t.element_size() for t in tensors)
+        bytes_to_come = _byte_count(bytes_to_come, base) + sum(t.numel() * t.element_size() for t in tensors)
     for i, tensor in enumerate(tensors):
         if bytes_to_come is not None:
             bytes_to_come -= tensor.numel() * tensor.element_size()
