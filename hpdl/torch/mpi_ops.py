@@ -232,11 +232,13 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
         raise ValueError("grouped_allreduce needs at least one tensor")
     base = _name("grouped_allreduce", name)
     handles, finishers = [], []
+    hints = [None] * len(tensors)
     if bytes_to_come is not None:  # each member's hint counts the members after it
-        bytes_to_come = _byte_count(bytes_to_come, base) + sum(t.numel() * t.element_size() for t in tensors)
+        after = _byte_count(bytes_to_come, base)
+        for i in range(len(tensors) - 1, -1, -1):
+            hints[i] = after
+            after += tensors[i].numel() * tensors[i].element_size()
     for i, tensor in enumerate(tensors):
-        if bytes_to_come is not None:
-            bytes_to_come -= tensor.numel() * tensor.element_size()
         if in_place:
             work, write_back = _in_place(tensor)
             output = work
@@ -244,7 +246,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
             work = _contiguous(tensor, "grouped_allreduce")
             output, write_back = torch.empty_like(work), (lambda out: out)
         handles.append(_submit(_allreduce_request(work, output, f"{base}.{i}", op, prescale, postscale, process_set,
-                                                  group=(base, len(tensors)), bytes_to_come=bytes_to_come)))
+                                                  group=(base, len(tensors)), bytes_to_come=hints[i])))
         finishers.append(write_back)
     return AsyncHandle(handles, lambda results: [f(r) for f, r in zip(finishers, results)])
 

@@ -135,7 +135,7 @@ class _DistributedOptimizerMixin:
         self._warned_tied = False
         # The bytes of gradient one step reduces, and those not submitted yet this step: each
         # allreduce tells the engine how many are still to come (engine.py, Gathering).
-        self._step_bytes = 0
+        self._step_bytes = self._bytes_left = 0
         if self._included:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -145,7 +145,6 @@ class _DistributedOptimizerMixin:
                 self._make_groups(groups)
             if overlap_forward is not None:
                 self._overlap(overlap_forward)
-        self._bytes_left = self._step_bytes
 
     def _overlap(self, model: torch.nn.Module) -> None:
         """Hook ``model`` so that updates wait for the forward that needs them."""
@@ -167,7 +166,9 @@ class _DistributedOptimizerMixin:
 
     def _track(self, p: torch.Tensor) -> None:
         self._params.append(p)
-        self._step_bytes += p.numel() * p.element_size()
+        nbytes = p.numel() * p.element_size()
+        self._step_bytes += nbytes
+        self._bytes_left += nbytes
         self._delay[p] = self.backward_passes_per_step
         previous = getattr(p, _HOOK_ATTR, None)
         if previous is not None:
@@ -216,7 +217,6 @@ class _DistributedOptimizerMixin:
                 self._names[p] = f"allreduce.{name}"
             if self._included and p.requires_grad and p not in self._delay:
                 self._track(p)
-                self._bytes_left += p.numel() * p.element_size()
 
     # -- the hook path: once per parameter per backward, on the autograd thread -------------
 
