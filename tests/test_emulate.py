@@ -41,6 +41,9 @@ def test_nodes_are_separate_hosts_with_their_own_names_and_addresses(cluster):
     assert cluster.nodes[0].address in _out(cluster, 0, "ip", "-4", "addr", "show", "eth0")
     # Each node resolves every node's name to its address, through its own /etc/hosts.
     assert cluster.nodes[1].address in _out(cluster, 0, "getent", "hosts", "n2")
+    # And names a peer by its address, also as a dual-stack socket sees it (::ffff:a.b.c.d).
+    assert _out(cluster, 0, "getent", "hosts", cluster.nodes[1].address).split()[-1] == "n2"
+    assert _out(cluster, 0, "getent", "hosts", "::ffff:" + cluster.nodes[1].address).split()[-1] == "n2"
     assert cluster.hostfile.read_text() == "n1 slots=2\nn2 slots=2\n"
 
 

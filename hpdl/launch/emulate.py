@@ -125,7 +125,10 @@ class EmulatedCluster:
             _run(["ip", "netns", "add", self.switch], "creating the switch namespace")
             _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"], "creating the bridge")
             _run(["ip", "-n", self.switch, "link", "set", "br0", "up"], "starting the bridge")
-            hosts = "127.0.0.1 localhost\n" + "".join(f"{n.address} {n.name}\n" for n in self.nodes)
+            # The IPv4-mapped form too: a dual-stack listener (torch's TCPStore) sees its peers
+            # as ::ffff:a.b.c.d and names them by reverse lookup, which otherwise fails here.
+            hosts = "127.0.0.1 localhost\n" + "".join(f"{n.address} {n.name}\n::ffff:{n.address} {n.name}\n"
+                                                       for n in self.nodes)
             for index, node in enumerate(self.nodes, start=1):
                 self._add_node(node, index, hosts)
             self.hostfile.write_text("".join(f"{n.name} slots={self.spec.slots}\n" for n in self.nodes))
