@@ -1,5 +1,5 @@
-"""scripts/measure_handoff.py, scripts/measure_mpi_polling.py and scripts/link_use.py, whose
-figures docs/perf.md quotes, still run and report sanely."""
+"""scripts/measure_handoff.py, scripts/measure_mpi_polling.py, scripts/measure_half_reduction.py
+and scripts/link_use.py, whose figures docs/perf.md quotes, still run and report sanely."""
 
 import runpy
 import shutil
@@ -34,6 +34,27 @@ def test_mpi_polling_script_reports_every_kind_of_wait_once():
     assert len(lines) == 4 and lines[0].startswith("64 KiB allreduce, busy core, blocking wait: median ")
     assert [line.split(": median")[0].rsplit(", ", 1)[1] for line in lines[1:]] == [
         "polled every 0.5 ms", "polled every 0.1 ms", "polled every 2 ms"]
+
+
+HALF = SCRIPT.parent / "measure_half_reduction.py"
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_half_reduction_script_compares_both_sums_and_finds_them_equal():
+    out = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(HALF), "--repeats", "1", "--sizes-mb", "0.5,0.01"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr  # 1 when the two sums differ
+    lines = out.stdout.splitlines()
+    if "no MPI float16 type" in out.stdout:
+        pytest.skip(lines[0])
+    assert len(lines) == 4 and lines[1].split() == ["MB", "MPI", "FLOAT16_T", "ms", "torch", "op", "ms", "ratio"]
+    assert [float(line.split()[0]) for line in lines[2:]] == [0.5, 0.01]
+    assert all(float(value) > 0 for line in lines[2:] for value in line.split()[1:])
+
+
+def test_half_reduction_script_refuses_bad_sizes_in_one_line():
+    out = subprocess.run([sys.executable, str(HALF), "--sizes-mb", "big"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--sizes-mb" in out.stderr and "Traceback" not in out.stderr
 
 
 LINK_USE = SCRIPT.parent / "link_use.py"
