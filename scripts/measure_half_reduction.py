@@ -1,6 +1,6 @@
 """How fast MPI sums float16 itself (``MPI.FLOAT16_T``, where the library has it) against the
-user-defined operation hpdl uses, which sums the raw 16-bit words with torch
-(hpdl/comm/mpi.py: ``_make_half_op``). Both must give the same bits.
+user-defined operation hpdl's MPI backend uses, which sums the raw 16-bit words with torch
+(hpdl/comm/mpi.py: ``_mpi_op``). Both must give the same bits.
 
 Usage (docs/perf.md quotes the figures):
     hpdl run -np 2 -- python scripts/measure_half_reduction.py [--repeats 5] [--sizes-mb 40,2.5,0.125]
@@ -14,6 +14,9 @@ import time
 
 import torch
 from mpi4py import MPI
+
+from hpdl.comm import ReduceOp
+from hpdl.comm.mpi import _mpi_op
 
 
 def best_ms(comm, send, recv, datatype, op, repeats: int) -> float:
@@ -44,10 +47,7 @@ def main() -> int:
             print(f"{MPI.Get_library_version().splitlines()[0].strip()}: no MPI float16 type; nothing to compare")
         return 0
 
-    def torch_sum(inbuf, inoutbuf, datatype) -> None:
-        torch.frombuffer(inoutbuf, dtype=torch.float16).add_(torch.frombuffer(inbuf, dtype=torch.float16))
-
-    user_op = MPI.Op.Create(torch_sum, commute=True)
+    hpdl_op = _mpi_op(torch.float16, ReduceOp.SUM)  # the operation the engine's allreduces use
     torch.manual_seed(comm.rank)
     data = torch.randn(max(1, int(max(sizes_mb) * 1e6 / 2))).half()
     out_native, out_torch = torch.empty_like(data), torch.empty_like(data)
@@ -59,13 +59,12 @@ def main() -> int:
         n = max(1, int(size_mb * 1e6 / 2))
         send = data[:n].view(torch.int16).numpy()
         t_native = best_ms(comm, send, out_native[:n].view(torch.int16).numpy(), native, MPI.SUM, args.repeats)
-        t_torch = best_ms(comm, send, out_torch[:n].view(torch.int16).numpy(), MPI.UINT16_T, user_op, args.repeats)
+        t_torch = best_ms(comm, send, out_torch[:n].view(torch.int16).numpy(), MPI.UINT16_T, hpdl_op, args.repeats)
         if not torch.equal(out_native[:n], out_torch[:n]):
             print(f"rank {comm.rank}: the two sums differ at {size_mb} MB", file=sys.stderr)
             return 1
         if comm.rank == 0:
             print(f"{size_mb:8.3f} {t_native:17.2f} {t_torch:12.2f} {t_native / t_torch:7.1f}")
-    user_op.Free()
     return 0
 
 
