@@ -87,7 +87,7 @@ class Settings:
     backend: str = dataclasses.field(default="auto", metadata={"env": "HPDL_BACKEND"})
     cycle_time_ms: float = dataclasses.field(default=1.0, metadata={"env": "HPDL_CYCLE_TIME"})
     fusion_threshold: int = dataclasses.field(
-        default=64 * 1024 * 1024, metadata={"env": "HPDL_FUSION_THRESHOLD"}
+        default=128 * 1024 * 1024, metadata={"env": "HPDL_FUSION_THRESHOLD"}
     )
     # An allreduce at least this large is reduced where it lies, never copied through the
     # fusion buffer: fusing it would save one call's overhead (tens of microseconds) and cost

@@ -11,7 +11,7 @@ from hpdl.config import Settings, SettingsError
 
 def test_defaults_match_horovod():
     s = Settings.from_env({})
-    assert s.cycle_time_ms == 1.0 and s.fusion_threshold == 64 * 1024 * 1024 and s.cache_capacity == 1024
+    assert s.cycle_time_ms == 1.0 and s.fusion_threshold == 128 * 1024 * 1024 and s.cache_capacity == 1024
     assert s.stall_warning_s == 60 and s.stall_timeout_s == 1800
 
 

@@ -9,13 +9,13 @@ from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_
 pytestmark = pytest.mark.multirank
 
 EQUIVALENCE = [
-    "sgd-average", "sgd-sum", "adam-average", "adam-sum", "sgd-accumulate2", "adam-accumulate2", "sgd-fp16",
+    "sgd-average", "sgd-sum", "adam-average", "adam-sum", "sgd-accumulate2", "adam-accumulate2", "sgd-accumulate2-set", "sgd-fp16",
     "adam-bf16", "sgd-predivide", "sgd-groups-int", "adam-groups-list", "sgd-unnamed",
     "sgd-overlap", "adam-overlap", "adam-sum-overlap", "sgd-fp16-overlap", "adam-overlap-scheduler",
 ]
 BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
-    "broadcast-state", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
+    "broadcast-state", "broadcast-state-keeps-gradients", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
 ]
 
 

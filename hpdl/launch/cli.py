@@ -177,7 +177,7 @@ def register(subparsers) -> None:
                        help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
                             "read it with `hpdl profile report FILE` (HPDL_PROFILE; made absolute)")
     knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
-                       help="fuse tensors into buffers of up to MB mebibytes (HPDL_FUSION_THRESHOLD; 0 disables)")
+                       help="fuse tensors into buffers of up to MB mebibytes (default 128, as Horovod; HPDL_FUSION_THRESHOLD; 0 disables)")
     knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
                        help="engine cycle time in milliseconds (HPDL_CYCLE_TIME)")
     knobs.add_argument("--cache-capacity", type=int, metavar="N",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
+import cloudpickle
 import torch
 
 from hpdl.torch import runtime
@@ -35,16 +36,36 @@ def broadcast_parameters(params, root_rank: int, process_set: ProcessSet = globa
         synchronize(handle)
 
 
+_UNSERIALIZABLE = -1  # the length a rank sends in place of an object it could not serialize
+
+
+def _serialize(obj: Any, what: str) -> Tuple[Optional[torch.Tensor], Optional[str]]:
+    """``obj`` as bytes in a uint8 tensor, or None and why it could not be serialized.
+
+    By cloudpickle, as Horovod: lambdas, closures and classes defined in ``__main__`` travel
+    by value (the other ranks need not import them). A failure is returned, not raised, so
+    that the rank still takes part in the size exchange and every rank raises (no rank is
+    left waiting for bytes that never come)."""
+    try:
+        return torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8), None
+    except Exception as err:  # noqa: BLE001 - pickling raises many types; each becomes one message
+        return None, f"{what}: cannot serialize {type(obj).__name__} object: {type(err).__name__}: {err}"
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Return root's ``obj`` (any picklable object) on every rank."""
+    """Return root's ``obj`` (anything cloudpickle can serialize) on every rank."""
     name = name or type(obj).__name__
+    error = None
     if runtime.rank() == root_rank:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        payload, error = _serialize(obj, f"broadcast_object {name!r} on root rank {root_rank}")
+        length = torch.tensor([_UNSERIALIZABLE if payload is None else payload.numel()], dtype=torch.int64)
     else:
         payload, length = None, torch.zeros(1, dtype=torch.int64)
     broadcast_(length, root_rank, name=f"broadcast_object.{name}.size", process_set=process_set)
+    if int(length.item()) == _UNSERIALIZABLE:
+        raise ValueError(error or f"broadcast_object {name!r}: root rank {root_rank} could not serialize its object "
+                                  "(its own error says why)")
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(payload, root_rank, name=f"broadcast_object.{name}.data", process_set=process_set)
@@ -52,11 +73,17 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Return the list of every rank's ``obj``, in rank order."""
+    """Return the list of every rank's ``obj`` (serialized as by broadcast_object), in rank order."""
     name = name or type(obj).__name__
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"allgather_object.{name}.sizes",
+    payload, error = _serialize(obj, f"allgather_object {name!r} on rank {runtime.rank()}")
+    size = _UNSERIALIZABLE if payload is None else payload.numel()
+    sizes = allgather(torch.tensor([size], dtype=torch.int64), name=f"allgather_object.{name}.sizes",
                       process_set=process_set).tolist()
+    if _UNSERIALIZABLE in sizes:
+        ranks = process_set.ranks if process_set.ranks is not None else range(len(sizes))
+        failed = ", ".join(str(r) for r, n in zip(ranks, sizes) if n == _UNSERIALIZABLE)
+        raise ValueError(error or f"allgather_object {name!r}: rank {failed} could not serialize its object "
+                                  "(its own error says why)")
     data = allgather(payload, name=f"allgather_object.{name}.data", process_set=process_set)
     out, offset = [], 0
     for n in sizes:
@@ -70,20 +97,27 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     """Make every rank's optimizer state (tensors in place, scalars and options as objects) equal root's.
 
     A fresh optimizer has no state yet: it is created first by a step with zero gradients (on
-    the wrapped optimizer, without allreduce, for a DistributedOptimizer).
+    the wrapped optimizer, without allreduce, for a DistributedOptimizer), as Horovod does.
+    Gradients the parameters already had are put back afterwards, not applied by that step:
+    they differ between ranks, and would make the parameters differ too.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
+        kept: Dict[torch.Tensor, torch.Tensor] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p.grad is None:
+                if p.requires_grad:
+                    if p.grad is not None:
+                        kept[p] = p.grad
                     p.grad = torch.zeros_like(p)
                     if isinstance(optimizer, torch.optim.SparseAdam):  # it refuses dense gradients
                         p.grad = p.grad.to_sparse()
         local_step = getattr(optimizer, "_local_step", None)  # DistributedOptimizer: skip the allreduce
         (local_step or optimizer.step)()
+        for p, grad in kept.items():
+            p.grad = grad
         state_dict = optimizer.state_dict()
 
     tensors: List[Tuple[str, torch.Tensor]] = []

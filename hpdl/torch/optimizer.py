@@ -420,6 +420,19 @@ class _DistributedOptimizerMixin:
             else:
                 grad.copy_(result)
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes locally per allreduce from now on (as Horovod:
+        the passes counted since the last allreduce start again from zero)."""
+        _check_backward_passes(passes)
+        if self._priority and passes != 1:
+            raise ValueError("overlap_forward works with backward_passes_per_step=1 only")
+        if self._pending:
+            raise AssertionError(f"set_backward_passes_per_step({passes}) while {len(self._pending)} allreduces "
+                                 "started by backward are pending; call it before backward or after step()")
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Within this context ``step()`` does not synchronize (call ``synchronize()`` before it)."""
@@ -479,6 +492,11 @@ class _DistributedOptimizerMixin:
 
 
 @functools.lru_cache(maxsize=None)
+def _check_backward_passes(passes: Any) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
+        raise ValueError(f"backward_passes_per_step must be an integer > 0, got {passes!r}")
+
+
 def _distributed_class(base: type, mixin: type) -> type:
     """The DistributedOptimizer subclass of ``base`` with ``mixin``, made once per pair."""
     return type(f"Distributed{base.__name__}", (mixin, base),
@@ -575,9 +593,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average or hvd.Sum")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise ValueError(f"compression must provide compress() and decompress(), got {compression!r}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step <= 0:
-        raise ValueError(f"backward_passes_per_step must be an integer > 0, got {backward_passes_per_step!r}")
+    _check_backward_passes(backward_passes_per_step)
     if gradient_predivide_factor != 1.0:
         if op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")

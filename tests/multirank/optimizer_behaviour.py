@@ -211,6 +211,26 @@ class SparseNet(nn.Module):
         return self.head(self.embed(idx).mean(1))
 
 
+def check_broadcast_state_keeps_gradients() -> None:
+    """A fresh optimizer's state is made by a step on zero gradients: the gradients the ranks
+    already hold (different on each) are neither applied by it nor lost."""
+    rank = hvd.rank()
+    model, _ = make_pair(seed=300 + rank)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    held = {}
+    for n, p in model.named_parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+        held[n] = p.grad
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert_ranks_equal(model, "broadcast_optimizer_state stepped on the ranks' own gradients")
+    for n, p in model.named_parameters():
+        assert p.grad is held[n], f"{n}: its gradient was replaced"
+        assert torch.equal(p.grad, torch.full_like(p, float(rank + 1))), f"{n}: its gradient changed"
+    opt.zero_grad()
+
+
 def check_sparse() -> None:
     """Sparse embedding gradients: allgather-based, and as dense; both equal one process."""
     rank, size = hvd.rank(), hvd.size()
@@ -349,6 +369,7 @@ CHECKS = {
     "unused-parameter": check_unused_parameter,
     "skip-synchronize": check_skip_synchronize,
     "broadcast-state": check_broadcast_state,
+    "broadcast-state-keeps-gradients": check_broadcast_state_keeps_gradients,
     "sparse": check_sparse,
     "unnamed-param-groups": check_unnamed_param_groups,
     "sparse-adam": check_sparse_adam,

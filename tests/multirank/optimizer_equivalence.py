@@ -30,6 +30,7 @@ class Scenario:
     optimizer: Callable[..., torch.optim.Optimizer]  # optimizer(params, summed_over) (see sgd, adam)
     op: Any = hvd.Average
     backward_passes: int = 1
+    set_passes: bool = False  # built with 1, then set_backward_passes_per_step(backward_passes)
     compression: Any = hvd.Compression.none
     predivide: float = 1.0
     groups: Optional[str] = None  # "int" or "list"
@@ -60,6 +61,7 @@ SCENARIOS: List[Scenario] = [
     Scenario("adam-sum", adam, op=hvd.Sum),
     Scenario("sgd-accumulate2", sgd, backward_passes=2),
     Scenario("adam-accumulate2", adam, backward_passes=2),
+    Scenario("sgd-accumulate2-set", sgd, backward_passes=2, set_passes=True),
     Scenario("sgd-fp16", sgd, compression=hvd.Compression.fp16, rtol=1e-2, atol=1e-3),
     Scenario("adam-bf16", adam, compression=hvd.Compression.bf16, rtol=2e-2, atol=5e-3),
     Scenario("sgd-predivide", sgd, predivide=2.0),
@@ -91,8 +93,10 @@ def run_scenario(sc: Scenario) -> None:
         named = named[::-1]
     opt = hvd.DistributedOptimizer(
         sc.optimizer(params_for(model, reverse), summed_over), named_parameters=named if sc.named else None,
-        compression=sc.compression, backward_passes_per_step=sc.backward_passes, op=sc.op,
+        compression=sc.compression, backward_passes_per_step=1 if sc.set_passes else sc.backward_passes, op=sc.op,
         gradient_predivide_factor=sc.predivide, groups=groups, overlap_forward=model if sc.overlap else None)
+    if sc.set_passes:
+        opt.set_backward_passes_per_step(sc.backward_passes)
     ref_opt = sc.optimizer(list(reference.parameters()))
     schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
                   if sc.scheduler else [])

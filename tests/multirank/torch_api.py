@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -236,6 +237,23 @@ def check_allgather_broadcast_alltoall_reducescatter(rank, size):
 def check_objects_and_helpers(rank, size):
     assert hvd.broadcast_object({"from": rank, "data": [1, 2]}, root_rank=size - 1) == {"from": size - 1, "data": [1, 2]}
     assert hvd.allgather_object(("r", rank)) == [("r", r) for r in range(size)]
+    # Functions travel by value (cloudpickle, as Horovod): a closure made on root only.
+    offset = 10 * rank
+    shift = hvd.broadcast_object(lambda x: x + offset, root_rank=0, name="closure")
+    assert shift(1) == 1, "the closure broadcast is root's"
+    # An object one rank cannot serialize: every rank raises, none waits for its bytes.
+    unserializable = threading.Lock() if rank == size - 1 else "fine"
+    try:
+        hvd.allgather_object(unserializable, name="lock")
+        raise AssertionError("allgather_object of a lock should raise")
+    except ValueError as err:
+        assert f"rank {size - 1}" in str(err), err
+    try:
+        hvd.broadcast_object(threading.Lock() if rank == 0 else None, root_rank=0, name="lock")
+        raise AssertionError("broadcast_object of a lock should raise")
+    except ValueError as err:
+        assert "root rank 0" in str(err), err
+    assert hvd.broadcast_object("after", root_rank=0, name="after") == "after", "usable after the errors"
     model = torch.nn.Linear(3, 2)
     torch.manual_seed(rank)
     for p in model.parameters():
