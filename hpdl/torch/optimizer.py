@@ -491,12 +491,12 @@ class _DistributedOptimizerMixin:
         return super().zero_grad(set_to_none)
 
 
-@functools.lru_cache(maxsize=None)
 def _check_backward_passes(passes: Any) -> None:
     if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
         raise ValueError(f"backward_passes_per_step must be an integer > 0, got {passes!r}")
 
 
+@functools.lru_cache(maxsize=None)
 def _distributed_class(base: type, mixin: type) -> type:
     """The DistributedOptimizer subclass of ``base`` with ``mixin``, made once per pair."""
     return type(f"Distributed{base.__name__}", (mixin, base),
