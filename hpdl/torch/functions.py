@@ -80,8 +80,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessS
     sizes = allgather(torch.tensor([size], dtype=torch.int64), name=f"allgather_object.{name}.sizes",
                       process_set=process_set).tolist()
     if _UNSERIALIZABLE in sizes:
-        ranks = process_set.ranks if process_set.ranks is not None else range(len(sizes))
-        failed = ", ".join(str(r) for r, n in zip(ranks, sizes) if n == _UNSERIALIZABLE)
+        failed = ", ".join(str(r) for r, n in zip(process_set.ranks, sizes) if n == _UNSERIALIZABLE)
         raise ValueError(error or f"allgather_object {name!r}: rank {failed} could not serialize its object "
                                   "(its own error says why)")
     data = allgather(payload, name=f"allgather_object.{name}.data", process_set=process_set)
