@@ -10,6 +10,9 @@ is applied just before the next forward reaches its module (a forward pre-hook),
 parameter's allreduce is done, and the allreduces start in the order the forward needs them
 (engine priorities). The exchange of the last gradients then overlaps the next forward and the
 update, where a network slower than the compute makes the exchange the longer part of a step.
+Pending updates are also applied by ``state_dict()`` and at ``hvd.shutdown()``; the model keeps
+its optimizer alive for that, and shutdown waits for the allreduces of an optimizer that is
+gone with its model, which the other ranks still take part in.
 
 The returned object is an instance of a subclass of the wrapped optimizer's class (one class
 per optimizer class, made once and cached), so ``isinstance(opt, torch.optim.SGD)`` holds; it
@@ -66,6 +69,36 @@ def _before_state_dict(owner: "weakref.ReferenceType", *args) -> None:
     optimizer = owner()
     if optimizer is not None and optimizer._deferred:
         optimizer._apply_deferred()
+
+
+# overlap_forward: a model keeps alive the optimizer whose updates its forward applies, so that
+# a caller who lets the optimizer go and goes on with the model still gets the last step's
+# updates (the model's hooks hold the optimizer weakly). The optimizer holds no reference to
+# the model, so the entry goes when the model does.
+_OVERLAP_OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+# overlap_forward: the allreduces of optimizers collected while their last step's gradients were
+# still being reduced (model and optimizer both gone, e.g. a training function that returned).
+# The peers still submit those gradients: shutdown waits for them first, or a rank that got
+# there first would stop every engine while a slower peer still submits (its backward fails).
+_ORPHANED: set = set()
+
+
+def _adopt_orphans(deferred: Dict[torch.Tensor, "_Submitted"]) -> None:
+    # A finalizer of the optimizer (weakref.finalize): runs when it is collected.
+    for submitted in deferred.values():
+        if isinstance(submitted.handle, mpi_ops.AsyncHandle):
+            for handle in submitted.handle.handles:
+                if not handle.poll():
+                    _ORPHANED.add(handle)
+                    handle.add_done_callback(_ORPHANED.discard)  # from the engine thread
+    deferred.clear()
+
+
+def _wait_for_orphans() -> None:
+    for handle in list(_ORPHANED):
+        handle.wait_done()  # a failure is not raised here: nobody wants these results any more
+    _ORPHANED.clear()
 
 
 def _apply_at_shutdown(owner: "weakref.ReferenceType") -> None:
@@ -158,11 +191,17 @@ class _DistributedOptimizerMixin:
                 self._overlap_hooks.append(module.register_forward_pre_hook(
                     functools.partial(_before_forward, self._ref, own)))
         self._overlap_hooks.append(model.register_state_dict_pre_hook(functools.partial(_before_state_dict, self._ref)))
+        _OVERLAP_OWNERS[model] = self
+        # The same dict for the optimizer's whole life (_defer fills it in place), so that the
+        # finalizer sees what is deferred when the optimizer goes.
+        weakref.finalize(self, _adopt_orphans, self._deferred).atexit = False
         shutdown_hooks = runtime._shutdown_hooks
         shutdown_hooks[:] = [h for h in shutdown_hooks  # drop those of optimizers gone since
                              if not (isinstance(h, functools.partial) and h.func is _apply_at_shutdown
                                      and h.args[0]() is None)]
         shutdown_hooks.insert(0, functools.partial(_apply_at_shutdown, self._ref))  # before the profile's
+        if _wait_for_orphans not in shutdown_hooks:
+            shutdown_hooks.insert(0, _wait_for_orphans)
 
     def _track(self, p: torch.Tensor) -> None:
         self._params.append(p)
@@ -356,7 +395,7 @@ class _DistributedOptimizerMixin:
             self._apply_deferred()
         try:
             self._start_unfired()
-            self._deferred = {submitted.params[0]: submitted for submitted in self._pending.values()}
+            self._deferred.update((submitted.params[0], submitted) for submitted in self._pending.values())
             self._deferred_settings = [{k: v for k, v in group.items() if k != "params"}
                                        for group in self.param_groups]
         finally:
