@@ -37,6 +37,7 @@ FLAG_STALL_CHECK = 2  # a request has waited long: exchange metadata to see who 
 FLAG_JOINED = 4  # this rank has called join()
 FLAG_SHUTDOWN = 8  # this rank is shutting down: every rank stops
 FLAG_ABORT = 32  # rank 0 declared a stall timeout: the message travels in a full exchange
+_JOIN = RequestKind.JOIN.value
 _FULL = FLAG_UNCACHED | FLAG_STALL_CHECK | FLAG_JOINED | FLAG_ABORT
 _MASK = 0xFFFFFFFF
 ROOM_UNITS = 32  # the room word's resolution: a rank's window is this many units
@@ -198,18 +199,24 @@ class Controller:
         lists = [OrderedDict(m[1]) for m in messages]
 
         responses: List[Response] = []
-        if active:
-            for name, _ in messages[active[0]][1]:
-                if not all(name in lists[r] for r in active):
-                    continue
-                sigs = {r: lists[r][name] for r in active}
-                error = validate(name, sigs)
-                kind = RequestKind(sigs[active[0]][SIG_KIND])
-                if error is None and joined and kind != RequestKind.ALLREDUCE:
-                    error = (f"{kind.value} of tensor {name!r} cannot run after "
-                             f"{_ranks_text(sorted(joined))} called join(); only allreduce can")
-                signatures = tuple(lists[r].get(name) for r in range(self.size))
-                responses.append(Response(name, kind, signatures, error=error, joined=tuple(sorted(joined))))
+        # A request is ready when every member has submitted it or joined. Those of joined
+        # members count too: the last member to join may have submitted some just before
+        # (the last step's gradients, say), and they run, before join() returns, with the
+        # tensors of the members that submitted them and zeros from the others.
+        candidates = lists[active[0]] if active else OrderedDict(
+            (name, sig) for entries in lists for name, sig in entries.items() if sig[SIG_KIND] != _JOIN)
+        for name in candidates:
+            if not all(name in lists[r] for r in active):
+                continue
+            sigs = {r: lists[r][name] for r in range(self.size) if name in lists[r]}
+            error = validate(name, sigs)
+            kind = RequestKind(next(iter(sigs.values()))[SIG_KIND])
+            absent = tuple(r for r in sorted(joined) if name not in lists[r])  # they contribute zeros
+            if error is None and absent and kind != RequestKind.ALLREDUCE:
+                error = (f"{kind.value} of tensor {name!r} cannot run after "
+                         f"{_ranks_text(list(absent))} called join(); only allreduce can")
+            signatures = tuple(lists[r].get(name) for r in range(self.size))
+            responses.append(Response(name, kind, signatures, error=error, joined=absent))
         responses = _complete_groups(responses)
         if joined and len(joined) == self.size:
             newly = sorted(joined - self._joined_before) or sorted(joined)

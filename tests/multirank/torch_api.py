@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -339,6 +340,15 @@ def check_join(rank, size):
     # in different rounds, depends on timing), and every rank names the same one.
     assert (last in range(1, size)) if size > 1 else last == 0, last
     assert hvd.allgather_object(last) == [last] * size, "join() names the same last rank everywhere"
+    # The last rank to join submitted an allreduce just before (the others have joined): it
+    # runs before join() returns, with zeros from the others (it used to stay pending for ever).
+    if rank == size - 1:
+        time.sleep(0.3)  # the others join first
+        handle = hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name="join.pending")
+        assert hvd.join() == rank, "the last rank to join is named"
+        assert_equal(hvd.synchronize(handle), torch.ones(3), "allreduce submitted by the last rank to join")
+    else:
+        assert hvd.join() == size - 1, "the last rank to join is named"
 
 
 def check_timeline(rank, size):
