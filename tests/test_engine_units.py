@@ -674,3 +674,44 @@ def test_an_idle_engine_spaces_its_rounds_out():
         torch.testing.assert_close(handle.wait(timeout=30), torch.full((256,), 1.0))
     finally:
         engine.shutdown()
+
+
+class _PeerShutsDownComm(_PolledComm):
+    """One rank whose next round learns that a peer has called shutdown()."""
+
+    peer_shutdown = False
+
+    def allreduce_control(self, tensor, op):
+        from hpdl.engine.negotiation import FLAG_SHUTDOWN
+
+        if self.peer_shutdown:
+            tensor[0] &= ~FLAG_SHUTDOWN  # the peer's flag (the words travel inverted, ANDed)
+
+
+def test_a_request_submitted_as_the_engine_stops_fails_instead_of_waiting_for_ever():
+    from hpdl.config import Settings
+    from hpdl.engine.engine import Engine
+
+    comm = _PeerShutsDownComm()
+    engine = Engine(Settings.from_env({}), comm)
+    late = []
+    fail_pending = engine._fail_pending
+
+    def fail_pending_then_submit(message):
+        fail_pending(message)
+        # The narrowest moment: after the stopping engine's last look at its queue, before it
+        # is marked stopped (a user thread's submission can land here).
+        late.append(engine.submit(_small_allreduce("late")))
+
+    engine._fail_pending = fail_pending_then_submit
+    try:
+        comm.peer_shutdown = True
+        engine.submit(_small_allreduce("wake"))  # a round now: it learns of the shutdown
+        deadline = time.monotonic() + 30
+        while not late and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert late, "the engine did not stop"
+        with pytest.raises(HorovodInternalError, match="shut down"):
+            late[0].wait(timeout=10)
+    finally:
+        engine.shutdown(timeout=5)

@@ -209,6 +209,9 @@ class Engine:
         in_flight.add(key)
         handle = request.handle = Handle(request.name, in_flight, key, self.expedite)
         self._queue.append(request)
+        if self._stopped.is_set():  # the engine stopped (a peer shut down, a failure) meanwhile
+            self._fail_queued()
+            return handle
         if self.bus.active:
             self.bus.emit(ev.Event(ev.QUEUED, request.kind.value, (request.name,), ev.now_us(),
                                    nbytes=request.nbytes, rank=self.rank, process_set_id=request.process_set_id))
@@ -387,6 +390,7 @@ class Engine:
             self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
+            self._fail_queued()  # submitted after the last drain: no engine will run them
 
     def _gather_until(self) -> Optional[float]:
         """Until when to hold the next round back to gather more allreduces (see Gathering),
@@ -637,6 +641,16 @@ class Engine:
         waiting = [request for _, request in backlog if request is not None]
         waiting += [request for _, requests, _ in queued for request in requests.values()]
         for request in list(pending.values()) + waiting:
+            request.handle.set_error(HorovodInternalError(message))
+
+    def _fail_queued(self) -> None:
+        """Fail what is still in the queue of a stopped engine (from any thread)."""
+        message = self._failure or "hpdl has been shut down (hvd.shutdown() was called on some rank)"
+        while True:
+            try:
+                request = self._queue.popleft()
+            except IndexError:
+                return
             request.handle.set_error(HorovodInternalError(message))
 
     def _fail_pending(self, message: str) -> None:
