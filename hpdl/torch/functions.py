@@ -54,36 +54,44 @@ def _serialize(obj: Any, what: str) -> Tuple[Optional[torch.Tensor], Optional[st
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Return root's ``obj`` (anything cloudpickle can serialize) on every rank."""
-    name = name or type(obj).__name__
+    """Return root's ``obj`` (anything cloudpickle can serialize) on every rank.
+
+    Without ``name`` the collectives are named ``broadcast_object.*`` whatever ``obj`` is
+    (Horovod names them after its type, so the common ``obj if rank == 0 else None`` stalls)."""
+    base = f"broadcast_object.{name}" if name else "broadcast_object"
+    name = name or type(obj).__name__  # in messages
     error = None
     if runtime.rank() == root_rank:
         payload, error = _serialize(obj, f"broadcast_object {name!r} on root rank {root_rank}")
         length = torch.tensor([_UNSERIALIZABLE if payload is None else payload.numel()], dtype=torch.int64)
     else:
         payload, length = None, torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, name=f"broadcast_object.{name}.size", process_set=process_set)
+    broadcast_(length, root_rank, name=f"{base}.size", process_set=process_set)
     if int(length.item()) == _UNSERIALIZABLE:
         raise ValueError(error or f"broadcast_object {name!r}: root rank {root_rank} could not serialize its object "
                                   "(its own error says why)")
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_(payload, root_rank, name=f"broadcast_object.{name}.data", process_set=process_set)
+    broadcast_(payload, root_rank, name=f"{base}.data", process_set=process_set)
     return obj if runtime.rank() == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Return the list of every rank's ``obj`` (serialized as by broadcast_object), in rank order."""
-    name = name or type(obj).__name__
+    """Return the list of every rank's ``obj`` (serialized as by broadcast_object), in rank order.
+
+    Without ``name`` the collectives are named ``allgather_object.*`` whatever ``obj`` is, so
+    ranks holding objects of different types (an int and a float, say) do not stall."""
+    base = f"allgather_object.{name}" if name else "allgather_object"
+    name = name or type(obj).__name__  # in messages
     payload, error = _serialize(obj, f"allgather_object {name!r} on rank {runtime.rank()}")
     size = _UNSERIALIZABLE if payload is None else payload.numel()
-    sizes = allgather(torch.tensor([size], dtype=torch.int64), name=f"allgather_object.{name}.sizes",
+    sizes = allgather(torch.tensor([size], dtype=torch.int64), name=f"{base}.sizes",
                       process_set=process_set).tolist()
     if _UNSERIALIZABLE in sizes:
         failed = ", ".join(str(r) for r, n in zip(process_set.ranks, sizes) if n == _UNSERIALIZABLE)
         raise ValueError(error or f"allgather_object {name!r}: rank {failed} could not serialize its object "
                                   "(its own error says why)")
-    data = allgather(payload, name=f"allgather_object.{name}.data", process_set=process_set)
+    data = allgather(payload, name=f"{base}.data", process_set=process_set)
     out, offset = [], 0
     for n in sizes:
         out.append(pickle.loads(data[offset:offset + n].numpy().tobytes()))

@@ -238,6 +238,10 @@ def check_allgather_broadcast_alltoall_reducescatter(rank, size):
 def check_objects_and_helpers(rank, size):
     assert hvd.broadcast_object({"from": rank, "data": [1, 2]}, root_rank=size - 1) == {"from": size - 1, "data": [1, 2]}
     assert hvd.allgather_object(("r", rank)) == [("r", r) for r in range(size)]
+    # Unnamed, with objects of different types on the ranks (the usual idioms): no stall.
+    config = {"lr": 0.1}
+    assert hvd.broadcast_object(config if rank == 0 else None) == config
+    assert hvd.allgather_object(0 if rank == 0 else 0.5) == [0] + [0.5] * (size - 1)
     # Functions travel by value (cloudpickle, as Horovod): a closure made on root only.
     offset = 10 * rank
     shift = hvd.broadcast_object(lambda x: x + offset, root_rank=0, name="closure")
