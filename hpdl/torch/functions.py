@@ -26,14 +26,66 @@ def broadcast_parameters(params, root_rank: int, process_set: ProcessSet = globa
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}: expected a dict or a list")
-    handles = []
-    for name, tensor in items:
-        if not torch.is_tensor(tensor):
-            continue
-        handles.append(broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{name}" if name else None,
-                                        process_set=process_set))
+    _broadcast_tensors([(name, t) for name, t in items if torch.is_tensor(t)], root_rank, process_set,
+                       "broadcast_parameters")
+
+
+def _broadcast_tensors(items: List[Tuple[Optional[str], torch.Tensor]], root_rank: int, process_set: ProcessSet,
+                       what: str) -> None:
+    _check_same_tensors(items, root_rank, process_set, what)
+    handles = [broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{name}" if name else None,
+                                process_set=process_set) for name, tensor in items]
     for handle in handles:
         synchronize(handle)
+
+
+def _check_same_tensors(items: List[Tuple[Optional[str], torch.Tensor]], root_rank: int, process_set: ProcessSet,
+                        what: str) -> None:
+    """Raise ValueError on every rank when some rank's tensors (names, shapes) are not root's.
+
+    Otherwise a tensor that only some ranks have would be broadcast by them alone, and they
+    would wait for the others until the stall timeout."""
+    if runtime.size() == 1:
+        return
+    mine = [(name, tuple(tensor.shape)) for name, tensor in items]
+    if all(name is not None for name, _ in mine):
+        mine.sort()  # named broadcasts are matched by name, in any order
+    everyone = allgather_object(mine, name=f"{what}.tensors", process_set=process_set)
+    ranks = list(process_set.ranks) if process_set.ranks is not None else list(range(len(everyone)))
+    if root_rank not in ranks:
+        return  # broadcast_async_ names the bad root itself
+    root = everyone[ranks.index(root_rank)]
+    problems = [f"rank {rank} {_difference(theirs, root)}" for rank, theirs in zip(ranks, everyone) if theirs != root]
+    if problems:
+        more = f"; and {len(problems) - 3} more rank(s)" if len(problems) > 3 else ""
+        raise ValueError(f"{what}: the ranks' tensors differ from root rank {root_rank}'s: "
+                         + "; ".join(problems[:3]) + more)
+
+
+def _difference(theirs: List[Tuple[Optional[str], Tuple[int, ...]]],
+                root: List[Tuple[Optional[str], Tuple[int, ...]]]) -> str:
+    """How one rank's (name, shape) list differs from root's, in words."""
+    def listed(names: List[str]) -> str:
+        return ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    if any(name is None for name, _ in theirs + root):
+        if len(theirs) != len(root):
+            return f"has {len(theirs)} tensors, root has {len(root)}"
+        index = next(i for i, (a, b) in enumerate(zip(theirs, root)) if a != b)
+        return f"has shape {list(theirs[index][1])} at position {index}, root has {list(root[index][1])}"
+    their_shapes, root_shapes = dict(theirs), dict(root)
+    extra = [n for n in their_shapes if n not in root_shapes]
+    missing = [n for n in root_shapes if n not in their_shapes]
+    parts = []
+    if extra:
+        parts.append(f"has {listed(extra)}, which root lacks")
+    if missing:
+        parts.append(f"lacks {listed(missing)}")
+    for name, shape in their_shapes.items():
+        if name in root_shapes and root_shapes[name] != shape:
+            parts.append(f"has {name!r} of shape {list(shape)}, root's is {list(root_shapes[name])}")
+            break
+    return ", ".join(parts) or "names a tensor twice"
 
 
 _UNSERIALIZABLE = -1  # the length a rank sends in place of an object it could not serialize
@@ -144,7 +196,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                     tensors.append((label, value))
                 else:
                     scalars[label] = value
-    broadcast_parameters(tensors, root_rank, process_set=process_set)
+    _broadcast_tensors(tensors, root_rank, process_set, "broadcast_optimizer_state")
     scalars = broadcast_object(scalars, root_rank, name="optimizer_scalars", process_set=process_set)
     for label, value in scalars.items():
         parts = label.split(".")

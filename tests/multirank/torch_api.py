@@ -270,6 +270,17 @@ def check_objects_and_helpers(rank, size):
     opt = torch.optim.Adam(model.parameters(), lr=0.1 * (rank + 1))
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt.param_groups[0]["lr"] == 0.1, opt.param_groups[0]["lr"]
+    if size > 1:
+        # A model with a layer more on the last rank: every rank raises (no stall), naming it.
+        uneven = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(2 if rank < size - 1 else 3)])
+        for call in (lambda: hvd.broadcast_parameters(uneven.state_dict(), root_rank=0),
+                     lambda: hvd.broadcast_optimizer_state(torch.optim.Adam(uneven.parameters()), root_rank=0)):
+            try:
+                call()
+                raise AssertionError("broadcasting tensors root does not have should raise")
+            except ValueError as err:
+                assert f"rank {size - 1} has '2.bias', '2.weight'" in str(err) or "'state.0.4" in str(err), err
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # usable afterwards
     sparse = torch.sparse_coo_tensor([[rank]], [float(rank + 1)], (size,), check_invariants=False)
     with warnings.catch_warnings(record=True) as caught:  # torch warns once per process: the first build
         warnings.simplefilter("always")
