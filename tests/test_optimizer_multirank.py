@@ -16,6 +16,7 @@ EQUIVALENCE = [
 BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
     "broadcast-state", "broadcast-state-keeps-gradients", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
+    "sparse-first-step-unused",
 ]
 
 

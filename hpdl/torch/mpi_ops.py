@@ -305,7 +305,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Optional[Op] = N
     if op not in (Average, Sum):
         raise ValueError("sparse allreduce supports Average and Sum only")
     sparse = tensor.coalesce()
-    indices = allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    # The indices go under the bare name: a rank that reduces the same name densely (a
+    # DistributedOptimizer whose parameter got no sparse gradient there yet) then meets a
+    # mismatch error on every rank at once, instead of a stall.
+    indices = allgather_async(sparse.indices().t().contiguous(), name=name, process_set=process_set)
     values = allgather_async(sparse.values().contiguous(), name=f"{name}.values", process_set=process_set)
 
     def result() -> torch.Tensor:

@@ -19,6 +19,7 @@ from optimizer_models import (
 )
 
 import hpdl.torch as hvd
+from hpdl.engine import HorovodInternalError
 
 
 def _train_step(model, opt, step: int) -> None:
@@ -260,6 +261,27 @@ def check_sparse() -> None:
         assert_ranks_equal(model, f"sparse.{as_dense}")
 
 
+def check_sparse_unused_in_the_first_step() -> None:
+    """A sparse-gradient parameter the last rank does not use in the first step: that rank
+    cannot know the gradient would be sparse and reduces zeros densely, under the same name.
+    Every rank raises at once, naming the tensor (it used to stall until the timeout).
+    Leaves a request pending on the other ranks: run it last."""
+    rank, size = hvd.rank(), hvd.size()
+    if size == 1:
+        return
+    model = SparseNet()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    idx, y = torch.randint(0, 10, (4, 3)), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(idx, use_embedding=rank != size - 1), y).backward()
+    try:
+        opt.step()
+    except HorovodInternalError as err:
+        assert "Mismatched" in str(err) and "embed.weight" in str(err), err
+    else:
+        raise AssertionError("a parameter reduced sparse on some ranks and dense on others should raise")
+
+
 def check_unnamed_param_groups() -> None:
     """No named_parameters, several param groups: Horovod's names, unique and equal on every rank."""
     model, reference = make_pair(seed=8)
@@ -375,6 +397,7 @@ CHECKS = {
     "sparse-adam": check_sparse_adam,
     "adasum-optimizer": check_adasum_optimizer,
     "process-set": check_process_set,
+    "sparse-first-step-unused": check_sparse_unused_in_the_first_step,  # last: leaves a request pending
 }
 
 
