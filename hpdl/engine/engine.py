@@ -149,6 +149,7 @@ class Engine:
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
+        self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
         self._main_thread_id = threading.main_thread().ident
         self.cycles = 0
         self._fruitless = 0  # consecutive rounds that agreed nothing with no new local request
@@ -518,7 +519,10 @@ class Engine:
             for ps in list(self._sets.values()):  # agreed on every rank: they start everywhere
                 self._start_queued_of(ps, everything=True)
             self.executor.complete(block=True)  # started on every rank: they finish everywhere
-            self._fail_pending("hpdl has been shut down (hvd.shutdown() was called on some rank)")
+            by = result.shutdown_by
+            who = (f"rank {by[0]}" if len(by) == 1 else f"ranks {', '.join(map(str, by))}") if by else "some rank"
+            self._stop_message = f"hpdl has been shut down ({who} called hvd.shutdown(), or exited)"
+            self._fail_pending(self._stop_message)
             return None
         if result.abort is not None:
             self._fail(result.abort, log_it=self.rank == 0)
@@ -645,7 +649,7 @@ class Engine:
 
     def _fail_queued(self) -> None:
         """Fail what is still in the queue of a stopped engine (from any thread)."""
-        message = self._failure or "hpdl has been shut down (hvd.shutdown() was called on some rank)"
+        message = self._failure or self._stop_message
         while True:
             try:
                 request = self._queue.popleft()

@@ -53,6 +53,7 @@ class CycleResult:
 
     responses: List[Response]
     shutdown: bool = False
+    shutdown_by: Tuple[int, ...] = ()  # with shutdown: the (global) ranks that asked for it
     abort: Optional[str] = None
     sets_pending: int = 0  # bit i: some member has requests pending for process set i
     full: bool = False
@@ -163,6 +164,11 @@ class Controller:
         result = CycleResult([], sets_pending=~int(vector[1]) & _MASK, room=int(vector[2]).bit_count())
         if any_flags & FLAG_SHUTDOWN:
             result.shutdown = True
+            # Every member saw the flag in this round, so every member takes part in this
+            # exchange: the others' errors can name the ranks that left (a shutdown() call, or
+            # a rank's exit after an exception, whose traceback is where to look).
+            asked = self.comm.allgather_object_control(bool(flags & FLAG_SHUTDOWN))
+            result.shutdown_by = tuple(self.global_ranks[r] for r, a in enumerate(asked) if a)
             return result
         if any_flags & _FULL:
             self._full_exchange(pending, flags, now, result)

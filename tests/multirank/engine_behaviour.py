@@ -12,6 +12,7 @@ import torch
 from _common import assert_equal, run_main
 
 import hpdl.torch as hvd
+from hpdl.engine import HorovodInternalError
 from hpdl.torch import runtime
 
 
@@ -122,6 +123,27 @@ def check_poll_in_flight(rank, size):
     assert hvd.synchronize(h)[0].item() == float(size)
 
 
+def check_shutdown_names_the_rank(rank, size):
+    """Rank 0 shuts down while the others wait on an allreduce it never submits: their error
+    names rank 0 (where its traceback, if it exited on an exception, is to be found)."""
+    if size == 1:
+        hvd.shutdown()
+        return
+    if rank == 0:
+        hvd.barrier()
+        hvd.shutdown()
+        return
+    handle = hvd.allreduce_async(torch.ones(2), name="never.on.rank.0")
+    hvd.barrier()
+    try:
+        hvd.synchronize(handle)
+    except HorovodInternalError as err:
+        assert "rank 0 called hvd.shutdown()" in str(err), err
+    else:
+        raise AssertionError("an allreduce rank 0 never submitted completed")
+    hvd.shutdown()
+
+
 def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -130,7 +152,7 @@ def main():
     gathered_calls = check_gathering(rank, size)
     burst_done_s = check_backward_ends_its_gathering(rank, size)
     check_poll_in_flight(rank, size)
-    hvd.shutdown()
+    check_shutdown_names_the_rank(rank, size)
     if rank == 0:
         print(f"OK engine behaviour: size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits} "
               f"gathered_calls={gathered_calls} burst_done_s={burst_done_s:.3f}")
