@@ -519,8 +519,8 @@ class Engine:
             for ps in list(self._sets.values()):  # agreed on every rank: they start everywhere
                 self._start_queued_of(ps, everything=True)
             self.executor.complete(block=True)  # started on every rank: they finish everywhere
-            by = result.shutdown_by
-            who = (f"rank {by[0]}" if len(by) == 1 else f"ranks {', '.join(map(str, by))}") if by else "some rank"
+            by = result.shutdown_by  # never empty: the ranks that asked say so
+            who = f"rank {by[0]}" if len(by) == 1 else f"ranks {', '.join(map(str, by))}"
             self._stop_message = f"hpdl has been shut down ({who} called hvd.shutdown(), or exited)"
             self._fail_pending(self._stop_message)
             return None
