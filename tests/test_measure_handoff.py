@@ -1,5 +1,5 @@
-"""scripts/measure_handoff.py, scripts/measure_mpi_polling.py, scripts/measure_half_reduction.py
-and scripts/link_use.py, whose figures docs/perf.md quotes, still run and report sanely."""
+"""scripts/measure_handoff.py, scripts/measure_mpi_polling.py, scripts/measure_mpi_progress.py,
+scripts/measure_half_reduction.py and scripts/link_use.py, whose figures docs/perf.md quotes, still run and report sanely."""
 
 import runpy
 import shutil
@@ -34,6 +34,26 @@ def test_mpi_polling_script_reports_every_kind_of_wait_once():
     assert len(lines) == 4 and lines[0].startswith("64 KiB allreduce, busy core, blocking wait: median ")
     assert [line.split(": median")[0].rsplit(", ", 1)[1] for line in lines[1:]] == [
         "polled every 0.5 ms", "polled every 0.1 ms", "polled every 2 ms"]
+
+
+PROGRESS = SCRIPT.parent / "measure_mpi_progress.py"
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_mpi_progress_script_reports_each_setting_once_with_rates():
+    out = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(PROGRESS), "--tests", "1,4", "--polls-ms", "0.5",
+                          "--size-mb", "0.1", "--count", "4", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and lines[1].split() == ["tests", "poll", "ms", "MB/s", "CPU", "ms", "wake-ups"]
+    rows = [line.split() for line in lines[2:]]
+    assert [(row[0], row[1]) for row in rows] == [("1", "0.5"), ("4", "0.5")]
+    assert all(float(row[2]) > 0 for row in rows)
+
+
+def test_mpi_progress_script_refuses_bad_settings_in_one_line():
+    out = subprocess.run([sys.executable, str(PROGRESS), "--tests", "1,0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--tests" in out.stderr and "Traceback" not in out.stderr
 
 
 HALF = SCRIPT.parent / "measure_half_reduction.py"
