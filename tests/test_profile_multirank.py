@@ -132,6 +132,15 @@ def test_failed_engine_writes_parts_and_rank_0_merges_them(tmp_path):
     assert not list(tmp_path.glob("abort.json.rank*"))  # merged parts are removed
 
 
+def test_rank_reaching_shutdown_after_rank_0_gave_up_joins_the_file(tmp_path):
+    path = tmp_path / "late.json"
+    run_ranks("profile_api.py", 2, "mpiexec", args=["late", str(path)], timeout=90)
+    data = schema.load(str(path))
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["job"]["missing_ranks"] == []
+    assert all(len(_rows(r, "steps")) == 2 for r in data["ranks"])
+    assert not list(tmp_path.glob("late.json.rank*"))
+
+
 def test_rank_dying_from_an_exception_ends_the_job_promptly_with_both_parts(tmp_path):
     # HPDL_STALL_TIMEOUT keeps its default (30 min): a gather at the dying rank's exit would hang.
     path = tmp_path / "crash.json"

@@ -20,7 +20,8 @@ ranks may be waiting in a collective this rank will never submit, and a gather w
 them until ``HPDL_STALL_TIMEOUT``. Once this rank's engine stops, their collectives fail, their
 gathers fail too and rank 0 merges the parts. A gather that has not finished within
 ``GATHER_DEADLINE_S`` (a rank that died some other way, or one far behind) is given up for the
-same path.
+same path; a rank far behind fails its gather only once rank 0 has written the file without
+it, and then adds its part to that file where it can see it.
 """
 
 from __future__ import annotations
@@ -295,6 +296,8 @@ def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
     own = f"{session.path}.rank{session.rank}"
     _write_json(own, session.document([part], settings))
     if session.rank != 0:
+        if _join_written(session, part):
+            os.remove(own)
         return
     wanted = [f"{session.path}.rank{r}" for r in range(1, session.size)]
     # The others write theirs at the same moment (their engines failed in the same round).
@@ -312,6 +315,45 @@ def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
     _write_json(session.path, session.document(parts, settings))
     for path in merged:
         os.remove(path)
+
+
+def _join_written(session: Session, part: Dict[str, Any]) -> bool:
+    """Add this rank's part to the file rank 0 has already written without it; whether it did.
+
+    A rank that reaches ``shutdown()`` more than ``GATHER_DEADLINE_S`` after rank 0 fails its
+    gather only once rank 0 has given up, written the file naming this rank missing, and
+    stopped its engine. Where the file is visible here (a shared file system), the part joins
+    it, under a lock on the directory as other late ranks may do the same; elsewhere it stays
+    in ``FILE.rank<N>``.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: no lock to take, so no merge
+        return False
+    try:
+        fd = os.open(os.path.dirname(session.path), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: the part stays beside the file
+            return False
+        try:
+            document = schema.load(session.path)
+        except schema.ProfileError:
+            return False  # not written (rank 0 died first), or not readable: the part stays
+        job = document["job"]
+        # The time origin is rank 0's clock reading at the recording's start, the same on every rank.
+        same_recording = job.get("origin_us") == session.clock.origin_us and job.get("size") == session.size
+        if not same_recording or session.rank not in job.get("missing_ranks", ()):
+            return False
+        document["ranks"] = sorted(document["ranks"] + [part], key=lambda p: p["rank"])
+        job["missing_ranks"] = [r for r in job["missing_ranks"] if r != session.rank]
+        _write_json(session.path, document)
+        return True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _write_json(path: str, document: Dict[str, Any]) -> None:
