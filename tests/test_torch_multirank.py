@@ -31,6 +31,18 @@ def test_adasum_at_four_ranks():
     assert result.stdout.count("OK adasum") == 4, result.stdout
 
 
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_init_on_some_of_the_ranks_refuses_the_others(launcher):
+    result = run_ranks("init_subset.py", 3, launcher, args=["2"])
+    assert "OK init subset: launched=3 members=[0, 2]" in result.stdout, result.stdout
+
+
+def test_init_on_a_subset_gives_back_its_communicators_at_shutdown():
+    # MPI has about 2048 communicators per process: 800 cycles that each kept three ran out.
+    result = run_ranks("init_subset.py", 2, "mpiexec", args=["800"])
+    assert "cycles=800" in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
 def test_fusion_cache_and_poll(launcher, n):
     result = run_ranks("engine_behaviour.py", n, launcher)

@@ -35,6 +35,8 @@ class _State:
     comm: Communicator
     engine: Engine
     homogeneous: bool
+    # With init(comm=[ranks]): the job's communicator ``comm`` was split from, closed after it.
+    parent: Optional[Communicator] = None
 
 
 _state: Optional[_State] = None
@@ -73,12 +75,13 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         # The launcher's world is checked against the size it announced; a user's comm is not it.
         with _ranks_meet_within(settings.start_timeout_s):
             world = _connect(settings, topology, mpi_comm, check_size=mpi_comm is None)
+        parent = None
         if isinstance(comm, (list, tuple, range)):
             sub = world.split(list(comm))
             if sub is None:
                 world.close()
                 raise ValueError(f"rank {topology.rank} is not in the ranks given to init(comm={list(comm)})")
-            world = sub
+            parent, world = world, sub
         # Everything that talks to the world communicator from this thread happens before the
         # engine starts: afterwards the engine thread alone uses it.
         local_rank, local_size, cross_rank, cross_size = world.node_layout()
@@ -92,7 +95,7 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         nice = settings.resolve_engine_nice(local_size, torch.get_num_threads(), os.cpu_count() or 1,
                                             torch.cuda.is_available())
         engine = Engine(settings, world, data_comm, thread_nice=nice)
-        _state = _State(settings, topology, world, engine, homogeneous)
+        _state = _State(settings, topology, world, engine, homogeneous, parent)
         if topology.rank == 0:
             for name in horovod_variables_ignored():
                 sys.stderr.write(f"hpdl: warning: {name} is set but not honoured by hpdl; ignoring it\n")
@@ -198,6 +201,8 @@ def shutdown() -> None:
     if data_comm is not state.comm:
         data_comm.close()
     state.comm.close()
+    if state.parent is not None:  # else each init(comm=[...]) would hold MPI communicators for good
+        state.parent.close()
     _process_sets._reset()
 
 
