@@ -288,12 +288,15 @@ class TorchCommunicator(Communicator):
             return None
 
     def close(self) -> None:
-        if not self._is_world:
-            for group in {id(g): g for g in (self._group, self._control) if g is not None}.values():
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # the world group may already be gone at shutdown
-                    pass
+        # The default group outlives this communicator (init_process_group); the groups made
+        # for it, the world's control group included, end with it: each holds sockets and
+        # threads, which every init()/shutdown() cycle would otherwise add to.
+        groups = (self._group, self._control) if not self._is_world else (self._control,)
+        for group in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # the world group may already be gone at shutdown
+                pass
         # Drop every reference to the process groups, so that destroying them (for the world
         # group: at interpreter exit, see init_process_group) really frees them, which joins
         # gloo's worker threads while Python still runs. A group kept alive into interpreter
