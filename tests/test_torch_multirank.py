@@ -37,8 +37,8 @@ def test_init_on_some_of_the_ranks_refuses_the_others(launcher):
     assert "OK init subset: launched=3 members=[0, 2]" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("mode,launcher,cycles", [("subset", "mpiexec", 800), ("whole", "torchrun", 20),
-                                                 ("subset", "torchrun", 20)])
+@pytest.mark.parametrize("mode,launcher,cycles", [("subset", "mpiexec", 800), ("whole", "torchrun", 5),
+                                                 ("subset", "torchrun", 5)])
 def test_init_and_shutdown_cycles_give_back_what_they_took(mode, launcher, cycles):
     # MPI has about 2048 communicators per process: 800 cycles that each kept three ran out.
     # Under torch, each cycle kept a gloo group: 5 more open files a cycle (the script checks).
