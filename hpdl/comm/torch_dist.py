@@ -291,7 +291,7 @@ class TorchCommunicator(Communicator):
         # The default group outlives this communicator (init_process_group); the groups made
         # for it, the world's control group included, end with it: each holds sockets and
         # threads, which every init()/shutdown() cycle would otherwise add to.
-        groups = (self._group, self._control) if not self._is_world else (self._control,)
+        groups = (self._group, self._control)
         for group in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
             try:
                 dist.destroy_process_group(group)

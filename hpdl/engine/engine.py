@@ -76,7 +76,7 @@ from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
 from hpdl.engine.handle import Handle
-from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, Controller, CycleResult
+from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, Controller, CycleResult, ranks_text
 from hpdl.engine.process_set import ProcessSet
 from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Response
 
@@ -519,8 +519,7 @@ class Engine:
             for ps in list(self._sets.values()):  # agreed on every rank: they start everywhere
                 self._start_queued_of(ps, everything=True)
             self.executor.complete(block=True)  # started on every rank: they finish everywhere
-            by = result.shutdown_by  # never empty: the ranks that asked say so
-            who = f"rank {by[0]}" if len(by) == 1 else f"ranks {', '.join(map(str, by))}"
+            who = ranks_text(result.shutdown_by)  # never empty: the ranks that asked say so
             self._stop_message = f"hpdl has been shut down ({who} called hvd.shutdown(), or exited)"
             self._fail_pending(self._stop_message)
             return None

@@ -68,7 +68,7 @@ def _describe_value(field: int, value: Any) -> str:
     return str(value)
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
+def ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
@@ -93,7 +93,7 @@ def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]
                 value = value[1:]  # only trailing dimensions must agree
             values.setdefault(value, []).append(rank)
         if len(values) > 1:
-            parts = [f"{_ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
+            parts = [f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
                      for v, ranks in values.items()]
             what = "trailing tensor shapes" if field == SIG_SHAPE and kind in ("allgather", "alltoall") else _FIELD_TEXT[field]
             return f"Mismatched {kind} {what} for tensor {name!r}: " + "; ".join(parts)
@@ -220,7 +220,7 @@ class Controller:
             absent = tuple(r for r in sorted(joined) if name not in lists[r])  # they contribute zeros
             if error is None and absent and kind != RequestKind.ALLREDUCE:
                 error = (f"{kind.value} of tensor {name!r} cannot run after "
-                         f"{_ranks_text(list(absent))} called join(); only allreduce can")
+                         f"{ranks_text(list(absent))} called join(); only allreduce can")
             signatures = tuple(lists[r].get(name) for r in range(self.size))
             responses.append(Response(name, kind, signatures, error=error, joined=absent))
         responses = _complete_groups(responses)
@@ -279,7 +279,7 @@ class Controller:
 
 
 def _stall_lines(items: List[Tuple[str, List[int]]]) -> str:
-    lines = [f"  {name}: missing {_ranks_text(missing)}" for name, missing in items[:20]]
+    lines = [f"  {name}: missing {ranks_text(missing)}" for name, missing in items[:20]]
     if len(items) > 20:
         lines.append(f"  ... and {len(items) - 20} more")
     return "\n".join(lines)
