@@ -15,7 +15,8 @@ EQUIVALENCE = [
 ]
 BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
-    "broadcast-state", "broadcast-state-keeps-gradients", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
+    "broadcast-state", "broadcast-state-keeps-gradients", "broadcast-state-weight-decay",
+    "load-state-dict-mid-step", "overlap-forward-rollback", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
     "sparse-first-step-unused",
 ]
 

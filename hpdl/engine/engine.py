@@ -194,8 +194,10 @@ class Engine:
         # shared with the engine thread would make every submission wait for a thread switch.
         if self._failure is not None:
             raise HorovodInternalError(self._failure)
-        if self._shutdown_requested or self._stopped.is_set():
+        if self._shutdown_requested:
             raise HorovodInternalError("hpdl has been shut down; call hvd.init() again first")
+        if self._stopped.is_set():  # by another rank: say which
+            raise HorovodInternalError(self._stop_message)
         ps = self._sets.get(request.process_set_id)
         if ps is None:
             raise ValueError(f"process set {request.process_set_id} does not exist (removed or never added)")

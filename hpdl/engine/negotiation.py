@@ -220,7 +220,9 @@ class Controller:
             absent = tuple(r for r in sorted(joined) if name not in lists[r])  # they contribute zeros
             if error is None and absent and kind != RequestKind.ALLREDUCE:
                 error = (f"{kind.value} of tensor {name!r} cannot run after "
-                         f"{ranks_text(list(absent))} called join(); only allreduce can")
+                         f"{ranks_text(list(absent))} called join(); only allreduce can"
+                         + (" (DistributedOptimizer: pass sparse_as_dense=True for sparse gradients)"
+                            if kind == RequestKind.ALLGATHER else ""))
             signatures = tuple(lists[r].get(name) for r in range(self.size))
             responses.append(Response(name, kind, signatures, error=error, joined=absent))
         responses = _complete_groups(responses)

@@ -134,15 +134,16 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessS
     Without ``name`` the collectives are named ``allgather_object.*`` whatever ``obj`` is, so
     ranks holding objects of different types (an int and a float, say) do not stall."""
     base = f"allgather_object.{name}" if name else "allgather_object"
-    name = name or type(obj).__name__  # in messages
-    payload, error = _serialize(obj, f"allgather_object {name!r} on rank {runtime.rank()}")
+    what = f"allgather_object {name!r}" if name else "allgather_object"  # in messages
+    payload, error = _serialize(obj, f"{what} on rank {runtime.rank()}")
     size = _UNSERIALIZABLE if payload is None else payload.numel()
     sizes = allgather(torch.tensor([size], dtype=torch.int64), name=f"{base}.sizes",
                       process_set=process_set).tolist()
     if _UNSERIALIZABLE in sizes:
-        failed = ", ".join(str(r) for r, n in zip(process_set.ranks, sizes) if n == _UNSERIALIZABLE)
-        raise ValueError(error or f"allgather_object {name!r}: rank {failed} could not serialize its object "
-                                  "(its own error says why)")
+        failed = [r for r, n in zip(process_set.ranks, sizes) if n == _UNSERIALIZABLE]
+        who = (f"rank {failed[0]} could not serialize its object" if len(failed) == 1 else
+               f"ranks {', '.join(map(str, failed))} could not serialize their objects")
+        raise ValueError(error or f"{what}: {who} (the error on each says why)")
     data = allgather(payload, name=f"{base}.data", process_set=process_set)
     out, offset = [], 0
     for n in sizes:
@@ -157,26 +158,34 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
 
     A fresh optimizer has no state yet: it is created first by a step with zero gradients (on
     the wrapped optimizer, without allreduce, for a DistributedOptimizer), as Horovod does.
-    Gradients the parameters already had are put back afterwards, not applied by that step:
-    they differ between ranks, and would make the parameters differ too.
+    That step changes nothing else here: the parameters' values are put back afterwards
+    (weight decay moves them even with zero gradients, and only the ranks with a fresh
+    optimizer take the step, so the parameters broadcast before would differ), and so are
+    the gradients they had (which differ between ranks).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
-        kept: Dict[torch.Tensor, torch.Tensor] = {}
+        kept: Dict[torch.Tensor, Optional[torch.Tensor]] = {}
+        values: Dict[torch.Tensor, torch.Tensor] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
-                    if p.grad is not None:
-                        kept[p] = p.grad
+                if p.requires_grad and p not in kept:
+                    kept[p] = p.grad
+                    values[p] = p.detach().clone()
                     p.grad = torch.zeros_like(p)
                     if isinstance(optimizer, torch.optim.SparseAdam):  # it refuses dense gradients
                         p.grad = p.grad.to_sparse()
         local_step = getattr(optimizer, "_local_step", None)  # DistributedOptimizer: skip the allreduce
-        (local_step or optimizer.step)()
-        for p, grad in kept.items():
-            p.grad = grad
+        try:
+            (local_step or optimizer.step)()
+        finally:
+            with torch.no_grad():
+                for p, value in values.items():
+                    p.copy_(value)
+            for p, grad in kept.items():
+                p.grad = grad
         state_dict = optimizer.state_dict()
 
     tensors: List[Tuple[str, torch.Tensor]] = []

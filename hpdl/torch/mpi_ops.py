@@ -21,6 +21,14 @@ from hpdl.torch.process_sets import ProcessSet, _set_id, global_process_set
 
 Average, Sum, Adasum, Min, Max, Product = Op.AVERAGE, Op.SUM, Op.ADASUM, Op.MIN, Op.MAX, Op.PRODUCT
 
+# Horovod's ops are the integers of its C++ enum ReduceOp (message.h); scripts that pass those
+# numbers, or keep an op as an int, get the same reduction here.
+_OPS_BY_NUMBER = {0: Average, 1: Sum, 2: Adasum, 3: Min, 4: Max, 5: Product}
+
+# The element types every backend moves and reduces (half types through hpdl's own reductions).
+SUPPORTED_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                              torch.bfloat16, torch.float32, torch.float64, torch.bool})
+
 _counters: Dict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
 
 
@@ -52,9 +60,16 @@ def _resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:
         raise ValueError("the op parameter supersedes average; give only one of them")
     if op is None:
         op = Average if average is None or average else Sum
-    if not isinstance(op, Op):
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
-    return op
+    return as_op(op)
+
+
+def as_op(op: Any) -> Op:
+    """``op`` as an Op: an Op itself, or Horovod's number for it (``hvd.Sum`` is 1 there)."""
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, int) and not isinstance(op, bool) and op in _OPS_BY_NUMBER:
+        return _OPS_BY_NUMBER[op]
+    raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Adasum, Min, Max or Product")
 
 
 def check_adasum_ranks(process_set: ProcessSet) -> None:
@@ -74,7 +89,24 @@ def _submit(request: Request) -> Handle:
     state = runtime._state
     if state is None:
         runtime._require()  # raises the "not initialized" error
+    tensor = request.tensor
+    if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
+        _refuse_dtype(tensor, request.kind.value, request.name)
     return state.engine.submit(request)
+
+
+def _refuse_dtype(tensor: torch.Tensor, what: str, name: str) -> None:
+    # A ValueError on the calling rank, before anything is negotiated (as Horovod).
+    supported = ", ".join(sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES))
+    raise ValueError(f"{what} of tensor {name!r}: dtype {str(tensor.dtype).replace('torch.', '')} is not "
+                     f"supported (supported: {supported})")
+
+
+def _check_dtypes(tensors: Sequence[torch.Tensor], what: str, base: str) -> None:
+    """Refuse a group before any of it is submitted (a half-submitted group would hang the peers)."""
+    for i, tensor in enumerate(tensors):
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in SUPPORTED_DTYPES:
+            _refuse_dtype(tensor, what, f"{base}.{i}")
 
 
 def _contiguous(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -231,6 +263,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
     base = _name("grouped_allreduce", name)
+    _check_dtypes(tensors, "grouped_allreduce", base)
     handles, finishers = [], []
     hints = [None] * len(tensors)
     if bytes_to_come is not None:  # each member's hint counts the members after it
@@ -372,6 +405,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
     """Start allgathering a list of tensors as one unit."""
     base = _name("grouped_allgather", name)
     tensors = list(tensors)
+    _check_dtypes(tensors, "grouped_allgather", base)
     handles = [_submit(_allgather_request(t, f"{base}.{i}", process_set, group=(base, len(tensors))))
                for i, t in enumerate(tensors)]
     return AsyncHandle(handles, lambda results: list(results))
@@ -515,8 +549,8 @@ def _resolve_scatter_op(op: Optional[Op]) -> Op:
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Op = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        process_set: ProcessSet = global_process_set) -> AsyncHandle:
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> AsyncHandle:
     """Start reducing ``tensor`` across ranks, each rank keeping its block of rows."""
     op = _resolve_scatter_op(op)
     request = _reducescatter_request(tensor, _name("reducescatter", name), op, prescale_factor, postscale_factor,
@@ -537,7 +571,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale, process_set):
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(reducescatter_async(tensor, name, op, prescale, postscale, process_set))
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
 
     @staticmethod
     def backward(ctx, grad):
@@ -545,8 +579,8 @@ class _Reducescatter(torch.autograd.Function):
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
-                  op: Op = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
+                  op: Op = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce across ranks and keep this rank's block of rows; differentiable."""
     compressed, ctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
@@ -554,20 +588,22 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Op = Average,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                                process_set: ProcessSet = global_process_set) -> AsyncHandle:
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> AsyncHandle:
     """Start reduce-scattering a list of tensors as one unit."""
     op = _resolve_scatter_op(op)
     base = _name("grouped_reducescatter", name)
     tensors = list(tensors)
+    _check_dtypes(tensors, "grouped_reducescatter", base)
     handles = [_submit(_reducescatter_request(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
                                               group=(base, len(tensors)))) for i, t in enumerate(tensors)]
     return AsyncHandle(handles, lambda results: list(results))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                          compression=Compression.none, op: Op = Average, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set):
+                          compression=Compression.none, op: Op = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0):
     """Reduce-scatter a list of tensors as one unit; differentiable."""
     packed = [compression.compress(t) for t in tensors]
     outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
@@ -579,7 +615,7 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, prescale, postscale, process_set)))
+        return tuple(synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale, postscale)))
 
     @staticmethod
     def backward(ctx, *grads):

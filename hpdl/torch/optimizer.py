@@ -191,6 +191,10 @@ class _DistributedOptimizerMixin:
                 self._overlap_hooks.append(module.register_forward_pre_hook(
                     functools.partial(_before_forward, self._ref, own)))
         self._overlap_hooks.append(model.register_state_dict_pre_hook(functools.partial(_before_state_dict, self._ref)))
+        # Loading the model (a rollback) comes after the last step: its updates first, then
+        # the loaded values over them (never the updates over the loaded values).
+        self._overlap_hooks.append(model.register_load_state_dict_pre_hook(
+            functools.partial(_before_state_dict, self._ref)))
         _OVERLAP_OWNERS[model] = self
         # The same dict for the optimizer's whole life (_defer fills it in place), so that the
         # finalizer sees what is deferred when the optimizer goes.
@@ -437,6 +441,36 @@ class _DistributedOptimizerMixin:
         self.apply_pending_updates()
         return super().state_dict()
 
+    def load_state_dict(self, state_dict) -> None:
+        """Load a state (rolling back, say), dropping the gradient work of the step in progress.
+
+        As in Horovod, the gradients produced since the last step are not applied and the
+        backward-pass count starts again, so ``zero_grad()`` and the next backward passes
+        work at once. Allreduces already started are completed first (with the same zeros
+        for unproduced gradients as ``synchronize()``, so that every rank's set agrees); their
+        results are not used. With ``overlap_forward``, the last step's updates are applied
+        first: that step is over, and the loaded state replaces what it produced.
+        """
+        self.apply_pending_updates()
+        self._drop_step_in_progress()
+        self._synchronized = False
+        self._should_synchronize = True
+        return super().load_state_dict(state_dict)
+
+    def _drop_step_in_progress(self) -> None:
+        if not self._pending:
+            self._reset_pending()  # nothing under way: only local accumulation to forget
+            return
+        try:
+            self._start_unfired()
+            for submitted in self._pending.values():
+                if submitted.sparse:
+                    submitted.handle()
+                else:
+                    mpi_ops.synchronize(submitted.handle)
+        finally:
+            self._reset_pending()
+
     def _finish(self, submitted: _Submitted) -> None:
         if submitted.sparse:
             submitted.params[0].grad = submitted.handle()
@@ -628,8 +662,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("the optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(op, Op):
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average or hvd.Sum")
+    op = mpi_ops.as_op(op)  # Horovod's op numbers too
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise ValueError(f"compression must provide compress() and decompress(), got {compression!r}")
     _check_backward_passes(backward_passes_per_step)

@@ -287,7 +287,8 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    return _state.comm.name == "mpi" if _state is not None else mpi_available()
+    """Whether the running hpdl talks through MPI (False before init(), as in Horovod)."""
+    return _state is not None and _state.comm.name == "mpi"
 
 
 def gloo_built() -> bool:
@@ -295,7 +296,8 @@ def gloo_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    return _state.comm.name == "gloo" if _state is not None else gloo_built()
+    """Whether the running hpdl talks through gloo (False before init(), as in Horovod)."""
+    return _state is not None and _state.comm.name == "gloo"
 
 
 def nccl_built() -> int:

@@ -141,6 +141,13 @@ def check_shutdown_names_the_rank(rank, size):
         assert "rank 0 called hvd.shutdown()" in str(err), err
     else:
         raise AssertionError("an allreduce rank 0 never submitted completed")
+    # A collective started afterwards says so too: this rank did not shut down, rank 0 did.
+    try:
+        hvd.allreduce(torch.ones(2), name="after.rank.0.left")
+    except HorovodInternalError as err:
+        assert "rank 0 called hvd.shutdown()" in str(err) and "init() again" not in str(err), err
+    else:
+        raise AssertionError("an allreduce after rank 0 shut down completed")
     hvd.shutdown()
 
 

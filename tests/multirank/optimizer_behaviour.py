@@ -200,6 +200,85 @@ def check_broadcast_state() -> None:
     assert_ranks_equal(model, "broadcast.trained")
 
 
+def check_broadcast_state_with_weight_decay() -> None:
+    """Resuming as Horovod's examples do: rank 0 loads a checkpoint into model and optimizer,
+    then both are broadcast. The other ranks' fresh optimizers get state by a step on zero
+    gradients, which with weight decay would still shrink their (already broadcast)
+    parameters: they must end equal to rank 0's all the same."""
+    rank = hvd.rank()
+    for make in (lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.5),
+                 lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.5)):
+        model, _ = make_pair(seed=400 + rank)
+        opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters())
+        if rank == 0:  # "the checkpoint": a state of its own, made by real steps
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.25)
+            opt._local_step()
+            opt.zero_grad()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        before = flat_params(model).clone()
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert torch.equal(flat_params(model), before), f"{type(opt).__name__}: the parameters moved"
+        assert_ranks_equal(model, f"{type(opt).__name__}: broadcast parameters and optimizer state")
+        for p in model.parameters():
+            assert p.grad is None, "a gradient made for the state-creating step was left behind"
+        for step in range(2):
+            _train_step(model, opt, step)
+        assert_ranks_equal(model, f"{type(opt).__name__}: trained after the resume")
+
+
+def check_load_state_dict_drops_the_step_in_progress() -> None:
+    """Rolling back mid-step (a NaN loss, say): load_state_dict() after backward() forgets that
+    step's gradients, so zero_grad() and the next backward passes work at once (as Horovod)."""
+    for passes in (1, 2):
+        model, _ = make_pair(seed=500)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+        if passes == 1:
+            _train_step(model, opt, 0)  # a state worth rolling back to
+        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+        saved = opt.state_dict()
+        x, y = batch(1)
+        # One rank uses only part of the model: the others' allreduces of the unused
+        # parameters must still complete (the same zeros as synchronize() sends).
+        if hvd.rank() == hvd.size() - 1 and passes == 1:
+            model.head(torch.randn(2, 96)).sum().backward()
+        else:
+            loss_fn(model, shard(x, hvd.rank(), hvd.size()), shard(y, hvd.rank(), hvd.size())).backward()
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(saved)
+        opt.zero_grad()  # refused before: "called after loss.backward() but before optimizer.step()"
+        for step in range(2, 4):  # full steps: `passes` backward passes, then step()
+            opt.zero_grad()
+            for _ in range(passes):
+                loss_fn(model, shard(x, hvd.rank(), hvd.size()), shard(y, hvd.rank(), hvd.size())).backward()
+            opt.step()
+        assert_ranks_equal(model, f"trained after load_state_dict (backward_passes_per_step={passes})")
+
+
+def check_overlap_forward_rollback() -> None:
+    """overlap_forward leaves step()'s updates to the next forward: a model.load_state_dict()
+    in between must not have them applied on top of the loaded values."""
+    model, _ = make_pair(seed=600)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), overlap_forward=model)
+    _train_step(model, opt, 0)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = opt.state_dict()
+    _train_step(model, opt, 1)  # its updates wait for the next forward
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved_model[name]), f"{name}: the deferred update was applied after loading"
+    x, y = batch(2)
+    model(shard(x, hvd.rank(), hvd.size()))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved_model[name]), f"{name}: the next forward applied a dropped update"
+    _train_step(model, opt, 3)
+    opt.apply_pending_updates()
+    assert_ranks_equal(model, "overlap_forward after a rollback")
+
+
 class SparseNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -392,6 +471,9 @@ CHECKS = {
     "skip-synchronize": check_skip_synchronize,
     "broadcast-state": check_broadcast_state,
     "broadcast-state-keeps-gradients": check_broadcast_state_keeps_gradients,
+    "broadcast-state-weight-decay": check_broadcast_state_with_weight_decay,
+    "load-state-dict-mid-step": check_load_state_dict_drops_the_step_in_progress,
+    "overlap-forward-rollback": check_overlap_forward_rollback,
     "sparse": check_sparse,
     "unnamed-param-groups": check_unnamed_param_groups,
     "sparse-adam": check_sparse_adam,

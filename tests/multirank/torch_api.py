@@ -253,6 +253,9 @@ def check_objects_and_helpers(rank, size):
         raise AssertionError("allgather_object of a lock should raise")
     except ValueError as err:
         assert f"rank {size - 1}" in str(err), err
+        if rank != size - 1:  # the ranks whose object was fine name the rank that failed, not theirs
+            assert str(err) == (f"allgather_object 'lock': rank {size - 1} could not serialize its object "
+                                "(the error on each says why)"), err
     try:
         hvd.broadcast_object(threading.Lock() if rank == 0 else None, root_rank=0, name="lock")
         raise AssertionError("broadcast_object of a lock should raise")
@@ -287,6 +290,40 @@ def check_objects_and_helpers(rank, size):
         result = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Sum)()
     assert not [w for w in caught if "invariant" in str(w.message)], [str(w.message) for w in caught]
     assert_equal(result.to_dense(), torch.arange(1, size + 1, dtype=torch.float32), "sparse allreduce")
+
+
+def check_horovod_spellings(rank, size):
+    """What scripts written for Horovod pass: its op numbers, reducescatter's positional order,
+    an unsupported dtype refused on the calling rank with a ValueError."""
+    # Horovod's ops are its C++ enum's integers: Average 0, Sum 1, Adasum 2, Min 3, Max 4, Product 5.
+    x = torch.tensor([float(rank + 1), 2.0])
+    assert_equal(hvd.allreduce(x, op=1, name="int.sum"), reduce_ref([torch.tensor([float(r + 1), 2.0])
+                                                                     for r in range(size)], hvd.Sum), "op=1")
+    assert_equal(hvd.allreduce(x, op=3, name="int.min"), torch.tensor([1.0, 2.0]), "op=3")
+    for bad in (6, -1, True, "sum"):
+        try:
+            hvd.allreduce(x, op=bad)
+            raise AssertionError(f"op={bad!r} should raise")
+        except ValueError as err:
+            assert "unknown reduction op" in str(err), err
+    rows = torch.arange(2.0 * size).reshape(size, 2) * (rank + 1)
+    expected = sum(torch.arange(2.0 * size).reshape(size, 2) * (r + 1) for r in range(size))[rank:rank + 1]
+    # Horovod's order: (tensor, name, compression, op, process_set, prescale, postscale).
+    out = hvd.reducescatter(rows, None, hvd.Compression.none, hvd.Sum, hvd.global_process_set, 2.0, 0.5)
+    assert_equal(out, expected, "reducescatter positionally")
+    out = hvd.synchronize(hvd.reducescatter_async(rows, "rs.pos", hvd.Sum, hvd.global_process_set, 3.0))
+    assert_equal(out, expected * 3, "reducescatter_async positionally")
+    for call in (lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="complex"),
+                 lambda: hvd.grouped_allreduce([torch.ones(2), torch.ones(2, dtype=torch.complex64)], name="cgroup"),
+                 lambda: hvd.allgather(torch.ones(2, dtype=torch.complex128), name="complex.gather")):
+        try:
+            call()
+            raise AssertionError("a complex tensor should be refused")
+        except ValueError as err:
+            assert "complex" in str(err) and "not supported" in str(err), err
+    # Nothing of the refused group was submitted: the same name works at once on every rank.
+    assert_equal(hvd.grouped_allreduce([torch.ones(2)] * 2, name="cgroup", op=hvd.Sum)[1],
+                 torch.full((2,), float(size)), "a name refused before is free")
 
 
 def check_ordering(rank, size):
@@ -350,6 +387,15 @@ def check_join(rank, size):
         for i in range(2):
             out = hvd.allreduce(torch.ones(3), op=hvd.Sum, name=f"join.ar.{i}")
             assert_equal(out, torch.full((3,), float(size - 1)), "allreduce with a joined rank")
+        # Only allreduce runs beside a joined rank: the others raise on every rank, naming it.
+        for kind, call in (("allgather", lambda: hvd.allgather(torch.ones(1), name="join.ag")),
+                           ("broadcast", lambda: hvd.broadcast(torch.ones(1), root_rank=size - 1, name="join.bc"))):
+            try:
+                call()
+                raise AssertionError(f"{kind} beside a joined rank should raise")
+            except hvd.HorovodInternalError as err:
+                assert f"{kind} of tensor" in str(err) and "rank 0 called join()" in str(err), err
+                assert ("sparse_as_dense" in str(err)) == (kind == "allgather"), err
         last = hvd.join()
     # The last to join is one of the ranks that allreduced first (which of them, when they join
     # in different rounds, depends on timing), and every rank names the same one.
@@ -395,6 +441,7 @@ def main():
         print("OK adasum", flush=True)
         return
     rank, size = hvd.rank(), hvd.size()
+    assert hvd.mpi_enabled() != hvd.gloo_enabled(), "exactly one of MPI and gloo carries the job"
     assert (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (rank, size, 0, 1)
     assert hvd.is_initialized() and hvd.is_homogeneous()
     assert hvd.mpi_built() in (True, False) and isinstance(hvd.nccl_built(), int)
@@ -402,6 +449,7 @@ def main():
     check_autograd(rank, size)
     check_allgather_broadcast_alltoall_reducescatter(rank, size)
     check_objects_and_helpers(rank, size)
+    check_horovod_spellings(rank, size)
     check_ordering(rank, size)
     check_duplicate_name(rank, size)
     check_process_sets(rank, size)
@@ -410,6 +458,7 @@ def main():
     stats = runtime.engine().stats()
     hvd.shutdown()
     assert not hvd.is_initialized()
+    assert not hvd.mpi_enabled() and not hvd.gloo_enabled(), "neither is enabled while hpdl is not running"
     # init() again after shutdown() works
     hvd.init()
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again").tolist() == [float(size)] * 2
