@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -123,7 +124,48 @@ def test_cli_eval_bad_input(tmp_path, folder, ckpt, capsys):
     Image.fromarray(photo(24, 24)).save(tmp_path / "small" / "s.png")  # RGB shaves 8: 8x8 left
     assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(tmp_path / "small"), "--space", "rgb",
                  "--cache-dir", str(tmp_path / "c")]) == 2
-    assert error_line(capsys).endswith("s.png: image (8, 8) is smaller than the 11x11 SSIM window")
+    assert error_line(capsys).endswith("s.png: image of 24x24 is too small to measure at x2 on RGB: 8 px shaved "
+                                       "from each border must leave the 11x11 SSIM window, so each side needs at "
+                                       "least 27 px")
+
+
+def test_cli_eval_checks_every_image_of_every_set_before_scoring_any(tmp_path, ckpt, capsys):
+    for name, sizes in (("first", [(40, 52)]), ("second", [(40, 52), (30, 8), (2, 2)])):
+        (tmp_path / name).mkdir()
+        for i, (h, w) in enumerate(sizes):
+            Image.fromarray(photo(h, w, i)).save(tmp_path / name / f"img{i}.png")
+    argv = ["sr", "eval", "--ckpt", str(ckpt), "--data", f"{tmp_path / 'first'}+{tmp_path / 'second'}",
+            "--save-results", str(tmp_path / "results"), "--cache-dir", str(tmp_path / "c")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor a warning of torch's about read-only arrays
+        assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == (
+        f"hpdl: error: {tmp_path / 'second' / 'img1.png'}: image of 8x30 is too small to measure at x2 on Y: "
+        "2 px shaved from each border must leave the 11x11 SSIM window, so each side needs at least 15 px")
+    assert "eval:" not in captured.err and not (tmp_path / "results").exists()  # nothing scored, nothing written
+    for small in ("img1.png", "img2.png"):
+        (tmp_path / "second" / small).unlink()
+    assert main(argv) == 0  # and no half-written results block the re-run
+
+
+@pytest.mark.parametrize("results", ["parent of the set", "the set itself", "inside the set", "through a link"])
+def test_cli_eval_never_writes_results_into_a_set_it_evaluates(tmp_path, folder, ckpt, capsys, results):
+    data = tmp_path / "ds" / "set"
+    data.mkdir(parents=True)
+    for image in folder.glob("*.png"):
+        image.rename(data / image.name)
+    given = {"parent of the set": data.parent, "the set itself": data, "inside the set": data / "results"}.get(
+        results, tmp_path / "link")
+    if results == "through a link":
+        given.symlink_to(data.parent)
+    before = sorted(p.name for p in data.rglob("*"))
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(data), "--save-results", str(given),
+                 "--overwrite", "--cache-dir", str(tmp_path / "c")]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"hpdl: error: --save-results {given}: would write the SR images into the input set "
+                           f"{data} (") and line.endswith("); give a directory outside the sets"), line
+    assert sorted(p.name for p in data.rglob("*")) == before
 
 
 def test_cli_upscale(tmp_path, ckpt, capsys):
@@ -170,3 +212,71 @@ def test_cli_upscale_bad_input(tmp_path, ckpt, capsys):
 def test_cli_sr_without_subcommand_prints_help(capsys):
     assert main(["sr"]) == 2
     assert "eval" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_by_every_command(tmp_path, folder, capsys):
+    model = tiny(2)
+    with torch.no_grad():
+        model.tail[-1].weight[0, 0, 0, 0] = float("nan")
+    bad = save_checkpoint(tmp_path / "diverged.pt", make_checkpoint(model))
+    Image.fromarray(photo(16, 16)).save(tmp_path / "in.png")
+    for argv in (["upscale", str(tmp_path / "in.png"), str(tmp_path / "out.png")],
+                 ["eval", "--data", str(folder), "--cache-dir", str(tmp_path / "c")],
+                 ["export", "--to", "basicsr", str(tmp_path / "out.pth")]):
+        assert main(["sr", *argv, "--ckpt", str(bad)]) == 2
+        assert error_line(capsys) == (f"hpdl: error: {bad}: weights hold NaN or infinite values (tail.1.weight): "
+                                      "written by a training run that diverged?")
+    assert not (tmp_path / "out.png").exists() and not (tmp_path / "out.pth").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])
+def test_res_scale_must_be_a_finite_positive_number(tmp_path, ckpt, capsys, value):
+    for argv in (["upscale", "in.png", "out.png"], ["eval"], ["export", "--to", "basicsr", "out.pth"]):
+        with pytest.raises(SystemExit) as exit:
+            main(["sr", *argv, "--ckpt", str(ckpt), "--res-scale", value])
+        assert exit.value.code == 2
+        assert error_line(capsys).startswith(f"hpdl: error: argument --res-scale: must be a finite number > 0, "
+                                             f"got '{value}'")
+
+
+@pytest.mark.parametrize("command", ["upscale", "upscale --overwrite", "export", "eval"])
+@pytest.mark.parametrize("output", ["a directory", "empty"])
+def test_an_output_that_is_a_directory_or_empty_is_refused_before_any_work(tmp_path, ckpt, folder, capsys,
+                                                                          command, output):
+    target = tmp_path / "out.png" if output == "a directory" else ""
+    if target:
+        target.mkdir()
+    Image.fromarray(photo(16, 16)).save(tmp_path / "in.png")
+    name, *options = command.split()
+    argv = {"upscale": [str(tmp_path / "in.png"), str(target)], "export": ["--to", "basicsr", str(target)],
+            "eval": ["--data", str(folder), "--cache-dir", str(tmp_path / "c"), "--grid", str(target)]}[name]
+    assert main(["sr", name, *argv, *options, "--ckpt", str(ckpt)]) == 2
+    captured = capsys.readouterr()
+    expected = {"a directory": f"{target}: is a directory; give a file name",
+                "empty": "--grid: empty path" if name == "eval" else "empty output path: give a file name"}[output]
+    assert captured.err.strip().splitlines() == [f"hpdl: error: {expected}"]  # no progress: refused up front
+    assert not target or list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_several_ranks_rank_0_alone_runs_eval_and_upscale(tmp_path, folder, ckpt, capsys, monkeypatch, rank):
+    # As torchrun (or hpdl run) describes rank `rank` of 2 to each process.
+    for key, value in {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(key, str(value))
+    Image.fromarray(photo(16, 16)).save(tmp_path / "in.png")
+    assert main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "out.png"), "--ckpt", str(ckpt)]) == 0
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--cache-dir", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "out.png").exists() == (rank == 0)
+    assert out.count("mean") == (rank == 0) and ("wrote" in out) == (rank == 0)
+
+
+def test_eval_names_an_empty_data_value_and_an_unusable_cache_dir(tmp_path, folder, ckpt, capsys):
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", ""]) == 2
+    assert error_line(capsys) == ("hpdl: error: --data is empty: give a dataset folder, several joined by '+', "
+                                  "or 'embedded'")
+    (tmp_path / "file").write_text("not a directory")
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--cache-dir", str(tmp_path / "file")]) == 2
+    assert error_line(capsys) == (f"hpdl: error: {tmp_path / 'file' / 'decoded'}: cannot write the decode cache there "
+                                  f"({tmp_path / 'file'} is not a directory); give a writable cache directory "
+                                  "(cache_dir= / --cache-dir)")

@@ -1,6 +1,7 @@
 """Images, decode cache, dataset layouts, training patches, and every bad-input error."""
 
 import os
+import re
 import time
 import warnings
 
@@ -61,6 +62,29 @@ def test_read_image_modes(tmp_path):
     wide = (gray.astype(np.uint16) * 257)
     Image.fromarray(wide).save(tmp_path / "g16.png")
     assert np.array_equal(read_image(tmp_path / "g16.png")[:, :, 1], gray)
+
+
+@pytest.mark.parametrize("top", [1.0, 255.0, 65535.0])
+def test_float_images_are_read_in_the_range_their_values_show(tmp_path, top):
+    # [0, 1] is how float images are stored; 8-bit and 16-bit levels stored as floats are read as such.
+    gray = rand_image(5, 6)[:, :, 0]
+    values = gray.astype(np.float32) * np.float32(top / 255.0)
+    Image.fromarray(values, "F").save(tmp_path / "f.tif")
+    with Image.open(tmp_path / "f.tif") as img:
+        assert img.mode == "F"
+    out = read_image(tmp_path / "f.tif")
+    assert out.shape == (5, 6, 3) and all(np.array_equal(out[:, :, c], gray) for c in range(3))
+
+
+def test_float_images_outside_every_range_are_refused_naming_the_file(tmp_path):
+    below = np.array([[-0.5, 0.25], [0.5, 1.0]], np.float32)  # negative values clip to black
+    Image.fromarray(below, "F").save(tmp_path / "below.tif")
+    assert read_image(tmp_path / "below.tif")[:, :, 0].tolist() == [[0, 64], [128, 255]]
+    for name, bad, message in (("nan.tif", np.nan, "float image holds NaN or infinite values"),
+                               ("huge.tif", 1e6, "float image with values up to 1e+06, past 65535")):
+        Image.fromarray(np.array([[0.5, bad]], np.float32), "F").save(tmp_path / name)
+        with pytest.raises(SRDataError, match=rf"^{tmp_path / name}: {re.escape(message)}"):
+            read_image(tmp_path / name)
 
 
 def test_corrupt_and_truncated_images_name_the_file(tmp_path):

@@ -109,3 +109,18 @@ def test_training_draws_curves_and_puts_validation_crops_in_tensorboard(tmp_path
     # the 2 validation photos (32x30, 30x34 HR) are smaller than the crop: whole, in cells of the largest
     assert (shots[0].height, shots[0].width) == grid_size(2, (32, 34))
     assert json.loads(proc.stdout)["updates"] == 4
+
+
+def test_curves_are_drawn_from_the_rows_of_a_torn_log_that_read(tmp_path):
+    # Two runs once wrote one log at once: rows of other lengths, NUL bytes, text in a number's place.
+    from hpdl.sr.figures import _read_log, plot_curves
+
+    (tmp_path / "train_log.csv").write_bytes(
+        b"update,epoch,loss,lr,img_per_s,elapsed_s\n1,0,0.5,0.0001,10.0,0.1\n2,0,0.4,0.0001,10.0,0.2,3,0\n"
+        b"\0\0\0\0,0.3\n4,0,oops,0.0001,10.0,0.4\n5,0,0.2,0.0001,,0.5\n\xff\xfe,1\n")
+    notes = []
+    columns = _read_log(tmp_path / "train_log.csv", notes.append)
+    assert columns["update"] == [1.0, 5.0] and columns["loss"] == [0.5, 0.2] and np.isnan(columns["img_per_s"][1])
+    assert notes == [f"{tmp_path / 'train_log.csv'}: skipped 3 malformed row(s) drawing the curves"]
+    with Image.open(plot_curves(tmp_path)) as curves:  # val_log.csv missing: an empty panel
+        assert curves.format == "PNG"

@@ -1,6 +1,8 @@
 """The trainer's configuration, schedule, EMA, logs and checkpoints, and one tiny run in one process."""
 
 import csv
+import os
+import socket
 import json
 import subprocess
 import sys
@@ -62,6 +64,12 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     ("model=vgg", "model"), ("ema_decay=1", "ema_decay"), ("val_range=900-801", "val_range"),
     ("total_updates=1.5", "total_updates"), ("patch_size=", "patch_size"), ("device=cpu:abc", "device"),
     ("device=meta", "device"), ("overwrite=true resume=auto", "overwrite"),
+    # Past float32's range Adam would fail at its first step, after out_dir is written.
+    ("lr=1e39", "lr"), ("lr=1e300", "lr"), ("lr=inf", "lr"), ("lr=nan", "lr"), ("lr=2", "lr"),
+    ("eps=inf", "eps"), ("eps=nan", "eps"), ("eps=0", "eps"),
+    # NumPy seeds within 32 bits, and rank r seeds with seed + r.
+    ("seed=-1", "seed"), ("seed=4294967296", "seed"), ("seed=4294967295", "seed"),
+    ("data=", "data"),  # the current directory, else
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^command line: {key}: "):
@@ -87,6 +95,28 @@ def test_cli_config_errors_are_one_line(capsys, argv, message):
     assert main(["sr", "train", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_the_seed_range_leaves_room_for_every_ranks_offset():
+    from hpdl.sr.config import MAX_SEED, MAX_SEED_RANKS
+
+    assert load_config("demo", [f"seed={MAX_SEED}"]).seed + MAX_SEED_RANKS - 1 == 2**32 - 1
+    np.random.seed(MAX_SEED + MAX_SEED_RANKS - 1)  # the largest a rank can take: no error
+
+
+def test_a_config_file_that_is_not_text_is_one_line(tmp_path, capsys):
+    Image.new("RGB", (4, 4)).save(tmp_path / "some.png")
+    assert main(["sr", "train", "--config", str(tmp_path / "some.png")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"hpdl: error: {tmp_path / 'some.png'}: not a YAML config (not UTF-8 text)"]
+
+
+def test_summary_json_holds_null_for_numbers_json_cannot_spell(tmp_path):
+    from hpdl.sr.train import _write_json
+
+    _write_json(tmp_path / "summary.json", {"psnr": float("inf"), "bicubic_psnr": float("nan"), "updates": 3})
+    assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=pytest.fail) == {
+        "psnr": None, "bicubic_psnr": None, "updates": 3}
 
 
 # -- schedule, EMA, logs, checkpoints ---------------------------------------------------------
@@ -212,3 +242,107 @@ def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
     with open(out / "train_log.csv", newline="") as f:
         assert [r["update"] for r in csv.DictReader(f)] == ["2"]
     assert not (out / "tb" / "old-events").exists()
+
+
+# -- one run at a time in an out_dir --------------------------------------------------------------
+
+
+def test_a_run_in_an_out_dir_another_live_run_holds_is_refused_and_a_killed_one_blocks_nothing(tmp_path):
+    from hpdl.sr.train import LOCK_FILE
+
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    # A live run: a process holding the lock, as rank 0 of a training run does for its whole life.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "f.truncate(0); f.write('pid 4242 on node7'); f.flush(); print('locked', flush=True); sys.stdin.read()",
+         str(out / LOCK_FILE)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        for extra in (["resume=auto"], ["overwrite=true"]):
+            second = tiny_run(data, out, "total_updates=4", "val_at_end=false", *extra)
+            assert second.returncode == 2 and second.stderr.strip().splitlines() == [
+                f"hpdl: error: out_dir={out} is in use by another training run (pid 4242 on node7); wait for it "
+                "to end or choose another out_dir"], second.stderr
+            assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    finally:
+        holder.kill()  # dies without releasing anything itself: the kernel drops its lock
+        holder.wait()
+    resumed = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["updates_this_run"] == 2
+    assert (out / LOCK_FILE).read_text().startswith("pid ")  # kept: who held it last
+
+
+def test_the_out_dir_lock_is_taken_again_where_the_out_dir_is_made(tmp_path):
+    # Two runs started at once in a missing out_dir both pass the first look; the one that makes
+    # it second is refused when it locks it, before it removes or writes anything.
+    from hpdl.sr.train import _OutDirLock, _prepare_out_dir
+
+    out = tmp_path / "missing" / "run"
+    cfg = load_config("demo", [f"out_dir={out}", "overwrite=true"])
+    with _OutDirLock(out) as first, _OutDirLock(out) as second:
+        assert first.refusal(existing_only=True) is None and not out.exists()
+        assert _prepare_out_dir(out, cfg, first) is None
+        (out / "last.pt").write_bytes(b"the first run's")
+        assert _prepare_out_dir(out, cfg, second) == (
+            f"out_dir={out} is in use by another training run (pid {os.getpid()} on {socket.gethostname()}); "
+            "wait for it to end or choose another out_dir")
+        assert (out / "last.pt").read_bytes() == b"the first run's"
+    with _OutDirLock(out) as third:  # the first one's ended
+        assert third.refusal(existing_only=True) is None
+
+
+def test_a_diverging_run_stops_naming_the_update_and_keeps_the_last_good_checkpoint(tmp_path):
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    # Weights so large (finite still) that the next forward overflows: the loss of update 3 is inf.
+    ckpt = load_checkpoint(out / "last.pt")
+    ckpt["model"] = {k: v * 1e20 if v.is_floating_point() else v for k, v in ckpt["model"].items()}
+    save_checkpoint(out / "last.pt", ckpt)
+    kept = {p: p.read_bytes() for p in out.iterdir() if p.suffix in (".pt", ".json", ".png")}
+    # No checkpoint is due before the end: the end is where non-finite weights would replace the kept ones.
+    proc = tiny_run(data, out, "total_updates=6", "ckpt_every=0", "log_every=100", "resume=auto")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "hpdl: error: training diverged: the loss or the weights became NaN or infinite at update 3 (lr=0.001 too "
+        f"high?); stopped; out_dir={out} keeps last.pt of update 2"], proc.stderr
+    assert {p: p.read_bytes() for p in out.iterdir() if p.suffix in (".pt", ".json", ".png")} == kept
+
+
+@pytest.mark.parametrize("extra", [["resume=auto"], ["overwrite=true"]])
+def test_a_directory_where_a_run_writes_a_file_is_refused_before_anything_is_touched(tmp_path, extra):
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    (out / "last.pt").unlink()
+    (out / "last.pt").mkdir()
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = tiny_run(data, out, "total_updates=4", *extra)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"hpdl: error: out_dir={out}: last.pt is a directory, where a run writes a file; move it away or choose "
+        "another out_dir"], proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
+def test_a_run_without_a_validation_split_says_it_validates_on_the_training_images(tmp_path):
+    data = tiny_data(tmp_path)
+    proc = tiny_run(data, tmp_path / "run", "total_updates=2", "val_data=null")
+    assert proc.returncode == 0, proc.stderr
+    assert (f"note: data={data / 'train'} has no validation split and val_data is not another set: validation "
+            "scores the training images (set val_data= for held-out scores)") in proc.stdout
+    assert "update 2: Y-PSNR" in proc.stdout and "on 2 training images" in proc.stdout
+    assert "held-out images" not in proc.stdout and "validation images  2 (the training images)" in proc.stdout
+    held_out = tiny_run(data, tmp_path / "run2", "total_updates=2", "--json")
+    assert held_out.returncode == 0 and json.loads(held_out.stdout)["val_held_out"] is True
+    assert "on 2 held-out images" in held_out.stderr  # progress notes go to stderr with --json
+
+
+def test_resuming_with_another_repeat_names_the_keys_the_data_order_follows(tmp_path):
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    proc = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto", "repeat=4")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"hpdl: error: {out / 'last.pt'}: cannot continue its data order: sampler state has num_samples=6 but this "
+        "sampler has 8; the patches per epoch follow data, train_range, repeat, on_bad_image, seed and the images "
+        "found (changed: repeat (3 -> 4))"], proc.stderr

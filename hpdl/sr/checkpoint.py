@@ -39,6 +39,7 @@ __all__ = [
     "load_checkpoint",
     "load_model",
     "make_checkpoint",
+    "refuse_nonfinite",
     "restore_rng_state",
     "save_checkpoint",
 ]
@@ -320,7 +321,17 @@ def load_model(
         raise CheckpointError(
             f"{path}: weights do not fit {meta['model_name']} x{meta['scale']}: {_reason(err)}"
         ) from None
+    refuse_nonfinite(path, checkpoint["model"])
     return model.to(device).eval(), checkpoint
+
+
+def refuse_nonfinite(path: PathLike, state: Dict[str, Any]) -> None:
+    """``CheckpointError`` naming ``path`` if a weight of ``state`` is NaN or infinite (a diverged run's)."""
+    bad = next((k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
+                and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: weights hold NaN or infinite values ({bad}): written by a training run "
+                              "that diverged?")
 
 
 def capture_rng_state() -> Dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -73,7 +74,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from hpdl.comm import discover_topology
     from hpdl.sr.config import ConfigError, load_config
     from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
-    from hpdl.sr.train import TrainError, format_summary, train
+    from hpdl.sr.train import TrainError, format_summary, json_ready, train
 
     reporter = discover_topology().rank == 0
     try:
@@ -90,7 +91,7 @@ def _run_train(args: argparse.Namespace) -> int:
         where = f"{err.filename}: " if err.filename else ""
         raise CliError(f"{where}{err.strerror or err}") from None
     if reporter:
-        print(json.dumps(summary, indent=2) if args.json else format_summary(summary), flush=True)
+        print(json.dumps(json_ready(summary), indent=2) if args.json else format_summary(summary), flush=True)
     return 0
 
 
@@ -208,8 +209,19 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N")
 
 
+def _positive_number(text: str) -> float:
+    """A finite number > 0, for argparse (its error is one line naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def _add_res_scale(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--res-scale", type=float, metavar="X",
+    p.add_argument("--res-scale", type=_positive_number, metavar="X",
                    help="EDSR's residual scaling of EDSR-PyTorch or BasicSR weights, which do not store it "
                    "(default: the published model's for its size, else 1.0); an hpdl checkpoint's must equal "
                    "its stored one")
@@ -218,9 +230,14 @@ def _add_res_scale(p: argparse.ArgumentParser) -> None:
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     # The sr errors' messages already name the file; OSError covers unwritable outputs.
     def run(args: argparse.Namespace) -> int:
+        from hpdl.comm import discover_topology
         from hpdl.sr.config import ConfigError
         from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 
+        # These commands are one process's work: under a launcher of several ranks, rank 0 does it
+        # (one table, one writer of each output) and the others end at once, successfully.
+        if discover_topology().rank != 0:
+            return 0
         try:
             return handler(args)
         except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
@@ -247,23 +264,29 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.grid_crop < 1:
         raise CliError(f"--grid-crop must be >= 1, got {args.grid_crop}")
     _check_max_pixels(args)
+    for option, value in (("--save-results", args.save_results), ("--grid", args.grid)):
+        if value == "":
+            raise CliError(f"{option}: empty path")
     try:
         index_range = parse_range(args.index_range) if args.index_range else None
     except ValueError as err:
         raise CliError(f"--range: {err}") from None
+    if not args.data:
+        raise CliError("--data is empty: give a dataset folder, several joined by '+', or 'embedded'")
     sets = split_sets(args.data, args.data_root)
     if args.grid:
-        output_format(args.grid)
         _OutputGuard([("checkpoint", args.ckpt)], args.overwrite).refuse_now(args.grid)
+        output_format(args.grid)
     if args.save_results:
         _refuse_blocked_directory(args.save_results, args.save_results)
+        _refuse_results_in_sets(args.save_results, sets, args.cache_dir)
         if not args.overwrite:
             _refuse_earlier_results(args.save_results, [name for name, _ in sets])
     device = resolve_device(args.device, "--device")
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table
+    from hpdl.sr.evaluate import check_measurable, evaluate, format_sets_table, format_table
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
@@ -271,15 +294,17 @@ def _run_eval(args: argparse.Namespace) -> int:
     opened = [(name, data, build_val_dataset(
         data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
         max_pixels=args.max_pixels, downscaler=args.downscaler)) for name, data in sets]
+    spaces = [args.space or ("rgb" if pairs.layout == "div2k" else "y") for _, _, pairs in opened]
+    for (_, _, pairs), space in zip(opened, spaces):
+        check_measurable(pairs, model.scale, space)
     grid_images = _grid_images(args, opened) if args.grid else []
     # Now that the sets are open, their image files are inputs the outputs must not replace either.
     guard = _OutputGuard([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
     if args.grid:
         guard.refuse_now(args.grid)
     scored = []
-    for name, data, pairs in opened:
+    for (name, data, pairs), space in zip(opened, spaces):
         saver = _result_saver(args, name, model.scale, guard) if args.save_results else None
-        space = args.space or ("rgb" if pairs.layout == "div2k" else "y")
         result = evaluate(model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
                           progress=True, on_output=saver)
         scored.append((name, data, pairs, result))
@@ -347,6 +372,24 @@ def _refuse_earlier_results(directory: str, set_names: list) -> None:
                            "or choose another directory")
 
 
+def _refuse_results_in_sets(directory: str, sets: list, cache_dir: Any) -> None:
+    """Refuse, before any work, SR images written into a set being evaluated (``DIR/<set>`` is or is
+    inside its folder): the next evaluation of that folder would score them as HR images."""
+    from pathlib import Path
+
+    from hpdl.sr.images import default_cache_dir
+
+    folders = [(data, Path(os.path.realpath(Path(cache_dir) if cache_dir else default_cache_dir()) / "embedded")
+                if data == "embedded" else Path(os.path.realpath(data))) for _, data in sets]
+    for name, _ in sets:
+        # Resolved as the writes will be once the missing directories exist ("missing/../results").
+        target = Path(os.path.realpath(Path(directory) / name))
+        for data, folder in folders:
+            if target == folder or folder in target.parents:
+                raise CliError(f"--save-results {directory}: would write the SR images into the input set {data} "
+                               f"({target}); give a directory outside the sets")
+
+
 def _grid_images(args: argparse.Namespace, opened: list) -> list:
     """Return ``(pairs, index)`` of every image --grid shows: --grid-images, or the first 4 of the first set."""
     first = opened[0][2]
@@ -378,9 +421,9 @@ def _run_upscale(args: argparse.Namespace) -> int:
         raise CliError(f"--tile must be >= 0, got {args.tile}")
     _check_max_pixels(args)
     # Everything about the output is checked before minutes of inference, not after.
-    output_format(args.output)
     guard = _OutputGuard([("input image", args.input)], args.overwrite)
     guard.refuse_now(args.output)
+    output_format(args.output)
     image = read_image(args.input, max_pixels=args.max_pixels)
     device = resolve_device(args.device, "--device")
 
@@ -419,6 +462,10 @@ class _OutputGuard:
     def refuse_now(self, output: Any) -> None:
         """Refuse ``output`` before any work, as written and resolved as its write will resolve it."""
         output = str(output)
+        if not output:
+            raise CliError("empty output path: give a file name")
+        if os.path.isdir(output) or os.path.isdir(os.path.realpath(output)):
+            raise CliError(f"{output}: is a directory; give a file name")
         _refuse_blocked_directory(os.path.dirname(output) or ".", output)
         self.check(output, output)
         # Non-strict realpath collapses "missing/.." as creating "missing" will make it mean.

@@ -31,6 +31,8 @@ DOWNSCALERS = ("matlab", "torch")  # hpdl.sr.images.DOWNSCALERS, without importi
 # allowed (3 bytes a pixel, 16x the input's pixels) under 1 GB, and an evaluated image's float
 # copies (HR, output, bicubic) within a few GB; training and validation images are held likewise.
 DEFAULT_MAX_PIXELS = 20_000_000
+MAX_SEED_RANKS = 2**16
+MAX_SEED = 2**32 - MAX_SEED_RANKS  # + the rank (below MAX_SEED_RANKS) stays below 2**32
 
 
 class ConfigError(ValueError):
@@ -51,7 +53,9 @@ class TrainConfig:
     # -- data --
     data: str = "embedded"  # DIV2K root, benchmark set, image folder or 'embedded'
     train_range: Optional[str] = None  # DIV2K image numbers, e.g. '1-800' (the default)
-    val_data: Optional[str] = None  # default: the held-out split of `data`
+    # Default: the validation split of `data` (DIV2K 801-900, the embedded val photos); other
+    # layouts have none and are used whole, so then validation scores the training images.
+    val_data: Optional[str] = None
     val_range: Optional[str] = None  # DIV2K image numbers, e.g. '801-810' (default 801-900)
     patch_size: int = 48  # LR patch side; HR patches are patch_size * scale
     batch_size: int = 16  # per rank (ignored when global_batch_size is set)
@@ -143,9 +147,14 @@ def _check_ranges(c: TrainConfig) -> None:
         need(getattr(c, key) >= 0, key, ">= 0")
     for key in ("patch_size", "batch_size", "repeat", "total_updates", "log_every", "max_pixels"):
         need(getattr(c, key) >= 1, key, ">= 1")
-    need(math.isfinite(c.lr) and c.lr > 0, "lr", "a positive number")
+    # Adam keeps lr and eps as float32 numbers beside the weights: past 1 neither means anything
+    # (and past float32's range Adam fails at its first step, after out_dir is written).
+    need(math.isfinite(c.lr) and 0 < c.lr <= 1, "lr", "a number in (0, 1]")
     need(all(0 <= b < 1 for b in c.betas), "betas", "two numbers in [0, 1)")
-    need(c.eps > 0, "eps", "> 0")
+    need(math.isfinite(c.eps) and 0 < c.eps <= 1, "eps", "a number in (0, 1]")
+    # Rank r seeds its generators with seed + r, which NumPy takes only within 32 bits; the ranks
+    # are not known yet, so the range leaves room for up to MAX_SEED_RANKS of them.
+    need(0 <= c.seed <= MAX_SEED, "seed", f"in 0..{MAX_SEED} (seed + rank must fit 32 bits)")
     need(0 < c.gamma <= 1, "gamma", "in (0, 1]")
     need(0 <= c.ema_decay < 1, "ema_decay", "in [0, 1)")
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
@@ -154,6 +163,8 @@ def _check_ranges(c: TrainConfig) -> None:
     need(c.downscaler in DOWNSCALERS, "downscaler", " or ".join(DOWNSCALERS))
     need(is_device_name(c.device), "device", DEVICE_NAMES)
     need(bool(c.out_dir), "out_dir", "a directory")
+    need(bool(c.data), "data", "a dataset folder or 'embedded'")  # "" would be the current directory
+    need(c.val_data != "", "val_data", "a dataset folder, 'embedded' or null")
     need(not (c.overwrite and c.resume), "overwrite", "false when resuming (resume= continues a run)")
     for key in ("train_range", "val_range"):
         if getattr(c, key) is not None:
@@ -368,6 +379,8 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -421,6 +421,10 @@ class ImagePairs(Dataset):
         """Return ``(height, width)`` of LR image ``index``."""
         return self._pairs[index].lr_size
 
+    def hr_size(self, index: int) -> Tuple[int, int]:
+        """Return ``(height, width)`` of HR image ``index`` as its file holds it (not cropped to the scale)."""
+        return tuple(np.load(self._pairs[index].hr_file, mmap_mode="r").shape[:2])
+
     def source(self, index: int) -> Path:
         """Return the HR source file of pair ``index``."""
         return self._pairs[index].hr_source
@@ -439,8 +443,9 @@ class ImagePairs(Dataset):
 
 
 def _to_tensor(image: np.ndarray) -> torch.Tensor:
-    # HWC uint8 (possibly a flipped view) -> contiguous CHW float32 in [0, 255].
-    return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))).to(torch.float32)
+    # HWC uint8 (possibly a flipped view) -> contiguous CHW float32 in [0, 255]. Always a copy:
+    # the transpose of a one-pixel image is contiguous already, and torch warns of read-only memory maps.
+    return torch.from_numpy(np.array(image.transpose(2, 0, 1), order="C")).to(torch.float32)
 
 
 class TrainPatches(Dataset):

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from hpdl.sr.errors import SRDataError
-from hpdl.sr.metrics import bicubic_upscale, default_shave, psnr, ssim
+from hpdl.sr.metrics import SSIM_WINDOW, bicubic_upscale, default_shave, min_measurable_side, psnr, ssim
 from hpdl.sr.upscale import upscale
 
-__all__ = ["EvalResult", "ImageRecord", "evaluate", "format_sets_table", "format_table"]
+__all__ = ["EvalResult", "ImageRecord", "check_measurable", "evaluate", "format_sets_table", "format_table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,23 @@ class EvalResult:
         out["images"] = out.pop("records")
         out["mean"] = self.means()
         return out
+
+
+def check_measurable(pairs: Any, scale: int, metric_space: str) -> None:
+    """Refuse, before any is scored, an image of ``pairs`` (e.g. ``ImagePairs``) too small to measure.
+
+    PSNR and SSIM shave a border and then need the SSIM window inside it; ``SRDataError`` names
+    the first image that is smaller, with the size of its file.
+    """
+    need, shave = min_measurable_side(scale, metric_space), default_shave(scale, metric_space)
+    for i in range(len(pairs)):
+        lh, lw = pairs.lr_size(i)
+        if min(lh, lw) * scale < need:
+            height, width = pairs.hr_size(i)
+            raise SRDataError(
+                f"{pairs.source(i)}: image of {width}x{height} is too small to measure at x{scale} on "
+                f"{'Y' if metric_space == 'y' else 'RGB'}: {shave} px shaved from each border must leave the "
+                f"{SSIM_WINDOW}x{SSIM_WINDOW} SSIM window, so each side needs at least {need} px")
 
 
 @torch.no_grad()

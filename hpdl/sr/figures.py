@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -145,25 +145,46 @@ def sample_grid(samples: Sequence[Sample]) -> np.ndarray:
     return np.asarray(image).copy()
 
 
-def _read_log(path: Path) -> Dict[str, List[float]]:
+def _read_log(path: Path, note: Optional[Callable[[str], None]] = None) -> Dict[str, List[float]]:
+    """The columns of a CSV log as floats (empty cells NaN); malformed rows are skipped, and ``note`` told."""
     columns: Dict[str, List[float]] = {}
     if not path.is_file():
         return columns
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                columns.setdefault(key, []).append(float(value) if value not in ("", None) else math.nan)
+    # A log is ours, but a crash or a run interleaved with another can leave torn rows, NUL bytes
+    # or undecodable ones: the curves are drawn from the rows that read, never a traceback.
+    with open(path, newline="", errors="replace") as f:
+        lines = [line for line in f if "\0" not in line]
+    reader = csv.reader(lines)
+    header = next(reader, None) or []
+    skipped = 0
+    for row in reader:
+        if not row:
+            continue
+        try:
+            if len(row) != len(header):
+                raise ValueError(row)
+            values = [float(value) if value else math.nan for value in row]
+        except ValueError:
+            skipped += 1
+            continue
+        for key, value in zip(header, values):
+            columns.setdefault(key, []).append(value)
+    if skipped and note is not None:
+        note(f"{path}: skipped {skipped} malformed row(s) drawing the curves")
     return columns
 
 
-def plot_curves(out_dir: Path) -> Path:
-    """Draw ``out_dir/curves.png`` from its CSV logs: loss, learning rate, and validation PSNR against bicubic."""
+def plot_curves(out_dir: Path, note: Optional[Callable[[str], None]] = None) -> Path:
+    """Draw ``out_dir/curves.png`` from its CSV logs: loss, learning rate, and validation PSNR against bicubic.
+
+    ``note`` is told of log rows that could not be read (they are left out).
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    train, val = _read_log(out_dir / "train_log.csv"), _read_log(out_dir / "val_log.csv")
+    train, val = _read_log(out_dir / "train_log.csv", note), _read_log(out_dir / "val_log.csv", note)
     fig, (loss_ax, lr_ax, psnr_ax) = plt.subplots(1, 3, figsize=(13, 3.6), constrained_layout=True)
     loss_ax.plot(train.get("update", []), train.get("loss", []), color="tab:blue")
     loss_ax.set(title="training loss (L1)", xlabel="update")

@@ -64,7 +64,7 @@ EMBEDDED_TRAIN = (
 )
 EMBEDDED_VAL = ("astronaut", "chelsea", "immunohistochemistry")
 
-_CACHE_VERSION = "1"  # bump when the decoded content for the same source would change
+_CACHE_VERSION = "2"  # bump when the decoded content for the same source would change
 
 
 def default_cache_dir() -> Path:
@@ -84,7 +84,7 @@ def read_image(path: PathLike, *, max_pixels: Optional[int] = None, limit_name: 
         with _opened(path, max_pixels) as img:
             check_pixels(path, img.size, max_pixels, limit_name)
             img.load()  # decode now, so truncation fails here and not at first use
-            return _to_rgb(img)
+            return _to_rgb(img, path)
     except SRDataError:
         raise
     except FileNotFoundError:
@@ -145,14 +145,37 @@ def _opened(path: PathLike, max_pixels: Optional[int]) -> Iterator[Any]:
         yield img
 
 
-def _to_rgb(img) -> np.ndarray:
-    if img.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
-        # 16-bit (or float) gray: map the 16-bit range to 8 bits instead of clipping at 255.
+def _to_rgb(img, path: PathLike = "") -> np.ndarray:
+    if img.mode == "F":
+        gray = _float_to_uint8(np.asarray(img, dtype=np.float64), path)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if img.mode in ("I", "I;16", "I;16B", "I;16L"):
+        # 16-bit gray: map the 16-bit range to 8 bits instead of clipping at 255.
         wide = np.asarray(img, dtype=np.float64)
         gray = np.clip(np.round(wide / 257.0), 0, 255).astype(np.uint8)
         return np.repeat(gray[:, :, None], 3, axis=2)
     # convert("RGB") repeats L, expands palettes, and drops alpha from LA / RGBA / PA.
     return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
+
+
+# The largest value of each range a float image is read in, and what maps it to 255: [0, 1]
+# (the convention of float images), else 8-bit and 16-bit levels stored as floats.
+FLOAT_RANGES = ((1.0, 255.0), (255.0, 1.0), (65535.0, 1.0 / 257.0))
+
+
+def _float_to_uint8(values: np.ndarray, path: PathLike) -> np.ndarray:
+    """Map a float (mode F) image to 8 bits by the smallest of ``FLOAT_RANGES`` that holds its largest value.
+
+    Values below 0 become 0. NaN, infinities and values past 65535 fit no range: ``SRDataError``.
+    """
+    if not np.isfinite(values).all():
+        raise SRDataError(f"{path}: float image holds NaN or infinite values")
+    top = float(values.max()) if values.size else 0.0
+    factor = next((factor for limit, factor in FLOAT_RANGES if top <= limit), None)
+    if factor is None:
+        raise SRDataError(f"{path}: float image with values up to {top:g}, past 65535: hpdl reads float images "
+                          "in [0, 1], [0, 255] or [0, 65535]")
+    return np.clip(np.round(values * factor), 0, 255).astype(np.uint8)
 
 
 def output_format(path: PathLike) -> str:
@@ -306,7 +329,12 @@ class ImageCache:
             except (OSError, ValueError):
                 pass  # damaged entry (e.g. disk full): rebuild it below
         array = np.ascontiguousarray(compute())
-        atomic_write(entry, lambda f: np.save(f, array))
+        try:
+            atomic_write(entry, lambda f: np.save(f, array))
+        except OSError as err:
+            # The entry's name means nothing to the user; the cache directory they chose does.
+            raise SRDataError(f"{self.root}: cannot write the decode cache there ({err.strerror or err}); "
+                              "give a writable cache directory (cache_dir= / --cache-dir)") from None
         # The source changed: entries for its older versions are dead weight.
         for stale in self.root.glob(f"{glob.escape(prefix)}*.npy"):
             if stale != entry:

@@ -20,6 +20,7 @@ __all__ = [
     "SPACES",
     "bicubic_upscale",
     "default_shave",
+    "min_measurable_side",
     "psnr",
     "quantize",
     "rgb_to_y",
@@ -28,6 +29,7 @@ __all__ = [
 
 SPACES = ("y", "rgb")
 _Y_WEIGHTS = (65.738 / 256, 129.057 / 256, 25.064 / 256)
+SSIM_WINDOW = 11  # side of the Gaussian window
 _C1 = (0.01 * 255) ** 2
 _C2 = (0.03 * 255) ** 2
 
@@ -47,6 +49,12 @@ def default_shave(scale: int, space: str) -> int:
     """Return the border the conventions shave: ``scale`` on Y, ``scale + 6`` on RGB (DIV2K)."""
     _check_space(space)
     return scale if space == "y" else scale + 6
+
+
+def min_measurable_side(scale: int, space: str) -> int:
+    """Return the smallest HR side (after cropping to a multiple of ``scale``) that PSNR and SSIM can
+    measure in ``space``: the shaved borders, and the SSIM window inside them."""
+    return 2 * default_shave(scale, space) + SSIM_WINDOW
 
 
 def _check_space(space: str) -> None:
@@ -83,7 +91,7 @@ def psnr(
     return math.inf if mse == 0 else 10.0 * math.log10(255.0**2 / mse)
 
 
-def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
+def _gaussian_window(size: int = SSIM_WINDOW, sigma: float = 1.5) -> torch.Tensor:
     r = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
     g = torch.exp(-(r**2) / (2 * sigma**2))
     g = g / g.sum()
@@ -95,8 +103,8 @@ def ssim(
 ) -> float:
     """Return the SSIM of ``sr`` against ``hr`` (Wang et al.; mean over channels on RGB)."""
     sr, hr = _prepare(sr, hr, scale, space, shave)
-    if min(sr.shape[-2:]) < 11:
-        raise ValueError(f"image {tuple(sr.shape[-2:])} is smaller than the 11x11 SSIM window")
+    if min(sr.shape[-2:]) < SSIM_WINDOW:
+        raise ValueError(f"image {tuple(sr.shape[-2:])} is smaller than the {SSIM_WINDOW}x{SSIM_WINDOW} SSIM window")
     # Each channel is an image of its own: (C, H, W) -> (C, 1, H, W); valid convolution.
     x, y = sr.unsqueeze(1), hr.unsqueeze(1)
     w = _gaussian_window()

@@ -11,6 +11,7 @@ the weights stay identical everywhere. Rank 0 alone prints, logs and writes chec
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import shutil
@@ -27,14 +28,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import hpdl.torch as hvd
-from hpdl.sr.checkpoint import capture_rng_state, load_checkpoint, make_checkpoint, restore_rng_state, save_checkpoint
+from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpoint, refuse_nonfinite,
+                                restore_rng_state, save_checkpoint)
 from hpdl.sr.config import TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
 from hpdl.sr.errors import CheckpointError
+from hpdl.sr.evaluate import check_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
 from hpdl.sr.sampler import ShardSampler
-from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, lr_at, say, validate
+from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say, validate
 
 T = TypeVar("T")
 
@@ -42,12 +45,18 @@ T = TypeVar("T")
 SAMPLE_IMAGES = 3
 SAMPLE_CROP = 96
 
-__all__ = ["TrainError", "format_summary", "train"]
+__all__ = ["TrainError", "format_summary", "json_ready", "train"]
 
 COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
 
 # What a run writes into out_dir: any of them there means an earlier run.
 RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.json", "config.yaml", "curves.png")
+
+# The settings a sampler's resume state depends on (with the training images themselves).
+SAMPLER_KEYS = ("data", "train_range", "repeat", "on_bad_image", "seed")
+
+# The file rank 0 locks in out_dir while a run lives (not a run file: it never means an earlier run).
+LOCK_FILE = ".hpdl-sr-train.lock"
 
 # Settings that change what is trained. Resuming with other values works but is no longer the
 # same run, so it is pointed out; total_updates, val_every, out_dir and the like may change.
@@ -62,33 +71,36 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     The PSNR entries are None on ranks other than 0 when validation is not sharded.
     """
     wall_start = time.perf_counter()
-    world = _join(cfg)
-    data = _open_data(cfg, world)
-    model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
-    progress = _start_or_resume(cfg, world, model, optimizer, ema, data.sampler)
-    run = _Run(cfg, world, data, model, optimizer, ema, base_lr, progress)
-    say(run.describe())
+    # Rank 0 holds out_dir's lock from before its first look at out_dir to the end, so that a
+    # second run started in it meanwhile is refused instead of interleaving its files.
+    with _OutDirLock(Path(cfg.out_dir)) as lock:
+        world = _join(cfg, lock)
+        data = _open_data(cfg, world)
+        model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
+        progress = _start_or_resume(cfg, world, model, optimizer, ema, data.sampler, lock)
+        run = _Run(cfg, world, data, model, optimizer, ema, base_lr, progress)
+        say(run.describe())
 
-    # The training loop: one update per batch, until total_updates.
-    batches = _batches(data.loader, data.sampler, data.train_set)
-    model.train()
-    while progress.update < cfg.total_updates:
-        step_start = time.perf_counter()
-        step_in_pass, epoch, (lr_img, hr_img) = next(batches)
-        lr_img, hr_img = lr_img.to(world.device, non_blocking=True), hr_img.to(world.device, non_blocking=True)
-        lr = lr_at(progress.update, base_lr, cfg.warmup_updates, cfg.lr_decay_steps, cfg.gamma)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = F.l1_loss(model(lr_img), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # the gradient allreduces start in here
-        optimizer.step()  # waits for them, then Adam (with overlap_forward: the next forward does)
-        if ema is not None:
-            optimizer.apply_pending_updates()  # the average needs this step's weights
-            ema.update(model)
-        run.count_update(loss, lr, epoch, time.perf_counter() - step_start)
-        run.validate_and_checkpoint(step_in_pass)
-    return run.finish(wall_start)
+        # The training loop: one update per batch, until total_updates.
+        batches = _batches(data.loader, data.sampler, data.train_set)
+        model.train()
+        while progress.update < cfg.total_updates:
+            step_start = time.perf_counter()
+            step_in_pass, epoch, (lr_img, hr_img) = next(batches)
+            lr_img, hr_img = lr_img.to(world.device, non_blocking=True), hr_img.to(world.device, non_blocking=True)
+            lr = lr_at(progress.update, base_lr, cfg.warmup_updates, cfg.lr_decay_steps, cfg.gamma)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = F.l1_loss(model(lr_img), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # the gradient allreduces start in here
+            optimizer.step()  # waits for them, then Adam (with overlap_forward: the next forward does)
+            if ema is not None:
+                optimizer.apply_pending_updates()  # the average needs this step's weights
+                ema.update(model)
+            run.count_update(loss, lr, epoch, time.perf_counter() - step_start)
+            run.validate_and_checkpoint(step_in_pass)
+        return run.finish(wall_start)
 
 
 # -- the steps of train() ---------------------------------------------------------------------------
@@ -116,6 +128,7 @@ class _World:
 class _Data:
     train_set: Any
     val_set: Any  # None when the run does not validate
+    val_held_out: bool  # False: val_set is the training images (a layout without a validation split)
     sampler: ShardSampler
     loader: DataLoader
 
@@ -137,8 +150,9 @@ def _from_rank0(name: str, fn: Callable[[], T]) -> T:
     return hvd.broadcast_object(fn() if hvd.rank() == 0 else None, 0, name=f"train.{name}")
 
 
-def _join(cfg: TrainConfig) -> _World:
-    """Join the job: device, threads, seeds and per-rank batch; refuse an out_dir holding an earlier run.
+def _join(cfg: TrainConfig, lock: "_OutDirLock") -> _World:
+    """Join the job: device, threads, seeds and per-rank batch; refuse an out_dir holding an earlier
+    run, or in use by a live one.
 
     One process per core is the usual layout on CPUs, so by default each rank takes its share of
     the node's cores; more threads than cores only adds contention.
@@ -147,8 +161,10 @@ def _join(cfg: TrainConfig) -> _World:
     rank, size = hvd.rank(), hvd.size()
     device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
     # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
-    # and decides; every rank raises its verdict alike.
-    refusal = _from_rank0("out_dir", lambda: _earlier_run_refusal(Path(cfg.out_dir), cfg))
+    # and decides; every rank raises its verdict alike. An out_dir that does not exist yet is
+    # locked when it is made (_prepare_out_dir): making it now would leave it behind after an error.
+    refusal = _from_rank0("out_dir", lambda: _agreed_refusal(
+        lambda: lock.refusal(existing_only=True) or _earlier_run_refusal(Path(cfg.out_dir), cfg)))
     if refusal is not None:
         raise TrainError(refusal)
     cores = _cpu_count()
@@ -159,6 +175,8 @@ def _join(cfg: TrainConfig) -> _World:
     torch.set_num_threads(cfg.threads or max(1, cores // hvd.local_size()))
     # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
     # weights all come from rank 0, so the models still start identical.
+    if cfg.seed + size > 2**32:  # the config left room for MAX_SEED_RANKS ranks; this job has more
+        raise TrainError(f"seed={cfg.seed}: seed + rank must fit 32 bits, and this job has {size} ranks")
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
@@ -186,16 +204,23 @@ def _open_data(cfg: TrainConfig, world: _World) -> _Data:
     if len(train_set) // world.size < world.batch_size:
         raise TrainError(f"{len(train_set)} patches per epoch give each of {world.size} ranks fewer than "
                          f"batch_size={world.batch_size}; raise repeat")
-    val_set = agreed("validation data", lambda: build_val_dataset(
+    val_set = agreed("validation data", lambda: _measurable(build_val_dataset(
         cfg.val_data or cfg.data, cfg.scale, cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
         on_bad_image=cfg.on_bad_image, max_pixels=cfg.max_pixels, downscaler=cfg.downscaler,
-        limit_name="max_pixels")) if validating else None
+        limit_name="max_pixels"), cfg)) if validating else None
+    # DIV2K and the embedded photos have a validation split; any other layout is used whole, so
+    # without a val_data of its own the run validates on what it trains on, and says so.
+    held_out = val_set is None or val_set.layout in ("div2k", "embedded") or (
+        cfg.val_data is not None and os.path.realpath(cfg.val_data) != os.path.realpath(cfg.data))
+    if not held_out:
+        say(f"note: data={cfg.data} has no validation split and val_data is not another set: validation "
+            "scores the training images (set val_data= for held-out scores)")
     # The sampler gives each rank a disjoint share of every epoch's permutation, the same number
     # of samples on every rank; drop_last keeps every batch full, so all ranks make as many steps.
     sampler = ShardSampler(train_set, rank=world.rank, num_replicas=world.size, seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=world.batch_size, sampler=sampler, num_workers=cfg.workers,
                         drop_last=True, pin_memory=world.device.type == "cuda")
-    return _Data(train_set, val_set, sampler, loader)
+    return _Data(train_set, val_set, held_out, sampler, loader)
 
 
 def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Module, Any, Optional[EMA], float]:
@@ -222,10 +247,12 @@ def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Modu
 
 
 def _start_or_resume(cfg: TrainConfig, world: _World, model: torch.nn.Module, optimizer: Any,
-                     ema: Optional[EMA], sampler: ShardSampler) -> _Progress:
+                     ema: Optional[EMA], sampler: ShardSampler, lock: "_OutDirLock") -> _Progress:
     """Start from scratch or from pretrained weights, or resume; leave every rank with rank 0's state."""
     out_dir = Path(cfg.out_dir)
-    _on_rank0("out_dir", lambda: _prepare_out_dir(out_dir, cfg))
+    refusal = _from_rank0("out_dir.prepare", lambda: _agreed_refusal(lambda: _prepare_out_dir(out_dir, cfg, lock)))
+    if refusal is not None:
+        raise TrainError(refusal)
     resume_path = _from_rank0("resume_path", lambda: _resume_path(cfg, out_dir))
     if resume_path is not None:
         return _resume(resume_path, cfg, world, model, optimizer, ema, sampler)
@@ -256,7 +283,11 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
     try:
         sampler.load_state_dict(state["sampler"])
     except ValueError as err:  # e.g. another `repeat` or another set of images
-        raise TrainError(f"{path}: cannot continue its data order: {err}") from None
+        changed = [f"{k} ({state['config'].get(k)!r} -> {getattr(cfg, k)!r})" for k in SAMPLER_KEYS
+                   if state["config"].get(k) != getattr(cfg, k)]
+        raise TrainError(f"{path}: cannot continue its data order: {err}; the patches per epoch follow "
+                         f"{', '.join(SAMPLER_KEYS)} and the images found"
+                         + (f" (changed: {', '.join(changed)})" if changed else "")) from None
     if world.rank < len(state["rng"]):
         restore_rng_state(state["rng"][world.rank])
     now = cfg.to_dict()
@@ -283,6 +314,10 @@ class _Run:
             _write_config(self.out_dir / "config.yaml", cfg)
         self.bar = _progress(world.master and cfg.progress, cfg.total_updates, progress.update)
         self.loss_sum = torch.zeros((), device=world.device)
+        # The first update of this rank whose loss was not finite (inf: none), kept on the device:
+        # reading it every update would be a sync point per step on a GPU.
+        self.first_nonfinite = torch.full((), math.inf, dtype=torch.float64, device=world.device)
+        self.last_checkpoint: Optional[int] = progress.update if progress.resumed else None
         self.logged_at, self.log_clock = progress.update, time.perf_counter()
         self.step_seconds: List[float] = []  # of every update of this run, for img/s
 
@@ -298,6 +333,8 @@ class _Run:
         p, cfg = self.progress, self.cfg
         p.update += 1
         self.loss_sum += loss.detach()  # no .item() here: on a GPU that would be a sync point per step
+        self.first_nonfinite = torch.where(torch.isfinite(loss.detach()), self.first_nonfinite,
+                                           self.first_nonfinite.clamp(max=p.update))
         p.train_seconds += seconds
         self.step_seconds.append(seconds)
         self.bar.update(1)
@@ -305,6 +342,8 @@ class _Run:
             return
         # The mean over ranks and over the updates since the last line (a collective: all ranks).
         mean_loss = hvd.allreduce(self.loss_sum / (p.update - self.logged_at), name="train.loss").item()
+        if not math.isfinite(mean_loss):  # on every rank alike: the mean is every rank's
+            self.stop_if_diverged()
         now = time.perf_counter()
         img_per_s = (p.update - self.logged_at) * self.world.global_batch / (now - self.log_clock)
         if self.log is not None:
@@ -318,11 +357,33 @@ class _Run:
         """Validate and write last.pt when they are due; neither counts as training time."""
         update, cfg = self.progress.update, self.cfg
         pause = time.perf_counter()
-        if cfg.val_every and update % cfg.val_every == 0 and update < cfg.total_updates:
+        validating = cfg.val_every and update % cfg.val_every == 0 and update < cfg.total_updates
+        checkpointing = (cfg.ckpt_every and update % cfg.ckpt_every == 0) or update == cfg.total_updates
+        if validating or checkpointing:
+            self.stop_if_diverged()  # a checkpoint of NaN weights would replace the last good one
+        if validating:
             self.validate()
-        if (cfg.ckpt_every and update % cfg.ckpt_every == 0) or update == cfg.total_updates:
+        if checkpointing:
             self.checkpoint(step_in_pass)
         self.log_clock += time.perf_counter() - pause
+
+    def stop_if_diverged(self) -> None:
+        """Raise ``TrainError`` on every rank if a loss or a weight has become NaN or infinite.
+
+        A collective: all ranks call it at the same points, and all raise alike. Nothing is
+        saved after it, so out_dir keeps the last checkpoint written before.
+        """
+        models = [self.model] + ([self.ema.model] if self.ema is not None else [])
+        finite_weights = all(bool(torch.isfinite(t).all()) for m in models for t in m.state_dict().values()
+                             if t.is_floating_point())
+        mark = self.first_nonfinite if finite_weights else self.first_nonfinite.clamp(max=self.progress.update)
+        first = hvd.allreduce(mark, name="train.nonfinite", op=hvd.Min).item()
+        if math.isinf(first):
+            return
+        kept = (f"; out_dir={self.out_dir} keeps last.pt of update {self.last_checkpoint}"
+                if self.last_checkpoint is not None else " before the first checkpoint")
+        raise TrainError(f"training diverged: the loss or the weights became NaN or infinite at update {int(first)} "
+                         f"(lr={self.cfg.lr:g} too high?); stopped{kept}")
 
     @property
     def weights(self) -> torch.nn.Module:
@@ -344,7 +405,8 @@ class _Run:
             if self.log.shows_images:
                 self.log.image("val/samples", _sample_grid(self.weights, self.data.val_set), update)
             say(f"update {update}: {cfg.val_space.upper()}-PSNR {m['psnr']:.2f} dB "
-                f"(bicubic {m['bicubic_psnr']:.2f}) on {len(result.records)} held-out images")
+                f"(bicubic {m['bicubic_psnr']:.2f}) on {len(result.records)} "
+                f"{'held-out' if self.data.val_held_out else 'training'} images")
         return record
 
     def checkpoint(self, step_in_pass: int) -> None:
@@ -358,11 +420,13 @@ class _Run:
             sampler=self.data.sampler.state_dict(consumed=step_in_pass * self.world.batch_size), rng=rng,
             schedule={"update": p.update, "base_lr": self.base_lr}, update=p.update,
             train_seconds=p.train_seconds, world_size=self.world.size, config=self.cfg.to_dict())))
+        self.last_checkpoint = p.update
 
     def finish(self, wall_start: float) -> Dict[str, Any]:
         """Save the weights, validate them once more, draw the curves; return the summary."""
         self.bar.close()
         cfg, p, w = self.cfg, self.progress, self.world
+        self.stop_if_diverged()
         _on_rank0("weights", lambda: save_checkpoint(self.out_dir / "model.pt",
                                                      make_checkpoint(self.weights, update=p.update)))
         scores = self.validate() if cfg.val_at_end and p.update > 0 else None
@@ -374,7 +438,8 @@ class _Run:
             **_throughput(self.step_seconds, w.global_batch),
             "threads_per_rank": torch.get_num_threads(), "val_space": cfg.val_space,
             "psnr": scores["psnr"] if scores else None, "bicubic_psnr": scores["bicubic_psnr"] if scores else None,
-            "val_images": scores["images"] if scores else 0, "out_dir": str(self.out_dir),
+            "val_images": scores["images"] if scores else 0, "val_held_out": self.data.val_held_out,
+            "out_dir": str(self.out_dir),
         }
         if self.log is not None:
             self.log.close()
@@ -435,6 +500,12 @@ def _thread_oversubscription(threads: int) -> Optional[str]:
     return None
 
 
+def _measurable(val_set: Any, cfg: TrainConfig) -> Any:
+    """``val_set``, once every image is known to be large enough to score: now, not after training."""
+    check_measurable(val_set, cfg.scale, cfg.val_space)
+    return val_set
+
+
 def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
     return parse_range(text) if text else None
 
@@ -452,6 +523,13 @@ def _earlier_run(out_dir: Path) -> List[str]:
 def _earlier_run_refusal(out_dir: Path, cfg: TrainConfig) -> Optional[str]:
     """On rank 0: why ``out_dir`` cannot be used (it holds an earlier run, neither resumed nor overwritten)."""
     earlier = _earlier_run(out_dir)
+    resolved = Path(os.path.realpath(out_dir))
+    # Neither resumed, nor removed by overwrite, nor replaced: the run would fail at its first
+    # write, after truncating the earlier run's logs.
+    blocking = [name for name in earlier if (resolved / name).is_dir()]
+    if blocking:
+        return (f"out_dir={out_dir}: {blocking[0]} is a directory, where a run writes a file; "
+                "move it away or choose another out_dir")
     if not earlier or cfg.overwrite:
         return None
     if cfg.resume is None:
@@ -464,8 +542,25 @@ def _earlier_run_refusal(out_dir: Path, cfg: TrainConfig) -> Optional[str]:
     return None
 
 
-def _prepare_out_dir(out_dir: Path, cfg: TrainConfig) -> None:
-    """On rank 0: create ``out_dir``; with ``overwrite``, first remove the earlier run's files."""
+def _agreed_refusal(fn: Callable[[], Optional[str]]) -> Optional[str]:
+    """``fn()``'s refusal, or the one line of the user error it raised (for ``_from_rank0``)."""
+    try:
+        return fn()
+    except OSError as err:
+        return f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+
+
+def _prepare_out_dir(out_dir: Path, cfg: TrainConfig, lock: "_OutDirLock") -> Optional[str]:
+    """On rank 0: create and lock ``out_dir``; with ``overwrite``, first remove the earlier run's files.
+
+    Returns why it cannot be used instead: another run holds it, or (for an out_dir made or
+    filled since ``_join`` looked) it now holds an earlier run. The check under the lock is the
+    one that counts: two runs started at once in a missing out_dir both passed the first one.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    refusal = lock.refusal(existing_only=False) or _earlier_run_refusal(out_dir, cfg)
+    if refusal is not None:
+        return refusal
     if cfg.overwrite:
         # Nothing of the earlier run may be taken for this one's: resume=auto picking up its
         # last.pt after this run stopped early, TensorBoard showing its curves.
@@ -473,7 +568,64 @@ def _prepare_out_dir(out_dir: Path, cfg: TrainConfig) -> None:
         for name in _earlier_run(out_dir):
             (resolved / name).unlink()
         shutil.rmtree(resolved / "tb", ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+class _OutDirLock:
+    """Rank 0's exclusive lock on out_dir: ``flock`` on ``out_dir/LOCK_FILE``, held until the run ends.
+
+    The kernel releases it when the process dies, however it dies, so a killed run never blocks
+    its resume. The lock file stays (removing it would let a third run lock a new file while a
+    second one waits on the old); it records who holds it, for the refusal.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self._file: Optional[Any] = None
+        self._signed = False  # whether the lock file names this process
+        self._unlockable = False  # the file system has no locks
+
+    def __enter__(self) -> "_OutDirLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._file is not None:
+            self._file.close()  # closing releases the lock
+            self._file = None
+
+    def refusal(self, existing_only: bool) -> Optional[str]:
+        """Take the lock (if not held yet); return why out_dir cannot be used if another process holds it.
+
+        ``existing_only``: only look, creating and writing nothing (the run may yet be refused):
+        take the lock if its file exists. Otherwise create it if need be, and sign it.
+        """
+        path = Path(os.path.realpath(self.out_dir)) / LOCK_FILE  # the directory _earlier_run looks in
+        if self._file is None and not self._unlockable:
+            if existing_only and not path.is_file():
+                return None  # no run has locked it: the check where out_dir is made takes the lock
+            import fcntl
+
+            f = open(path, "r" if existing_only else "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip()
+                f.close()
+                return (f"out_dir={self.out_dir} is in use by another training run"
+                        f"{f' ({holder})' if holder else ''}; wait for it to end or choose another out_dir")
+            except OSError as err:  # a file system without locks: train unprotected rather than not at all
+                f.close()
+                self._unlockable = True
+                say(f"note: cannot lock {path} ({err.strerror}): a second run started in this out_dir "
+                    "would not be refused")
+                return None
+            self._file = f
+        if not existing_only and not self._signed and self._file is not None:
+            # Through another handle: the lock belongs to the open file, not to its content.
+            path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            self._signed = True
+        return None
 
 
 def _resume_path(cfg: TrainConfig, out_dir: Path) -> Optional[str]:
@@ -512,6 +664,7 @@ def _restore(path: str, cfg: TrainConfig, model: torch.nn.Module, optimizer: Any
 def _load_pretrained(path: str, model: torch.nn.Module) -> str:
     """On rank 0: copy weights from a checkpoint; a different scale keeps this model's tail fresh."""
     ckpt = load_checkpoint(path)
+    refuse_nonfinite(path, ckpt["model"])
     for note in ckpt["meta"].get("notes", []):
         say(f"note: {note}")
     same_scale = int(ckpt["meta"]["scale"]) == model.scale
@@ -530,7 +683,7 @@ def _draw_curves(out_dir: Path) -> None:
     try:
         from hpdl.sr.figures import plot_curves
 
-        plot_curves(out_dir)
+        plot_curves(out_dir, note=lambda message: say(f"note: {message}"))
     except ImportError:
         say("matplotlib not installed (pip install 'hpdl[sr]'): no curves.png")
 
@@ -569,4 +722,4 @@ def _write_config(path: Path, cfg: TrainConfig) -> None:
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
     import json
 
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(json_ready(data), indent=2, allow_nan=False) + "\n")

@@ -22,7 +22,7 @@ from hpdl.sr.config import ConfigError
 from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 from hpdl.sr.evaluate import EvalResult, evaluate
 
-__all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "lr_at", "validate"]
+__all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "json_ready", "lr_at", "validate"]
 
 T = TypeVar("T")
 
@@ -248,10 +248,16 @@ def format_summary(summary: Dict[str, Any]) -> str:
         rows = list(rows) + [
             (f"bicubic PSNR ({space})", f"{summary['bicubic_psnr']:.2f} dB"),
             (f"trained PSNR ({space})", f"{summary['psnr']:.2f} dB ({summary['psnr'] - summary['bicubic_psnr']:+.2f})"),
-            ("held-out images", str(summary["val_images"])),
+            ("held-out images", str(summary["val_images"])) if summary.get("val_held_out", True)
+            else ("validation images", f"{summary['val_images']} (the training images)"),
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def json_ready(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """``summary`` with NaN and infinite numbers as None: JSON has no spelling for them."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
 
 
 def say(message: str) -> None:
