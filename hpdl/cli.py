@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import IO, Callable, NoReturn, Optional, Sequence
 
 from hpdl import __version__
 from hpdl.config import SettingsError
@@ -22,6 +23,87 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+def check_output(option: str, path: str, inputs: Sequence[str] = (), overwrite: bool = False) -> None:
+    """Refuse, before any work, an output file that a command could not or must not write.
+
+    The rules every command that writes a named file keeps (``hpdl sr`` has its own, alike):
+    its directory must exist (nothing is created), the file must not be a directory, nor any
+    of ``inputs`` under another name (a link, a ``..``), nor, without ``overwrite``, any other
+    existing file. ``option`` names where the path came from (``--html``) in the error.
+
+    Raises:
+        CliError: naming the option, the path and the reason.
+    """
+    where = f"{option} {path}"
+    directory = os.path.dirname(os.path.abspath(path))
+    for ancestor in (directory, *_ancestors(directory)):
+        if os.path.exists(ancestor):
+            if not os.path.isdir(ancestor):
+                raise CliError(f"{option}: cannot write {path}: {ancestor} is not a directory")
+            break
+    if not os.path.isdir(directory):
+        raise CliError(f"{option}: cannot write {path}: its directory does not exist")
+    if os.path.isdir(path):
+        raise CliError(f"{option}: cannot write {path}: is a directory; name a file")
+    try:
+        written = os.stat(path)
+    except OSError:
+        written = None
+    for source in inputs:
+        try:
+            read = os.stat(source)
+        except OSError:  # a missing input is reported when it is read
+            continue
+        # Device and inode: the same file however it is spelt (a link, another path, a hard link).
+        if written is not None and (written.st_dev, written.st_ino) == (read.st_dev, read.st_ino):
+            raise CliError(f"{where}: is the input {source}; write to another file")
+    if not overwrite and os.path.lexists(path):
+        raise CliError(f"{where}: already exists; pass --overwrite to replace it")
+
+
+def _ancestors(directory: str) -> list:
+    parents = []
+    while os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+        parents.append(directory)
+    return parents
+
+
+def write_output(path: str, write: Callable[[IO], None], binary: bool = False,
+                 check: Optional[Callable[[], None]] = None) -> None:
+    """Call ``write(f)`` on a temp file beside ``path``, then rename it over ``path``.
+
+    Readers see the old file or the whole new one, and a failure (a full disk, an error while
+    rendering) leaves neither a partial file nor the temp file. ``check`` runs again right
+    before the rename, so that a file made meanwhile where ``path`` points is not replaced
+    against :func:`check_output`'s rules.
+
+    Raises:
+        CliError: naming ``path`` when the file system refuses it.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        # Not mkstemp, which makes the file 0600: mode 0666 leaves the permissions to the umask.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as err:
+        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as f:
+            write(f)
+        if check is not None:
+            check()
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(err, OSError) and err.errno is not None:
+            raise CliError(f"cannot write {path}: {err.strerror or err}") from None
+        raise
 
 
 class _Parser(argparse.ArgumentParser):

@@ -67,3 +67,76 @@ def test_a_small_study_writes_its_table_json_and_plot(tmp_path):
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = done.stdout.splitlines()
     assert any(line.split()[:2] == ["ddp-fp16", "2"] for line in table), done.stdout
+
+
+# --- the output files: checked before any job, never replacing a file without --overwrite ----
+
+def _record():
+    opts = ScalingOptions(ranks=(1, 2), systems=("hpdl",), repeats=1)
+    runs = [{"repeat": 0, "ranks": n, "job": "default", "img_sec_per_rank": {"hpdl": 10.0, "ceiling": 11.0}}
+            for n in (1, 2)]
+    return {"benchmark": "scaling", "ranks": [1, 2], "systems": ["hpdl"], "repeats": 1, "hosts": None,
+            "synthetic_args": [], "runs": runs, "summary": summarize(opts, runs)}
+
+
+@pytest.fixture
+def study(monkeypatch, tmp_path):
+    """`hpdl bench scaling` in tmp_path, whose study returns a record at once (``ran`` counts them)."""
+    from hpdl.bench import scaling
+
+    ran = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPDL_HOSTFILE", raising=False)
+    monkeypatch.setattr(scaling, "run_scaling", lambda opts: ran.append(opts) or _record())
+    return ran
+
+
+def _scaling(*args):
+    from hpdl.cli import main
+
+    return main(["bench", "scaling", "--ranks", "1,2", "--systems", "hpdl", *args])
+
+
+def _one_line_error(capsys, fragment):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("hpdl: error: ") and fragment in err, err
+
+
+@pytest.mark.parametrize("existing, args", [
+    ("scaling.json", []), ("scaling.png", []), ("photo.png", ["--plot", "photo.png"]), ("r.json", ["--json", "r.json"]),
+], ids=["default-json", "default-plot", "plot", "json"])
+def test_existing_outputs_are_refused_before_any_job(study, tmp_path, capsys, existing, args):
+    (tmp_path / existing).write_bytes(b"a user's photo")
+    assert _scaling(*args) == 2
+    _one_line_error(capsys, f"{existing}: already exists; pass --overwrite to replace it")
+    assert study == [] and (tmp_path / existing).read_bytes() == b"a user's photo"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [existing]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--json", "{tmp}/d"], "--json: cannot write {tmp}/d: is a directory"),
+    (["--plot", "{tmp}/d"], "--plot: cannot write {tmp}/d: is a directory"),
+    (["--json", "{tmp}/f/s.json"], "--json: cannot write {tmp}/f/s.json: {tmp}/f is not a directory"),
+    (["--plot", "{tmp}/f/sub/s.png"], "--plot: cannot write {tmp}/f/sub/s.png: {tmp}/f is not a directory"),
+    (["--json", "same", "--plot", "same"], "--json and --plot name the same file, same"),
+    (["--plot", "s.xyz"], "--plot s.xyz: matplotlib writes no .xyz files"),
+], ids=["json-directory", "plot-directory", "json-under-a-file", "plot-under-a-file", "same-file", "unknown-format"])
+def test_unusable_outputs_are_refused_before_any_job(study, tmp_path, capsys, args, fragment):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    assert _scaling(*[a.format(tmp=tmp_path) for a in args]) == 2
+    _one_line_error(capsys, fragment.format(tmp=tmp_path))
+    assert study == [] and sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+
+
+def test_overwrite_replaces_earlier_outputs_atomically(study, tmp_path, capsys):
+    assert _scaling() == 0
+    assert json.loads((tmp_path / "scaling.json").read_text())["summary"] == _record()["summary"]
+    first = (tmp_path / "scaling.png").read_bytes()
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _scaling() == 2  # a second run in the same directory
+    assert capsys.readouterr().err.startswith("hpdl: error: --json scaling.json: already exists")
+    assert _scaling("--overwrite", "--plot", "scaling.svg") == 0 and _scaling("--overwrite") == 0
+    assert len(study) == 3
+    assert (tmp_path / "scaling.svg").read_text().lstrip().startswith("<?xml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scaling.json", "scaling.png", "scaling.svg"]

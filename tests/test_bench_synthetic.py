@@ -4,6 +4,7 @@ Only the format is checked: timing figures belong to docs/perf.md, not to tests.
 """
 
 import json
+import os
 import re
 
 import pytest
@@ -132,3 +133,72 @@ def test_compare_ceiling_text():
         assert re.search(rf"^hpdl +{rank}( +\d+\.\d \(\d+\.\d\)){{5}}$", out, re.M), out
         assert re.search(rf"^ceiling +{rank}( +\d+\.\d \(\d+\.\d\)){{2}} +- +\d+\.\d \(\d+\.\d\)"
                          rf" +\d+\.\d \(\d+\.\d\)$", out, re.M), out
+
+
+@pytest.mark.parametrize("args, flags", [(["--scale", "3"], "--scale applies"), (["--patch", "24"], "--patch applies"),
+                                         (["--scale", "2", "--patch", "48"], "--scale and --patch apply")])
+def test_sr_sizes_given_to_resnet50_are_refused_not_ignored(args, flags, capsys):
+    assert main(["bench", "synthetic", "--model", "resnet50", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hpdl: error: {flags} to the SR models (edsr-baseline, edsr, srresnet), not resnet50, which "
+                   "trains on 224x224 images"]
+
+
+# --- hpdl bench allreduce: sizes no message can have, or no memory can hold -----------------
+
+def test_allreduce_min_size_below_one_element_is_refused(capsys, monkeypatch):
+    from hpdl.bench.allreduce import AllreduceOptions
+    from hpdl.torch import runtime
+
+    with pytest.raises(ValueError, match=r"--min-size \(2 B\) is smaller than one float32 element \(4 B\)"):
+        AllreduceOptions(min_bytes=2, max_bytes=8)
+    monkeypatch.setattr(runtime, "job_communicator", lambda *a: pytest.fail("a communicator was created"))
+    assert main(["bench", "allreduce", "--min-size", "0"]) == 2
+    assert capsys.readouterr().err == ("hpdl: error: --min-size (0 B) is smaller than one float32 element (4 B); "
+                                       "the smallest message is --min-size 4\n")
+
+
+class _Ranks:
+    """A communicator of ``size`` ranks on one host, as seen by rank ``rank``, whose other ranks answer ``others``."""
+
+    def __init__(self, rank=0, size=2, others=None):
+        self.rank, self.size, self.others = rank, size, others
+
+    def host_names(self):
+        return ["node"] * self.size
+
+    def allgather_object(self, obj):
+        return [obj if r == self.rank else self.others for r in range(self.size)]
+
+    def barrier(self):
+        pass
+
+
+def test_allreduce_messages_beyond_the_hosts_memory_are_refused_before_any_is_made(monkeypatch):
+    from hpdl.bench import allreduce
+
+    monkeypatch.setattr(allreduce.torch, "ones", lambda *a, **k: pytest.fail("a message was allocated"))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    largest = 1 << memory.bit_length()  # a power of two above the memory: the largest size measured
+    opts = allreduce.AllreduceOptions(min_bytes=largest, max_bytes=largest)
+    with pytest.raises(allreduce.MessageMemoryError, match=r"^--max-size: messages of \d+ GiB need \d+ GiB on this "
+                       rf"host \(1 x {largest} B on each of its 2 rank\(s\)\), more than its .* of memory$"):
+        allreduce.run_allreduce(opts, _Ranks(), paths={"backend": lambda tensors: None})
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_allreduce_messages_that_cannot_be_allocated_end_every_rank_with_the_size(monkeypatch, failing_rank):
+    from hpdl.bench import allreduce
+
+    def ones(count, dtype):
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {count * 4} bytes")
+
+    opts = allreduce.AllreduceOptions(min_bytes=1 << 20, max_bytes=1 << 20)
+    problem = "cannot allocate the messages of 1 MiB (1 x 1048576 B on each rank): out of memory; lower --max-size"
+    if failing_rank == 0:
+        monkeypatch.setattr(allreduce.torch, "ones", ones)
+    # Rank 0's view: it allocated, or not; rank 1 failed, or not. Both ranks end alike.
+    comm = _Ranks(others=problem if failing_rank == 1 else None)
+    with pytest.raises(allreduce.MessageMemoryError) as caught:
+        allreduce.run_allreduce(opts, comm, paths={"backend": lambda tensors: lambda: None})
+    assert str(caught.value) == problem

@@ -44,6 +44,66 @@ def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
     _one_line_error(capsys, fragment)
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--fusion-threshold-mb", "inf"], "--fusion-threshold-mb must be a finite number, got inf"),
+    (["--fusion-threshold-mb", "nan"], "--fusion-threshold-mb must be a finite number, got nan"),
+    (["--fusion-threshold-mb", "1e300"], "--fusion-threshold-mb must be at most 1048576 MB (1 TiB), got 1e+300"),
+    (["--cycle-time-ms", "1e300"], "--cycle-time-ms must be at most 31536000000 ms (a year), got 1e+300"),
+    (["--cycle-time-ms", "nan"], "--cycle-time-ms must be a finite number, got nan"),
+    (["--stall-warning-s", "1e20"], "--stall-warning-s must be at most 31536000 seconds (a year), got 1e+20"),
+    (["--stall-timeout-s", "inf"], "--stall-timeout-s must be a finite number, got inf"),
+    (["--stall-check-shutdown-time-seconds", "1e300"], "--stall-check-shutdown-time-seconds must be at most"),
+    (["--start-timeout", "nan"], "--start-timeout must be a finite number, got nan"),
+    (["--start-timeout", "1e300"], "--start-timeout must be at most 31536000 seconds (a year), got 1e+300"),
+    (["--start-timeout", "-1"], "--start-timeout must be >= 0 seconds, got -1"),
+    (["--cache-capacity", "1" + "0" * 23], "--cache-capacity must be at most 2147483647 entries, got 1.000e+23"),
+    (["-np", "1" + "0" * 23], "-np must be at most 2147483647 ranks, got 1.000e+23"),
+    (["-H", "a:1,b:1", "--ssh-port", "99999"], "--ssh-port must be at most 65535, got 99999"),
+    (["-H", "a:1,b:1", "--ssh-port", "0"], "--ssh-port must be >= 1, got 0"),
+])
+def test_cli_numbers_that_are_not_finite_or_absurd_are_one_line(args, fragment, monkeypatch, capsys, clean_env):
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
+    assert main(["run", *args, "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, fragment)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("params:\n  fusion_threshold_mb: .inf\n", "params.fusion_threshold_mb must be a finite number, got inf"),
+    ("params:\n  cycle_time_ms: .nan\n", "params.cycle_time_ms must be a finite number, got nan"),
+    ("params:\n  fusion_threshold_mb: 1.0e+300\n", "params.fusion_threshold_mb must be at most 1048576 MB"),
+    ("params:\n  cache_capacity: " + "9" * 400 + "\n", "params.cache_capacity must be at most 2147483647 entries"),
+    ("params:\n  cache_capacity: " + "9" * 5000 + "\n", "unreadable value: Exceeds the limit (4300 digits)"),
+    ("stall_check:\n  warning_time_seconds: 1.0e+12\n", "stall_check.warning_time_seconds must be at most 31536000"),
+    ("stall_check:\n  shutdown_time_seconds: .inf\n", "stall_check.shutdown_time_seconds must be a finite number"),
+], ids=["inf", "nan", "huge-float", "huge-int", "too-many-digits", "huge-warning", "inf-timeout"])
+def test_config_file_numbers_that_are_not_finite_or_absurd_name_file_and_key(text, fragment, capsys, clean_env,
+                                                                             tmp_path):
+    config = tmp_path / "horovod.yaml"
+    config.write_text(text)
+    assert main(["run", "-np", "2", "--config-file", str(config), "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, f"--config-file {config}: {fragment}")
+
+
+def test_binary_hostfile_and_config_file_are_named_not_decoded(tmp_path, capsys, clean_env):
+    image = tmp_path / "photo.png"
+    image.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    assert main(["run", "-np", "2", "--hostfile", str(image), "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, f"cannot read hostfile {image}: not a text file (UTF-8)")
+    assert main(["run", "-np", "2", "--config-file", str(image), "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, f"--config-file {image}: not a text file (UTF-8)")
+
+
+@pytest.mark.parametrize("option", ["--profile", "--timeline"])
+def test_profile_and_timeline_files_rank_0_could_never_write_are_refused_before_the_job(option, tmp_path, capsys,
+                                                                                        clean_env):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    assert main(["run", "-np", "2", option, str(tmp_path / "dir"), "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, f"{option} {tmp_path / 'dir'}: is a directory")
+    assert main(["run", "-np", "2", option, str(tmp_path / "file" / "p.json"), "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, f"{option} {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is not a directory")
+
+
 def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2\n# spare\nnode2 = 3\n")

@@ -14,12 +14,13 @@ a shared machine's drifting load hits every path alike.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hpdl.bench.stats import doubling_sizes, format_table, median
+from hpdl.bench.stats import doubling_sizes, format_size, format_table, median
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -28,6 +29,13 @@ DTYPES = {
 _NUMPY_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
 PATHS = ("backend", "hierarchical", "engine", "mpi4py")
+# Buffers of the message size each path holds per tensor: the tensor, and for mpi4py its numpy
+# send and receive buffers besides.
+_BUFFERS = {"backend": 1, "hierarchical": 1, "engine": 1, "mpi4py": 3}
+
+
+class MessageMemoryError(RuntimeError):
+    """The messages of a size do not fit in memory; the message names the size, in one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,9 @@ class AllreduceOptions:
                              "no message size to measure")
         if self.max_bytes < elem:
             raise ValueError(f"--max-size ({self.max_bytes} B) is smaller than one {self.dtype} element ({elem} B)")
+        if self.min_bytes < elem:
+            raise ValueError(f"--min-size ({self.min_bytes} B) is smaller than one {self.dtype} element ({elem} B); "
+                             f"the smallest message is --min-size {elem}")
         if self.min_bytes % elem:
             raise ValueError(f"--min-size ({self.min_bytes} B) is not a whole number of {self.dtype} elements "
                              f"({elem} B each)")
@@ -155,13 +166,23 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
     paths = paths if paths is not None else build_paths(opts.paths, comm)
     p = comm.size
     records: List[dict] = []
-    for size in doubling_sizes(max(opts.min_bytes, elem), opts.max_bytes):
+    sizes = doubling_sizes(opts.min_bytes, opts.max_bytes)
+    _refuse_together(comm, _beyond_memory(opts, sizes[-1], comm))
+    for size in sizes:
         count = size // elem
         large = size > opts.large_above
         warmup = opts.warmup_large if large else opts.warmup_small
         iterations = opts.iterations_large if large else opts.iterations_small
-        calls = {name: factory([torch.ones(count, dtype=dtype) for _ in range(opts.tensors)])
-                 for name, factory in paths.items()}
+        try:
+            calls = {name: factory([torch.ones(count, dtype=dtype) for _ in range(opts.tensors)])
+                     for name, factory in paths.items()}
+            failed = None
+        except (MemoryError, RuntimeError) as err:
+            if not isinstance(err, MemoryError) and "allocate" not in str(err):
+                raise
+            failed = (f"cannot allocate the messages of {format_size(size)} ({_buffers(opts)} x {size} B on each "
+                      f"rank): out of memory; lower --max-size")
+        _refuse_together(comm, failed)
         rounds: Dict[str, List[float]] = {name: [] for name in paths}
         names = list(paths)
         for r in range(opts.rounds):
@@ -179,6 +200,42 @@ def run_allreduce(opts: AllreduceOptions, comm, paths: Optional[Dict[str, PathFa
                 "iterations": iterations, "rounds": opts.rounds,
             })
     return records
+
+
+def _buffers(opts: AllreduceOptions) -> int:
+    """How many buffers of the message size each rank holds: every path's, for every tensor."""
+    return opts.tensors * sum(_BUFFERS[name] for name in opts.paths)
+
+
+def _beyond_memory(opts: AllreduceOptions, largest: int, comm) -> Optional[str]:
+    """Why the messages of the ``largest`` size cannot fit in this host's memory, or None.
+
+    The ranks on this host hold theirs at once; swap would only measure the disk. A collective
+    over ``comm`` (it counts the ranks of each host).
+    """
+    hosts = comm.host_names()
+    host_ranks = hosts.count(hosts[comm.rank])
+    need = largest * _buffers(opts) * host_ranks
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocation will tell
+        return None
+    if need <= memory:
+        return None
+    return (f"--max-size: messages of {format_size(largest)} need {format_size(need)} on this host "
+            f"({_buffers(opts)} x {largest} B on each of its {host_ranks} rank(s)), more than its "
+            f"{format_size(memory)} of memory")
+
+
+def _refuse_together(comm, problem: Optional[str]) -> None:
+    """Raise :class:`MessageMemoryError` on every rank if ``problem`` is set on any (a collective).
+
+    One rank out of memory must not leave the others waiting for it in the next collective;
+    rank 0 reports what the first rank with a problem found.
+    """
+    problems = [p for p in comm.allgather_object(problem) if p is not None]
+    if problems:
+        raise MessageMemoryError(problems[0])
 
 
 def build_paths(names: Sequence[str], comm) -> Dict[str, PathFactory]:

@@ -87,7 +87,7 @@ def _size(flag: str, text: str) -> int:
 
 
 def _run_allreduce(args) -> int:
-    from hpdl.bench.allreduce import build_paths, format_records, run_allreduce
+    from hpdl.bench.allreduce import MessageMemoryError, build_paths, format_records, run_allreduce
     from hpdl.cli import CliError
 
     from hpdl.comm import CommError
@@ -105,7 +105,10 @@ def _run_allreduce(args) -> int:
         import hpdl.torch as hvd
 
         hvd.init()
-    records = run_allreduce(opts, comm, build_paths(opts.paths, comm))
+    try:
+        records = run_allreduce(opts, comm, build_paths(opts.paths, comm))
+    except MessageMemoryError as err:  # on every rank alike: rank 0 reports it
+        raise CliError(str(err)) from None
     if comm.rank == 0:
         if args.json:
             print(json.dumps({"benchmark": "allreduce", "ranks": comm.size, "backend": comm.name,
@@ -144,9 +147,10 @@ def _register_synthetic(sub) -> None:
     models = [name.replace("_", "-") for name in model_names()] + ["resnet50"]
     p.add_argument("--model", default="resnet50", help=f"{', '.join(models)} (default: resnet50)")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per batch (default 32)")
-    p.add_argument("--scale", type=int, default=2,
+    # Default None, so that a value given to a model without scale or patch (resnet50) is seen and refused.
+    p.add_argument("--scale", type=int, default=None,
                    help=f"upscaling factor of the SR models: {describe_scales(dash=True)} (default 2)")
-    p.add_argument("--patch", type=int, default=48, help="LR patch size of the SR models in pixels (default 48)")
+    p.add_argument("--patch", type=int, default=None, help="LR patch size of the SR models in pixels (default 48)")
     p.add_argument("--num-iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per iteration (default 10)")
     p.add_argument("--num-warmup", "--num-warmup-batches", dest="num_warmup", type=int, default=10,
@@ -174,12 +178,19 @@ def _register_synthetic(sub) -> None:
 
 
 def _run_synthetic(args) -> int:
+    from hpdl.bench.models import benchmark_models, sr_models
     from hpdl.bench.synthetic import SyntheticOptions, run_synthetic
     from hpdl.cli import CliError
 
+    # Only the values given: SyntheticOptions holds the SR models' defaults (x2, 48 px patches).
+    sr_sizes = {name: value for name, value in (("scale", args.scale), ("patch", args.patch)) if value is not None}
+    if sr_sizes and args.model in benchmark_models() and args.model not in sr_models():
+        flags = " and ".join(f"--{name}" for name in sr_sizes)
+        raise CliError(f"{flags} appl{'y' if len(sr_sizes) > 1 else 'ies'} to the SR models "
+                       f"({', '.join(sr_models())}), not {args.model}, which trains on 224x224 images")
     try:
         opts = SyntheticOptions(
-            model=args.model, batch_size=args.batch_size, scale=args.scale, patch=args.patch,
+            model=args.model, batch_size=args.batch_size, **sr_sizes,
             num_iters=args.num_iters, num_batches_per_iter=args.num_batches_per_iter, num_warmup=args.num_warmup,
             fp16_allreduce=args.fp16_allreduce, overlap_forward=args.overlap_forward, optimizer=args.optimizer,
             threads=args.threads,
@@ -221,7 +232,12 @@ def _register_scaling(sub) -> None:
     p.add_argument("-H", "--hosts", default=None, metavar="HOST[:SLOTS],...",
                    help="hosts to spread the ranks over (default: HPDL_HOSTFILE's, else this host)")
     p.add_argument("--json", default="scaling.json", metavar="FILE", help="record to write (default scaling.json)")
-    p.add_argument("--plot", default="scaling.png", metavar="FILE", help="PNG plot to write (default scaling.png)")
+    p.add_argument("--plot", default="scaling.png", metavar="FILE",
+                   help="plot to write, PNG unless its extension names another format matplotlib writes "
+                        "(default scaling.png)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the --json and --plot files if they exist (also the defaults: a second run in "
+                        "the same directory needs it)")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds a job may take (default 1800)")
     synthetic = p.add_argument_group("passed to every `hpdl bench synthetic` job")
     for flag, kind, default in (("--model", str, "edsr-baseline"), ("--batch-size", int, None), ("--patch", int, None),
@@ -236,8 +252,8 @@ def _register_scaling(sub) -> None:
 def _run_scaling(args) -> int:
     import os
 
-    from hpdl.bench.scaling import ScalingError, ScalingOptions, format_summary, plot, run_scaling
-    from hpdl.cli import CliError
+    from hpdl.bench.scaling import ScalingError, ScalingOptions, format_summary, plot, plot_format, run_scaling
+    from hpdl.cli import CliError, check_output, write_output
     from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
     try:
@@ -256,16 +272,21 @@ def _run_scaling(args) -> int:
         opts = ScalingOptions(ranks=ranks, systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
                               repeats=args.repeats, hosts=tuple((h.name, h.slots) for h in hosts.hosts) if hosts else None,
                               synthetic_args=tuple(synthetic), timeout_s=args.timeout)
-        for path in (args.json, args.plot):
-            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise CliError(f"{path}: its directory does not exist")
+        # Both outputs are checked before the study's minutes of jobs, not after them.
+        check_output("--json", args.json, overwrite=args.overwrite)
+        check_output("--plot", args.plot, overwrite=args.overwrite)
+        if os.path.abspath(args.json) == os.path.abspath(args.plot):
+            raise CliError(f"--json and --plot name the same file, {args.json}")
+        image_format = plot_format(args.plot)
         record = run_scaling(opts)
     except (ValueError, LaunchError, ScalingError) as err:
         raise CliError(str(err)) from None
     print(format_summary(record))
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    plot(record, args.plot)
+    # Checked again right before each rename: a file made there during the study is not replaced either.
+    write_output(args.json, lambda f: json.dump(record, f, indent=1),
+                 check=lambda: check_output("--json", args.json, overwrite=args.overwrite))
+    write_output(args.plot, lambda f: plot(record, f, image_format), binary=True,
+                 check=lambda: check_output("--plot", args.plot, overwrite=args.overwrite))
     print(f"wrote {args.json} and {args.plot}")
     return 0
 

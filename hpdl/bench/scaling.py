@@ -22,11 +22,11 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
 from hpdl.bench.stats import format_table, median, spread
 
-__all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot"]
+__all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot", "plot_format"]
 
 # system -> (job that measures it, the mode in that job's record)
 SYSTEMS: Dict[str, Tuple[str, str]] = {
@@ -180,8 +180,28 @@ def format_summary(record: Dict[str, Any]) -> str:
     return head + "\n" + format_table(["system", "ranks", "img/s (total)", "spread", "vs 1 rank", "vs ceiling"], rows)
 
 
-def plot(record: Dict[str, Any], path: str) -> None:
-    """Write a PNG: total img/s and efficiency against the number of ranks, one line per system."""
+def plot_format(path: str) -> str:
+    """The image format of the plot file ``path``: its extension's, PNG without one.
+
+    Raises:
+        ValueError: naming the file, when matplotlib writes no such format.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    extension = os.path.splitext(path)[1][1:].lower()
+    formats = Figure().canvas.get_supported_filetypes()
+    if extension and extension not in formats:
+        raise ValueError(f"--plot {path}: matplotlib writes no .{extension} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return extension or "png"
+
+
+def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = "png") -> None:
+    """Write the plot to a file or binary stream: total img/s and efficiency against the number of
+    ranks, one line per system."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,5 +227,5 @@ def plot(record: Dict[str, Any], path: str) -> None:
     eff_ax.set_ylim(0, max(110, highest + 10))
     fig.suptitle(f"hpdl bench scaling: {' '.join(record['synthetic_args'])}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(out, dpi=100, format=image_format)
     plt.close(fig)

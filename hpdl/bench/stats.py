@@ -31,6 +31,15 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2)])
 
 
+def format_size(nbytes: float) -> str:
+    """``131072`` -> ``128 KiB``; whole units without decimals."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
 def doubling_sizes(min_bytes: int, max_bytes: int) -> List[int]:
     """Return sizes doubling from ``min_bytes`` up to and including ``max_bytes``."""
     sizes, size = [], max(1, min_bytes)

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from hpdl.cli import CliError
@@ -25,6 +26,7 @@ from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
 from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
+from hpdl.launch.limits import LIMITS, check_number
 
 _RUN_DESCRIPTION = """\
 Start COMMAND as N ranks of an hpdl job through mpiexec, srun or torchrun, then get out of
@@ -310,9 +312,9 @@ def run_command(args: argparse.Namespace) -> int:
         if args.tcp:
             start_env["NCCL_IB_DISABLE"] = "1"
         start_env.update(horovodrun.interface_env(args.network_interfaces))
+        check_numbers(args)
+        check_written_files(args)
         if args.start_timeout is not None:
-            if not args.start_timeout >= 0:
-                raise LaunchError(f"--start-timeout must be >= 0 seconds, got {args.start_timeout:g}")
             start_env["HPDL_START_TIMEOUT"] = str(args.start_timeout)
         options = options_from_args(args)
         if args.no_stall_check:
@@ -356,6 +358,32 @@ def run_command(args: argparse.Namespace) -> int:
     except OSError as err:
         raise CliError(f"cannot start {argv[0]}: {err.strerror or err}") from None
     return 1  # pragma: no cover - execvpe does not return
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse a numeric option out of its range (:mod:`hpdl.launch.limits`), before anything starts."""
+    flags = {"np": "-np", "ssh_port": "--ssh-port", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
+    for option in LIMITS:
+        check_number(flags.get(option, "--" + option.replace("_", "-")), option, getattr(args, option))
+
+
+def check_written_files(args: argparse.Namespace) -> None:
+    """Refuse, before the job runs, a --profile or --timeline file that rank 0 could never write.
+
+    Checked on this host, where rank 0 usually runs (rank 0 checks --profile again at
+    hvd.init()); a directory still missing is made when the file is written.
+    """
+    for option, path in (("--profile", args.profile), ("--timeline", args.timeline)):
+        if not path or (option == "--timeline" and path == DYNAMIC_TIMELINE):
+            continue
+        path = os.path.abspath(path)
+        if os.path.isdir(path):
+            raise LaunchError(f"{option} {path}: is a directory; name a file to write")
+        for ancestor in Path(path).parents:
+            if os.path.exists(ancestor):
+                if not os.path.isdir(ancestor):
+                    raise LaunchError(f"{option} {path}: {ancestor} is not a directory")
+                break
 
 
 def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:

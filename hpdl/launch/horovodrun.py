@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hpdl.launch.detect import INTELMPI, MPICH, MVAPICH2, OPENMPI, LauncherInfo
 from hpdl.launch.hosts import LaunchError
+from hpdl.launch.limits import LIMITS, check_number
 
 # horovodrun config file: (section, key) -> (`hpdl run` option, type).
 CONFIG_KEYS: Dict[Tuple[str, str], Tuple[str, type]] = {
@@ -73,8 +74,13 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
             document = yaml.safe_load(f)
     except OSError as err:
         raise LaunchError(f"--config-file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise LaunchError(f"--config-file {path}: not a text file (UTF-8)") from None
     except yaml.YAMLError as err:
         raise LaunchError(f"--config-file {path}: not YAML: {str(err).splitlines()[0]}") from None
+    except ValueError as err:  # a value YAML's types cannot hold (an integer of over 4300 digits)
+        # Its advice after ";" (sys.set_int_max_str_digits) is for programmers, not for this file.
+        raise LaunchError(f"--config-file {path}: unreadable value: {str(err).split(';')[0]}") from None
     if document is None:
         return {}, []
     if not isinstance(document, dict):
@@ -130,9 +136,13 @@ def _typed(path: str, key: str, value: Any, kind: type) -> Any:
         ok = isinstance(value, kind)
     else:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = number and (kind is float or float(value).is_integer())
+        # An int is whole however large (float() of a 400-digit one overflows); .nan is no integer.
+        ok = number and (kind is float or isinstance(value, int) or value.is_integer())
     if not ok:
         raise LaunchError(f"--config-file {path}: {key} must be {_KIND_NAMES[kind]}, got {value!r}")
+    option = CONFIG_KEYS[tuple(key.split("."))][0]
+    if option in LIMITS:
+        check_number(f"--config-file {path}: {key}", option, value)
     return kind(value)
 
 

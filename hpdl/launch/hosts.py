@@ -152,4 +152,6 @@ def read_hostfile(path: str) -> HostList:
             text = handle.read()
     except OSError as err:
         raise LaunchError(f"cannot read hostfile {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise LaunchError(f"cannot read hostfile {path}: not a text file (UTF-8)") from None
     return parse_hostfile(text, path)

@@ -15,7 +15,7 @@ import dataclasses
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hpdl.bench.stats import parse_size
+from hpdl.bench.stats import format_size, parse_size
 from hpdl.profile import schema
 
 DEFAULT_EDGES = (128 << 10, 16 << 20, 32 << 20, 64 << 20)
@@ -27,15 +27,6 @@ def parse_buckets(text: str) -> Tuple[int, ...]:
     if not edges or any(e <= 0 for e in edges) or sorted(set(edges)) != edges:
         raise ValueError(f"--buckets {text!r}: give increasing positive sizes, e.g. 128K,16M,32M,64M")
     return tuple(edges)
-
-
-def format_size(nbytes: float) -> str:
-    """``131072`` -> ``128 KiB``; whole units without decimals."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def class_labels(edges: Sequence[int]) -> List[str]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from pathlib import Path
 from typing import Iterator
 
-from hpdl.cli import CliError
+from hpdl.cli import CliError, check_output, write_output
 
 # What reading a damaged profile can raise in the arithmetic and formatting of its values
 # (the schema check catches what it can name; these are the rest).
@@ -40,6 +39,7 @@ def register(subparsers) -> None:
     report.add_argument("--bench", metavar="FILE",
                         help="`hpdl bench allreduce --json` output: compare with what the backend reaches alone")
     report.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots")
+    report.add_argument("--overwrite", action="store_true", help="replace the --html file if it exists (never an input)")
     report.set_defaults(func=_report)
 
     compare = sub.add_parser("compare", help="two profiles side by side, with changes in percent")
@@ -51,6 +51,7 @@ def register(subparsers) -> None:
     timeline = sub.add_parser("timeline", help="write a Chrome-trace / Perfetto file, one track per rank")
     timeline.add_argument("file", help="profile JSON file")
     timeline.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write ('-': stdout)")
+    timeline.add_argument("--overwrite", action="store_true", help="replace the trace file if it exists (never the profile)")
     timeline.set_defaults(func=_timeline)
     profile.set_defaults(func=lambda args: profile.print_help() or 2)
 
@@ -80,18 +81,14 @@ def _reading(path: str) -> Iterator[None]:
         raise CliError(f"{path}: profile has an unusable value ({type(err).__name__}: {err})") from None
 
 
-def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as err:
-        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
-
-
 def _report(args) -> int:
     from hpdl.profile.findings import findings, load_bench
     from hpdl.profile.report import render
     from hpdl.profile.schema import ProfileError
 
+    inputs = [args.file] + ([args.bench] if args.bench else [])
+    if args.html:
+        check_output("--html", args.html, inputs, args.overwrite)
     analysis = _analysis(args.file, args.buckets)
     try:
         bench = load_bench(args.bench) if args.bench else None
@@ -106,7 +103,8 @@ def _report(args) -> int:
             page = render_html(analysis, args.file, found, bench)
         text = render(analysis, args.file, found)
     if page is not None:
-        _write(args.html, page)
+        write_output(args.html, lambda f: f.write(page),
+                     check=lambda: check_output("--html", args.html, inputs, args.overwrite))
     print(text)
     if args.html:
         print(f"\nHTML report: {args.html}")
@@ -124,18 +122,19 @@ def _compare(args) -> int:
 
 
 def _timeline(args) -> int:
-    from hpdl.profile.timeline import trace, write_trace
+    from hpdl.profile.timeline import dump_trace, trace, write_trace
 
+    to_stdout = args.output == "-"
+    if not to_stdout:
+        check_output("-o", args.output, [args.file], args.overwrite)
     analysis = _analysis(args.file, "128K")
     with _reading(args.file):
         document = trace(analysis.profile)
-    try:
-        events = write_trace(document, args.output)
-    except BrokenPipeError:
-        raise  # stdout's reader went away: the CLI ends quietly, as for any output
-    except OSError as err:
-        raise CliError(f"cannot write {args.output}: {err.strerror or err}") from None
-    if args.output != "-":
-        print(f"wrote {args.output}: {events} trace events, one track per rank (open in ui.perfetto.dev or "
-              "chrome://tracing)")
+    if to_stdout:
+        write_trace(document, "-")  # a reader gone away ends the CLI quietly, as for any output
+        return 0
+    write_output(args.output, lambda f: dump_trace(document, f),
+                 check=lambda: check_output("-o", args.output, [args.file], args.overwrite))
+    print(f"wrote {args.output}: {len(document['traceEvents'])} trace events, one track per rank (open in "
+          "ui.perfetto.dev or chrome://tracing)")
     return 0

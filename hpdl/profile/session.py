@@ -27,8 +27,11 @@ it, and then adds its part to that file where it can see it.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
+import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -42,6 +45,8 @@ from hpdl.engine.errors import HorovodInternalError
 from hpdl.profile import schema
 from hpdl.profile.clock import JobClock, estimate
 from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
+
+log = logging.getLogger("hpdl")
 
 _PART_WAIT_S = 2.0  # within abort's allowance for failure hooks
 # Longer than a healthy gather takes (a few MB per rank) and than ranks usually drift apart
@@ -168,6 +173,13 @@ def start(path: str) -> None:
         if _session.path == os.path.abspath(path):
             return
         raise ValueError(f"a profile is already recording to {_session.path}; call hvd.stop_profile() first")
+    # Rank 0 writes the file, but every rank must learn that it cannot: otherwise the others
+    # would wait in the clock's collectives for a rank that has given up. Found now, not after
+    # the whole job (when the recording would be lost).
+    unwritable = hvd.broadcast_object(_unwritable(path) if hvd.rank() == 0 else None, root_rank=0,
+                                      name="hpdl.profile.path")
+    if unwritable is not None:
+        raise ValueError(unwritable)
     clock = estimate()
     _session = Session(path, clock, hvd.rank(), hvd.size(), runtime.backend_name())
     ev.WAITS.take()
@@ -178,6 +190,29 @@ def start(path: str) -> None:
     _wrap_excepthooks()
 
 
+def _unwritable(path: str) -> Optional[str]:
+    """Why rank 0 could not write the profile to ``path``, or None: tried as the write will do it.
+
+    Makes the missing directories (the write would make them too) and a temp file beside the
+    target, then removes the temp file.
+    """
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        return f"cannot write the profile to {target}: it is a directory; name a file"
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        probe = _temp_path(target)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.remove(probe)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        if err.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory must be
+            blocker = next((p for p in Path(target).parents if p.exists() and not p.is_dir()), None)
+            reason = f"{blocker} is not a directory" if blocker else reason
+        return f"cannot write the profile to {target}: {reason}"
+    return None
+
+
 def stop() -> None:
     """Write the profile (gathered to rank 0) and stop recording; a no-op when none runs."""
     from hpdl.torch import runtime
@@ -185,9 +220,11 @@ def stop() -> None:
     session = _session
     if session is None:
         return
-    if runtime.is_initialized():
-        write(session)
-    _end(session)
+    try:
+        if runtime.is_initialized():
+            write(session)
+    finally:
+        _end(session)
 
 
 def _end(session: Session) -> None:
@@ -228,7 +265,14 @@ def _at_shutdown() -> None:
         # The other ranks may be waiting for a collective this rank will never submit.
         _write_parts(session, session.part(session.counters(runtime.engine())), runtime.settings())
         return
-    write(session)  # may end the recording (the failure path)
+    try:
+        write(session)  # may end the recording (the failure path)
+    except OSError as err:
+        # The job has run; the file it was to leave cannot be written (its directory was
+        # removed, the disk is full). The shutdown goes on; this says what was lost.
+        log.error("hpdl: error: the profile was not written: cannot write %s: %s", err.filename, err.strerror)
+        _end(session)
+        return
     if _session is session:
         session.engine_counters = session.counters(runtime.engine())  # that engine is about to stop
 
@@ -357,8 +401,26 @@ def _join_written(session: Session, part: Dict[str, Any]) -> bool:
 
 
 def _write_json(path: str, document: Dict[str, Any]) -> None:
+    """Replace ``path`` atomically with ``document``; on failure leave no temp file, and name ``path``.
+
+    Raises:
+        OSError: whose message names ``path`` (not the temp file) and says why.
+    """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, separators=(",", ":")))
-    os.replace(tmp, target)
+    tmp = _temp_path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(document, separators=(",", ":")))
+        os.replace(tmp, target)
+    except OSError as err:
+        try:
+            tmp.unlink()
+        except OSError:  # never made (its directory could not be)
+            pass
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+
+
+def _temp_path(path: str) -> Path:
+    """A temp file beside ``path``, named for this process (other ranks may write beside it)."""
+    target = Path(path)
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, TextIO
 
 from hpdl.profile import schema
 from hpdl.profile.analysis import format_size
@@ -128,13 +128,23 @@ def trace(profile: Dict[str, Any]) -> Dict[str, Any]:
             "otherData": {"source": "hpdl profile timeline", "origin_us": profile["job"].get("origin_us")}}
 
 
+def dump_trace(document: Dict[str, Any], stream: TextIO) -> None:
+    """Write a trace document (:func:`trace`) to a text stream, compactly."""
+    json.dump(document, stream, separators=(",", ":"))
+
+
 def write_trace(document: Dict[str, Any], path: str) -> int:
-    """Write a trace document (:func:`trace`) to ``path`` ("-": stdout); return the number of trace events."""
+    """Write a trace document (:func:`trace`) to ``path`` ("-": stdout); return the number of trace events.
+
+    A file is replaced atomically, whatever it held; `hpdl profile timeline` first refuses
+    outputs that are its input or exist (:func:`hpdl.cli.check_output`).
+    """
     if path == "-":
-        json.dump(document, sys.stdout, separators=(",", ":"))
+        dump_trace(document, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     else:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(document, f, separators=(",", ":"))
+        from hpdl.cli import write_output
+
+        write_output(path, lambda f: dump_trace(document, f))
     return len(document["traceEvents"])
