@@ -38,11 +38,9 @@ def check_output(option: str, path: str, inputs: Sequence[str] = (), overwrite: 
     """
     where = f"{option} {path}"
     directory = os.path.dirname(os.path.abspath(path))
-    for ancestor in (directory, *_ancestors(directory)):
-        if os.path.exists(ancestor):
-            if not os.path.isdir(ancestor):
-                raise CliError(f"{option}: cannot write {path}: {ancestor} is not a directory")
-            break
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise CliError(f"{option}: cannot write {path}: {blocker} is not a directory")
     if not os.path.isdir(directory):
         raise CliError(f"{option}: cannot write {path}: its directory does not exist")
     if os.path.isdir(path):
@@ -63,12 +61,17 @@ def check_output(option: str, path: str, inputs: Sequence[str] = (), overwrite: 
         raise CliError(f"{where}: already exists; pass --overwrite to replace it")
 
 
-def _ancestors(directory: str) -> list:
-    parents = []
-    while os.path.dirname(directory) != directory:
-        directory = os.path.dirname(directory)
-        parents.append(directory)
-    return parents
+def file_in_the_way(path: str) -> Optional[str]:
+    """The nearest existing ancestor directory of ``path`` when it is not a directory (a regular
+    file where a directory must be, so ``path`` can never be written), else None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.exists(directory):
+            return None if os.path.isdir(directory) else directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
 
 
 def write_output(path: str, write: Callable[[IO], None], binary: bool = False,

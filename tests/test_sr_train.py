@@ -248,7 +248,7 @@ def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
 
 
 def test_a_run_in_an_out_dir_another_live_run_holds_is_refused_and_a_killed_one_blocks_nothing(tmp_path):
-    from hpdl.sr.train import LOCK_FILE
+    from hpdl.sr.out_dir import LOCK_FILE
 
     data, out = tiny_data(tmp_path), tmp_path / "run"
     assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
@@ -279,19 +279,19 @@ def test_a_run_in_an_out_dir_another_live_run_holds_is_refused_and_a_killed_one_
 def test_the_out_dir_lock_is_taken_again_where_the_out_dir_is_made(tmp_path):
     # Two runs started at once in a missing out_dir both pass the first look; the one that makes
     # it second is refused when it locks it, before it removes or writes anything.
-    from hpdl.sr.train import _OutDirLock, _prepare_out_dir
+    from hpdl.sr.out_dir import OutDirLock, prepare_out_dir
 
     out = tmp_path / "missing" / "run"
     cfg = load_config("demo", [f"out_dir={out}", "overwrite=true"])
-    with _OutDirLock(out) as first, _OutDirLock(out) as second:
+    with OutDirLock(out) as first, OutDirLock(out) as second:
         assert first.refusal(existing_only=True) is None and not out.exists()
-        assert _prepare_out_dir(out, cfg, first) is None
+        assert prepare_out_dir(out, cfg, first) is None
         (out / "last.pt").write_bytes(b"the first run's")
-        assert _prepare_out_dir(out, cfg, second) == (
+        assert prepare_out_dir(out, cfg, second) == (
             f"out_dir={out} is in use by another training run (pid {os.getpid()} on {socket.gethostname()}); "
             "wait for it to end or choose another out_dir")
         assert (out / "last.pt").read_bytes() == b"the first run's"
-    with _OutDirLock(out) as third:  # the first one's ended
+    with OutDirLock(out) as third:  # the first one's ended
         assert third.refusal(existing_only=True) is None
 
 

@@ -17,10 +17,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from hpdl.cli import CliError
+from hpdl.cli import CliError, file_in_the_way
 from hpdl.config import BACKENDS, Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
@@ -379,11 +378,9 @@ def check_written_files(args: argparse.Namespace) -> None:
         path = os.path.abspath(path)
         if os.path.isdir(path):
             raise LaunchError(f"{option} {path}: is a directory; name a file to write")
-        for ancestor in Path(path).parents:
-            if os.path.exists(ancestor):
-                if not os.path.isdir(ancestor):
-                    raise LaunchError(f"{option} {path}: {ancestor} is not a directory")
-                break
+        blocker = file_in_the_way(path)
+        if blocker is not None:
+            raise LaunchError(f"{option} {path}: {blocker} is not a directory")
 
 
 def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:

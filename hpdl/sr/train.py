@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 import random
-import shutil
 import socket
 import statistics
 import sys
@@ -36,6 +35,7 @@ from hpdl.sr.errors import CheckpointError
 from hpdl.sr.evaluate import check_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
+from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say, validate
 
@@ -49,14 +49,8 @@ __all__ = ["TrainError", "format_summary", "json_ready", "train"]
 
 COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
 
-# What a run writes into out_dir: any of them there means an earlier run.
-RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.json", "config.yaml", "curves.png")
-
 # The settings a sampler's resume state depends on (with the training images themselves).
 SAMPLER_KEYS = ("data", "train_range", "repeat", "on_bad_image", "seed")
-
-# The file rank 0 locks in out_dir while a run lives (not a run file: it never means an earlier run).
-LOCK_FILE = ".hpdl-sr-train.lock"
 
 # Settings that change what is trained. Resuming with other values works but is no longer the
 # same run, so it is pointed out; total_updates, val_every, out_dir and the like may change.
@@ -73,7 +67,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     wall_start = time.perf_counter()
     # Rank 0 holds out_dir's lock from before its first look at out_dir to the end, so that a
     # second run started in it meanwhile is refused instead of interleaving its files.
-    with _OutDirLock(Path(cfg.out_dir)) as lock:
+    with OutDirLock(Path(cfg.out_dir)) as lock:
         world = _join(cfg, lock)
         data = _open_data(cfg, world)
         model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
@@ -150,7 +144,7 @@ def _from_rank0(name: str, fn: Callable[[], T]) -> T:
     return hvd.broadcast_object(fn() if hvd.rank() == 0 else None, 0, name=f"train.{name}")
 
 
-def _join(cfg: TrainConfig, lock: "_OutDirLock") -> _World:
+def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
     """Join the job: device, threads, seeds and per-rank batch; refuse an out_dir holding an earlier
     run, or in use by a live one.
 
@@ -162,9 +156,9 @@ def _join(cfg: TrainConfig, lock: "_OutDirLock") -> _World:
     device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
     # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
     # and decides; every rank raises its verdict alike. An out_dir that does not exist yet is
-    # locked when it is made (_prepare_out_dir): making it now would leave it behind after an error.
+    # locked when it is made (prepare_out_dir): making it now would leave it behind after an error.
     refusal = _from_rank0("out_dir", lambda: _agreed_refusal(
-        lambda: lock.refusal(existing_only=True) or _earlier_run_refusal(Path(cfg.out_dir), cfg)))
+        lambda: lock.refusal(existing_only=True) or earlier_run_refusal(Path(cfg.out_dir), cfg)))
     if refusal is not None:
         raise TrainError(refusal)
     cores = _cpu_count()
@@ -247,10 +241,10 @@ def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Modu
 
 
 def _start_or_resume(cfg: TrainConfig, world: _World, model: torch.nn.Module, optimizer: Any,
-                     ema: Optional[EMA], sampler: ShardSampler, lock: "_OutDirLock") -> _Progress:
+                     ema: Optional[EMA], sampler: ShardSampler, lock: "OutDirLock") -> _Progress:
     """Start from scratch or from pretrained weights, or resume; leave every rank with rank 0's state."""
     out_dir = Path(cfg.out_dir)
-    refusal = _from_rank0("out_dir.prepare", lambda: _agreed_refusal(lambda: _prepare_out_dir(out_dir, cfg, lock)))
+    refusal = _from_rank0("out_dir.prepare", lambda: _agreed_refusal(lambda: prepare_out_dir(out_dir, cfg, lock)))
     if refusal is not None:
         raise TrainError(refusal)
     resume_path = _from_rank0("resume_path", lambda: _resume_path(cfg, out_dir))
@@ -514,118 +508,12 @@ def _build_model(cfg: TrainConfig) -> torch.nn.Module:
     return build_model_from_config(make_config(cfg.model, cfg.scale, cfg.n_resblocks, cfg.n_feats))
 
 
-def _earlier_run(out_dir: Path) -> List[str]:
-    # Resolved as mkdir will make it mean: "missing/../run" is "run", whose files a run would replace.
-    resolved = Path(os.path.realpath(out_dir))
-    return [name for name in RUN_FILES if (resolved / name).exists()]
-
-
-def _earlier_run_refusal(out_dir: Path, cfg: TrainConfig) -> Optional[str]:
-    """On rank 0: why ``out_dir`` cannot be used (it holds an earlier run, neither resumed nor overwritten)."""
-    earlier = _earlier_run(out_dir)
-    resolved = Path(os.path.realpath(out_dir))
-    # Neither resumed, nor removed by overwrite, nor replaced: the run would fail at its first
-    # write, after truncating the earlier run's logs.
-    blocking = [name for name in earlier if (resolved / name).is_dir()]
-    if blocking:
-        return (f"out_dir={out_dir}: {blocking[0]} is a directory, where a run writes a file; "
-                "move it away or choose another out_dir")
-    if not earlier or cfg.overwrite:
-        return None
-    if cfg.resume is None:
-        return (f"out_dir={out_dir} holds an earlier run ({', '.join(earlier)}); continue it with resume=auto "
-                "or start over with overwrite=true")
-    if cfg.resume == "auto" and "last.pt" not in earlier:
-        # It stopped before its first checkpoint: starting afresh would replace its files unasked.
-        return (f"out_dir={out_dir} holds an earlier run ({', '.join(earlier)}) but no last.pt, so resume=auto "
-                "has nothing to continue; start over with overwrite=true instead")
-    return None
-
-
 def _agreed_refusal(fn: Callable[[], Optional[str]]) -> Optional[str]:
     """``fn()``'s refusal, or the one line of the user error it raised (for ``_from_rank0``)."""
     try:
         return fn()
     except OSError as err:
         return f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
-
-
-def _prepare_out_dir(out_dir: Path, cfg: TrainConfig, lock: "_OutDirLock") -> Optional[str]:
-    """On rank 0: create and lock ``out_dir``; with ``overwrite``, first remove the earlier run's files.
-
-    Returns why it cannot be used instead: another run holds it, or (for an out_dir made or
-    filled since ``_join`` looked) it now holds an earlier run. The check under the lock is the
-    one that counts: two runs started at once in a missing out_dir both passed the first one.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    refusal = lock.refusal(existing_only=False) or _earlier_run_refusal(out_dir, cfg)
-    if refusal is not None:
-        return refusal
-    if cfg.overwrite:
-        # Nothing of the earlier run may be taken for this one's: resume=auto picking up its
-        # last.pt after this run stopped early, TensorBoard showing its curves.
-        resolved = Path(os.path.realpath(out_dir))  # the files _earlier_run found
-        for name in _earlier_run(out_dir):
-            (resolved / name).unlink()
-        shutil.rmtree(resolved / "tb", ignore_errors=True)
-    return None
-
-
-class _OutDirLock:
-    """Rank 0's exclusive lock on out_dir: ``flock`` on ``out_dir/LOCK_FILE``, held until the run ends.
-
-    The kernel releases it when the process dies, however it dies, so a killed run never blocks
-    its resume. The lock file stays (removing it would let a third run lock a new file while a
-    second one waits on the old); it records who holds it, for the refusal.
-    """
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self._file: Optional[Any] = None
-        self._signed = False  # whether the lock file names this process
-        self._unlockable = False  # the file system has no locks
-
-    def __enter__(self) -> "_OutDirLock":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._file is not None:
-            self._file.close()  # closing releases the lock
-            self._file = None
-
-    def refusal(self, existing_only: bool) -> Optional[str]:
-        """Take the lock (if not held yet); return why out_dir cannot be used if another process holds it.
-
-        ``existing_only``: only look, creating and writing nothing (the run may yet be refused):
-        take the lock if its file exists. Otherwise create it if need be, and sign it.
-        """
-        path = Path(os.path.realpath(self.out_dir)) / LOCK_FILE  # the directory _earlier_run looks in
-        if self._file is None and not self._unlockable:
-            if existing_only and not path.is_file():
-                return None  # no run has locked it: the check where out_dir is made takes the lock
-            import fcntl
-
-            f = open(path, "r" if existing_only else "a+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip()
-                f.close()
-                return (f"out_dir={self.out_dir} is in use by another training run"
-                        f"{f' ({holder})' if holder else ''}; wait for it to end or choose another out_dir")
-            except OSError as err:  # a file system without locks: train unprotected rather than not at all
-                f.close()
-                self._unlockable = True
-                say(f"note: cannot lock {path} ({err.strerror}): a second run started in this out_dir "
-                    "would not be refused")
-                return None
-            self._file = f
-        if not existing_only and not self._signed and self._file is not None:
-            # Through another handle: the lock belongs to the open file, not to its content.
-            path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            self._signed = True
-        return None
 
 
 def _resume_path(cfg: TrainConfig, out_dir: Path) -> Optional[str]:

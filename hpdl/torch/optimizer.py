@@ -442,15 +442,10 @@ class _DistributedOptimizerMixin:
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load a state (rolling back, say), dropping the gradient work of the step in progress.
-
-        As in Horovod, the gradients produced since the last step are not applied and the
-        backward-pass count starts again, so ``zero_grad()`` and the next backward passes
-        work at once. Allreduces already started are completed first (with the same zeros
-        for unproduced gradients as ``synchronize()``, so that every rank's set agrees); their
-        results are not used. With ``overlap_forward``, the last step's updates are applied
-        first: that step is over, and the loaded state replaces what it produced.
-        """
+        """Load a state (a rollback, say) and forget the step in progress, as Horovod: zero_grad()
+        and backward work at once. Allreduces already started complete first (with zeros for
+        unproduced gradients, as in synchronize()), unused; overlap_forward's pending updates
+        are applied first (that step is over; the loaded state replaces its result)."""
         self.apply_pending_updates()
         self._drop_step_in_progress()
         self._synchronized = False
