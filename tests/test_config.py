@@ -81,6 +81,20 @@ def test_non_finite_numbers_are_rejected_from_variables_and_arguments():
         Settings(stall_timeout_s=float("inf"))
 
 
+@pytest.mark.parametrize("name,text", [
+    ("HPDL_FUSION_THRESHOLD", "1e300"), ("HPDL_INPLACE_THRESHOLD", "2e12"), ("HPDL_PRIORITY_WINDOW", "1e15"),
+    ("HPDL_GATHER_BYTES", "1e300"), ("HPDL_CACHE_CAPACITY", "3e9"), ("HPDL_CYCLE_TIME", "1e300"),
+    ("HPDL_GATHER_TIME", "1e12"), ("HPDL_STALL_WARNING", "1e300"), ("HPDL_STALL_TIMEOUT", "1e10"),
+    ("HPDL_START_TIMEOUT", "1e300"),
+])
+def test_values_no_job_can_mean_are_rejected_naming_the_variable(name, text):
+    # Finite, so they parse; but 1e300 bytes of fusion buffer or a timeout past what Python's
+    # timers take would fail later, inside the engine, instead of here.
+    with pytest.raises(SettingsError, match=f"{name} must be at most"):
+        Settings.from_env({name: text})
+    Settings.from_env({"HPDL_FUSION_THRESHOLD": str(1 << 40), "HPDL_STALL_TIMEOUT": str(365 * 24 * 3600)})
+
+
 def test_a_misspelt_variable_is_answered_with_the_name_it_resembles():
     with pytest.raises(SettingsError, match=r"HPDL_FUSION_TRESHOLD \(did you mean HPDL_FUSION_THRESHOLD\?\)"):
         Settings.from_env({"HPDL_FUSION_TRESHOLD": "1"})
