@@ -64,9 +64,12 @@ class SettingsError(ValueError):
     """A setting has an unknown name or a value that cannot be used."""
 
 
-_MAX_BYTES = 1 << 40  # 1 TiB
-_C_INT_MAX = 2**31 - 1
-_YEAR_S = 365 * 24 * 3600
+# The upper bounds of settings (``hpdl run`` checks its options against the same ones before
+# a job starts, hpdl/launch/limits.py). A year is longer than any job and far inside what
+# Python's timers take; MPI numbers ranks, and Horovod its cache entries, with a C int.
+MAX_BYTES = 1 << 40  # 1 TiB
+C_INT_MAX = 2**31 - 1
+YEAR_S = 365 * 24 * 3600
 
 
 def _parse_finite(text: str) -> float:
@@ -148,16 +151,16 @@ class Settings:
         # Upper bounds: values that parse but no job can mean (HPDL_FUSION_THRESHOLD=1e300), or
         # that the engine's timers cannot wait for (Python's lock timeouts end near 292 years).
         for env, value, highest, what in (
-                ("HPDL_FUSION_THRESHOLD", self.fusion_threshold, _MAX_BYTES, "1 TiB"),
-                ("HPDL_INPLACE_THRESHOLD", self.inplace_threshold, _MAX_BYTES, "1 TiB"),
-                ("HPDL_PRIORITY_WINDOW", self.priority_window, _MAX_BYTES, "1 TiB"),
-                ("HPDL_GATHER_BYTES", self.gather_bytes, _MAX_BYTES, "1 TiB"),
-                ("HPDL_CACHE_CAPACITY", self.cache_capacity, _C_INT_MAX, str(_C_INT_MAX)),
-                ("HPDL_CYCLE_TIME", self.cycle_time_ms, _YEAR_S * 1000, "a year"),
-                ("HPDL_GATHER_TIME", self.gather_time_ms, _YEAR_S * 1000, "a year"),
-                ("HPDL_STALL_WARNING", self.stall_warning_s, _YEAR_S, "a year"),
-                ("HPDL_STALL_TIMEOUT", self.stall_timeout_s, _YEAR_S, "a year"),
-                ("HPDL_START_TIMEOUT", self.start_timeout_s, _YEAR_S, "a year")):
+                ("HPDL_FUSION_THRESHOLD", self.fusion_threshold, MAX_BYTES, "1 TiB"),
+                ("HPDL_INPLACE_THRESHOLD", self.inplace_threshold, MAX_BYTES, "1 TiB"),
+                ("HPDL_PRIORITY_WINDOW", self.priority_window, MAX_BYTES, "1 TiB"),
+                ("HPDL_GATHER_BYTES", self.gather_bytes, MAX_BYTES, "1 TiB"),
+                ("HPDL_CACHE_CAPACITY", self.cache_capacity, C_INT_MAX, str(C_INT_MAX)),
+                ("HPDL_CYCLE_TIME", self.cycle_time_ms, YEAR_S * 1000, "a year"),
+                ("HPDL_GATHER_TIME", self.gather_time_ms, YEAR_S * 1000, "a year"),
+                ("HPDL_STALL_WARNING", self.stall_warning_s, YEAR_S, "a year"),
+                ("HPDL_STALL_TIMEOUT", self.stall_timeout_s, YEAR_S, "a year"),
+                ("HPDL_START_TIMEOUT", self.start_timeout_s, YEAR_S, "a year")):
             if value > highest:
                 raise SettingsError(f"{env} must be at most {what}, got {value:g}")
         if self.backend not in BACKENDS:

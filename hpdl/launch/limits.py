@@ -2,8 +2,8 @@
 
 A value out of range is refused before anything starts, with one line naming the option (or
 the file's key) and the value. The lower bounds of the settings are :class:`hpdl.config.Settings`'
-(it checks them, naming the variable); the upper bounds here keep values that parse but
-mean nothing (``1e300`` MB would become a 300-digit HPDL_FUSION_THRESHOLD) or that the
+(it checks them, naming the variable); the upper bounds, the settings' own in the options'
+units, keep values that parse but mean nothing (``1e300`` MB would become a 300-digit HPDL_FUSION_THRESHOLD) or that the
 runtime's timers cannot wait for (Python's lock timeouts end near 292 years, ``timedelta``
 near 2.7 million years), and ``inf`` / ``nan``, which the conversions to integers reject
 with a traceback.
@@ -14,12 +14,8 @@ from __future__ import annotations
 import math
 from typing import Dict, NamedTuple, Optional
 
+from hpdl.config import C_INT_MAX, MAX_BYTES, YEAR_S
 from hpdl.launch.hosts import LaunchError
-
-# Longer than any job, and far inside what Python's timers take.
-_YEAR_S = 365 * 24 * 3600
-# MPI numbers ranks, and Horovod its cache entries, with a C int.
-_C_INT_MAX = 2**31 - 1
 
 
 class Limit(NamedTuple):
@@ -33,14 +29,14 @@ class Limit(NamedTuple):
 
 # `hpdl run` option (the namespace's name) -> its range.
 LIMITS: Dict[str, Limit] = {
-    "np": Limit(None, _C_INT_MAX, "ranks"),  # at least 1: checked where the rank count is settled
-    "fusion_threshold_mb": Limit(None, 1 << 20, "MB", "1 TiB"),
-    "cycle_time_ms": Limit(None, _YEAR_S * 1000, "ms", "a year"),
-    "cache_capacity": Limit(None, _C_INT_MAX, "entries"),
-    "stall_warning_s": Limit(None, _YEAR_S, "seconds", "a year"),
-    "stall_timeout_s": Limit(None, _YEAR_S, "seconds", "a year"),
-    "stall_shutdown_s": Limit(None, _YEAR_S, "seconds", "a year"),
-    "start_timeout": Limit(0, _YEAR_S, "seconds", "a year"),
+    "np": Limit(None, C_INT_MAX, "ranks"),  # at least 1: checked where the rank count is settled
+    "fusion_threshold_mb": Limit(None, MAX_BYTES >> 20, "MB", "1 TiB"),
+    "cycle_time_ms": Limit(None, YEAR_S * 1000, "ms", "a year"),
+    "cache_capacity": Limit(None, C_INT_MAX, "entries"),
+    "stall_warning_s": Limit(None, YEAR_S, "seconds", "a year"),
+    "stall_timeout_s": Limit(None, YEAR_S, "seconds", "a year"),
+    "stall_shutdown_s": Limit(None, YEAR_S, "seconds", "a year"),
+    "start_timeout": Limit(0, YEAR_S, "seconds", "a year"),
     "ssh_port": Limit(1, 65535, ""),
 }
 
