@@ -8,8 +8,8 @@ handlers, so ``hpdl --help`` and ``hpdl run --dry-run`` stay fast.
 from __future__ import annotations
 
 import argparse
+import io
 import os
-import secrets
 import sys
 from typing import IO, Callable, NoReturn, Optional, Sequence
 
@@ -76,37 +76,32 @@ def file_in_the_way(path: str) -> Optional[str]:
 
 def write_output(path: str, write: Callable[[IO], None], binary: bool = False,
                  check: Optional[Callable[[], None]] = None) -> None:
-    """Call ``write(f)`` on a temp file beside ``path``, then rename it over ``path``.
+    """Call ``write(f)`` on a temp file beside ``path``, then rename it over ``path``
+    (:func:`hpdl.atomic_file.atomic_write`; ``binary=False`` gives ``write`` a UTF-8 text stream).
 
-    Readers see the old file or the whole new one, and a failure (a full disk, an error while
-    rendering) leaves neither a partial file nor the temp file. ``check`` runs again right
-    before the rename, so that a file made meanwhile where ``path`` points is not replaced
-    against :func:`check_output`'s rules.
+    Readers see the old file or the whole new one, and a failure leaves neither a partial file
+    nor the temp file. ``check`` runs again right before the rename, so that a file made
+    meanwhile where ``path`` points is not replaced against :func:`check_output`'s rules.
 
     Raises:
         CliError: naming ``path`` when the file system refuses it.
     """
-    directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        # Not mkstemp, which makes the file 0600: mode 0666 leaves the permissions to the umask.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as err:
-        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
-    try:
-        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as f:
+    from hpdl.atomic_file import atomic_write
+
+    def write_stream(f) -> None:
+        if binary:
             write(f)
-        if check is not None:
-            check()
-        os.replace(tmp, path)
-    except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(err, OSError) and err.errno is not None:
-            raise CliError(f"cannot write {path}: {err.strerror or err}") from None
-        raise
+            return
+        text = io.TextIOWrapper(f, encoding="utf-8")
+        write(text)
+        text.detach().flush()  # leave the binary stream open: atomic_write closes it
+
+    try:
+        atomic_write(path, write_stream, check_target=(lambda _target: check()) if check is not None else None)
+    except OSError as err:
+        if err.errno is None:
+            raise
+        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -540,7 +540,7 @@ def test_sr_upscale_refuses_an_existing_output_without_overwrite(tmp_path, sr_fi
 
 
 def test_sr_upscale_removes_temp_files_of_dead_writers_only(tmp_path, sr_files):
-    from hpdl.sr._atomic import _temp_path
+    from hpdl.atomic_file import _temp_path
 
     ckpt, photo = sr_files
     output = tmp_path / "out" / "x2.png"
@@ -570,7 +570,7 @@ def test_sr_writer_checks_the_resolved_target_again_right_before_the_rename(tmp_
     # The commands check their output before any work; the writer checks again the file its
     # rename would replace: resolved once "none" exists, and after the write, when a file may
     # have appeared there meanwhile (another job's).
-    from hpdl.sr._atomic import atomic_write
+    from hpdl.atomic_file import atomic_write
 
     class Refused(Exception):
         pass

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpdl.sr._atomic import remove_stale_temp_files
+from hpdl.atomic_file import remove_stale_temp_files
 from hpdl.sr.checkpoint import (
     capture_rng_state,
     load_checkpoint,

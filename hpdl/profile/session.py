@@ -31,14 +31,15 @@ import errno
 import json
 import logging
 import os
-import secrets
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hpdl import __version__
+from hpdl.atomic_file import atomic_write
 from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
@@ -201,9 +202,8 @@ def _unwritable(path: str) -> Optional[str]:
         return f"cannot write the profile to {target}: it is a directory; name a file"
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        probe = _temp_path(target)
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        os.remove(probe)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(target), prefix=".hpdl-profile-probe."):
+            pass  # removed on closing
     except OSError as err:
         reason = err.strerror or str(err)
         if err.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory must be
@@ -401,26 +401,9 @@ def _join_written(session: Session, part: Dict[str, Any]) -> bool:
 
 
 def _write_json(path: str, document: Dict[str, Any]) -> None:
-    """Replace ``path`` atomically with ``document``; on failure leave no temp file, and name ``path``.
+    """Replace ``path`` atomically with ``document`` (no temp file left on failure).
 
     Raises:
         OSError: whose message names ``path`` (not the temp file) and says why.
     """
-    target = Path(path)
-    tmp = _temp_path(path)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(document, separators=(",", ":")))
-        os.replace(tmp, target)
-    except OSError as err:
-        try:
-            tmp.unlink()
-        except OSError:  # never made (its directory could not be)
-            pass
-        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
-
-
-def _temp_path(path: str) -> Path:
-    """A temp file beside ``path``, named for this process (other ranks may write beside it)."""
-    target = Path(path)
-    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    atomic_write(path, lambda f: f.write(json.dumps(document, separators=(",", ":")).encode()))

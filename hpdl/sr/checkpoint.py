@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import numpy as np
 import torch
 
-from hpdl.sr._atomic import atomic_write
+from hpdl.atomic_file import atomic_write
 from hpdl.sr.errors import CheckpointError
 from hpdl.sr.models import build_model_from_config, config_from_state_dict
 from hpdl.sr.registry import ARCHITECTURES, spelling, with_res_scale

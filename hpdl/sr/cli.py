@@ -182,7 +182,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     import torch
 
-    from hpdl.sr._atomic import atomic_write
+    from hpdl.atomic_file import atomic_write
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.weights import WeightsError, export_weights, res_scale_note
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpdl.sr._atomic import atomic_write
+from hpdl.atomic_file import atomic_write
 from hpdl.sr.metrics import bicubic_upscale, quantize
 from hpdl.sr.models import receptive_field_radius
 from hpdl.sr.upscale import upscale

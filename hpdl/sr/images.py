@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
-from hpdl.sr._atomic import atomic_write
+from hpdl.atomic_file import atomic_write
 from hpdl.sr.errors import CorruptImageError, SRDataError
 
 __all__ = [
