@@ -428,3 +428,54 @@ def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_
         # side by side (MPI's non-blocking collectives): from its own start
         assert second.time_us < first.time_us + first.duration_us
         assert second.duration_us >= 95_000
+
+
+class _TwoRankComm:
+    """Just what a Controller reads when it is made: this rank and the set's size."""
+
+    rank, size = 0, 2
+
+
+def test_a_stall_in_a_process_set_names_the_set():
+    # The same name submitted in the global set by the "missing" rank does not count in this
+    # one: without the set in the message, "m: missing rank 2" reads as a false accusation.
+    from collections import OrderedDict
+
+    from hpdl.engine.negotiation import Controller
+
+    controller = Controller(_TwoRankComm(), 1, 0, stall_warning_s=60.0, stall_timeout_s=0.0, global_ranks=[0, 2])
+    sig = Request(RequestKind.ALLREDUCE, "m", tensor=torch.zeros(1)).signature()
+    controller._track_stalls([OrderedDict(m=sig), OrderedDict()], [0, 1], set(), now=1.0)
+    assert controller._abort.startswith("collectives stalled for more than 0 s (HPDL_STALL_TIMEOUT) in process set 1 "
+                                        "(ranks [0, 2]); ranks that have not submitted them:\n  m: missing rank 2")
+
+
+def test_a_group_the_ranks_disagree_on_fails_at_once_though_incomplete():
+    # Rank 0 groups three tensors under "g", rank 1 two: the members both submitted fail on
+    # every rank now (each rank then fails its own other members), instead of waiting for a
+    # third member rank 1 never submits until the stall timeout.
+    from hpdl.engine.negotiation import _complete_groups
+
+    def member(i, rank_counts):
+        sigs = tuple(Request(RequestKind.ALLREDUCE, f"g.{i}", tensor=torch.zeros(1), group=("g", n)).signature()
+                     for n in rank_counts)
+        return Response(f"g.{i}", RequestKind.ALLREDUCE, sigs, error=validate(f"g.{i}", dict(enumerate(sigs))))
+
+    members = [member(i, (3, 2)) for i in range(2)]
+    assert members[0].error == ("Mismatched allreduce groups for tensor 'g.0': rank 0 has group 'g' of 3 tensors; "
+                                "rank 1 has group 'g' of 2 tensors")
+    assert [r.name for r in _complete_groups(members)] == ["g.0", "g.1"]
+    agreed = [allreduce_response(f"h.{i}", 1, group=("h", 3)) for i in range(2)]
+    assert _complete_groups(agreed) == []  # an incomplete group without errors still waits
+
+
+def test_an_allreduce_against_an_allgather_suggests_sparse_as_dense():
+    # What a DistributedOptimizer meets when a sparse gradient was not produced on some rank.
+    dense = Request(RequestKind.ALLREDUCE, "allreduce.embed.weight", tensor=torch.zeros(10, 4)).signature()
+    gathered = Request(RequestKind.ALLGATHER, "allreduce.embed.weight", tensor=torch.zeros(3, 1)).signature()
+    message = validate("allreduce.embed.weight", {0: gathered, 1: dense})
+    assert message.startswith("Mismatched allgather operations for tensor 'allreduce.embed.weight': "
+                              "rank 0 has allgather; rank 1 has allreduce")
+    assert message.endswith("pass sparse_as_dense=True)")
+    broadcast = Request(RequestKind.BROADCAST, "allreduce.embed.weight", tensor=torch.zeros(10, 4)).signature()
+    assert "sparse_as_dense" not in validate("allreduce.embed.weight", {0: broadcast, 1: dense})

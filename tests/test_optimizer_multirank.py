@@ -14,7 +14,8 @@ EQUIVALENCE = [
     "sgd-overlap", "adam-overlap", "adam-sum-overlap", "sgd-fp16-overlap", "adam-overlap-scheduler",
 ]
 BEHAVIOUR = [
-    "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "skip-synchronize",
+    "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "unfrozen-parameter",
+    "skip-synchronize",
     "broadcast-state", "broadcast-state-keeps-gradients", "broadcast-state-weight-decay",
     "load-state-dict-mid-step", "overlap-forward-rollback", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
     "sparse-first-step-unused",

@@ -112,8 +112,10 @@ def test_timeline_from_environment(tmp_path):
 def test_mismatches_raise_on_every_rank(launcher, n):
     result = run_ranks("engine_failures.py", n, launcher, args=["mismatch"], timeout=120)
     out = result.stdout
-    for what in ("shape", "dtype", "root", "op"):
+    for what in ("shape", "dtype", "root", "op", "group0", "group1", "process_set"):
         assert out.count(f"RAISED {what} ") == n, out
+    assert "member ranks: rank 0 has [0]; rank" in out
+    assert "Mismatched allreduce groups for tensor 'group.0.0': rank 0 has group 'group.0' of 3 tensors" in out
     assert "tensor 'shape.t': rank 0 has [2]; rank 1 has [3]" in out
     assert "Mismatched allreduce data types for tensor 'dtype.t'" in out
     assert "Mismatched broadcast root ranks for tensor 'root.t'" in out

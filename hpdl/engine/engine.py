@@ -499,6 +499,14 @@ class Engine:
                 request.handle.set_error(HorovodInternalError(
                     f"process set {request.process_set_id} was removed before {request.name!r} ran"))
                 continue
+            if ps.failed_groups and request.group in ps.failed_groups:
+                left, message = ps.failed_groups[request.group]
+                if left > 1:
+                    ps.failed_groups[request.group] = (left - 1, message)
+                else:
+                    del ps.failed_groups[request.group]
+                request.handle.set_error(HorovodInternalError(message))
+                continue
             ps.pending[request.name] = request
         return count
 
@@ -564,6 +572,10 @@ class Engine:
         pending = ps.pending
         ready: List[Response] = []
         popped = [pending.pop(response.name, None) for response in result.responses]
+        failed_groups = {request.group: response.error for response, request in zip(result.responses, popped)
+                         if response.error is not None and request is not None and request.group is not None}
+        if failed_groups:
+            self._fail_groups(ps, failed_groups, popped)
         for response, request in zip(result.responses, popped):
             if (response.priority is not None and response.kind is RequestKind.ALLREDUCE
                     and response.error is None and response.group is None):
@@ -589,6 +601,20 @@ class Engine:
         if ps.backlog:
             self._queue_from_backlog(ps, result.room)
         self._start_queued_of(ps, everything=not ps.paced)
+
+    def _fail_groups(self, ps: ProcessSet, failed: Dict[Any, str], handled: List[Optional[Request]]) -> None:
+        """A member of each group in ``failed`` failed in negotiation (group: error): fail the
+        rest of this rank's members too, pending now or drained later. When the ranks disagree
+        on a group's size, no other rank submits this rank's extra members; left pending, they
+        would end the job at the stall timeout. Done before any handle of the round completes,
+        so a caller that retries at once finds none of the old members in flight."""
+        for group, message in failed.items():
+            left = group[1] - sum(1 for request in handled if request is not None and request.group == group)
+            for name in [name for name, request in ps.pending.items() if request.group == group]:
+                ps.pending.pop(name).handle.set_error(HorovodInternalError(message))
+                left -= 1
+            if left > 0:
+                ps.failed_groups[group] = (left, message)
 
     def _queue_from_backlog(self, ps: ProcessSet, room: int) -> None:
         """Queue the most urgent of ``ps.backlog`` that fit in the agreed ``room``: tensors of

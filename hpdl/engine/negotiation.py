@@ -61,10 +61,12 @@ class CycleResult:
 
 
 def _describe_value(field: int, value: Any) -> str:
-    if field == SIG_SHAPE:
+    if field in (SIG_SHAPE, SIG_SPLITS) and value is not None:
         return str(list(value))
     if field == SIG_SCALES and value is not None:
         return f"prescale {value[0]}, postscale {value[1]}"
+    if field == SIG_GROUP:
+        return "no group" if value is None else f"group {value[0]!r} of {value[1]} tensors"
     return str(value)
 
 
@@ -95,8 +97,18 @@ def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]
         if len(values) > 1:
             parts = [f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
                      for v, ranks in values.items()]
+            if kind in (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value):
+                what = {SIG_SPLITS: "member ranks", SIG_ROOT: "process set ids"}.get(field, _FIELD_TEXT[field])
+                return (f"Mismatched {kind} calls ({name!r}; every rank must make the same calls in the same "
+                        f"order): {what}: " + "; ".join(parts))
             what = "trailing tensor shapes" if field == SIG_SHAPE and kind in ("allgather", "alltoall") else _FIELD_TEXT[field]
-            return f"Mismatched {kind} {what} for tensor {name!r}: " + "; ".join(parts)
+            hint = ""
+            if field == SIG_KIND and set(values) == {RequestKind.ALLREDUCE.value, RequestKind.ALLGATHER.value}:
+                # DistributedOptimizer allgathers sparse gradients, and a rank that produced no
+                # gradient for the parameter cannot know it would be sparse: it sends zeros.
+                hint = (" (for a DistributedOptimizer parameter: its gradient is sparse on some ranks and was "
+                        "not produced on the others, which reduce zeros densely; pass sparse_as_dense=True)")
+            return f"Mismatched {kind} {what} for tensor {name!r}: " + "; ".join(parts) + hint
     return None
 
 
@@ -265,15 +277,18 @@ class Controller:
             elif age >= self.stall_warning_s and now - self._warned_at.get(name, 0.0) >= self.stall_warning_s:
                 stalled_warn.append((name, missing))
                 self._warned_at[name] = now
+        # A name is matched within its process set: the same name submitted in another set
+        # on the missing rank does not count, which only the set's number makes clear.
+        where = f" in process set {self.process_set_id} (ranks {self.global_ranks})" if self.process_set_id else ""
         if stalled_warn:
             log.warning(
                 "One or more tensors were submitted to be reduced, gathered or broadcasted by a subset of "
-                "ranks and are waiting for the remainder for more than %.0f s. Stalled tensors:\n%s",
-                self.stall_warning_s, _stall_lines(stalled_warn),
+                "ranks%s and are waiting for the remainder for more than %.0f s. Stalled tensors:\n%s",
+                where, self.stall_warning_s, _stall_lines(stalled_warn),
             )
         if stalled_abort and self._abort is None:
             self._abort = (f"collectives stalled for more than {self.stall_timeout_s:g} s "
-                           f"(HPDL_STALL_TIMEOUT); ranks that have not submitted them:\n"
+                           f"(HPDL_STALL_TIMEOUT){where}; ranks that have not submitted them:\n"
                            + _stall_lines(stalled_abort))
 
     def close(self) -> None:
@@ -288,7 +303,12 @@ def _stall_lines(items: List[Tuple[str, List[int]]]) -> str:
 
 
 def _complete_groups(responses: List[Response]) -> List[Response]:
-    """Keep grouped responses only when every member of their group is ready, members adjacent."""
+    """Keep grouped responses only when every member of their group is ready, members adjacent.
+
+    A group with a failed member goes at once, complete or not: when the ranks disagree on the
+    group (a different number of members), the members some rank never submits would hold
+    the others back until the stall timeout. Each rank then fails the rest of its own members
+    (Engine._fail_groups)."""
     groups: Dict[Tuple[str, int], List[Response]] = {}
     for response in responses:
         if response.group is not None:
@@ -300,7 +320,8 @@ def _complete_groups(responses: List[Response]) -> List[Response]:
         group = response.group
         if group is None:
             out.append(response)
-        elif group not in emitted and len(groups[group]) >= group[1]:
+        elif group not in emitted and (len(groups[group]) >= group[1]
+                                       or any(member.error is not None for member in groups[group])):
             emitted.add(group)
             out.extend(groups[group])
     return out

@@ -32,6 +32,9 @@ class ProcessSet:
         # how many of their bytes may be in flight at once.
         self.paced = False
         self.flight_window = 1
+        # Groups (as this rank's requests name them) a member of which failed in negotiation:
+        # how many of this rank's members have yet to be submitted, and the error they get then.
+        self.failed_groups: Dict[Tuple[str, int], Tuple[int, str]] = {}
 
     def queue_from_backlog(self, room: int, window: int, alone: int) -> int:
         """Queue the most urgent of the backlog that fit in ``room`` units of ``window`` bytes

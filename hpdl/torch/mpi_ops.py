@@ -340,9 +340,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Optional[Op] = N
     sparse = tensor.coalesce()
     # The indices go under the bare name: a rank that reduces the same name densely (a
     # DistributedOptimizer whose parameter got no sparse gradient there yet) then meets a
-    # mismatch error on every rank at once, instead of a stall.
-    indices = allgather_async(sparse.indices().t().contiguous(), name=name, process_set=process_set)
-    values = allgather_async(sparse.values().contiguous(), name=f"{name}.values", process_set=process_set)
+    # mismatch error on every rank at once, instead of a stall. The two allgathers are one
+    # group, so that the values, which that rank never submits, fail with the indices instead
+    # of staying in flight (until the stall timeout ends the job).
+    group = (name, 2)
+    indices = AsyncHandle([_submit(_allgather_request(sparse.indices().t().contiguous(), name, process_set,
+                                                      group))], _first)
+    values = AsyncHandle([_submit(_allgather_request(sparse.values().contiguous(), f"{name}.values", process_set,
+                                                     group))], _first)
 
     def result() -> torch.Tensor:
         all_indices, all_values = synchronize(indices), synchronize(values)

@@ -376,6 +376,7 @@ class _DistributedOptimizerMixin:
     def _start_unfired(self) -> None:
         # Gradients whose hook did not fire (unused here, or fewer backward passes than
         # backward_passes_per_step): other ranks may be waiting for them.
+        self._track_unfrozen()
         for p in self._params:
             if self._delay[p] > 0:
                 group = self._group_of.get(p)
@@ -383,6 +384,17 @@ class _DistributedOptimizerMixin:
                     self._pending[p] = self._submit(p)
                 elif group not in self._pending:
                     self._pending[group] = self._submit_group(group)
+
+    def _track_unfrozen(self) -> None:
+        """Reduce from now on the gradients of parameters that did not require them when the
+        optimizer was made and do now (a frozen layer unfrozen for fine-tuning): otherwise
+        every rank would step them with its own gradient and the replicas would drift apart
+        unnoticed. Every rank must unfreeze the same parameters before the same step."""
+        tracked = self._delay
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p not in tracked:
+                    self._track(p)
 
     def _reset_pending(self) -> None:
         self._pending.clear()

@@ -11,6 +11,7 @@ modules do not import each other.
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
 from typing import Any, List, Optional, Sequence, Union
 
@@ -93,6 +94,11 @@ class _GlobalProcessSet(ProcessSet):
 
 global_process_set: ProcessSet = _GlobalProcessSet()
 _registered: List[ProcessSet] = []
+# Calls of add_process_set / remove_process_set since init(), which name their requests: every
+# rank must make the same calls in the same order, so a rank that names other ranks (or
+# another set) than its peers is told so at once, instead of each waiting for a request of
+# its own name that no other rank submits.
+_changes = itertools.count()
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
@@ -107,8 +113,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     for other in _registered:
         if other.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} is already registered ({other})")
-    request = Request(RequestKind.ADD_PROCESS_SET, f"process_set.add.{','.join(map(str, ps.ranks))}",
-                      splits=tuple(ps.ranks))
+    request = Request(RequestKind.ADD_PROCESS_SET, f"process_set.add.{next(_changes)}", splits=tuple(ps.ranks))
     ps.process_set_id = engine.submit(request).wait()
     _registered.append(ps)
     return ps
@@ -120,7 +125,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     engine = _runtime._require().engine
     set_id = process_set.process_set_id
-    engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{set_id}", root=set_id)).wait()
+    engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{next(_changes)}", root=set_id)).wait()
     _registered.remove(process_set)
     process_set._invalidate()
     return True
@@ -128,6 +133,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 def _reset() -> None:
     """Forget every registered set (at shutdown)."""
+    global _changes
+    _changes = itertools.count()
     for ps in _registered:
         ps._invalidate()
     _registered.clear()

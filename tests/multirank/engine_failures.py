@@ -36,6 +36,22 @@ def mismatch():
                                                 name="dtype.t"))
     expect_error("root", lambda: hvd.broadcast(torch.ones(2), root_rank=rank, name="root.t"))
     expect_error("op", lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if rank == 0 else hvd.Max, name="op.t"))
+    # Groups whose size differs between ranks (the first rank's larger, then smaller): every
+    # member fails on every rank at once, and none is left waiting (a retry under the same
+    # name finds none in flight, and no stall ends the job later).
+    for larger in (0, 1):
+        name = f"group.{larger}"
+        expect_error(f"group{larger}", lambda: hvd.grouped_allreduce([torch.ones(1)] * (3 if rank == larger else 2),
+                                                                     name=name))
+        retried = hvd.grouped_allreduce([torch.ones(1)] * 3, name=name, op=hvd.Sum)
+        assert [t.item() for t in retried] == [float(hvd.size())] * 3, retried
+    # add_process_set naming other ranks on some rank: every rank raises at once (each used to
+    # wait, until the stall timeout, for a request of its own name that no other rank made).
+    expect_error("process_set", lambda: hvd.add_process_set([0] if rank == 0 else [1]))
+    pair = hvd.add_process_set([0, 1])
+    if rank in (0, 1):
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="pair", process_set=pair).item() == 2.0
+    hvd.remove_process_set(pair)
     # The engine goes on working after such errors.
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist() == [float(hvd.size())] * 2
     print(f"CONTINUED rank={rank}", flush=True)

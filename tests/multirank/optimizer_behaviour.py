@@ -134,6 +134,29 @@ def check_unused_parameter() -> None:
     assert_ranks_equal(model, "unused")
 
 
+def check_unfrozen_parameter() -> None:
+    """A layer frozen when the optimizer is made and unfrozen later (fine-tuning): its
+    gradients are averaged from then on, as one process on the whole batch (they used to be
+    left to each rank's own, and the ranks' copies drifted apart)."""
+    model, reference = make_pair(seed=3)
+    for net in (model, reference):
+        net.stem.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            for net in (model, reference):
+                net.stem.requires_grad_(True)
+        _train_step(model, opt, step)
+        x, y = batch(step)
+        ref_opt.zero_grad()
+        loss_fn(reference, x, y).backward()
+        ref_opt.step()
+    assert_ranks_equal(model, "unfrozen")
+    assert_close(model, reference, "unfrozen", rtol=1e-4, atol=1e-5)
+
+
 def check_skip_synchronize() -> None:
     """synchronize(), clip, step() inside skip_synchronize: as one process clipping the average."""
     rank, size = hvd.rank(), hvd.size()
@@ -343,11 +366,13 @@ def check_sparse() -> None:
 def check_sparse_unused_in_the_first_step() -> None:
     """A sparse-gradient parameter the last rank does not use in the first step: that rank
     cannot know the gradient would be sparse and reduces zeros densely, under the same name.
-    Every rank raises at once, naming the tensor (it used to stall until the timeout).
-    Leaves a request pending on the other ranks: run it last."""
+    Every rank raises at once, naming the tensor (it used to stall until the timeout), and
+    nothing of it stays in flight: the next step, sparse everywhere, goes through (the other
+    ranks' allgather of the values used to stay, and their next step raised)."""
     rank, size = hvd.rank(), hvd.size()
     if size == 1:
         return
+    torch.manual_seed(0)
     model = SparseNet()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                    named_parameters=model.named_parameters())
@@ -359,6 +384,10 @@ def check_sparse_unused_in_the_first_step() -> None:
         assert "Mismatched" in str(err) and "embed.weight" in str(err), err
     else:
         raise AssertionError("a parameter reduced sparse on some ranks and dense on others should raise")
+    opt.zero_grad()
+    F.cross_entropy(model(idx, use_embedding=True), y).backward()
+    opt.step()
+    assert_ranks_equal(model, "sparse-after-mismatch")
 
 
 def check_unnamed_param_groups() -> None:
@@ -468,6 +497,7 @@ CHECKS = {
     "zero-grad-pending": check_zero_grad_pending_raises,
     "duplicate-names": check_duplicate_names_raise,
     "unused-parameter": check_unused_parameter,
+    "unfrozen-parameter": check_unfrozen_parameter,
     "skip-synchronize": check_skip_synchronize,
     "broadcast-state": check_broadcast_state,
     "broadcast-state-keeps-gradients": check_broadcast_state_keeps_gradients,
@@ -479,7 +509,7 @@ CHECKS = {
     "sparse-adam": check_sparse_adam,
     "adasum-optimizer": check_adasum_optimizer,
     "process-set": check_process_set,
-    "sparse-first-step-unused": check_sparse_unused_in_the_first_step,  # last: leaves a request pending
+    "sparse-first-step-unused": check_sparse_unused_in_the_first_step,
 }
 
 
