@@ -152,3 +152,15 @@ def test_rank_dying_from_an_exception_ends_the_job_promptly_with_both_parts(tmp_
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["job"]["missing_ranks"] == []
     assert all(len(_rows(r, "steps")) == 2 for r in data["ranks"])
     assert not list(tmp_path.glob("crash.json.rank*"))
+
+
+def test_rank_ended_by_sigterm_leaves_its_part_and_the_job_ends_promptly(tmp_path):
+    # SIGTERM's default action ends the process at once: the recording of every rank was lost.
+    path = tmp_path / "term.json"
+    result = run_ranks("profile_api.py", 2, "mpiexec", args=["term", str(path)], timeout=60, expect_ok=False)
+    assert result.returncode != 0
+    assert "at shutdown failed" not in result.stderr, result.stderr[-3000:]
+    data = schema.load(str(path))
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and data["job"]["missing_ranks"] == []
+    assert all(len(_rows(r, "steps")) == 2 for r in data["ranks"])
+    assert not list(tmp_path.glob("term.json.rank*"))

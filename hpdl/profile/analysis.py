@@ -63,6 +63,16 @@ def bus_factor(kind: str, size: int) -> float:
     return 1.0 if kind == "broadcast" else 0.0
 
 
+def _percentile(ordered: List[float], q: float) -> float:
+    """The ``q`` quantile of ascending ``ordered``, interpolated between neighbours as the median
+    is (a lower neighbour alone put the 90th percentile of two values below their median)."""
+    position = q * (len(ordered) - 1)
+    below = int(position)
+    if below + 1 >= len(ordered):
+        return float(ordered[-1])
+    return float(ordered[below] + (ordered[below + 1] - ordered[below]) * (position - below))
+
+
 @dataclasses.dataclass
 class Row:
     """Calls and time of one group of messages (a size class, a message, a tensor), per rank."""
@@ -286,12 +296,23 @@ class Analysis:
         rows = list(schema.records(rank, "collectives"))
         return [c for c in rows if c["step"] > 0] or rows
 
+    @staticmethod
+    def submitted(c: Dict[str, Any]) -> bool:
+        """Whether this rank submitted the collective, so that ``ready_us`` is its arrival.
+
+        A rank in ``hvd.join()`` takes part in the others' collectives without submitting them:
+        the recorder, seeing no submission, sets its arrival to the backend call's start with
+        no queue wait or negotiation. It was waiting in join, not late.
+        """
+        return not (c["ready_us"] == c["start_us"] and c["queue_us"] == 0 and c["negotiate_us"] == 0)
+
     def matched_collectives(self) -> List[Dict[int, Dict[str, Any]]]:
-        """The steady collectives that more than one rank recorded: per collective, rank -> row."""
+        """The steady collectives that more than one rank submitted: per collective, rank -> row."""
         by_key: Dict[Tuple[int, int], Dict[int, Dict[str, Any]]] = {}
         for rank in self.ranks:
             for c in self.steady_collectives(rank):
-                by_key.setdefault((c["process_set"], c["seq"]), {})[rank["rank"]] = c
+                if self.submitted(c):
+                    by_key.setdefault((c["process_set"], c["seq"]), {})[rank["rank"]] = c
         return [rows for rows in by_key.values() if len(rows) > 1]
 
     def _arrival(self, collectives: List[Dict[int, Dict[str, Any]]]) -> Optional[Arrival]:
@@ -307,8 +328,7 @@ class Analysis:
             for rank, t in times.items():
                 late[rank].append(t - first)
         ranks = [RankArrival(r, last[r], statistics.fmean(late[r]) if late[r] else 0.0) for r in sorted(last)]
-        return Arrival(len(matched), float(statistics.median(spreads)), spreads[int(0.9 * (len(spreads) - 1))],
-                       spreads[-1], ranks)
+        return Arrival(len(matched), float(statistics.median(spreads)), _percentile(spreads, 0.9), spreads[-1], ranks)
 
     def _waits(self, matched: List[Dict[int, Dict[str, Any]]]) -> Optional[Waits]:
         if not matched:

@@ -11,7 +11,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from hpdl.profile.analysis import Analysis, format_size
-from hpdl.profile.schema import ProfileError
+from hpdl.profile.schema import ProfileError, read_file
 
 # Bench curve: message bytes -> (mean latency µs, bus bandwidth GB/s).
 BenchCurve = Dict[int, Tuple[float, float]]
@@ -20,10 +20,7 @@ BenchCurve = Dict[int, Tuple[float, float]]
 def load_bench(path: str) -> BenchCurve:
     """Read an ``hpdl bench allreduce --json`` file (its backend path, else its first path)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ProfileError(f"cannot read --bench file {path}: {err.strerror or err}") from None
+        data = json.loads(read_file(path, "--bench file").decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ProfileError(f"--bench file {path} is not JSON; write it with `hpdl bench allreduce --json`") from None
     records = data.get("records") if isinstance(data, dict) and data.get("benchmark") == "allreduce" else None

@@ -118,6 +118,10 @@ def render(a: Analysis, path: str, found: List[str]) -> str:
     return "\n".join(parts)
 
 
+def _number(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _change(old: Optional[float], new: Optional[float]) -> str:
     if old is None or new is None or not old:
         return "-"
@@ -141,9 +145,11 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
                           f"{(sb.efficiency - sa.efficiency) * 100:+.0f} points"])
         out.append(Table("Per step (medians over all ranks' steps)", ["figure", "A", "B", "change"], step_rows))
     fa, fb = a.fusion, b.fusion
+    # A profile without steps has no messages per step (not 0): "-", as in the report.
+    per_step_a = fa.messages_per_step if sa is not None else None
+    per_step_b = fb.messages_per_step if sb is not None else None
     out.append(Table("Fusion", ["figure", "A", "B", "change"], [
-        ["messages per step", f"{fa.messages_per_step:.1f}", f"{fb.messages_per_step:.1f}",
-         _change(fa.messages_per_step, fb.messages_per_step)],
+        ["messages per step", _number(per_step_a), _number(per_step_b), _change(per_step_a, per_step_b)],
         ["tensors per message", f"{fa.tensors_per_message:.1f}", f"{fb.tensors_per_message:.1f}",
          _change(fa.tensors_per_message, fb.tensors_per_message)],
     ]))

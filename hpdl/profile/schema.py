@@ -18,6 +18,8 @@ when recording started), corrected by each rank's clock offset.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any, Dict, Iterator, List, Sequence
 
 FORMAT = "hpdl-profile"
@@ -83,13 +85,41 @@ def records(rank: Dict[str, Any], name: str) -> Iterator[Dict[str, Any]]:
         yield dict(zip(columns, row))
 
 
+def read_file(path: str, what: str) -> bytes:
+    """The bytes of the regular file ``path``; ``what`` names it in errors ("profile").
+
+    Raises:
+        ProfileError: it cannot be read, or is no regular file: a FIFO would block the read
+            until some writer came (forever, if none does), a device could be endless.
+    """
+    try:
+        # Non-blocking, so that opening a FIFO without a writer returns instead of waiting.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise ProfileError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ProfileError(f"cannot read {what} {path}: is a directory")
+        if not stat.S_ISREG(mode):
+            raise ProfileError(f"cannot read {what} {path}: not a regular file (a FIFO or a device); "
+                               "give the file itself")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 24)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError as err:
+        raise ProfileError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+
+
 def load(path: str) -> Dict[str, Any]:
     """Read and check a profile file; raise :class:`ProfileError` naming the file and the fault."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as err:
-        raise ProfileError(f"cannot read profile {path}: {err.strerror or err}") from None
+        text = read_file(path, "profile").decode("utf-8")
     except UnicodeDecodeError:
         raise ProfileError(f"{path} is not an hpdl profile (not text)") from None
     try:
@@ -108,6 +138,8 @@ def check(data: Any, path: str) -> None:
     version = data.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ProfileError(f"{path}: key 'version' must be an integer, got {version!r}")
+    if version < 1:
+        raise ProfileError(f"{path}: key 'version' must be a schema version from 1, got {version}")
     if version > VERSION:
         raise ProfileError(f"{path} has profile schema version {version}, newer than this hpdl reads "
                            f"(up to {VERSION}): upgrade hpdl")
@@ -118,9 +150,18 @@ def check(data: Any, path: str) -> None:
     ranks = data.get("ranks")
     if not isinstance(ranks, list) or not ranks:
         raise ProfileError(f"{path}: key 'ranks' must be a non-empty list")
+    seen = set()
+    size = job.get("size")
     for i, rank in enumerate(ranks):
         if not isinstance(rank, dict) or not _is_integer(rank.get("rank")):
             raise ProfileError(f"{path}: ranks[{i}] is not a rank object with an integer 'rank'")
+        # Figures are means over the ranks and match collectives by rank: a rank twice, or one
+        # the job did not have, would be counted as another rank.
+        if rank["rank"] in seen:
+            raise ProfileError(f"{path}: ranks[{i}] is rank {rank['rank']} again")
+        if rank["rank"] < 0 or (size is not None and rank["rank"] >= size):
+            raise ProfileError(f"{path}: ranks[{i}] is rank {rank['rank']}, not a rank of a job of {size} ranks")
+        seen.add(rank["rank"])
         tensors = rank.get("tensors")
         if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
             raise ProfileError(f"{path}: ranks[{i}].tensors must be a list of names")

@@ -17,7 +17,9 @@ them and ends the recording.
 The gather is skipped, and each rank writes its part the same way, when this process is dying
 from an uncaught exception (``sys.excepthook`` or ``threading.excepthook`` saw it): the other
 ranks may be waiting in a collective this rank will never submit, and a gather would wait with
-them until ``HPDL_STALL_TIMEOUT``. Once this rank's engine stops, their collectives fail, their
+them until ``HPDL_STALL_TIMEOUT``. A SIGTERM (a launcher ending the job because a rank failed,
+a batch system's time limit) is taken as such an exit while recording: by default it would end
+the process at once, writing nothing. Once this rank's engine stops, their collectives fail, their
 gathers fail too and rank 0 merges the parts. A gather that has not finished within
 ``GATHER_DEADLINE_S`` (a rank that died some other way, or one far behind) is given up for the
 same path; a rank far behind fails its gather only once rank 0 has written the file without
@@ -31,6 +33,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -114,6 +117,8 @@ _session: Optional[Session] = None
 _dying_from: Optional[str] = None
 # The hooks that were installed when start() wrapped them (restored by _end()).
 _previous_hooks: Optional[tuple] = None
+# Whether start() installed _on_sigterm (in place of the default action; restored by _end()).
+_sigterm_taken = False
 
 
 def _note_uncaught(exc_type) -> None:
@@ -144,6 +149,47 @@ def _wrap_excepthooks() -> None:
         _previous_hooks = (sys.excepthook, threading.excepthook)
         sys.excepthook = _sys_excepthook
         threading.excepthook = _threading_excepthook
+
+
+def _on_sigterm(signum, frame) -> None:
+    """End the process as SIGTERM would, through the exit path that writes this rank's part.
+
+    Raised as ``SystemExit`` in the main thread, which unwinds it (releasing whatever locks it
+    holds) to the interpreter's exit, where ``hvd.shutdown()`` writes the parts as for an
+    uncaught exception. A second SIGTERM ends the process at once, as the default action does.
+    """
+    global _dying_from
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _session is None:  # the recording ended where the handler could not be put back
+        os.kill(os.getpid(), signum)
+        return
+    if _dying_from is None:
+        _dying_from = "SIGTERM"
+    raise SystemExit(128 + signum)
+
+
+def _take_sigterm() -> None:
+    """Install _on_sigterm where SIGTERM has its default action (a handler of the job's own stays)."""
+    global _sigterm_taken
+    if _sigterm_taken or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _sigterm_taken = True
+    except (ValueError, OSError):  # not the main interpreter, or no such signal here
+        pass
+
+
+def _release_sigterm() -> None:
+    global _sigterm_taken
+    # Only the main thread can; from another (a failure hook), _on_sigterm takes the default
+    # action itself once no recording runs.
+    if not _sigterm_taken or threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm_taken = False
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _restore_excepthooks() -> None:
@@ -177,8 +223,8 @@ def start(path: str) -> None:
     # Rank 0 writes the file, but every rank must learn that it cannot: otherwise the others
     # would wait in the clock's collectives for a rank that has given up. Found now, not after
     # the whole job (when the recording would be lost).
-    unwritable = hvd.broadcast_object(_unwritable(path) if hvd.rank() == 0 else None, root_rank=0,
-                                      name="hpdl.profile.path")
+    unwritable = _unwritable(path, _timeline_path(runtime.engine())) if hvd.rank() == 0 else None
+    unwritable = hvd.broadcast_object(unwritable, root_rank=0, name="hpdl.profile.path")
     if unwritable is not None:
         raise ValueError(unwritable)
     clock = estimate()
@@ -189,17 +235,28 @@ def start(path: str) -> None:
     runtime._shutdown_hooks.append(_at_shutdown)
     abort.add_failure_hook(_at_failure)
     _wrap_excepthooks()
+    _take_sigterm()
 
 
-def _unwritable(path: str) -> Optional[str]:
+def _timeline_path(engine) -> Optional[str]:
+    """The file this rank's engine writes its timeline to (HPDL_TIMELINE, hvd.start_timeline()), if any."""
+    timeline = getattr(engine, "_timeline", None)
+    return None if timeline is None else os.path.abspath(timeline.path)
+
+
+def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
     """Why rank 0 could not write the profile to ``path``, or None: tried as the write will do it.
 
     Makes the missing directories (the write would make them too) and a temp file beside the
-    target, then removes the temp file.
+    target, then removes the temp file. ``timeline`` is the file the timeline is written to:
+    the profile, replacing it at shutdown, would leave nothing of the timeline.
     """
     target = os.path.abspath(path)
     if os.path.isdir(target):
         return f"cannot write the profile to {target}: it is a directory; name a file"
+    if timeline is not None and (timeline == target or _same_file(timeline, target)):
+        return (f"cannot write the profile to {target}: the timeline (HPDL_TIMELINE) is written there; "
+                "give them different files")
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=os.path.dirname(target), prefix=".hpdl-profile-probe."):
@@ -211,6 +268,13 @@ def _unwritable(path: str) -> Optional[str]:
             reason = f"{blocker} is not a directory" if blocker else reason
         return f"cannot write the profile to {target}: {reason}"
     return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist: not the same file
+        return False
 
 
 def stop() -> None:
@@ -239,6 +303,7 @@ def _end(session: Session) -> None:
         runtime._shutdown_hooks.remove(_at_shutdown)
     abort.remove_failure_hook(_at_failure)
     _restore_excepthooks()
+    _release_sigterm()
 
 
 def _at_failure() -> None:

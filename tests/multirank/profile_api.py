@@ -1,7 +1,7 @@
 """The profiler from code: start/stop, profile_step, a recording and a subscription across
 shutdown()/init(), and the failure path (the engine failed: parts written, rank 0 merges).
 
-Usage: profile_api.py {api|survive|abort|crash|late} FILE. Rank 0 prints what the pytest wrapper checks.
+Usage: profile_api.py {api|survive|abort|crash|term|late} FILE. Rank 0 prints what the pytest wrapper checks.
 """
 
 from __future__ import annotations
@@ -88,6 +88,20 @@ def crash() -> None:
     steps(1, "waiting")
 
 
+def term() -> None:
+    # Rank 1 gets SIGTERM (as from a launcher ending the job, or a batch system's time limit)
+    # while rank 0 waits in a collective: its part must be written, not lost with the process.
+    import signal
+
+    hvd.init()
+    hvd.start_profile(path)
+    steps(2, "grad")
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler ends the process here
+    steps(1, "waiting")
+
+
 def late() -> None:
     # Rank 1 reaches shutdown well after rank 0 has given up its gather (the deadline shortened
     # here): rank 0 writes the file without rank 1, whose part must join it afterwards.
@@ -102,7 +116,7 @@ def late() -> None:
     hvd.shutdown()
 
 
-if mode == "crash":
-    crash()  # not run_main, which would end the process before the exception hooks see it
+if mode in ("crash", "term"):
+    {"crash": crash, "term": term}[mode]()  # not run_main, which would end the process before the exception hooks see it
 else:
     run_main({"api": api, "survive": survive, "abort": abort, "late": late}[mode])
