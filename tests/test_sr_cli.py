@@ -173,7 +173,7 @@ def test_cli_upscale(tmp_path, ckpt, capsys):
     assert main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "out" / "x2.png"),
                  "--ckpt", str(ckpt), "--tile", "8", "--self-ensemble"]) == 0
     out = np.asarray(Image.open(tmp_path / "out" / "x2.png"))
-    assert out.shape == (42, 60, 3)
+    assert out.shape == (42, 60)  # gray in, gray out
     # tiled and whole-image give the same picture
     assert main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "whole.png"), "--ckpt", str(ckpt),
                  "--tile", "0", "--self-ensemble"]) == 0
@@ -207,6 +207,84 @@ def test_cli_upscale_bad_input(tmp_path, ckpt, capsys):
     assert main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "o.png"), "--ckpt",
                  str(tmp_path / "cut.pt")]) == 2
     assert "cut.pt: not a readable checkpoint: the zip archive is truncated or damaged" in error_line(capsys)
+
+
+def upscaled(tmp_path, ckpt, name, image, out="out.png", **save):
+    """Write ``image`` (a PIL image) as ``name``, upscale it to ``out``; return the output image."""
+    image.save(tmp_path / name, **save)
+    assert main(["sr", "upscale", str(tmp_path / name), str(tmp_path / out), "--ckpt", str(ckpt),
+                 "--overwrite", "--tile", "8"]) == 0
+    return Image.open(tmp_path / out)
+
+
+def test_upscale_turns_an_exif_rotated_photo_upright_as_viewers_show_it(tmp_path, ckpt, capsys):
+    from PIL import ImageOps
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: "rotate 90 degrees clockwise to view"
+    out = upscaled(tmp_path, ckpt, "phone.jpg", Image.fromarray(photo(21, 30)), exif=exif)
+    assert "phone.jpg: turned upright by its EXIF orientation (6)" in capsys.readouterr().err
+    assert out.size == (42, 60)
+    upright = ImageOps.exif_transpose(Image.open(tmp_path / "phone.jpg"))
+    expected = upscaled(tmp_path, ckpt, "upright.png", upright, out="expected.png")
+    assert np.array_equal(np.asarray(out), np.asarray(expected))
+
+
+def test_upscale_keeps_transparency(tmp_path, ckpt, capsys):
+    from hpdl.sr.upscale import upscale_alpha
+
+    rgba = np.dstack([photo(24, 30), np.full((24, 30), 255, np.uint8)])
+    rgba[:, :12, 3] = 0  # a transparent left part, black under it
+    rgba[:, :12, :3] = 0
+    out = upscaled(tmp_path, ckpt, "logo.png", Image.fromarray(rgba))
+    assert out.mode == "RGBA" and out.size == (60, 48)
+    alpha = np.asarray(out.getchannel("A"))
+    assert np.array_equal(alpha, upscale_alpha(rgba[:, :, 3], 2, tile=None))
+    assert (alpha[:, :20] == 0).all() and (alpha[:, 28:] == 255).all()
+    opaque = upscaled(tmp_path, ckpt, "opaque.png", Image.fromarray(rgba[:, :, :3]), out="opaque_out.png")
+    assert np.array_equal(np.asarray(out.convert("RGB")), np.asarray(opaque))
+    # A palette with a transparent colour, as GIFs and small PNGs have it
+    palette = Image.fromarray(rgba).convert("RGB").quantize(16)
+    key = int(np.asarray(palette)[0, 0])
+    assert upscaled(tmp_path, ckpt, "pal.png", palette, out="pal_out.png", transparency=key).mode == "RGBA"
+    # A format without alpha is refused before any work rather than writing a picture that lost it;
+    # an alpha channel that is opaque everywhere holds nothing to lose.
+    assert main(["sr", "upscale", str(tmp_path / "logo.png"), str(tmp_path / "logo.jpg"), "--ckpt", str(ckpt)]) == 2
+    assert error_line(capsys) == (f"hpdl: error: {tmp_path / 'logo.jpg'}: Pillow's JPEG writer cannot keep the "
+                                  f"transparency of {tmp_path / 'logo.png'}; write .png, .webp or .tif")
+    assert not (tmp_path / "logo.jpg").exists()
+    assert upscaled(tmp_path, ckpt, "full.png", Image.fromarray(rgba[:, 12:]).convert("RGBA"),
+                    out="full.jpg").mode == "RGB"
+
+
+def test_upscale_keeps_gray_images_gray_and_the_colour_profile(tmp_path, ckpt):
+    from PIL import ImageCms
+
+    gray = Image.fromarray(photo(21, 30)).convert("L")
+    out = upscaled(tmp_path, ckpt, "gray.png", gray)
+    as_rgb = upscaled(tmp_path, ckpt, "rgb.png", gray.convert("RGB"), out="rgb_out.png")
+    assert out.mode == "L" and np.array_equal(np.asarray(out), np.asarray(as_rgb.convert("L")))
+    wide = Image.fromarray(np.asarray(gray).astype(np.uint16) * 257)  # 16-bit gray
+    assert upscaled(tmp_path, ckpt, "wide.png", wide, out="wide_out.png").mode == "L"
+    profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    out = upscaled(tmp_path, ckpt, "tagged.png", Image.fromarray(photo(21, 30)), out="tagged.jpg",
+                   icc_profile=profile)
+    assert out.info.get("icc_profile") == profile
+
+
+def test_upscale_says_that_it_upscales_the_first_frame_of_an_animation(tmp_path, ckpt, capsys):
+    frames = [Image.fromarray(photo(20, 24, seed)) for seed in range(3)]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    assert main(["sr", "upscale", str(tmp_path / "anim.gif"), str(tmp_path / "o.png"), "--ckpt", str(ckpt)]) == 0
+    assert f"hpdl: note: {tmp_path / 'anim.gif'}: holds 3 frames; only the first is upscaled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tile", [1, 5, 8])
+def test_alpha_upscaled_in_tiles_equals_the_whole_image(tile):
+    from hpdl.sr.upscale import upscale_alpha
+
+    alpha = photo(13, 17)[:, :, 0]
+    assert np.array_equal(upscale_alpha(alpha, 3, tile=tile), upscale_alpha(alpha, 3, tile=None))
 
 
 def test_cli_sr_without_subcommand_prints_help(capsys):
@@ -280,3 +358,30 @@ def test_eval_names_an_empty_data_value_and_an_unusable_cache_dir(tmp_path, fold
     assert error_line(capsys) == (f"hpdl: error: {tmp_path / 'file' / 'decoded'}: cannot write the decode cache there "
                                   f"({tmp_path / 'file'} is not a directory); give a writable cache directory "
                                   "(cache_dir= / --cache-dir)")
+
+
+def test_eval_refuses_a_range_for_a_set_whose_images_are_not_numbered(tmp_path, folder, ckpt, capsys):
+    # Ignored, --range would score every image of the folder under a mean taken for a few.
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--range", "1-1",
+                 "--cache-dir", str(tmp_path / "c")]) == 2
+    assert error_line(capsys) == (f"hpdl: error: --range: {folder} is not DIV2K (its layout is folder); only "
+                                  "DIV2K's images are numbered: leave --range out to score the whole set")
+    div2k = tmp_path / "DIV2K"
+    for i in (801, 802):
+        hr = photo(40, 44, i)
+        (div2k / "DIV2K_valid_HR").mkdir(parents=True, exist_ok=True)
+        (div2k / "DIV2K_valid_LR_bicubic" / "X2").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(hr).save(div2k / "DIV2K_valid_HR" / f"0{i}.png")
+        Image.fromarray(bicubic_downscale(hr, 2)).save(div2k / "DIV2K_valid_LR_bicubic" / "X2" / f"0{i}x2.png")
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(div2k), "--range", "802-802", "--json",
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    assert [image["name"] for image in json.loads(capsys.readouterr().out)["sets"][0]["images"]] == ["0802"]
+
+
+def test_a_skipped_image_is_reported_in_one_line(tmp_path, folder, ckpt, capsys):
+    (folder / "torn.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--on-bad-image", "skip",
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "torn.png" in line or "warn" in line.lower()]
+    assert err == [f"hpdl: warning: skipping {folder / 'torn.png'}: cannot decode image (corrupt or truncated?): "
+                   f"cannot identify image file '{folder / 'torn.png'}'"]

@@ -273,3 +273,23 @@ def test_folder_eval_makes_lr_with_matlab_imresize_unless_told_otherwise(tmp_pat
     assert m["bicubic_psnr"] != t["bicubic_psnr"]
     pairs = open_pairs(tmp_path / "photos", 2, cache_dir=tmp_path / "cache")
     assert np.array_equal(pairs.arrays(0)[0], matlab_downscale(photo(40, 44), 2))
+
+
+@pytest.mark.parametrize("make", ["folder", "benchmark"])
+def test_images_of_one_name_and_two_extensions_keep_apart_their_scores_and_results(tmp_path, ckpt, capsys, make):
+    # x.png and x.jpg are two photos: one name for both would mix their rows and let the second
+    # SR image replace the first (or stop the run half-way as "already exists").
+    data = tmp_path / "data"
+    for i, suffix in enumerate((".png", ".jpg")):
+        hr = photo(40, 44, i)
+        if make == "folder":
+            save(data / f"x{suffix}", hr)
+        else:
+            save(data / "HR" / f"x{suffix}", hr)
+            save(data / "LR_bicubic" / "X2" / f"xx2{suffix}", matlab_downscale(hr, 2))
+    assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(data), "--json", "--cache-dir",
+                 str(tmp_path / "cache"), "--save-results", str(tmp_path / "results")]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert [image["name"] for image in record["sets"][0]["images"]] == ["x.jpg", "x.png"]
+    saved = sorted(p.name for p in (tmp_path / "results" / "data").iterdir())
+    assert saved == ["x.jpg_x2_SR.png", "x.png_x2_SR.png"]

@@ -40,6 +40,31 @@ def register(subparsers: Any) -> None:
     _register_export(sr_sub)
 
 
+@contextlib.contextmanager
+def _warnings_in_one_line() -> Any:
+    """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each.
+
+    Python's format adds the file and line of the code that warned, which tells a user nothing.
+    Other packages' warnings keep Python's format.
+    """
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if os.path.abspath(filename).startswith(package + os.sep):
+            print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def _print_help(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 2
@@ -81,7 +106,8 @@ def _run_train(args: argparse.Namespace) -> int:
         overrides = list(args.overrides) + ([f"resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
         # With --json, stdout carries the summary alone: progress notes go to stderr.
-        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
+                _warnings_in_one_line():
             summary = train(cfg)
     except (ConfigError, TrainError, SRDataError, CheckpointError, ModelMismatchError) as err:
         if not reporter:
@@ -123,7 +149,7 @@ def _register_eval(sr_sub: Any) -> None:
                    "benchmarks; default) or torch (antialiased bicubic)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
     p.add_argument("--tile", type=int, help="run the model in exact tiles of N LR pixels (bounds memory)")
-    p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900")
+    p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900 (DIV2K sets only)")
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
                    help="on an undecodable image: fail (default) or skip it with a warning")
     p.add_argument("--cache-dir", help="decode cache and embedded photos (default ~/.cache/hpdl/sr)")
@@ -239,7 +265,8 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         if discover_topology().rank != 0:
             return 0
         try:
-            return handler(args)
+            with _warnings_in_one_line():
+                return handler(args)
         except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
             raise CliError(str(err)) from None
         except OSError as err:
@@ -274,6 +301,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     if not args.data:
         raise CliError("--data is empty: give a dataset folder, several joined by '+', or 'embedded'")
     sets = split_sets(args.data, args.data_root)
+    if index_range is not None:
+        _refuse_range_outside_div2k(sets)
     if args.grid:
         _OutputGuard([("checkpoint", args.ckpt)], args.overwrite).refuse_now(args.grid)
         output_format(args.grid)
@@ -324,6 +353,18 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(f"{model.config.describe()}, x{model.scale}" + (", self-ensemble x8" if args.self_ensemble else ""))
         print(format_sets_table([(name, result) for name, _, _, result in scored]))
     return 0
+
+
+def _refuse_range_outside_div2k(sets: list) -> None:
+    """Refuse ``--range`` for a set that is not DIV2K: only DIV2K's images are numbered, and
+    scoring every image of the set instead of the ones asked for would give another mean."""
+    from hpdl.sr.datasets import detect_layout
+
+    for _, data in sets:
+        layout = detect_layout(data)
+        if layout != "div2k":
+            raise CliError(f"--range: {data} is not DIV2K (its layout is {layout}); only DIV2K's images are "
+                           "numbered: leave --range out to score the whole set")
 
 
 def _set_files(opened: list) -> list:
@@ -415,7 +456,7 @@ def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_Out
 
 def _run_upscale(args: argparse.Namespace) -> int:
     from hpdl.sr.config import resolve_device
-    from hpdl.sr.images import output_format, read_image, write_image
+    from hpdl.sr.images import output_format, read_picture, write_image
 
     if args.tile < 0:
         raise CliError(f"--tile must be >= 0, got {args.tile}")
@@ -423,20 +464,57 @@ def _run_upscale(args: argparse.Namespace) -> int:
     # Everything about the output is checked before minutes of inference, not after.
     guard = _OutputGuard([("input image", args.input)], args.overwrite)
     guard.refuse_now(args.output)
-    output_format(args.output)
-    image = read_image(args.input, max_pixels=args.max_pixels)
+    fmt = output_format(args.output)
+    picture = _output_picture(args, read_picture(args.input, max_pixels=args.max_pixels), fmt)
     device = resolve_device(args.device, "--device")
 
+    import numpy as np
+
     from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.upscale import upscale_image
+    from hpdl.sr.upscale import upscale_alpha, upscale_image
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
-    out = upscale_image(model, image, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
-    write_image(args.output, out, check_target=guard.for_writer(args.output))
-    (h, w), (sh, sw) = image.shape[:2], out.shape[:2]
+    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
+    if picture.gray:
+        from PIL import Image
+
+        # The network's colours of a gray input are its error: the output keeps the input's channels.
+        out = np.asarray(Image.fromarray(out).convert("L"))
+    if picture.alpha is not None:
+        out = np.dstack([out, upscale_alpha(picture.alpha, model.scale, tile=args.tile or None)])
+    write_image(args.output, out, check_target=guard.for_writer(args.output), icc_profile=picture.icc_profile)
+    (h, w), (sh, sw) = picture.rgb.shape[:2], out.shape[:2]
     print(f"wrote {args.output}: {sw}x{sh} (x{model.scale} of {w}x{h})")
     return 0
+
+
+def _output_picture(args: argparse.Namespace, picture: Any, fmt: str) -> Any:
+    """Fit what the input shows to what the output's format holds, or refuse before any work.
+
+    An alpha channel with no transparent pixel is dropped (nothing is lost); real transparency
+    is kept, or the command is refused rather than writing an image that lost it. Gray is
+    written as RGB where the format cannot hold gray.
+    """
+    import dataclasses
+
+    from hpdl.sr.images import writer_keeps
+
+    if picture.frames > 1:
+        print(f"hpdl: note: {args.input}: holds {picture.frames} frames; only the first is upscaled",
+              file=sys.stderr, flush=True)
+    if picture.orientation != 1:
+        print(f"hpdl: note: {args.input}: turned upright by its EXIF orientation ({picture.orientation}), as "
+              "viewers show it; the output has no orientation tag", file=sys.stderr, flush=True)
+    if picture.alpha is not None and bool((picture.alpha == 255).all()):
+        picture = dataclasses.replace(picture, alpha=None)
+    if picture.gray and not writer_keeps(fmt, picture.mode):
+        # Written as RGB, which a gray profile does not describe.
+        picture = dataclasses.replace(picture, gray=False, icc_profile=None)
+    if picture.alpha is not None and not writer_keeps(fmt, picture.mode):
+        raise CliError(f"{args.output}: Pillow's {fmt} writer cannot keep the transparency of {args.input}; "
+                       "write .png, .webp or .tif")
+    return picture
 
 
 class _OutputGuard:

@@ -506,6 +506,24 @@ class TrainPatches(Dataset):
 
 
 def _sources(data: PathLike, layout: str, scale: int, split: str, index_range, cache_dir) -> List[PairSource]:
+    return _unique_names(_found_sources(data, layout, scale, split, index_range, cache_dir))
+
+
+def _unique_names(sources: List[PairSource]) -> List[PairSource]:
+    """Keep the extension in the names of images that share a stem (``x.png`` and ``x.jpg``).
+
+    A name is an image's only label in the table, the JSON and ``--grid-images``, and names the
+    file ``--save-results`` writes: two images of one name would overwrite each other's result.
+    """
+    stems: Dict[str, int] = {}
+    for source in sources:
+        stems[source.name] = stems.get(source.name, 0) + 1
+    return [dataclasses.replace(source, name=source.name + source.hr.suffix) if stems[source.name] > 1 else source
+            for source in sources]
+
+
+def _found_sources(data: PathLike, layout: str, scale: int, split: str, index_range,
+                   cache_dir) -> List[PairSource]:
     if layout == "embedded":
         return folder_sources(prepare_embedded(cache_dir)[split])
     if layout == "div2k":

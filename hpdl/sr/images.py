@@ -10,6 +10,7 @@ to a temporary file and renamed, so concurrent ranks or a killed job never leave
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
 import hashlib
@@ -30,6 +31,7 @@ __all__ = [
     "EMBEDDED_TRAIN",
     "EMBEDDED_VAL",
     "ImageCache",
+    "Picture",
     "bicubic_downscale",
     "check_pixels",
     "default_cache_dir",
@@ -38,7 +40,9 @@ __all__ = [
     "output_format",
     "prepare_embedded",
     "read_image",
+    "read_picture",
     "write_image",
+    "writer_keeps",
 ]
 
 PathLike = Union[str, os.PathLike]
@@ -94,6 +98,85 @@ def read_image(path: PathLike, *, max_pixels: Optional[int] = None, limit_name: 
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, zlib errors...
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptImageError(f"{path}: cannot decode image (corrupt or truncated?): {reason}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Picture:
+    """An image as ``hpdl sr upscale`` reads it: what a viewer shows, not only its colour samples.
+
+    The networks see RGB; what an output needs to look like its input is kept beside it.
+    """
+
+    rgb: np.ndarray  # uint8 (H, W, 3), turned upright by the EXIF orientation
+    alpha: Optional[np.ndarray]  # uint8 (H, W) where the file holds transparency, else None
+    gray: bool  # a one-channel image (1, L, LA, I;16, F...): the output is gray too
+    icc_profile: Optional[bytes]  # the colour profile, when it describes the output's channels
+    frames: int  # frames of an animated or multi-page file; only the first is read
+    orientation: int  # the EXIF orientation tag turned upright (1: none)
+
+    @property
+    def mode(self) -> str:
+        """Pillow's mode of an output that keeps what the input shows: L, LA, RGB or RGBA."""
+        return ("L" if self.gray else "RGB") + ("A" if self.alpha is not None else "")
+
+
+# One-channel modes, and the modes that carry an alpha channel.
+_GRAY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def read_picture(path: PathLike, *, max_pixels: Optional[int] = None,
+                 limit_name: str = "--max-pixels") -> Picture:
+    """Decode an image file as a viewer shows it: EXIF orientation applied, transparency and gray kept apart.
+
+    Training and evaluation read the stored pixels (``read_image``), as MATLAB and EDSR-PyTorch
+    do, so that an HR image stays aligned with the LR image made from it; an image to upscale
+    is read the way it looks, so that the result looks like it, only larger.
+    """
+    from PIL import ImageOps
+
+    try:
+        with _opened(path, max_pixels) as img:
+            check_pixels(path, img.size, max_pixels, limit_name)
+            frames = int(getattr(img, "n_frames", 1) or 1)
+            img.load()
+            orientation = int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
+            upright = ImageOps.exif_transpose(img) if orientation != 1 else img
+            return _picture(upright, path, frames, orientation)
+    except SRDataError:
+        raise
+    except FileNotFoundError:
+        raise SRDataError(f"{path}: no such file") from None
+    except (IsADirectoryError, PermissionError) as err:
+        raise SRDataError(f"{path}: cannot read: {err.strerror}") from None
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, zlib errors...
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptImageError(f"{path}: cannot decode image (corrupt or truncated?): {reason}") from None
+
+
+_EXIF_ORIENTATION = 0x0112
+
+
+def _picture(img: Any, path: PathLike, frames: int, orientation: int) -> Picture:
+    gray = img.mode in _GRAY_MODES
+    alpha = None
+    key = img.info.get("transparency")
+    if img.mode.startswith("I") and isinstance(key, int):
+        # A 16-bit gray colour key: Pillow's conversions to 8 bits do not carry it into an alpha channel.
+        alpha = np.where(np.asarray(img) == key, 0, 255).astype(np.uint8)
+        colour = img
+    elif img.mode in _ALPHA_MODES or key is not None:
+        # A palette or colour key marks transparent colours: as an alpha channel, it can be upscaled.
+        with_alpha = img.convert("LA" if gray and img.mode in ("L", "LA", "La") else "RGBA")
+        alpha = np.asarray(with_alpha.getchannel("A"), dtype=np.uint8).copy()
+        colour = with_alpha.convert("L" if with_alpha.mode == "LA" else "RGB")
+    else:
+        colour = img
+    profile = img.info.get("icc_profile") or None
+    # A profile describes the channels it was made for: a CMYK file's does not fit its RGB output.
+    if profile is not None and bytes(profile[16:20]) != (b"GRAY" if gray else b"RGB "):
+        profile = None
+    return Picture(_to_rgb(colour, path), alpha, gray, profile, frames, orientation)
 
 
 def header_size(path: PathLike) -> Optional[Tuple[int, int]]:
@@ -226,20 +309,50 @@ def _writer_problem(fmt: str) -> Optional[str]:
     return None
 
 
-def write_image(path: PathLike, image: np.ndarray, *,
-                check_target: Optional[Callable[[str], None]] = None) -> None:
-    """Write a uint8 ``(H, W, 3)`` array as an image file, atomically (temp file + rename).
+@functools.lru_cache(maxsize=None)
+def writer_keeps(fmt: str, mode: str) -> bool:
+    """Whether Pillow's ``fmt`` writer stores an image of ``mode`` (L, LA, RGB, RGBA) with its channels.
 
-    ``check_target`` is passed to ``atomic_write``: it may refuse the file about to be replaced.
+    Some refuse a mode (JPEG and alpha), some drop a channel without a word (BMP writes RGBA as
+    RGB, GIF makes a palette): a probe image, written and its header read back, tells which.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    written = io.BytesIO()
+    try:
+        Image.new(mode, _PROBE_SIZE).save(written, format=fmt)
+    except Exception:  # Pillow raises OSError, ValueError or KeyError, by format
+        return False
+    written.seek(0)
+    try:
+        with Image.open(written) as back:  # the header only: no pixels are decoded
+            return back.mode == mode
+    except (UnidentifiedImageError, OSError):
+        return False  # written but not read back (PDF): what it keeps is unknown
+
+
+def write_image(path: PathLike, image: np.ndarray, *,
+                check_target: Optional[Callable[[str], None]] = None,
+                icc_profile: Optional[bytes] = None) -> None:
+    """Write a uint8 ``(H, W, 3)`` RGB array as an image file, atomically (temp file + rename).
+
+    ``(H, W)`` is written as gray (L), ``(H, W, 2)`` as gray and alpha (LA), ``(H, W, 4)`` as
+    RGBA. ``icc_profile`` is stored where the format holds one. ``check_target`` is passed to
+    ``atomic_write``: it may refuse the file about to be replaced.
     """
     from PIL import Image
 
     fmt = output_format(path)
-    pixels = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8))
+    image = np.ascontiguousarray(image, dtype=np.uint8)
+    if image.ndim == 3 and image.shape[2] == 2:  # fromarray has no LA of its own
+        pixels = Image.merge("LA", [Image.fromarray(np.ascontiguousarray(image[:, :, c])) for c in (0, 1)])
+    else:
+        pixels = Image.fromarray(image)
+    extra = {"icc_profile": icc_profile} if icc_profile else {}
 
     def save(f: Any) -> None:
         try:
-            pixels.save(f, format=fmt)
+            pixels.save(f, format=fmt, **extra)
         except Exception as err:
             if isinstance(err, OSError) and err.errno is not None:
                 raise  # the file system's (disk full): atomic_write names the output

@@ -17,13 +17,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpdl.sr.metrics import quantize
+from hpdl.sr.metrics import bicubic_upscale, quantize
 from hpdl.sr.models import receptive_field_radius
 from hpdl.sr.transforms import NUM_DIHEDRAL, dihedral_tensor, inverse_dihedral_tensor
 
-__all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "forward_tiled", "self_ensemble", "upscale", "upscale_image"]
+__all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "forward_tiled", "self_ensemble", "upscale", "upscale_alpha",
+           "upscale_image"]
 
 DEFAULT_TILE = 256
+# LR pixels on each side that the bicubic kernel (a = -0.5, 4 taps) reaches when enlarging, plus one.
+BICUBIC_MARGIN = 3
 PROGRESS_DELAY = 3.0  # seconds of upscaling before its progress bar appears: short runs stay quiet
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -151,6 +154,23 @@ def upscale_image(
             out = np.empty((h * s, w * s, 3), dtype=np.uint8)
         out[y0 * s : y1 * s, x0 * s : x1 * s] = quantize(piece[0]).to(torch.uint8).permute(1, 2, 0).numpy()
     assert out is not None
+    return out
+
+
+@torch.no_grad()
+def upscale_alpha(alpha: np.ndarray, scale: int, *, tile: Optional[int] = DEFAULT_TILE) -> np.ndarray:
+    """Enlarge a uint8 ``(h, w)`` alpha channel ``scale`` times by bicubic interpolation, to uint8.
+
+    The networks learnt colours, not transparency; bicubic keeps the mask's edges smooth, and
+    away from them opaque stays opaque and transparent transparent. Run in tiles as ``upscale_image``, which is
+    exact as the kernel reaches less than ``BICUBIC_MARGIN`` pixels beyond a tile.
+    """
+    h, w = alpha.shape
+    plane = torch.from_numpy(np.ascontiguousarray(alpha))[None, None]
+    tile = tile or max(h, w)
+    out = np.empty((h * scale, w * scale), dtype=np.uint8)
+    for s, (y0, y1, x0, x1), piece in _tiles(lambda x: bicubic_upscale(x, scale), plane, tile, BICUBIC_MARGIN):
+        out[y0 * s : y1 * s, x0 * s : x1 * s] = quantize(piece[0, 0]).to(torch.uint8).numpy()
     return out
 
 
