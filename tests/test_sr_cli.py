@@ -279,6 +279,19 @@ def test_upscale_says_that_it_upscales_the_first_frame_of_an_animation(tmp_path,
     assert f"hpdl: note: {tmp_path / 'anim.gif'}: holds 3 frames; only the first is upscaled" in capsys.readouterr().err
 
 
+def test_upscale_writes_lossy_formats_at_the_quality_sr_tools_use(tmp_path, ckpt):
+    """JPEG at quality 95 and WebP lossless (OpenCV's imwrite defaults), not Pillow's 75 and 80."""
+    from PIL import features
+
+    png = np.asarray(upscaled(tmp_path, ckpt, "in.png", Image.fromarray(photo(40, 48))))
+    jpeg = upscaled(tmp_path, ckpt, "in.png", Image.fromarray(photo(40, 48)), out="out.jpg")
+    Image.fromarray(png).save(tmp_path / "q95.jpg", quality=95)
+    assert jpeg.quantization == Image.open(tmp_path / "q95.jpg").quantization
+    if features.check("webp"):
+        webp = np.asarray(upscaled(tmp_path, ckpt, "in.png", Image.fromarray(photo(40, 48)), out="out.webp"))
+        assert np.array_equal(webp, png)
+
+
 @pytest.mark.parametrize("tile", [1, 5, 8])
 def test_alpha_upscaled_in_tiles_equals_the_whole_image(tile):
     from hpdl.sr.upscale import upscale_alpha

@@ -331,6 +331,12 @@ def writer_keeps(fmt: str, mode: str) -> bool:
         return False  # written but not read back (PDF): what it keeps is unknown
 
 
+# Lossy formats at the quality SR tools write by default (OpenCV's imwrite, which BasicSR and
+# EDSR-PyTorch users know: JPEG at 95, WebP lossless), not Pillow's defaults (JPEG 75, WebP
+# 80), which blur away the detail the network has just restored.
+_SAVE_OPTIONS: Dict[str, Dict[str, Any]] = {"JPEG": {"quality": 95}, "WEBP": {"lossless": True}}
+
+
 def write_image(path: PathLike, image: np.ndarray, *,
                 check_target: Optional[Callable[[str], None]] = None,
                 icc_profile: Optional[bytes] = None) -> None:
@@ -348,7 +354,7 @@ def write_image(path: PathLike, image: np.ndarray, *,
         pixels = Image.merge("LA", [Image.fromarray(np.ascontiguousarray(image[:, :, c])) for c in (0, 1)])
     else:
         pixels = Image.fromarray(image)
-    extra = {"icc_profile": icc_profile} if icc_profile else {}
+    extra = dict(_SAVE_OPTIONS.get(fmt, {}), **({"icc_profile": icc_profile} if icc_profile else {}))
 
     def save(f: Any) -> None:
         try:
