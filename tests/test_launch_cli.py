@@ -104,6 +104,20 @@ def test_profile_and_timeline_files_rank_0_could_never_write_are_refused_before_
     _one_line_error(capsys, f"{option} {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is not a directory")
 
 
+def test_profile_and_timeline_on_one_file_are_refused_before_the_job(tmp_path, capsys, clean_env):
+    target = tmp_path / "trace.json"
+    assert main(["run", "-np", "2", "--profile", str(target), "--timeline", str(target), "--dry-run",
+                 "--", "true"]) == 2
+    _one_line_error(capsys, f"--profile and --timeline name the same file, {target}")
+    target.write_text("[]")
+    (tmp_path / "link.json").symlink_to(target)
+    assert main(["run", "-np", "2", "--profile", str(tmp_path / "link.json"), "--timeline", str(target),
+                 "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, "--profile and --timeline name the same file")
+    assert main(["run", "-np", "2", "--profile", str(tmp_path / "p.json"), "--timeline", str(target),
+                 "--dry-run", "--", "true"]) == 0
+
+
 def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2\n# spare\nnode2 = 3\n")

@@ -372,6 +372,7 @@ def check_written_files(args: argparse.Namespace) -> None:
     Checked on this host, where rank 0 usually runs (rank 0 checks --profile again at
     hvd.init()); a directory still missing is made when the file is written.
     """
+    written = {}
     for option, path in (("--profile", args.profile), ("--timeline", args.timeline)):
         if not path or (option == "--timeline" and path == DYNAMIC_TIMELINE):
             continue
@@ -381,6 +382,20 @@ def check_written_files(args: argparse.Namespace) -> None:
         blocker = file_in_the_way(path)
         if blocker is not None:
             raise LaunchError(f"{option} {path}: {blocker} is not a directory")
+        written[option] = path
+    if len(written) == 2 and _same_file(written["--profile"], written["--timeline"]):
+        # The profile, written at the end, would replace the whole timeline.
+        raise LaunchError(f"--profile and --timeline name the same file, {written['--profile']}; "
+                          "give them different files")
+
+
+def _same_file(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet: different paths, different files
+        return False
 
 
 def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:
