@@ -175,3 +175,14 @@ def test_the_90th_percentile_of_arrival_spread_is_not_below_its_median():
     arrival = Analysis(profile).arrival
     assert arrival.collectives == 2
     assert arrival.median_spread_us <= arrival.p90_spread_us <= arrival.max_spread_us
+
+
+def test_a_tensor_name_with_a_newline_keeps_its_row_on_one_line():
+    from hpdl.profile.report import render
+
+    profile = make_profile(sizes=(4096,))
+    for part in profile["ranks"]:
+        part["tensors"] = ["grad\nof\tlayer" if name == "g0" else name for name in part["tensors"]]
+    text = render(Analysis(profile), "made-up", [])
+    rows = [line for line in text.splitlines() if "grad" in line]
+    assert rows and all(r"grad\nof\tlayer" in row for row in rows), text

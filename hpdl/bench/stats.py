@@ -50,10 +50,20 @@ def doubling_sizes(min_bytes: int, max_bytes: int) -> List[int]:
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """Right-aligned columns, first column left-aligned, like OSU's output."""
-    rows = [[str(c) for c in row] for row in rows]
+    """Right-aligned columns, first column left-aligned, like OSU's output.
+
+    Control characters in a cell (a tensor name holding a newline) are shown escaped, so that
+    every row stays one line.
+    """
+    rows = [[_printable(str(c)) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
     for row in rows:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
