@@ -11,7 +11,7 @@ import argparse
 import io
 import os
 import sys
-from typing import IO, Callable, NoReturn, Optional, Sequence
+from typing import IO, Any, Callable, NoReturn, Optional, Sequence
 
 from hpdl import __version__
 from hpdl.config import SettingsError
@@ -114,6 +114,27 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"hpdl: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> argparse.Namespace:
+        # Options no parser knew reach the top parser; the help that lists the right ones is
+        # the subcommand's (`hpdl run --help`), which the deepest parser's default names.
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            prog = getattr(parsed, _HELP_PROG, self.prog)
+            self.exit(2, f"hpdl: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n")
+        return parsed
+
+
+_HELP_PROG = "_hpdl_help_prog"
+
+
+def _name_help(parser: argparse.ArgumentParser) -> None:
+    """Give every parser of the tree a default naming itself; the deepest one used wins."""
+    parser.set_defaults(**{_HELP_PROG: parser.prog})
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _name_help(child)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the full ``hpdl`` argument parser."""
@@ -136,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub)
     sr_cli.register(sub)
     profile_cli.register(sub)
+    _name_help(parser)
     return parser
 
 

@@ -118,6 +118,19 @@ def test_profile_and_timeline_on_one_file_are_refused_before_the_job(tmp_path, c
                  "--dry-run", "--", "true"]) == 0
 
 
+@pytest.mark.parametrize("argv, unknown, prog", [
+    (["run", "--bogus", "--", "true"], "--bogus", "hpdl run"),
+    (["profile", "report", "p.json", "--frob"], "--frob", "hpdl profile report"),
+    (["sr", "upscale", "a.png", "b.png", "--ckpt", "c.pt", "--tiles", "8"], "--tiles 8", "hpdl sr upscale"),
+    (["--bogus"], "--bogus", "hpdl"),
+])
+def test_an_unknown_option_points_at_the_help_that_lists_the_right_ones(argv, unknown, prog, capsys, clean_env):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    _one_line_error(capsys, f"unrecognized arguments: {unknown} (see {prog} --help)")
+
+
 def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2\n# spare\nnode2 = 3\n")
