@@ -14,7 +14,7 @@ from hpdl.sr.models import (
     receptive_field_radius,
 )
 
-# edsr.md, "Trainable parameters (MeanShift's frozen 24 not counted)".
+# The published models' trainable parameters (MeanShift's 24 frozen ones not counted).
 PUBLISHED = {
     ("edsr_baseline", 2): 1_369_859,
     ("edsr_baseline", 3): 1_554_499,

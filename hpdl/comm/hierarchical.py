@@ -4,7 +4,7 @@ On a homogeneous job (every node runs the same number of ranks) each allreduce b
     reduce-scatter among the node's ranks -> allreduce of each shard among the ranks with the
     same local rank on every node -> allgather among the node's ranks,
 so every inter-node link carries 1/local_size of the message and the inter-node latency term
-drops from 2(p-1) to 2(N-1) steps for N nodes (see collectives.md). On a heterogeneous job it
+drops from 2(p-1) to 2(N-1) steps for N nodes (the ring cost model). On a heterogeneous job it
 falls back to: allreduce within the node, allreduce among node leaders, broadcast in the node.
 Every other collective goes to the flat world communicator unchanged.
 """

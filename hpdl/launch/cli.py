@@ -74,7 +74,7 @@ examples:
   hpdl run -np 4 -- python train.py --epochs 10
   hpdl run -np 8 -H node1:4,node2:4 --timeline trace.json -- python train.py
   hpdl run -np 2 --profile p.json -- python train.py   # then: hpdl profile report p.json
-  hpdl run --hostfile hosts.txt --backend gloo -- python -m hpdl.sr train
+  hpdl run --hostfile hosts.txt --backend gloo -- hpdl sr train --config edsr_baseline_x2
   hpdl run -np 2 --dry-run -- python train.py      # print the command, run nothing
 
 hostfile lines: 'node1 slots=4', 'node1:4' or 'node1' (one slot); '#' starts a comment
@@ -158,7 +158,7 @@ def register(subparsers) -> None:
                      help="write each rank's output to DIR/rank.<rank>/stdout and stderr instead of the terminal")
     how.add_argument("--start-timeout", type=float, metavar="S",
                      help="a rank whose hvd.init() has not met every other rank within S seconds exits with an "
-                          "error (HPDL_START_TIMEOUT)")
+                          "error (default 0: no bound of hpdl's own; HPDL_START_TIMEOUT)")
     remote = run.add_argument_group("remote hosts")
     remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
                         help="port of the ssh that starts remote ranks (mpiexec's, or the one that starts "
@@ -180,18 +180,19 @@ def register(subparsers) -> None:
     knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
                        help="fuse tensors into buffers of up to MB mebibytes (default 128, as Horovod; HPDL_FUSION_THRESHOLD; 0 disables)")
     knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
-                       help="engine cycle time in milliseconds (HPDL_CYCLE_TIME)")
+                       help="engine cycle time in milliseconds (default 1; HPDL_CYCLE_TIME)")
     knobs.add_argument("--cache-capacity", type=int, metavar="N",
-                       help="entries of the negotiation response cache (HPDL_CACHE_CAPACITY; 0 disables)")
+                       help="entries of the negotiation response cache (default 1024; HPDL_CACHE_CAPACITY; 0 disables)")
     knobs.add_argument("--stall-warning-s", "--stall-check-warning-time-seconds", type=float, metavar="S",
-                       help="warn when a collective waits for some ranks longer than S seconds (HPDL_STALL_WARNING)")
+                       help="warn when a collective waits for some ranks longer than S seconds (default 60; "
+                            "HPDL_STALL_WARNING)")
     knobs.add_argument("--no-stall-check", action="store_true", default=None,
                        help="no stall warning before the stall timeout ends the job, even with a warning time "
                             "given (horovodrun's)")
     stall_timeout = knobs.add_mutually_exclusive_group()
     stall_timeout.add_argument("--stall-timeout-s", type=float, metavar="S",
                                help="abort the job when a collective stalls longer than S seconds "
-                                    "(HPDL_STALL_TIMEOUT)")
+                                    "(default 1800; HPDL_STALL_TIMEOUT)")
     stall_timeout.add_argument("--stall-check-shutdown-time-seconds", dest="stall_shutdown_s", type=float,
                                metavar="S", help="horovodrun's spelling of --stall-timeout-s, where 0 (never) "
                                                  "keeps hpdl's timeout")

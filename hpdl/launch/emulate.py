@@ -337,8 +337,9 @@ _DESCRIPTION = """\
 Emulate a cluster on this machine and run COMMAND on its first node: NODES network
 namespaces, each with its own address, host name and /etc/hosts, joined by a bridge, every
 link shaped to RATE (tc's tbf). COMMAND sees HPDL_HOSTFILE (the nodes, SLOTS each) and
-HPDL_RSH (a stand-in for ssh into the nodes), which `hpdl run` uses, and UCX_TLS=tcp,self and
-GLOO_SOCKET_IFNAME=eth0 (so that traffic between nodes crosses the shaped links), so
+HPDL_RSH (a stand-in for ssh into the nodes), which `hpdl run` uses, and, unless already
+set, UCX_TLS=tcp,self and GLOO_SOCKET_IFNAME=eth0 (so that traffic between nodes crosses the
+shaped links), so
   hpdl emulate --nodes 2 --rate 1gbit -- hpdl run -np 2 -- python job.py
 runs one rank on each node. Everything is removed afterwards, also after a failure and on
 Ctrl-C or SIGTERM. Needs root."""

@@ -33,7 +33,12 @@ def register(subparsers) -> None:
     buckets = dict(default="128K,16M,32M,64M", metavar="SIZES",
                    help="edges of the message-size classes (default 128K,16M,32M,64M)")
 
-    report = sub.add_parser("report", help="time by message size, per step, per rank, fusion, findings")
+    report = sub.add_parser(
+        "report", help="time by message size, per step, per rank, fusion, findings",
+        description="Print a profile's tables and findings: communication time by message size, top messages "
+        "and tensors, per step (compute, exposed communication, efficiency estimate), arrival per rank, fusion. "
+        "--html writes them with plots into a directory that must exist; it never replaces an input, and an "
+        "existing file only with --overwrite.")
     report.add_argument("file", help="profile JSON file")
     report.add_argument("--buckets", **buckets)
     report.add_argument("--bench", metavar="FILE",
@@ -42,13 +47,19 @@ def register(subparsers) -> None:
     report.add_argument("--overwrite", action="store_true", help="replace the --html file if it exists (never an input)")
     report.set_defaults(func=_report)
 
-    compare = sub.add_parser("compare", help="two profiles side by side, with changes in percent")
+    compare = sub.add_parser("compare", help="two profiles side by side, with changes in percent",
+                             description="Print two profiles' figures side by side (time by message size, per "
+                             "step, fusion), with the changes from A to B and the settings that differ.")
     compare.add_argument("before", help="profile A (before the change)")
     compare.add_argument("after", help="profile B (after the change)")
     compare.add_argument("--buckets", **buckets)
     compare.set_defaults(func=_compare)
 
-    timeline = sub.add_parser("timeline", help="write a Chrome-trace / Perfetto file, one track per rank")
+    timeline = sub.add_parser(
+        "timeline", help="write a Chrome-trace / Perfetto file, one track per rank",
+        description="Write a profile as a Chrome trace for ui.perfetto.dev or chrome://tracing: one process per "
+        "rank with its steps, backend calls, copies and waits. The file goes into a directory that must exist; "
+        "it never replaces the profile, and an existing file only with --overwrite.")
     timeline.add_argument("file", help="profile JSON file")
     timeline.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write ('-': stdout)")
     timeline.add_argument("--overwrite", action="store_true", help="replace the trace file if it exists (never the profile)")

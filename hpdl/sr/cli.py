@@ -80,8 +80,9 @@ def _register_train(sr_sub: Any) -> None:
         description=f"Train a model (model= one of {', '.join(model_names())}; scale= {describe_scales()}) "
         "from a YAML config (a packaged name such as 'demo', "
         "'edsr_baseline_x2', or a path) with KEY=VALUE overrides, e.g. "
-        "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes "
-        "OUT_DIR/last.pt (resumable), OUT_DIR/model.pt (weights), CSV logs, curves.png and a summary. An OUT_DIR "
+        "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes into "
+        "OUT_DIR (the out_dir= key, e.g. runs/demo for demo): last.pt (resumable), model.pt (weights), CSV logs, "
+        "curves.png and a summary. An OUT_DIR "
         "holding an earlier run is refused: continue it with resume=auto, or start over with overwrite=true.",
         epilog=f"packaged configs: {', '.join(config_names())}. The keys and their meaning: "
         "TrainConfig in hpdl/sr/config.py.",
@@ -148,11 +149,12 @@ def _register_eval(sr_sub: Any) -> None:
                    help="how LR is made where a dataset has none: matlab (imresize, as the published "
                    "benchmarks; default) or torch (antialiased bicubic)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
-    p.add_argument("--tile", type=int, help="run the model in exact tiles of N LR pixels (bounds memory)")
+    p.add_argument("--tile", type=int, help="run the model in exact tiles of TILE LR pixels (bounds memory; default: whole images)")
     p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900 (DIV2K sets only)")
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
                    help="on an undecodable image: fail (default) or skip it with a warning")
-    p.add_argument("--cache-dir", help="decode cache and embedded photos (default ~/.cache/hpdl/sr)")
+    p.add_argument("--cache-dir", help="decode cache and embedded photos (default $XDG_CACHE_HOME/hpdl/sr, else "
+                   "~/.cache/hpdl/sr)")
     p.add_argument("--save-results", metavar="DIR",
                    help="write every SR image as DIR/<set>/<image>_x<s>_SR.png")
     p.add_argument("--grid", metavar="PNG",
