@@ -8,7 +8,9 @@ venv="${HPDL_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 
 # A bare `torch` requirement resolves to a multi-GB CUDA build; on a CPU-only x86-64 machine
-# the CPU build is enough. HPDL_TORCH_SPEC overrides (e.g. "torch==2.13.0" or "torch").
+# the CPU build is enough, and this pinned version is the one the package index of the
+# machines this project runs on serves as a CPU build. HPDL_TORCH_SPEC overrides (e.g.
+# "torch==2.13.0+cpu" with PyTorch's CPU index configured for pip, or "torch").
 torch_spec="${HPDL_TORCH_SPEC:-torch==2.13.0}"
 
 stamp="$venv/.hpdl-setup-stamp"
