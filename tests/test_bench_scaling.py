@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -140,3 +142,105 @@ def test_overwrite_replaces_earlier_outputs_atomically(study, tmp_path, capsys):
     assert len(study) == 3
     assert (tmp_path / "scaling.svg").read_text().lstrip().startswith("<?xml")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scaling.json", "scaling.png", "scaling.svg"]
+
+
+# --- a study that ends early: its jobs end with it, and the runs done are kept ---------------
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "0", "-1", "1e300"])
+def test_a_timeout_no_job_can_have_is_refused_before_any_job(study, capsys, timeout):
+    assert _scaling("--timeout", timeout) == 2
+    _one_line_error(capsys, f"--timeout takes seconds above 0 and at most 31536000 (a year), got {float(timeout):g}")
+    assert study == []
+
+
+def _fake_jobs(monkeypatch, code):
+    """Make every job of the study run ``python -c code`` instead of `hpdl run ...`."""
+    from hpdl.bench import scaling
+
+    monkeypatch.setattr(scaling, "job_argv", lambda opts, job, ranks: [sys.executable, "-c", code])
+
+
+def test_a_timeout_beyond_what_one_wait_takes_is_honoured(monkeypatch):
+    from hpdl.bench.scaling import _run_job
+
+    _fake_jobs(monkeypatch, "print('{\"img_sec_per_rank\": 3.5}')")
+    opts = ScalingOptions(ranks=(1,), systems=("hpdl",), timeout_s=30 * 24 * 3600.0)  # poll() takes ~24 days at most
+    assert _run_job(opts, "default", 1) == {"hpdl": 3.5}
+
+
+def test_a_job_whose_rank_was_killed_says_so(monkeypatch):
+    """MPICH reports a rank killed without a word on stdout, in its banner; stderr is empty."""
+    from hpdl.bench.scaling import ScalingError, _run_job
+
+    banner = ("\n" + "=" * 20 + "\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n" + "=" * 20
+              + "\nYOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)\n"
+              "This typically refers to a problem with your application.\n")
+    _fake_jobs(monkeypatch, f"import sys; print({banner!r}); sys.exit(9)")
+    with pytest.raises(ScalingError, match=r"^the default job on 2 rank\(s\) failed \(exit 9\): a rank ended: "
+                                           r"Killed \(signal 9\)$"):
+        _run_job(ScalingOptions(), "default", 2)
+
+
+def test_a_failed_job_keeps_the_runs_done_before_it(monkeypatch, tmp_path, capsys):
+    from hpdl.bench import scaling
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPDL_HOSTFILE", raising=False)
+
+    def run_job(opts, job, ranks):
+        if ranks == 2:
+            raise scaling.ScalingError(f"the {job} job on 2 rank(s) failed (exit 1): RuntimeError: boom")
+        return {"hpdl": 10.0, "ceiling": 11.0}
+
+    monkeypatch.setattr(scaling, "_run_job", run_job)
+    assert _scaling() == 2
+    _one_line_error(capsys, "hpdl: error: repeat 1/3: the default job on 2 rank(s) failed (exit 1): RuntimeError: "
+                            "boom; wrote the 1 run(s) done to scaling.json (no plot)")
+    record = json.loads((tmp_path / "scaling.json").read_text())
+    assert record["complete"] is False and record["failure"].endswith("RuntimeError: boom")
+    assert [(r["ranks"], r["img_sec_per_rank"]["hpdl"]) for r in record["runs"]] == [(1, 10.0)]
+    assert [(s["system"], s["ranks"], s["total_img_sec"]) for s in record["summary"]] == [("hpdl", 1, 10.0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scaling.json"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_study_ends_its_running_job(tmp_path, signum):
+    """SIGTERM (kill, a batch system's limit) ends the running job as Ctrl-C does, and neither
+    leaves it running without its driver."""
+    pid_file = tmp_path / "job.pid"
+    job = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    driver = ("import sys\nfrom hpdl.bench import scaling\nfrom hpdl.cli import main\n"
+              f"scaling.job_argv = lambda opts, job, ranks: [sys.executable, '-c', {job!r}]\n"
+              "sys.exit(main(['bench', 'scaling', '--ranks', '1', '--systems', 'hpdl']))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPDL_")}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=str(tmp_path), env=env, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    job_pid = None
+    try:
+        for _ in range(300):
+            if pid_file.exists() and pid_file.read_text():
+                job_pid = int(pid_file.read_text())
+                break
+            time.sleep(0.1)
+        assert job_pid is not None, "the job did not start"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum, err
+        assert err == f"hpdl: error: stopped by {signum.name}; no job had ended, nothing written\n"
+        assert not _alive(job_pid), "the job outlived its driver"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if job_pid is not None and _alive(job_pid):
+            os.kill(job_pid, signal.SIGKILL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.pid"]
+
+
+def _alive(pid):
+    """Whether ``pid`` runs (a zombie waiting for its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

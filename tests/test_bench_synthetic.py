@@ -202,3 +202,67 @@ def test_allreduce_messages_that_cannot_be_allocated_end_every_rank_with_the_siz
     with pytest.raises(allreduce.MessageMemoryError) as caught:
         allreduce.run_allreduce(opts, comm, paths={"backend": lambda tensors: lambda: None})
     assert str(caught.value) == problem
+
+
+@pytest.mark.parametrize("text, error", [
+    ("9" * 400, "--max-size: '99999999999999999999...' is more than 1 EiB"),
+    ("1.5", "--max-size: '1.5' is not a whole number of bytes"),  # not 1 B, silently
+    ("0.3K", "--max-size: '0.3K' is not a whole number of bytes"),
+])
+def test_allreduce_sizes_are_exact_or_refused(capsys, monkeypatch, text, error):
+    from hpdl.bench.stats import parse_size
+    from hpdl.torch import runtime
+
+    assert parse_size("1.5K") == 1536 and parse_size(".5K") == 512 and parse_size("1024G") == 1 << 40
+    monkeypatch.setattr(runtime, "job_communicator", lambda *a: pytest.fail("a communicator was created"))
+    assert main(["bench", "allreduce", "--max-size", text]) == 2
+    assert capsys.readouterr().err == f"hpdl: error: {error}\n"
+
+
+def test_threads_beyond_any_pool_are_refused(capsys):
+    # torch.set_num_threads(100000000) ends the process with a segmentation fault.
+    assert main(["bench", "synthetic", "--threads", "100000000"]) == 2
+    assert capsys.readouterr().err == "hpdl: error: threads must be at most 1024, got 100000000\n"
+
+
+_NO_MEMORY = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+              "to allocate 12000000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--model", "edsr-baseline", "--patch", "1000000"],
+     "out of memory training edsr-baseline with --batch-size 32 and --patch 1000000; lower them"),
+    (["--batch-size", "100000000"], "out of memory training resnet50 with --batch-size 100000000; lower it"),
+])
+def test_a_batch_beyond_memory_is_one_line(capsys, monkeypatch, args, error):
+    from hpdl.bench import synthetic
+
+    def no_memory(opts, json_output=False):
+        raise RuntimeError(_NO_MEMORY)
+
+    monkeypatch.setattr(synthetic, "run_synthetic", no_memory)
+    assert main(["bench", "synthetic", *args]) == 2
+    assert capsys.readouterr().err == f"hpdl: error: {error}\n"
+
+
+def test_a_pipeline_batch_beyond_memory_is_one_line(capsys, monkeypatch):
+    from hpdl.sr import throughput
+
+    monkeypatch.setattr(throughput, "measure_pipeline", lambda *a, **k: {"median": 1.0})
+    monkeypatch.setattr(throughput, "measure_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(_NO_MEMORY)))
+    assert main(["bench", "pipeline", "--model-batch-size", "100000000"]) == 2
+    assert capsys.readouterr().err == ("hpdl: error: out of memory with --batch-size 16, --model-batch-size 100000000 "
+                                       "and --patch 48; lower them\n")
+
+
+def test_allreduce_json_holds_the_tables_bandwidth_ratios():
+    from hpdl.bench.allreduce import bandwidth_ratios, format_records
+
+    records = [{"path": path, "size": size, "tensors": 1, "avg_us": 1.0, "min_us": 1.0, "max_us": 1.0,
+                "algbw_GBps": bw, "busbw_GBps": bw, "iterations": 10, "rounds": 3}
+               for path, size, bw in [("backend", 4, 2.0), ("backend", 8, 3.0), ("mpi4py", 4, 1.0), ("mpi4py", 8, 4.0)]]
+    assert bandwidth_ratios(records) == [{"size": 4, "backend/mpi4py": 2.0}, {"size": 8, "backend/mpi4py": 0.75}]
+    assert bandwidth_ratios(records[:2]) == []
+    table = format_records(records, 2, "mpi", "float32").splitlines()
+    assert table[-4:] == ["# bandwidth ratio against mpi4py (median of 3 alternating rounds)",
+                          "Size  backend/mpi4py", "4              2.000", "8              0.750"]

@@ -276,15 +276,23 @@ def format_records(records: List[dict], ranks: int, backend: str, dtype: str) ->
         out.append(f"# hpdl allreduce benchmark: path={path} backend={backend} ranks={ranks} dtype={dtype}{per_call}")
         out.append(format_table(["Size", "Avg(us)", "Min(us)", "Max(us)", "algbw(GB/s)", "busbw(GB/s)"], rows))
         out.append("")
-    if len(paths) > 1:
-        base = paths[-1]
-        by_key = {(r["path"], r["size"]): r for r in records}
-        header = ["Size"] + [f"{p}/{base}" for p in paths[:-1]]
-        rows = []
-        for r in records:
-            if r["path"] != base:
-                continue
-            rows.append([r["size"]] + [f"{by_key[(p, r['size'])]['algbw_GBps'] / r['algbw_GBps']:.3f}" for p in paths[:-1]])
-        out.append(f"# bandwidth ratio against {base} (median of {records[0]['rounds']} alternating rounds)")
-        out.append(format_table(header, rows))
+    ratios = bandwidth_ratios(records)
+    if ratios:
+        columns = [name for name in ratios[0] if name != "size"]
+        rows = [[entry["size"]] + [f"{entry[name]:.3f}" for name in columns] for entry in ratios]
+        out.append(f"# bandwidth ratio against {paths[-1]} (median of {records[0]['rounds']} alternating rounds)")
+        out.append(format_table(["Size", *columns], rows))
     return "\n".join(out).rstrip()
+
+
+def bandwidth_ratios(records: List[dict]) -> List[dict]:
+    """Per size, each path's bandwidth against the last path's (``{"size": 4, "backend/mpi4py": 1.02}``);
+    empty with one path."""
+    paths = list(dict.fromkeys(r["path"] for r in records))
+    if len(paths) < 2:
+        return []
+    base = paths[-1]
+    by_key = {(r["path"], r["size"]): r for r in records}
+    return [{"size": r["size"], **{f"{p}/{base}": by_key[(p, r["size"])]["algbw_GBps"] / r["algbw_GBps"]
+                                   for p in paths[:-1]}}
+            for r in records if r["path"] == base]

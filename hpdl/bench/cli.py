@@ -12,7 +12,8 @@ def register(subparsers) -> None:
     """Add ``bench`` and its benchmark subcommands."""
     bench = subparsers.add_parser(
         "bench", help="benchmarks: allreduce (OSU-style), synthetic training throughput, scaling studies, SR data pipeline",
-        description="Benchmarks that run inside a job: start them with `hpdl run -np N -- hpdl bench ...`.",
+        description="allreduce and synthetic run inside a job: start them with `hpdl run -np N -- hpdl bench ...` "
+        "or a launcher. scaling starts such jobs itself: run it from a shell. pipeline runs in one process.",
     )
     sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     _register_allreduce(sub)
@@ -87,7 +88,8 @@ def _size(flag: str, text: str) -> int:
 
 
 def _run_allreduce(args) -> int:
-    from hpdl.bench.allreduce import MessageMemoryError, build_paths, format_records, run_allreduce
+    from hpdl.bench.allreduce import (MessageMemoryError, bandwidth_ratios, build_paths, format_records,
+                                      run_allreduce)
     from hpdl.cli import CliError
 
     from hpdl.comm import CommError
@@ -111,8 +113,12 @@ def _run_allreduce(args) -> int:
         raise CliError(str(err)) from None
     if comm.rank == 0:
         if args.json:
-            print(json.dumps({"benchmark": "allreduce", "ranks": comm.size, "backend": comm.name,
-                              "dtype": args.dtype, "records": records}, indent=1))
+            record = {"benchmark": "allreduce", "ranks": comm.size, "backend": comm.name,
+                      "dtype": args.dtype, "records": records}
+            ratios = bandwidth_ratios(records)
+            if ratios:  # the table's last one, with several paths
+                record["bandwidth_ratio"] = ratios
+            print(json.dumps(record, indent=1))
         else:
             print(format_records(records, comm.size, comm.describe(), args.dtype))
     comm.barrier()
@@ -161,7 +167,7 @@ def _register_synthetic(sub) -> None:
                         "(DistributedOptimizer(overlap_forward=model); --breakdown counts its wait in forward)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=None,
                    help="sgd (lr 0.01 x ranks, as Horovod) or adam (lr 1e-4, the EDSR recipe); "
-                        "default: adam for EDSR, sgd for resnet50")
+                        "default: adam for the SR models, sgd for resnet50")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     p.add_argument("--compare", default="",
                    help="comma-separated baselines to alternate with: ddp (DistributedDataParallel over gloo), "
@@ -199,10 +205,22 @@ def _run_synthetic(args) -> int:
         )
     except ValueError as err:
         raise CliError(str(err)) from None
-    record = run_synthetic(opts, json_output=args.json)
+    try:
+        record = run_synthetic(opts, json_output=args.json)
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        patch = f" and --patch {opts.patch}" if opts.model in sr_models() else ""
+        raise CliError(f"out of memory training {opts.model} with --batch-size {opts.batch_size}{patch}; "
+                       f"lower {'them' if patch else 'it'}") from None
     if record is not None and args.json:
         print(json.dumps(record, indent=1))
     return 0
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed (torch raises RuntimeError for it)."""
+    return isinstance(err, MemoryError) or "allocate" in str(err)
 
 
 def _register_scaling(sub) -> None:
@@ -231,14 +249,17 @@ def _register_scaling(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats of every point (default 3)")
     p.add_argument("-H", "--hosts", default=None, metavar="HOST[:SLOTS],...",
                    help="hosts to spread the ranks over (default: HPDL_HOSTFILE's, else this host)")
-    p.add_argument("--json", default="scaling.json", metavar="FILE", help="record to write (default scaling.json)")
+    p.add_argument("--json", default="scaling.json", metavar="FILE",
+                   help="record to write (default scaling.json); a study that ends early (a job failed, Ctrl-C, "
+                        "SIGTERM) writes the runs done so far to it, marked \"complete\": false")
     p.add_argument("--plot", default="scaling.png", metavar="FILE",
                    help="plot to write, PNG unless its extension names another format matplotlib writes "
                         "(default scaling.png)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the --json and --plot files if they exist (also the defaults: a second run in "
                         "the same directory needs it)")
-    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds a job may take (default 1800)")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                   help="seconds a job may take before it is ended (default 1800, at most a year)")
     synthetic = p.add_argument_group("passed to every `hpdl bench synthetic` job")
     for flag, kind, default in (("--model", str, "edsr-baseline"), ("--batch-size", int, None), ("--patch", int, None),
                                 ("--scale", int, None), ("--num-warmup", int, None), ("--num-iters", int, None),
@@ -252,7 +273,8 @@ def _register_scaling(sub) -> None:
 def _run_scaling(args) -> int:
     import os
 
-    from hpdl.bench.scaling import ScalingError, ScalingOptions, format_summary, plot, plot_format, run_scaling
+    from hpdl.bench.scaling import (ScalingError, ScalingOptions, ScalingStopped, format_summary, plot, plot_format,
+                                    run_scaling)
     from hpdl.cli import CliError, check_output, write_output
     from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
@@ -278,9 +300,14 @@ def _run_scaling(args) -> int:
         if os.path.abspath(args.json) == os.path.abspath(args.plot):
             raise CliError(f"--json and --plot name the same file, {args.json}")
         image_format = plot_format(args.plot)
-        record = run_scaling(opts)
-    except (ValueError, LaunchError, ScalingError) as err:
+    except (ValueError, LaunchError) as err:
         raise CliError(str(err)) from None
+    try:
+        record = run_scaling(opts)
+    except ScalingError as err:
+        raise CliError(f"{err}{_keep_partial(args, err.record)}") from None
+    except ScalingStopped as stop:
+        raise CliError(f"{stop}{_keep_partial(args, stop.record)}", code=128 + stop.signum) from None
     print(format_summary(record))
     # Checked again right before each rename: a file made there during the study is not replaced either.
     write_output(args.json, lambda f: json.dump(record, f, indent=1),
@@ -289,6 +316,21 @@ def _run_scaling(args) -> int:
                  check=lambda: check_output("--plot", args.plot, overwrite=args.overwrite))
     print(f"wrote {args.json} and {args.plot}")
     return 0
+
+
+def _keep_partial(args, record) -> str:
+    """Write the record of a study that ended early to --json (its runs took minutes each);
+    return what to add to the error line about it."""
+    from hpdl.cli import CliError, check_output, write_output
+
+    if record is None or not record["runs"]:
+        return "; no job had ended, nothing written"
+    try:
+        write_output(args.json, lambda f: json.dump(record, f, indent=1),
+                     check=lambda: check_output("--json", args.json, overwrite=args.overwrite))
+    except CliError as err:  # a file made there meanwhile: the study's error comes first
+        return f"; the {len(record['runs'])} run(s) done were not written ({err})"
+    return f"; wrote the {len(record['runs'])} run(s) done to {args.json} (no plot)"
 
 
 def _register_pipeline(sub) -> None:
@@ -315,7 +357,8 @@ def _register_pipeline(sub) -> None:
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     p.add_argument("--batches", type=int, default=100, help="loader batches per timed run (default 100)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
-    p.add_argument("--cache-dir", default=None, help="where decoded images are cached (default: the data set's own)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where decoded images are cached (default $XDG_CACHE_HOME/hpdl/sr, else ~/.cache/hpdl/sr)")
     p.add_argument("--json", action="store_true", help="print the two records as JSON instead of a table")
     p.set_defaults(func=_run_pipeline)
 
@@ -345,6 +388,11 @@ def _run_pipeline(args) -> int:
         raise CliError(str(err)) from None
     except OSError as err:
         raise CliError(f"{getattr(err, 'filename', None) or args.data}: {err.strerror or err}") from None
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        raise CliError(f"out of memory with --batch-size {args.batch_size}, --model-batch-size "
+                       f"{args.model_batch_size} and --patch {args.patch}; lower them") from None
     if args.json:
         print(json.dumps(records, indent=2))
         return 0

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
 from hpdl.bench.stats import format_table, median, spread
@@ -40,7 +44,38 @@ SYSTEMS: Dict[str, Tuple[str, str]] = {
 
 
 class ScalingError(RuntimeError):
-    """A job of the study failed; the message names it and says why, in one line."""
+    """A job of the study failed; the message names it and says why, in one line.
+
+    ``record`` holds what the study measured before it (the runs of the jobs that ended well),
+    so that minutes of jobs are not lost with the one that failed.
+    """
+
+    record: Optional[Dict[str, Any]] = None
+
+
+class ScalingStopped(Exception):
+    """The study was stopped by a signal (Ctrl-C, SIGTERM) after its running job was ended.
+
+    ``record`` holds the runs of the jobs that ended before; ``signum`` is the signal.
+    """
+
+    def __init__(self, signum: int, record: Dict[str, Any]):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum, self.record = signum, record
+
+
+class _Terminated(BaseException):
+    """Raised in the driver by SIGTERM or SIGHUP, like KeyboardInterrupt by SIGINT."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The longest --timeout: a year, as for hpdl's other times.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+# From SIGTERM to SIGKILL when ending a job: time for the launcher to end its ranks.
+_KILL_AFTER_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +97,9 @@ class ScalingOptions:
             raise ValueError(f"--systems takes distinct systems among {', '.join(SYSTEMS)}, got {','.join(self.systems)}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"--timeout takes seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a year), "
+                             f"got {self.timeout_s:g}")
         if self.hosts is not None:
             slots = sum(s for _, s in self.hosts)
             if max(self.ranks) > slots:
@@ -106,47 +144,140 @@ def job_argv(opts: ScalingOptions, job: str, ranks: int) -> List[str]:
 
 
 def _run_job(opts: ScalingOptions, job: str, ranks: int) -> Dict[str, float]:
-    """Run one job; return img/s per rank by mode ("hpdl", "ddp", "ceiling")."""
+    """Run one job; return img/s per rank by mode ("hpdl", "ddp", "ceiling").
+
+    A job that outlives ``opts.timeout_s``, or a driver interrupted meanwhile, ends the job
+    (its launcher ends its ranks) before the error goes on: no rank is left running.
+    """
     argv = job_argv(opts, job, ranks)
     env = {k: v for k, v in os.environ.items() if k != "HPDL_HIERARCHICAL_ALLREDUCE"}
     env.setdefault("OMP_NUM_THREADS", "1")
+    what = f"the {job} job on {ranks} rank(s)"
     try:
-        done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              timeout=opts.timeout_s)
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as err:
+        raise ScalingError(f"cannot start {what}: {err.strerror or err}") from None
+    try:
+        stdout, stderr = _wait(proc, opts.timeout_s)
     except subprocess.TimeoutExpired:
-        raise ScalingError(f"the {job} job on {ranks} rank(s) did not end within {opts.timeout_s:g} s") from None
-    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-    if done.returncode != 0:
-        raise ScalingError(f"the {job} job on {ranks} rank(s) failed (exit {done.returncode}): {last}")
-    start = done.stdout.find("{")
+        _end_job(proc)
+        raise ScalingError(f"{what} did not end within {opts.timeout_s:g} s (--timeout)") from None
+    except BaseException:  # Ctrl-C or SIGTERM: the job must not outlive the driver
+        _end_job(proc)
+        raise
+    if proc.returncode != 0:
+        raise ScalingError(f"{what} failed (exit {proc.returncode}): {_reason(stdout, stderr)}")
+    start = stdout.find("{")
     try:
-        record = json.loads(done.stdout[start:])
+        record = json.loads(stdout[start:])
     except ValueError:
-        raise ScalingError(f"the {job} job on {ranks} rank(s) printed no record: {last}") from None
+        raise ScalingError(f"{what} printed no record: {_reason(stdout, stderr)}") from None
     if "median" in record:  # a --compare record
         return {mode: float(value) for mode, value in record["median"].items()}
     return {"hpdl": float(record["img_sec_per_rank"])}
 
 
+def _wait(proc: subprocess.Popen, timeout_s: float) -> Tuple[str, str]:
+    """``proc.communicate(timeout=timeout_s)`` for timeouts beyond what one wait takes (poll()
+    refuses more than about 24 days)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return proc.communicate(timeout=max(0.0, min(left, 3600.0)))
+        except subprocess.TimeoutExpired:
+            if left <= 3600.0:
+                raise
+
+
+def _end_job(proc: subprocess.Popen) -> None:
+    """End a job: SIGTERM to its launcher, which ends the ranks, then SIGKILL if it lingers."""
+    try:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=_KILL_AFTER_S)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:  # a second Ctrl-C while waiting still leaves no launcher behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _reason(stdout: str, stderr: str) -> str:
+    """Why a job failed, in one line: the last line of its stderr, else the exit string
+    MPICH's banner prints on stdout when a rank dies (killed, say) without a word."""
+    def meaningful(text: str) -> List[str]:
+        return [line.strip() for line in text.splitlines() if line.strip().strip("=").strip()]
+
+    errors = meaningful(stderr)
+    if errors:
+        return errors[-1]
+    marker = "TERMINATED WITH THE EXIT STRING:"
+    exits = [line.split(marker, 1)[1].strip() for line in meaningful(stdout) if marker in line]
+    return f"a rank ended: {exits[-1]}" if exits else "no message"
+
+
 def run_scaling(opts: ScalingOptions, log=print) -> Dict[str, Any]:
-    """Run the study; return its record (every job's figures and the summary)."""
+    """Run the study; return its record (every job's figures and the summary).
+
+    Raises:
+        ScalingError: a job failed; its ``record`` holds the runs done before.
+        ScalingStopped: SIGINT, SIGTERM or SIGHUP stopped the study (the running job is ended
+            first); its ``record`` holds the runs done before.
+    """
     runs: List[Dict[str, Any]] = []
     jobs = opts.jobs()
-    for repeat in range(opts.repeats):
-        order = list(opts.ranks) if repeat % 2 == 0 else list(reversed(opts.ranks))
-        for ranks in order:
-            for job in jobs:
-                modes = _run_job(opts, job, ranks)
-                runs.append({"repeat": repeat, "ranks": ranks, "job": job, "img_sec_per_rank": modes})
-                shown = ", ".join(f"{m} {v:.3g}" for m, v in modes.items())
-                log(f"repeat {repeat + 1}/{opts.repeats}, {ranks} rank(s), {job} job: {shown} img/s per rank")
-    return {"benchmark": "scaling", "ranks": list(opts.ranks), "systems": list(opts.systems),
-            "repeats": opts.repeats, "hosts": [list(h) for h in opts.hosts] if opts.hosts else None,
-            "synthetic_args": list(opts.synthetic_args), "runs": runs, "summary": summarize(opts, runs)}
+
+    def terminate(signum: int, _frame) -> None:
+        raise _Terminated(signum)
+
+    # SIGTERM (kill, a batch system's time limit) and SIGHUP (the terminal closed) end the
+    # running job as Ctrl-C does; by default they would leave it running without its driver.
+    handlers = ({s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+                if threading.current_thread() is threading.main_thread() else {})
+    try:
+        for repeat in range(opts.repeats):
+            order = list(opts.ranks) if repeat % 2 == 0 else list(reversed(opts.ranks))
+            for ranks in order:
+                for job in jobs:
+                    try:
+                        modes = _run_job(opts, job, ranks)
+                    except ScalingError as err:
+                        err.args = (f"repeat {repeat + 1}/{opts.repeats}: {err}",)
+                        raise
+                    runs.append({"repeat": repeat, "ranks": ranks, "job": job, "img_sec_per_rank": modes})
+                    shown = ", ".join(f"{m} {v:.3g}" for m, v in modes.items())
+                    log(f"repeat {repeat + 1}/{opts.repeats}, {ranks} rank(s), {job} job: {shown} img/s per rank")
+    except ScalingError as err:
+        err.record = _record(opts, runs, failure=str(err))
+        raise
+    except KeyboardInterrupt:
+        raise ScalingStopped(signal.SIGINT, _record(opts, runs, failure="stopped by SIGINT")) from None
+    except _Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        raise ScalingStopped(stop.signum, _record(opts, runs, failure=f"stopped by {name}")) from None
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return _record(opts, runs)
+
+
+def _record(opts: ScalingOptions, runs: List[Dict[str, Any]], failure: Optional[str] = None) -> Dict[str, Any]:
+    """The study's record; with ``failure``, of a study that ended early (``complete`` false)."""
+    record = {"benchmark": "scaling", "ranks": list(opts.ranks), "systems": list(opts.systems),
+              "repeats": opts.repeats, "hosts": [list(h) for h in opts.hosts] if opts.hosts else None,
+              "synthetic_args": list(opts.synthetic_args), "runs": runs, "summary": summarize(opts, runs)}
+    if failure is not None:
+        record.update(complete=False, failure=failure)
+    return record
 
 
 def summarize(opts: ScalingOptions, runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Per system and rank count: median total img/s, its spread, and the two efficiencies."""
+    """Per system and rank count: median total img/s, its spread, and the two efficiencies.
+
+    A point no job measured (a study that ended early) has no row.
+    """
     def totals(job: str, mode: str, ranks: int) -> List[float]:
         return [ranks * r["img_sec_per_rank"][mode] for r in runs
                 if r["job"] == job and r["ranks"] == ranks and mode in r["img_sec_per_rank"]]
@@ -157,6 +288,8 @@ def summarize(opts: ScalingOptions, runs: List[Dict[str, Any]]) -> List[Dict[str
         one = totals(job, mode, 1) if 1 in opts.ranks else []
         for ranks in opts.ranks:
             values, ceiling = totals(job, mode, ranks), totals("default", "ceiling", ranks)
+            if not values:
+                continue
             total = median(values)
             out.append({
                 "system": system, "ranks": ranks, "total_img_sec": total, "spread": spread(values),

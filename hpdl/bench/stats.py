@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fractions
 import re
 import statistics
 from typing import Iterable, List, Sequence
@@ -19,16 +20,30 @@ def spread(values: Sequence[float]) -> float:
 
 # A plain decimal number (no sign, exponent, "inf" or "nan") and an optional unit.
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Z]*)")
+# The largest size parsed: far beyond any memory, and still a float (1 EiB).
+_MAX_SIZE = 1 << 60
 
 
 def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4``, ``64K``, ``1M``, ``64MiB``, ``1G``, ``1.5K``."""
+    """Parse a byte count such as ``4``, ``64K``, ``1M``, ``64MiB``, ``1G``, ``1.5K``.
+
+    Raises:
+        ValueError: for text that is not a size, a fraction of a byte (``1.5``: rounding would
+            measure another size than the one asked for), or more than 1 EiB.
+    """
     units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
              "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
     match = _SIZE.fullmatch(text.strip().upper())
     if not match or match.group(2) not in units:
         raise ValueError(f"not a size: {text!r} (examples: 4, 64K, 1M, 64MiB)")
-    return int(float(match.group(1)) * units[match.group(2)])
+    # Exact arithmetic: a float would overflow on hundreds of digits and round large sizes.
+    size = fractions.Fraction(match.group(1)) * units[match.group(2)]
+    if size > _MAX_SIZE:
+        shown = text.strip() if len(text.strip()) <= 24 else text.strip()[:20] + "..."
+        raise ValueError(f"{shown!r} is more than 1 EiB")
+    if size.denominator != 1:
+        raise ValueError(f"{text.strip()!r} is not a whole number of bytes")
+    return int(size)
 
 
 def format_size(nbytes: float) -> str:

@@ -48,6 +48,9 @@ from hpdl.sr.registry import known_scales, scales_of
 __all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
 
 COMPARE = ("ddp", "ceiling", "lockstep", "profiled")
+# The most --threads per rank: torch's OpenMP pool of 100,000,000 threads ends the process
+# with a segmentation fault, not an error.
+MAX_THREADS = 1024
 PHASES = ("forward", "backward", "wait", "update")
 
 # Per timed batch, the seconds of each phase of PHASES (wait None where the mode has none).
@@ -108,6 +111,8 @@ class SyntheticOptions:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.num_warmup < 0:
             raise ValueError(f"num-warmup must be >= 0, got {self.num_warmup}")
+        if self.threads > MAX_THREADS:
+            raise ValueError(f"threads must be at most {MAX_THREADS}, got {self.threads}")
         # ResNet-50 ignores the scale; a value no model takes is still a mistake on the command line.
         scales = scales_of(self.model) if self.model in sr_models() else known_scales()
         if self.scale not in scales:
