@@ -39,11 +39,17 @@ _GLOO_WIDEN = {torch.int16: torch.int32}
 def _as_rows_of_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """View a contiguous tensor as (rows, bytes per row) uint8, for pure data movement."""
     rows = tensor.shape[0] if tensor.dim() else 1
-    return tensor.reshape(rows, -1).view(torch.uint8)
+    row_numel = 1
+    for d in tensor.shape[1:]:
+        row_numel *= d
+    # The row length given, not -1: a tensor of no rows (an allgather or alltoall of 0 rows
+    # from some rank) has no elements from which to infer it.
+    return tensor.reshape(rows, row_numel).view(torch.uint8)
 
 
 def _from_rows_of_bytes(data: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tensor:
-    return data.view(like.dtype).reshape((rows,) + tuple(like.shape[1:]))
+    # Flattened first: rows of no bytes have a stride torch cannot view as a wider type.
+    return data.reshape(-1).view(like.dtype).reshape((rows,) + tuple(like.shape[1:]))
 
 
 def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> None:

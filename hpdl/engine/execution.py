@@ -41,14 +41,17 @@ _ADASUM = Op.ADASUM.value
 _ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
 
 
-def scale_(tensor: torch.Tensor, factor: float) -> None:
-    """Multiply in place; integers are scaled in float64 and truncated toward zero."""
-    if factor == 1.0 or tensor.dtype == torch.bool:
+def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> None:
+    """Multiply in place by ``factor / divisor`` (an Average's divisor is the number of ranks);
+    integers are scaled in float64 and truncated toward zero."""
+    if (factor == 1.0 and divisor == 1) or tensor.dtype == torch.bool:
         return
     if tensor.dtype.is_floating_point:
-        tensor.mul_(factor)
+        tensor.mul_(factor / divisor)
     else:
-        tensor.copy_(torch.trunc(tensor.double() * factor))
+        # Divided, not multiplied by 1/divisor: 49 * (1/49) is 0.9999999999999999 in float64,
+        # so 49 ranks' average of ones would truncate to 0.
+        tensor.copy_(torch.trunc(tensor.double() * factor / divisor))
 
 
 class _Flight:
@@ -295,8 +298,7 @@ class Executor:
         dtype = dtype_of(batch[0])
         op_name = first[SIG_OP]
         prescale, postscale = first[SIG_SCALES]
-        if op_name == _AVERAGE:
-            postscale = postscale / comm.size
+        divisor = comm.size if op_name == _AVERAGE else 1
         outputs: List[torch.Tensor] = []
         inputs: List[torch.Tensor] = []
         members: List[Optional[Request]] = []
@@ -328,7 +330,7 @@ class Executor:
                          fused=len(batch), **described):
                 adasum_(comm, outputs)
             for target in outputs:
-                scale_(target, postscale)
+                scale_(target, postscale, divisor)
             self._complete(members, outputs, batch, ps, cycle)
         elif len(batch) == 1:
             # One tensor: reduce it where it lies, no fusion-buffer copies.
@@ -338,7 +340,7 @@ class Executor:
             scale_(target, prescale)
 
             def finish_alone() -> None:
-                scale_(target, postscale)
+                scale_(target, postscale, divisor)
                 self._complete(members, outputs, batch, ps, cycle)
 
             span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
@@ -361,14 +363,15 @@ class Executor:
                 # Scaling while copying out saves a pass over the buffer (memory bandwidth is
                 # what a CPU rank's compute shares with its engine); one call per tensor only
                 # pays off for batches of large tensors.
-                scale_on_copy = postscale != 1.0 and dtype.is_floating_point and len(batch) <= _SCALE_ON_COPY_MAX
+                factor = postscale / divisor
+                scale_on_copy = factor != 1.0 and dtype.is_floating_point and len(batch) <= _SCALE_ON_COPY_MAX
                 if not scale_on_copy:
-                    scale_(buffer, postscale)
+                    scale_(buffer, postscale, divisor)
                 with ev.Span(bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
                              rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
                     if scale_on_copy:
                         for out, view in zip(outputs, views):
-                            torch.mul(view, postscale, out=out)
+                            torch.mul(view, factor, out=out)
                     else:
                         torch._foreach_copy_(outputs, views)
                 self._complete(members, outputs, batch, ps, cycle)
@@ -440,14 +443,13 @@ class Executor:
             elif kind == RequestKind.REDUCESCATTER:
                 prescale, postscale = response.signature[SIG_SCALES]
                 op_name = response.signature[SIG_OP]
-                if op_name == _AVERAGE:
-                    postscale = postscale / comm.size
+                divisor = comm.size if op_name == _AVERAGE else 1
                 source = tensor
                 if prescale != 1.0:
                     source = tensor.clone()
                     scale_(source, prescale)
                 result = comm.reduce_scatter(source, _BACKEND_OPS[op_name], even_split(tensor.shape[0], comm.size))
-                scale_(result, postscale)
+                scale_(result, postscale, divisor)
             elif kind == RequestKind.BARRIER:
                 comm.barrier()
             else:  # pragma: no cover - every kind is dispatched above

@@ -38,6 +38,31 @@ def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: in
     """
     batches: List[List[Response]] = []
     open_batches: Dict[Tuple, List] = {}  # fusion key -> [batch, bytes]
+    for unit in _units(responses):
+        first = unit[0]
+        alone = len(unit) == 1
+        size = first.nbytes if alone else sum(r.nbytes for r in unit)
+        if alone and inplace_threshold and size >= inplace_threshold:
+            batches.append(unit)
+            continue
+        current = open_batches.get(first.fusion_key)
+        if current is not None and current[1] + size <= threshold:
+            current[0].extend(unit)
+            current[1] += size
+        else:
+            batches.append(unit)
+            open_batches[first.fusion_key] = [unit, size]
+    return batches
+
+
+def _units(responses: List[Response]) -> List[List[Response]]:
+    """The responses as units that stay together in one batch: a response alone, or the
+    members of a group (adjacent in the list) that share a fusion key.
+
+    A group's members of different dtypes (or devices) are split by key, as Horovod fuses
+    only tensors of one dtype: one buffer of the first member's dtype would reduce the others
+    in the wrong type (an int64 or float32 gradient summed in float16, say)."""
+    units: List[List[Response]] = []
     index, count = 0, len(responses)
     while index < count:
         first = responses[index]
@@ -45,22 +70,15 @@ def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: in
         if first.group is not None:  # a group's members are adjacent: take them as one unit
             while unit_end < count and responses[unit_end].group == first.group:
                 unit_end += 1
-        alone = unit_end == index + 1
-        size = first.nbytes if alone else sum(r.nbytes for r in responses[index:unit_end])
-        if alone and inplace_threshold and size >= inplace_threshold:
-            batches.append([first])
-            index = unit_end
-            continue
-        current = open_batches.get(first.fusion_key)
-        if current is not None and current[1] + size <= threshold:
-            current[0].extend(responses[index:unit_end])
-            current[1] += size
+        if unit_end == index + 1:
+            units.append([first])
         else:
-            batch = responses[index:unit_end]
-            batches.append(batch)
-            open_batches[first.fusion_key] = [batch, size]
+            by_key: Dict[Tuple, List[Response]] = {}
+            for response in responses[index:unit_end]:
+                by_key.setdefault(response.fusion_key, []).append(response)
+            units.extend(by_key.values())
         index = unit_end
-    return batches
+    return units
 
 
 class FusionBuffers:

@@ -495,8 +495,13 @@ class _DistributedOptimizerMixin:
             result = self._compression.decompress(output, ctx)
             if result is grad:
                 continue  # reduced in place (no compression)
-            if grad.is_sparse or grad.shape != result.shape:
-                p.grad = result  # sparse_as_dense: the optimizer gets the dense average
+            if grad.is_sparse:
+                # sparse_as_dense: as Horovod, the optimizer gets the average as a sparse
+                # gradient again (SparseAdam takes no other); with the gradient's own sparse
+                # dims, so that an embedding's stays a set of whole rows.
+                p.grad = result.to_sparse(grad.sparse_dim())
+            elif grad.shape != result.shape:
+                p.grad = result
             else:
                 grad.copy_(result)
 

@@ -420,11 +420,17 @@ def check_unnamed_param_groups() -> None:
 
 
 def check_sparse_adam() -> None:
-    """SparseAdam under DistributedOptimizer (sparse gradients stay sparse): equal to one process."""
+    """SparseAdam under DistributedOptimizer (sparse gradients stay sparse, also reduced as
+    dense with sparse_as_dense, as Horovod): equal to one process."""
+    for as_dense in (False, True):
+        _check_sparse_adam(as_dense)
+
+
+def _check_sparse_adam(as_dense: bool) -> None:
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(9 + rank)  # different starts: broadcast_parameters must even them out
     model = nn.Embedding(20, 4, sparse=True)
-    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.1))
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.1), sparse_as_dense=as_dense)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     reference = nn.Embedding(20, 4, sparse=True)
@@ -445,8 +451,8 @@ def check_sparse_adam() -> None:
         ref_opt.zero_grad()
         F.mse_loss(reference(idx), target).backward()
         ref_opt.step()
-        assert_close(model, reference, f"SparseAdam step {step}", 1e-5, 1e-6)
-    assert_ranks_equal(model, "sparse.adam")
+        assert_close(model, reference, f"SparseAdam(sparse_as_dense={as_dense}) step {step}", 1e-5, 1e-6)
+    assert_ranks_equal(model, f"sparse.adam.{as_dense}")
 
 
 def check_adasum_optimizer() -> None:

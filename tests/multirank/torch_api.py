@@ -75,6 +75,28 @@ def check_allreduce(rank, size):
         assert_equal(out, torch.full((i + 1,), float(sum(range(size)))), "grouped")
     hvd.grouped_allreduce_(tensors, op=hvd.Max)
     assert_equal(tensors[2], torch.full((3,), float(size - 1)), "grouped in place")
+    # Integer averages are the exact quotient truncated: with 3 ranks, -234 * 13 / 3 is -1014, and
+    # scaling by 13 * (1/3) in float64 gave -1013.
+    for dtype in (torch.int32, torch.int64):
+        t = torch.full((3,), -78, dtype=dtype)
+        assert_equal(hvd.allreduce(t, op=hvd.Average, postscale_factor=13.0), torch.full((3,), -1014, dtype=dtype),
+                     f"integer average with a postscale {dtype}")
+        assert_equal(hvd.reducescatter(torch.full((size, 2), -78, dtype=dtype), op=hvd.Average, postscale_factor=13.0),
+                     torch.full((1, 2), -1014, dtype=dtype), f"integer reducescatter average with a postscale {dtype}")
+    # A group of several dtypes: each is reduced in its own (fusing them into one buffer of the
+    # first's dtype summed float32 in float16 and int64 in float32).
+
+    def mixed(r):
+        return [torch.full((2,), 0.25 + r, dtype=torch.float16), torch.full((3,), (1 + 2 ** -20) * (r + 1)),
+                torch.full((2,), 2 ** 40 + r, dtype=torch.int64), torch.full((2,), 1.0 + r, dtype=torch.float16)]
+
+    for op in (hvd.Sum, hvd.Average):
+        outs = hvd.grouped_allreduce(mixed(rank), op=op, name=f"mixed.{op}")
+        for i, out in enumerate(outs):
+            expected = reduce_ref([mixed(r)[i] for r in range(size)], op)
+            assert_equal(out, expected, f"grouped {op} of mixed dtypes, member {i}")
+            if op == hvd.Sum and out.dtype != torch.float16:
+                assert torch.equal(out, expected), (f"grouped sum of mixed dtypes, member {i}", out, expected)
     check_adasum(rank, size)
 
 
@@ -202,6 +224,15 @@ def check_allgather_broadcast_alltoall_reducescatter(rank, size):
         assert_equal(hvd.allgather(parts[rank]), torch.cat(parts), f"allgather {dtype}")
         outs = hvd.grouped_allgather([parts[rank], parts[rank][:1]])
         assert_equal(outs[1], torch.cat([p[:1] for p in parts]), f"grouped allgather {dtype}")
+        # Rank 0 brings no rows (gloo moves int16 as bytes: a 0-row tensor used to fail there).
+        parts = [rank_tensor(r, (r, 2, 3), dtype, 10) for r in range(size)]
+        assert_equal(hvd.allgather(parts[rank]), torch.cat(parts), f"allgather with 0 rows {dtype}")
+        out, received = hvd.alltoall(parts[rank], splits=[rank] + [0] * (size - 1))
+        assert_equal(out, torch.cat(parts) if rank == 0 else parts[0][:0], f"alltoall of 0 rows {dtype}")
+        empty_rows = torch.zeros((2, 0), dtype=dtype)
+        assert_equal(hvd.allgather(empty_rows), torch.zeros((2 * size, 0), dtype=dtype), f"allgather of empty rows {dtype}")
+        out, _ = hvd.alltoall(torch.zeros((size, 0), dtype=dtype), splits=[1] * size)
+        assert_equal(out, torch.zeros((size, 0), dtype=dtype), f"alltoall of empty rows {dtype}")
         for root in range(size):
             t = rank_tensor(rank, (3, 2), dtype, 4)
             assert_equal(hvd.broadcast(t, root), rank_tensor(root, (3, 2), dtype, 4), f"broadcast {dtype}")
