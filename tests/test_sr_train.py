@@ -64,6 +64,7 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     ("model=vgg", "model"), ("ema_decay=1", "ema_decay"), ("val_range=900-801", "val_range"),
     ("total_updates=1.5", "total_updates"), ("patch_size=", "patch_size"), ("device=cpu:abc", "device"),
     ("device=meta", "device"), ("overwrite=true resume=auto", "overwrite"),
+    ("global_batch_size=16 scale_lr_with_world=true", "scale_lr_with_world"),
     # Past float32's range Adam would fail at its first step, after out_dir is written.
     ("lr=1e39", "lr"), ("lr=1e300", "lr"), ("lr=inf", "lr"), ("lr=nan", "lr"), ("lr=2", "lr"),
     ("eps=inf", "eps"), ("eps=nan", "eps"), ("eps=0", "eps"),
@@ -156,6 +157,46 @@ def test_metrics_log_drops_rows_after_the_resumed_checkpoint(tmp_path):
     assert (tmp_path / "val_log.csv").read_text().count("\n") == 2
 
 
+def test_a_resume_killed_while_rewriting_the_logs_leaves_them_whole(tmp_path, monkeypatch):
+    log = MetricsLog(tmp_path, None, note=lambda _: None)
+    for u in (10, 20, 30):
+        log.write("train", update=u, epoch=0, loss=1.0 / u, lr=0.1, img_per_s=2.0, elapsed_s=u)
+    log.close()
+    before = (tmp_path / "train_log.csv").read_bytes()
+
+    class Dying:  # the process dies while the kept rows are written
+        def __init__(self, f, *args, **kwargs):
+            pass
+
+        def writerow(self, row):
+            pass
+
+        def writerows(self, rows):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(csv, "writer", Dying)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog(tmp_path, 20, note=lambda _: None)
+    assert (tmp_path / "train_log.csv").read_bytes() == before
+
+
+def test_tensorboard_keeps_the_events_of_the_resumed_checkpoints_update(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    log = MetricsLog(tmp_path, None, note=lambda _: None)
+    for u in (1, 2, 3):
+        log.write("train", update=u, epoch=0, loss=float(u), lr=0.1, img_per_s=2.0, elapsed_s=u)
+    log.write("val", update=2, psnr=30.5, bicubic_psnr=29.0, ssim=0.9, bicubic_ssim=0.8, images=3, seconds=1.0)
+    log.close()
+    log = MetricsLog(tmp_path, 2, note=lambda _: None)  # resumed from the checkpoint of update 2
+    log.write("train", update=3, epoch=0, loss=13.0, lr=0.1, img_per_s=2.0, elapsed_s=3)
+    log.close()
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    # As in the CSV: update 2 and its validation kept, the interrupted run's update 3 replaced.
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0)]
+    assert [(e.step, e.value) for e in events.Scalars("val/psnr")] == [(2, 30.5)]
+
+
 def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model = build_model_from_config(ModelConfig("edsr_custom", 2, 1, 8, 1.0))
     path = save_checkpoint(tmp_path / "last.pt", make_checkpoint(model, update=1))
@@ -189,12 +230,17 @@ def tiny_data(root):
     return root
 
 
-def tiny_run(data, out, *extra):
-    """Run a tiny training through the command line, in a process of its own."""
-    argv = ["sr", "train", "--config", "demo", f"data={data / 'train'}", f"val_data={data / 'val'}",
+def tiny_run_argv(data, out, *extra):
+    """The command line of a tiny training run (after ``hpdl``)."""
+    return ["sr", "train", "--config", "demo", f"data={data / 'train'}", f"val_data={data / 'val'}",
             f"cache_dir={data / 'cache'}", f"out_dir={out}", "n_resblocks=1", "n_feats=8", "patch_size=8",
             "batch_size=2", "repeat=3", "workers=1", "log_every=2", "warmup_updates=0", "progress=false", *extra]
-    return subprocess.run([sys.executable, "-m", "hpdl", *argv], capture_output=True, text=True, timeout=120)
+
+
+def tiny_run(data, out, *extra):
+    """Run a tiny training through the command line, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "hpdl", *tiny_run_argv(data, out, *extra)], capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):
@@ -242,6 +288,57 @@ def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
     with open(out / "train_log.csv", newline="") as f:
         assert [r["update"] for r in csv.DictReader(f)] == ["2"]
     assert not (out / "tb" / "old-events").exists()
+
+
+def test_val_every_validates_the_last_update_without_val_at_end_and_a_finished_run_resumes_to_nothing(tmp_path):
+    from hpdl.sr.out_dir import LOCK_FILE
+
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    proc = tiny_run(data, out, "total_updates=4", "val_every=2", "val_at_end=false", "--json")
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "val_log.csv", newline="") as f:
+        scores = list(csv.DictReader(f))
+    assert [r["update"] for r in scores] == ["2", "4"]  # 4 is a multiple of val_every like 2
+    summary = json.loads(proc.stdout)
+    assert summary["psnr"] == float(scores[-1]["psnr"]) and summary["val_images"] == 2
+
+    # Resumed at its end: nothing to train, and nothing of the finished run is replaced (its
+    # summary's img/s by those of no updates, its validation by a second row for the same weights).
+    def run_files():
+        return {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+
+    files = run_files()
+    again = tiny_run(data, out, "total_updates=4", "val_every=2", "val_at_end=false", "resume=auto", "--json")
+    assert again.returncode == 0, again.stderr
+    assert f"note: the run in out_dir={out} ended at update 4 and total_updates=4: nothing to train" in again.stderr
+    assert json.loads(again.stdout) == summary
+    assert run_files() == files
+
+
+def test_a_train_log_row_after_a_resume_averages_the_updates_since_the_previous_row(tmp_path):
+    data = tiny_data(tmp_path)
+    settings = ("total_updates=4", "ckpt_every=3", "log_every=4", "val_at_end=false", "workers=0")
+    assert tiny_run(data, tmp_path / "straight", *settings).returncode == 0
+    # Killed right after the checkpoint of update 3, between the rows of updates 0 and 4.
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, sys, hpdl.sr.train as t\n"
+        "checkpoint = t._Run.checkpoint\n"
+        "def and_die(run, step):\n"
+        "    checkpoint(run, step)\n"
+        "    if run.progress.update == 3: os._exit(9)\n"
+        "t._Run.checkpoint = and_die\n"
+        "from hpdl.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"), *tiny_run_argv(data, tmp_path / "resumed", *settings)],
+        capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 9, killed.stderr
+    assert tiny_run(data, tmp_path / "resumed", *settings, "resume=auto").returncode == 0
+
+    def rows(run):
+        with open(tmp_path / run / "train_log.csv", newline="") as f:
+            return [(r["update"], r["epoch"], float(r["loss"]), r["lr"]) for r in csv.DictReader(f)]
+
+    (update, epoch, loss, lr), = rows("straight")  # the mean over updates 1-4, not over 4 alone
+    assert rows("resumed") == [(update, epoch, pytest.approx(loss, rel=1e-6), lr)]
 
 
 # -- one run at a time in an out_dir --------------------------------------------------------------

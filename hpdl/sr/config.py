@@ -85,7 +85,7 @@ class TrainConfig:
 
     # -- validation, logging, checkpoints --
     val_every: int = 0  # validate every this many updates (0: only at the end)
-    val_at_end: bool = True
+    val_at_end: bool = True  # validate the final weights for the summary (else only val_every's multiples)
     val_sharded: bool = True  # split the validation images over the ranks
     val_tile: int = 0  # run validation in exact tiles of this many LR pixels (0: whole images)
     val_space: str = "y"  # PSNR on Y (shave scale) or rgb (shave scale + 6, DIV2K in the paper)
@@ -166,6 +166,9 @@ def _check_ranges(c: TrainConfig) -> None:
     need(bool(c.data), "data", "a dataset folder or 'embedded'")  # "" would be the current directory
     need(c.val_data != "", "val_data", "a dataset folder, 'embedded' or null")
     need(not (c.overwrite and c.resume), "overwrite", "false when resuming (resume= continues a run)")
+    # The linear scaling rule follows the global batch; a global_batch_size keeps it whatever the ranks.
+    need(not (c.scale_lr_with_world and c.global_batch_size), "scale_lr_with_world",
+         "false with global_batch_size (the global batch does not grow with the ranks)")
     for key in ("train_range", "val_range"):
         if getattr(c, key) is not None:
             from hpdl.sr.datasets import parse_range

@@ -72,6 +72,14 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         data = _open_data(cfg, world)
         model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
         progress = _start_or_resume(cfg, world, model, optimizer, ema, data.sampler, lock)
+        if progress.resumed and progress.update >= cfg.total_updates:
+            # Finishing again would validate again (a second row for the same weights) and
+            # replace the summary's throughput with that of a run of no updates.
+            finished = _from_rank0("finished", lambda: _finished_summary(Path(cfg.out_dir), progress.update))
+            if finished is not None:
+                say(f"note: the run in out_dir={cfg.out_dir} ended at update {progress.update} and "
+                    f"total_updates={cfg.total_updates}: nothing to train (raise total_updates to continue it)")
+                return finished
         run = _Run(cfg, world, data, model, optimizer, ema, base_lr, progress)
         say(run.describe())
 
@@ -132,6 +140,9 @@ class _Progress:
     update: int = 0
     train_seconds: float = 0.0
     resumed: bool = False
+    # The updates since the last train_log row when the checkpoint was written: (the row's update,
+    # the sum of their losses averaged over ranks), so that the next row's mean covers them all.
+    log_window: Optional[Tuple[int, float]] = None
 
 
 def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
@@ -209,8 +220,9 @@ def _open_data(cfg: TrainConfig, world: _World) -> _Data:
     if not held_out:
         say(f"note: data={cfg.data} has no validation split and val_data is not another set: validation "
             "scores the training images (set val_data= for held-out scores)")
-    # The sampler gives each rank a disjoint share of every epoch's permutation, the same number
-    # of samples on every rank; drop_last keeps every batch full, so all ranks make as many steps.
+    # The sampler gives each rank its share of every epoch's permutation, the same number of
+    # samples on every rank (at most size - 1 repeated to even them); drop_last keeps every batch
+    # full, so all ranks make as many steps.
     sampler = ShardSampler(train_set, rank=world.rank, num_replicas=world.size, seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=world.batch_size, sampler=sampler, num_workers=cfg.workers,
                         drop_last=True, pin_memory=world.device.type == "cuda")
@@ -290,7 +302,9 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
     say(f"resumed from {path} at update {state['update']}" + (f"; changed: {changed}" if changed else ""))
     if len(state["rng"]) != world.size:
         say(f"note: the checkpoint was written by {len(state['rng'])} ranks, this job has {world.size}")
-    return _Progress(state["update"], state["train_seconds"], resumed=True)
+    window = state["log_window"]
+    return _Progress(state["update"], state["train_seconds"], resumed=True,
+                     log_window=(window["since"], window["loss_sum"]) if window else None)
 
 
 class _Run:
@@ -308,12 +322,18 @@ class _Run:
             _write_config(self.out_dir / "config.yaml", cfg)
         self.bar = _progress(world.master and cfg.progress, cfg.total_updates, progress.update)
         self.loss_sum = torch.zeros((), device=world.device)
+        self.logged_at = progress.update  # the update of the last train_log row
+        if progress.log_window is not None:
+            self.logged_at = progress.log_window[0]
+            self.loss_sum += progress.log_window[1]
         # The first update of this rank whose loss was not finite (inf: none), kept on the device:
         # reading it every update would be a sync point per step on a GPU.
         self.first_nonfinite = torch.full((), math.inf, dtype=torch.float64, device=world.device)
         self.last_checkpoint: Optional[int] = progress.update if progress.resumed else None
-        self.logged_at, self.log_clock = progress.update, time.perf_counter()
+        # img/s counts the updates of this run since the last row (or its start), over their time.
+        self.timed_from, self.log_clock = progress.update, time.perf_counter()
         self.step_seconds: List[float] = []  # of every update of this run, for img/s
+        self.last_scores: Optional[Dict[str, Any]] = None  # of the last validation
 
     def describe(self) -> str:
         """Return the line that says what is trained, on how many ranks, with what batches."""
@@ -339,19 +359,21 @@ class _Run:
         if not math.isfinite(mean_loss):  # on every rank alike: the mean is every rank's
             self.stop_if_diverged()
         now = time.perf_counter()
-        img_per_s = (p.update - self.logged_at) * self.world.global_batch / (now - self.log_clock)
+        img_per_s = (p.update - self.timed_from) * self.world.global_batch / (now - self.log_clock)
         if self.log is not None:
             self.log.write("train", update=p.update, epoch=epoch, loss=mean_loss, lr=lr, img_per_s=img_per_s,
                            elapsed_s=p.train_seconds)
         self.bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{img_per_s:.1f}", refresh=False)
         self.loss_sum.zero_()
-        self.logged_at, self.log_clock = p.update, now
+        self.logged_at, self.timed_from, self.log_clock = p.update, p.update, now
 
     def validate_and_checkpoint(self, step_in_pass: int) -> None:
         """Validate and write last.pt when they are due; neither counts as training time."""
         update, cfg = self.progress.update, self.cfg
         pause = time.perf_counter()
-        validating = cfg.val_every and update % cfg.val_every == 0 and update < cfg.total_updates
+        # The last update's is finish()'s validation, with val_at_end; without it, it is one like any other.
+        validating = cfg.val_every and update % cfg.val_every == 0 and (update < cfg.total_updates
+                                                                        or not cfg.val_at_end)
         checkpointing = (cfg.ckpt_every and update % cfg.ckpt_every == 0) or update == cfg.total_updates
         if validating or checkpointing:
             self.stop_if_diverged()  # a checkpoint of NaN weights would replace the last good one
@@ -394,6 +416,7 @@ class _Run:
         record = {"update": update, "psnr": m["psnr"], "bicubic_psnr": m["bicubic_psnr"], "ssim": m["ssim"],
                   "bicubic_ssim": m["bicubic_ssim"], "images": len(result.records),
                   "seconds": sum(r.seconds for r in result.records)}
+        self.last_scores = record
         if self.log is not None:
             self.log.write("val", **record)
             if self.log.shows_images:
@@ -407,13 +430,16 @@ class _Run:
         """Write out_dir/last.pt with everything a resumed run needs (on rank 0; all ranks take part)."""
         # Every rank's RNG states go into the checkpoint, so every rank can continue its streams.
         rng = hvd.allgather_object(capture_rng_state(), name="train.rng")
+        # The losses since the last train_log row, which a resumed run's next row averages too.
+        window = {"since": self.logged_at, "loss_sum": hvd.allreduce(self.loss_sum, name="train.loss_window").item()}
         p = self.progress
         _on_rank0("checkpoint", lambda: save_checkpoint(self.out_dir / "last.pt", make_checkpoint(
             self.model, optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict() if self.ema else None,
             # DataLoader workers fetch ahead of training: count what was trained on.
             sampler=self.data.sampler.state_dict(consumed=step_in_pass * self.world.batch_size), rng=rng,
             schedule={"update": p.update, "base_lr": self.base_lr}, update=p.update,
-            train_seconds=p.train_seconds, world_size=self.world.size, config=self.cfg.to_dict())))
+            train_seconds=p.train_seconds, world_size=self.world.size, config=self.cfg.to_dict(),
+            log_window=window)))
         self.last_checkpoint = p.update
 
     def finish(self, wall_start: float) -> Dict[str, Any]:
@@ -423,7 +449,10 @@ class _Run:
         self.stop_if_diverged()
         _on_rank0("weights", lambda: save_checkpoint(self.out_dir / "model.pt",
                                                      make_checkpoint(self.weights, update=p.update)))
-        scores = self.validate() if cfg.val_at_end and p.update > 0 else None
+        if cfg.val_at_end and p.update > 0:
+            scores = self.validate()
+        else:  # the scores of these weights, if val_every validated them at the last update
+            scores = self.last_scores if self.last_scores and self.last_scores["update"] == p.update else None
         summary = {
             "model": self.weights.config.describe(), "world_size": w.size, "updates": p.update,
             "updates_this_run": p.update - self.start_update, "global_batch": w.global_batch,
@@ -516,6 +545,19 @@ def _agreed_refusal(fn: Callable[[], Optional[str]]) -> Optional[str]:
         return f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
 
 
+def _finished_summary(out_dir: Path, update: int) -> Optional[Dict[str, Any]]:
+    """On rank 0: the summary of the run in ``out_dir`` if it ended (model.pt and summary.json
+    written) at ``update``; None if it was stopped before its end."""
+    import json
+
+    try:
+        summary = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    finished = isinstance(summary, dict) and summary.get("updates") == update and (out_dir / "model.pt").is_file()
+    return summary if finished else None
+
+
 def _resume_path(cfg: TrainConfig, out_dir: Path) -> Optional[str]:
     if cfg.resume is None:
         return None
@@ -546,7 +588,8 @@ def _restore(path: str, cfg: TrainConfig, model: torch.nn.Module, optimizer: Any
             ema.load_state_dict(ckpt["ema"])
     except (KeyError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{path}: training state does not fit this run: {str(err).splitlines()[0]}") from None
-    return {k: ckpt[k] for k in ("update", "sampler", "rng", "train_seconds", "config")}
+    return {**{k: ckpt[k] for k in ("update", "sampler", "rng", "train_seconds", "config")},
+            "log_window": ckpt.get("log_window")}  # None in checkpoints of earlier versions
 
 
 def _load_pretrained(path: str, model: torch.nn.Module) -> str:

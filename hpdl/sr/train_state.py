@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
+import io
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import nn
 
 import hpdl.torch as hvd
+from hpdl.atomic_file import atomic_write
 from hpdl.sr.config import ConfigError
 from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 from hpdl.sr.evaluate import EvalResult, evaluate
@@ -102,6 +105,15 @@ TRAIN_COLUMNS = ("update", "epoch", "loss", "lr", "img_per_s", "elapsed_s")
 VAL_COLUMNS = ("update", "psnr", "bicubic_psnr", "ssim", "bicubic_ssim", "images", "seconds")
 
 
+def _write_rows(f: BinaryIO, columns: Sequence[str], rows: List[List[str]]) -> None:
+    text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+    writer = csv.writer(text)
+    writer.writerow(columns)
+    writer.writerows(rows)
+    text.flush()
+    text.detach()  # the binary file stays open for atomic_write to close
+
+
 class MetricsLog:
     """Rank 0's log: ``train_log.csv`` and ``val_log.csv`` in the run directory, plus TensorBoard
     event files in ``tb/`` (scalars, and pictures of validation crops) when
@@ -116,20 +128,22 @@ class MetricsLog:
         for kind, columns in (("train", TRAIN_COLUMNS), ("val", VAL_COLUMNS)):
             path = out_dir / f"{kind}_log.csv"
             kept = _rows_up_to(path, resume_update) if resume_update is not None else []
-            f = open(path, "w", newline="")
-            writer = csv.writer(f)
-            writer.writerow(columns)
-            writer.writerows(kept)
-            f.flush()
-            self._files[kind] = (f, writer, columns)
+            # The kept rows are written whole, then renamed over the old log: a job killed
+            # meanwhile leaves the old log, never an empty or half-written one.
+            atomic_write(path, functools.partial(_write_rows, columns=columns, rows=kept))
+            f = open(path, "a", newline="", encoding="utf-8")
+            self._files[kind] = (f, csv.writer(f), columns)
         self._tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             note("TensorBoard not installed (pip install tensorboard): writing the CSV logs only")
         else:
-            # purge_step hides events after the checkpoint, as the CSV truncation above does.
-            self._tb = SummaryWriter(str(out_dir / "tb"), purge_step=resume_update or None)
+            # purge_step hides the events after the checkpoint, as the CSV truncation above does.
+            # TensorBoard hides those at purge_step and later: the checkpoint's own update (its
+            # loss, its validation) belongs to the run that is continued.
+            self._tb = SummaryWriter(str(out_dir / "tb"),
+                                     purge_step=resume_update + 1 if resume_update is not None else None)
 
     def write(self, kind: str, **values: Any) -> None:
         """Append one row (``kind`` is ``train`` or ``val``) and flush it."""
