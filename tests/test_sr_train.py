@@ -443,3 +443,15 @@ def test_resuming_with_another_repeat_names_the_keys_the_data_order_follows(tmp_
         f"hpdl: error: {out / 'last.pt'}: cannot continue its data order: sampler state has num_samples=6 but this "
         "sampler has 8; the patches per epoch follow data, train_range, repeat, on_bad_image, seed and the images "
         "found (changed: repeat (3 -> 4))"], proc.stderr
+
+
+def test_resuming_on_another_number_of_ranks_says_how_the_global_batch_changed(tmp_path):
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    ckpt = load_checkpoint(out / "last.pt")
+    ckpt["rng"] = ckpt["rng"] * 2  # as if written by 2 ranks
+    save_checkpoint(out / "last.pt", ckpt)
+    proc = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto")
+    assert proc.returncode == 0, proc.stderr
+    assert ("note: the checkpoint was written by 2 ranks, this job has 1: the global batch is 2 patches per "
+            "update, 4 before") in proc.stdout

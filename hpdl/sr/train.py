@@ -301,7 +301,15 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
                         for k in TRAJECTORY_KEYS if state["config"].get(k) != now[k])
     say(f"resumed from {path} at update {state['update']}" + (f"; changed: {changed}" if changed else ""))
     if len(state["rng"]) != world.size:
-        say(f"note: the checkpoint was written by {len(state['rng'])} ranks, this job has {world.size}")
+        before = len(state["rng"])
+        what = ""
+        if not cfg.global_batch_size:
+            # A per-rank batch: the global batch (and a lr scaled with the ranks) follows the ranks.
+            what = (f": the global batch is {world.global_batch} patches per update, "
+                    f"{world.batch_size * before} before")
+            if cfg.scale_lr_with_world:
+                what += f", and the lr is scaled by {world.size} instead of {before}"
+        say(f"note: the checkpoint was written by {before} ranks, this job has {world.size}{what}")
     window = state["log_window"]
     return _Progress(state["update"], state["train_seconds"], resumed=True,
                      log_window=(window["since"], window["loss_sum"]) if window else None)
