@@ -217,13 +217,16 @@ def test_unknown_mpiexec_local_only():
 
 # --- builders: srun and torchrun ----------------------------------------------------------
 
+KILL = "--kill-on-bad-exit=1"  # srun ends the other tasks when one fails, as mpiexec does
+
+
 def test_srun_inside_slurm_allocation():
     launchers = info(srun="srun")
     env = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8"}
     argv, _ = run(env=env, launchers=launchers)
-    assert argv == ["srun", "--ntasks", "8", "python", "train.py"]
+    assert argv == ["srun", "--ntasks", "8", KILL, "python", "train.py"]
     argv, out = run(np=4, hosts=parse_hosts("c1:2,c2:2"), mpi_args=("--mpi=pmix",), env=env, launchers=launchers)
-    assert argv == ["srun", "--ntasks", "4", "--nodelist", "c1,c2", "--mpi=pmix", "python", "train.py"]
+    assert argv == ["srun", "--ntasks", "4", "--nodelist", "c1,c2", KILL, "--mpi=pmix", "python", "train.py"]
     assert out["SLURM_JOB_ID"] == "42"
 
 
@@ -248,7 +251,7 @@ def test_srun_list_and_site_default_are_parsed():
 def test_srun_gets_the_mpi_plugin_of_the_mpi_found(flavour, plugins, plugin):
     env = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2"}
     argv, _ = run(env=env, launchers=info(flavour=flavour, srun="srun", plugins=plugins))
-    assert argv == ["srun", "--ntasks", "2"] + ([f"--mpi={plugin}"] if plugin else []) + ["python", "train.py"]
+    assert argv == ["srun", "--ntasks", "2", KILL] + ([f"--mpi={plugin}"] if plugin else []) + ["python", "train.py"]
 
 
 @pytest.mark.parametrize("mpi_args, env, mpi_default, expected", [
@@ -262,12 +265,34 @@ def test_srun_gets_the_mpi_plugin_of_the_mpi_found(flavour, plugins, plugin):
 def test_srun_plugin_chosen_by_user_or_site_is_left_alone(mpi_args, env, mpi_default, expected):
     launchers = info(srun="srun", plugins=ALL_PLUGINS, mpi_default=mpi_default)
     argv, _ = run(np=2, mpi_args=mpi_args, env={"SLURM_JOB_ID": "42", **env}, launchers=launchers)
-    assert argv == ["srun", "--ntasks", "2"] + expected + ["python", "train.py"]
+    assert argv == ["srun", "--ntasks", "2", KILL] + expected + ["python", "train.py"]
+
+
+@pytest.mark.parametrize("mpi_args, env", [
+    (("-K0",), {}), (("--kill-on-bad-exit=0",), {}), (("--kill-on-bad-exit",), {}), ((), {"SLURM_KILL_BAD_EXIT": "0"}),
+])
+def test_srun_kill_on_bad_exit_chosen_by_user_is_left_alone(mpi_args, env):
+    argv, _ = run(np=2, mpi_args=mpi_args, env={"SLURM_JOB_ID": "42", **env}, launchers=info(srun="srun"))
+    assert argv == ["srun", "--ntasks", "2", *mpi_args, "python", "train.py"]
 
 
 def test_slurm_with_gloo_uses_torchrun_on_one_host():
     argv, env = run(np=2, backend="gloo", env={"SLURM_JOB_ID": "42"}, launchers=info(srun="srun"))
     assert argv[0] == "torchrun" and env["HPDL_BACKEND"] == "gloo"
+
+
+@pytest.mark.parametrize("launcher, backend", [("auto", "gloo"), ("mpiexec", None), ("torchrun", None)])
+def test_every_launcher_in_an_allocation_defaults_to_its_task_count(launcher, backend):
+    env = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1"}
+    argv, _ = run(launcher=launcher, backend=backend, env=env, launchers=info(srun="srun"))
+    assert argv[argv.index("-n" if argv[0] == "mpiexec" else "--nproc-per-node") + 1] == "2", argv
+
+
+def test_torchrun_refuses_to_put_a_multinode_allocation_on_this_host():
+    env = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"}
+    with pytest.raises(LaunchError, match="allocation spans 2 nodes; give -np"):
+        run(backend="gloo", env=env, launchers=info(srun="srun"))
+    assert run(np=2, backend="gloo", env=env, launchers=info(srun="srun"))[0][0] == "torchrun"
 
 
 def test_srun_missing():

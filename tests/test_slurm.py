@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import pytest
 
@@ -168,11 +168,14 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     assert not left, f"the Slurm cluster left processes running: {left}"
 
 
-def salloc_run(cluster: Cluster, job: Path, *run_args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``salloc -n 2 hpdl run -np 2 RUN_ARGS -- python JOB`` in the cluster; fail on timeout or leftovers."""
+def salloc_run(cluster: Cluster, job: Path, *run_args: str, timeout: float = 180,
+               np: Optional[int] = 2) -> subprocess.CompletedProcess:
+    """``salloc -n 2 hpdl run -np NP RUN_ARGS -- python JOB`` in the cluster (no -np when NP is None);
+    fail on timeout or leftovers."""
     env = {k: v for k, v in cluster.env.items() if not k.startswith(("HPDL_", "SLURM_")) or k == "SLURM_CONF"}
     env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    argv = ["salloc", "-n", "2", "--time=5", sys.executable, "-m", "hpdl", "run", "-np", "2", *run_args,
+    np_args = [] if np is None else ["-np", str(np)]
+    argv = ["salloc", "-n", "2", "--time=5", sys.executable, "-m", "hpdl", "run", *np_args, *run_args,
             "--", "python", str(job)]
     before = set(processes_with_env(cluster.tag))
     proc = subprocess.Popen(argv, env=env, cwd=str(job.parent), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -208,7 +211,7 @@ def _ranks(stdout: str) -> List[str]:
 def test_dry_run_passes_srun_the_mpi_plugin(cluster, job):
     result = salloc_run(cluster, job, "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert f"srun --ntasks 2 --mpi=pmi2 python {job}" in result.stdout
+    assert f"srun --ntasks 2 --kill-on-bad-exit=1 --mpi=pmi2 python {job}" in result.stdout
 
 
 @pytest.mark.parametrize("run_args", [(), ("--backend", "gloo")], ids=["mpi", "gloo"])
@@ -218,8 +221,43 @@ def test_two_ranks_form_one_world(cluster, job, run_args):
     assert _ranks(result.stdout) == ["rank 0 of 2", "rank 1 of 2"], result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("run_args", [(), ("--backend", "gloo"), ("--launcher", "mpiexec")],
+                         ids=["srun", "gloo", "mpiexec"])
+def test_without_np_every_launcher_starts_the_allocations_tasks(cluster, job, run_args):
+    result = salloc_run(cluster, job, *run_args, np=None)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{cluster.logs()}"
+    assert _ranks(result.stdout) == ["rank 0 of 2", "rank 1 of 2"], result.stdout + result.stderr
+
+
 def test_srun_without_mpi_plugin_is_refused_on_every_rank(cluster, job):
     result = salloc_run(cluster, job, "--mpi-args=--mpi=none")
     assert result.returncode != 0 and _ranks(result.stdout) == []
     refusal = "but the launcher announced 2 (SLURM_STEP_NUM_TASKS=2); likely cause: srun started the tasks"
     assert result.stderr.count(refusal) == 2, result.stderr
+
+
+# Rank 1 dies of a signal after hvd.init(), while rank 0 goes on into an allreduce with it.
+_DIES = """\
+import os
+import signal
+
+import torch
+
+import hpdl.torch as hvd
+
+hvd.init()
+if hvd.rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+hvd.allreduce(torch.ones(1))
+hvd.shutdown()
+"""
+
+
+def test_a_task_that_dies_ends_the_job(cluster, tmp_path):
+    # srun's default leaves the other task waiting in the allreduce until the stall timeout.
+    job = tmp_path / "dies.py"
+    job.write_text(_DIES)
+    started = time.monotonic()
+    result = salloc_run(cluster, job, timeout=60)
+    assert result.returncode != 0, result.stderr
+    assert time.monotonic() - started < 45, result.stderr

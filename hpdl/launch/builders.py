@@ -16,7 +16,8 @@ The choice of launcher:
 
 srun is given the MPI plugin that the MPI found needs (``--mpi=pmi2`` for MPICH, Intel MPI
 and MVAPICH2, ``--mpi=pmix`` for Open MPI) unless the user, SLURM_MPI_TYPE or the site's
-MpiDefault chose one (:func:`srun_mpi_plugin`).
+MpiDefault chose one (:func:`srun_mpi_plugin`), and ``--kill-on-bad-exit=1`` so that a failed
+task ends the others instead of leaving them waiting for it.
 
 Hosts are reached through a remote shell: ssh by default, or ``--remote-shell`` / ``HPDL_RSH``
 (which ``hpdl emulate`` sets to its stand-in), handed to Hydra as ``-launcher-exec``, to Open
@@ -186,7 +187,8 @@ def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -
         if info.srun is None:
             raise LaunchError("launcher srun was not found on PATH (is Slurm installed here?)")
         plugin = srun_mpi_plugin(info, env, options.mpi_args)
-        argv = build_srun(info.srun, np, hosts, options.mpi_args, command, plugin)
+        argv = build_srun(info.srun, np, hosts, options.mpi_args, command, plugin,
+                          kill_on_bad_exit=not _chooses_kill_on_bad_exit(options.mpi_args, env))
     else:
         if info.torchrun is None:
             raise LaunchError("launcher torchrun was not found on PATH (it comes with PyTorch)")
@@ -208,8 +210,15 @@ def _num_ranks(options: RunOptions, env: Mapping[str, str], launcher: str) -> in
         np = options.np
     elif hosts is not None:
         np = hosts.total_slots
-    elif launcher == "srun" and env.get("SLURM_NTASKS", "").isdigit():
-        np = int(env["SLURM_NTASKS"])  # srun's own default: the allocation's task count
+    elif (launcher == "srun" or "SLURM_JOB_ID" in env) and env.get("SLURM_NTASKS", "").isdigit():
+        # Inside an allocation every launcher gets the allocation's task count (srun's own
+        # default), gloo's torchrun and a forced mpiexec too, rather than one rank.
+        np = int(env["SLURM_NTASKS"])
+        nodes = env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1"))
+        if launcher == "torchrun" and nodes.isdigit() and int(nodes) > 1:
+            raise LaunchError(
+                f"torchrun starts every rank on this host, but the allocation spans {nodes} nodes; "
+                "give -np for the ranks to run here, or --launcher srun to spread them over the allocation")
     else:
         np = 1
     if np < 1:
@@ -329,12 +338,23 @@ def srun_mpi_plugin(info: LauncherInfo, env: Mapping[str, str], launcher_args: S
     return wanted if wanted in info.srun_mpi_plugins else None
 
 
+def _chooses_kill_on_bad_exit(launcher_args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether the user already told srun what to do when a task fails (-K, or SLURM_KILL_BAD_EXIT)."""
+    return "SLURM_KILL_BAD_EXIT" in env or any(
+        arg.startswith(("-K", "--kill-on-bad-exit")) for arg in launcher_args)
+
+
 def build_srun(srun: str, np: int, hosts: Optional[HostList], launcher_args: Sequence[str],
-               command: Sequence[str], mpi_plugin: Optional[str] = None) -> List[str]:
-    """Return ``srun --ntasks N [--nodelist h1,h2] [--mpi=PLUGIN] [args] command``."""
+               command: Sequence[str], mpi_plugin: Optional[str] = None, kill_on_bad_exit: bool = True) -> List[str]:
+    """Return ``srun --ntasks N [--nodelist h1,h2] [--kill-on-bad-exit=1] [--mpi=PLUGIN] [args] command``."""
     argv = [srun, "--ntasks", str(np)]
     if hosts is not None:
         argv += ["--nodelist", ",".join(hosts.names)]
+    if kill_on_bad_exit:
+        # srun's default (KillOnBadExit=0) lets the other tasks run on when one dies of a signal
+        # or exits before hvd.init(): they wait for it in a collective or at the rendezvous until
+        # the stall timeout or the time limit. mpiexec ends the job then; so does srun with this.
+        argv.append("--kill-on-bad-exit=1")
     if mpi_plugin:
         argv.append(f"--mpi={mpi_plugin}")
     return argv + list(launcher_args) + list(command)

@@ -42,7 +42,8 @@ Launcher choice (unless --launcher says otherwise):
 
 Under srun, hpdl passes the MPI plugin the MPI found needs (--mpi=pmi2 for MPICH, Intel MPI
 and MVAPICH2; --mpi=pmix for Open MPI when srun lists it) unless --mpi-args, SLURM_MPI_TYPE
-or the site's MpiDefault names one.
+or the site's MpiDefault names one, and --kill-on-bad-exit=1 (unless -K is in --mpi-args or
+SLURM_KILL_BAD_EXIT is set), so that a task that fails ends the job, as mpiexec ends it.
 
 Other hosts are reached through ssh, or --remote-shell (HPDL_RSH). With --launcher torchrun
 on several hosts, hpdl starts one torchrun per host through it (a static rendezvous on the
@@ -101,7 +102,7 @@ def register(subparsers) -> None:
     where = run.add_argument_group("ranks and hosts")
     where.add_argument(
         "-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
-        help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS under srun, else 1)",
+        help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS inside a Slurm allocation, else 1)",
     )
     hosts = where.add_mutually_exclusive_group()
     hosts.add_argument(
