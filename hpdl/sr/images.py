@@ -84,11 +84,17 @@ def read_image(path: PathLike, *, max_pixels: Optional[int] = None, limit_name: 
     file can declare a huge image); that limit then replaces Pillow's own. ``limit_name`` is the
     option or key that sets it, for the error.
     """
+    with _decoding(path), _opened(path, max_pixels) as img:
+        check_pixels(path, img.size, max_pixels, limit_name)
+        img.load()  # decode now, so truncation fails here and not at first use
+        return _to_rgb(img, path)
+
+
+@contextlib.contextmanager
+def _decoding(path: PathLike) -> Iterator[None]:
+    """Turn what opening and decoding ``path`` raises into errors that name the file."""
     try:
-        with _opened(path, max_pixels) as img:
-            check_pixels(path, img.size, max_pixels, limit_name)
-            img.load()  # decode now, so truncation fails here and not at first use
-            return _to_rgb(img, path)
+        yield
     except SRDataError:
         raise
     except FileNotFoundError:
@@ -135,23 +141,13 @@ def read_picture(path: PathLike, *, max_pixels: Optional[int] = None,
     """
     from PIL import ImageOps
 
-    try:
-        with _opened(path, max_pixels) as img:
-            check_pixels(path, img.size, max_pixels, limit_name)
-            frames = int(getattr(img, "n_frames", 1) or 1)
-            img.load()
-            orientation = int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
-            upright = ImageOps.exif_transpose(img) if orientation != 1 else img
-            return _picture(upright, path, frames, orientation)
-    except SRDataError:
-        raise
-    except FileNotFoundError:
-        raise SRDataError(f"{path}: no such file") from None
-    except (IsADirectoryError, PermissionError) as err:
-        raise SRDataError(f"{path}: cannot read: {err.strerror}") from None
-    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, zlib errors...
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CorruptImageError(f"{path}: cannot decode image (corrupt or truncated?): {reason}") from None
+    with _decoding(path), _opened(path, max_pixels) as img:
+        check_pixels(path, img.size, max_pixels, limit_name)
+        frames = int(getattr(img, "n_frames", 1) or 1)
+        img.load()
+        orientation = int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
+        upright = ImageOps.exif_transpose(img) if orientation != 1 else img
+        return _picture(upright, path, frames, orientation)
 
 
 _EXIF_ORIENTATION = 0x0112
