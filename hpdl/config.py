@@ -34,6 +34,12 @@ HOROVOD_ALIASES = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "HPDL_STALL_WARNING",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HPDL_STALL_TIMEOUT",
     "HOROVOD_START_TIMEOUT": "HPDL_START_TIMEOUT",
+    "HOROVOD_AUTOTUNE": "HPDL_AUTOTUNE",
+    "HOROVOD_AUTOTUNE_LOG": "HPDL_AUTOTUNE_LOG",
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "HPDL_AUTOTUNE_WARMUP_SAMPLES",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "HPDL_AUTOTUNE_STEPS_PER_SAMPLE",
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
 }
 # Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never), and
 # hpdl keeps its own timeout then; a timeline of DYNAMIC is Horovod's "no file until
@@ -58,6 +64,14 @@ def _setting_texts(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
         if horovod in env and hpdl not in texts and (horovod, env[horovod].strip()) not in _HOROVOD_UNSET:
             texts[hpdl] = (horovod, env[horovod])
     return texts
+
+
+def settings_given(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """The names of the Settings fields ``env`` sets (by their ``HPDL_*`` or Horovod name), sorted:
+    the autotuner leaves these alone, as Horovod leaves the knobs its user fixed."""
+    env = os.environ if env is None else env
+    by_var = {f.metadata["env"]: f.name for f in dataclasses.fields(Settings)}
+    return sorted(by_var[var] for var in _setting_texts(env) if var in by_var)
 
 
 class SettingsError(ValueError):
@@ -142,6 +156,18 @@ class Settings:
     # How much lower than the compute the engine thread runs (a nice increment, 0-19); auto:
     # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine.py, Pacing).
     engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
+    # Tune the fusion threshold and the cycle time while the job runs (hpdl/engine/autotune.py):
+    # the samples to discard first, the training steps per sub-sample, the Bayesian proposals
+    # to try, and the noise the Gaussian process assumes in the scores (Horovod's defaults).
+    autotune: bool = dataclasses.field(default=False, metadata={"env": "HPDL_AUTOTUNE"})
+    autotune_log: str = dataclasses.field(default="", metadata={"env": "HPDL_AUTOTUNE_LOG"})
+    autotune_warmup_samples: int = dataclasses.field(default=3, metadata={"env": "HPDL_AUTOTUNE_WARMUP_SAMPLES"})
+    autotune_steps_per_sample: int = dataclasses.field(
+        default=10, metadata={"env": "HPDL_AUTOTUNE_STEPS_PER_SAMPLE"})
+    autotune_bayes_opt_max_samples: int = dataclasses.field(
+        default=20, metadata={"env": "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"})
+    autotune_gaussian_process_noise: float = dataclasses.field(
+        default=0.8, metadata={"env": "HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"})
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -156,6 +182,11 @@ class Settings:
                 ("HPDL_PRIORITY_WINDOW", self.priority_window, MAX_BYTES, "1 TiB"),
                 ("HPDL_GATHER_BYTES", self.gather_bytes, MAX_BYTES, "1 TiB"),
                 ("HPDL_CACHE_CAPACITY", self.cache_capacity, C_INT_MAX, str(C_INT_MAX)),
+                ("HPDL_AUTOTUNE_WARMUP_SAMPLES", self.autotune_warmup_samples, C_INT_MAX, str(C_INT_MAX)),
+                ("HPDL_AUTOTUNE_STEPS_PER_SAMPLE", self.autotune_steps_per_sample, C_INT_MAX, str(C_INT_MAX)),
+                ("HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", self.autotune_bayes_opt_max_samples, C_INT_MAX,
+                 str(C_INT_MAX)),
+                ("HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", self.autotune_gaussian_process_noise, 1, "1"),
                 ("HPDL_CYCLE_TIME", self.cycle_time_ms, YEAR_S * 1000, "a year"),
                 ("HPDL_GATHER_TIME", self.gather_time_ms, YEAR_S * 1000, "a year"),
                 ("HPDL_STALL_WARNING", self.stall_warning_s, YEAR_S, "a year"),
@@ -183,6 +214,12 @@ class Settings:
             raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
         if self.start_timeout_s < 0:
             raise SettingsError(f"HPDL_START_TIMEOUT must be >= 0 seconds, got {self.start_timeout_s}")
+        for env, value, lowest in (("HPDL_AUTOTUNE_WARMUP_SAMPLES", self.autotune_warmup_samples, 0),
+                                   ("HPDL_AUTOTUNE_STEPS_PER_SAMPLE", self.autotune_steps_per_sample, 1),
+                                   ("HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", self.autotune_bayes_opt_max_samples, 0),
+                                   ("HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", self.autotune_gaussian_process_noise, 0)):
+            if value < lowest:
+                raise SettingsError(f"{env} must be >= {lowest}, got {value:g}")
         if self.mpi_cuda_aware not in ("auto", "0", "1"):
             raise SettingsError(f"HPDL_MPI_CUDA_AWARE must be auto, 0 or 1, got {self.mpi_cuda_aware!r}")
         if self.engine_nice != "auto" and not (self.engine_nice.isdigit() and 0 <= int(self.engine_nice) <= 19):

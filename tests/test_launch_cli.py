@@ -259,16 +259,21 @@ def test_config_file_fills_what_the_command_line_leaves(monkeypatch, capsys, cle
                       "  hierarchical_allreduce: true\n  hierarchical_allgather: false\n"
                       "timeline:\n  filename: tl.json\n  mark_cycles: true\n"
                       "stall_check:\n  enabled: false\n  shutdown_time_seconds: 120\n"
-                      "autotune:\n  enabled: true\n")
-    out, err = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config), "--cycle-time-ms", "7")
+                      "autotune:\n  enabled: true\n  log_file: at.csv\n  warmup_samples: 5\n  steps_per_sample: 4\n"
+                      "  bayes_opt_max_samples: 8\n  gaussian_process_noise: 0.5\n")
+    out, err = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config), "--cycle-time-ms", "7",
+                        "--autotune-steps-per-sample", "6")
     timeline = tmp_path / "tl.json"
     expected = {"HPDL_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HPDL_CYCLE_TIME": "7",  # the command line wins
                 "HPDL_CACHE_CAPACITY": "64", "HPDL_HIERARCHICAL_ALLREDUCE": "1", "HPDL_TIMELINE": str(timeline),
                 "HPDL_TIMELINE_MARK_CYCLES": "1", "HPDL_STALL_TIMEOUT": "120",
-                "HPDL_STALL_WARNING": "120"}  # stall check off: no warning before the timeout
+                "HPDL_STALL_WARNING": "120",  # stall check off: no warning before the timeout
+                "HPDL_AUTOTUNE": "1", "HPDL_AUTOTUNE_LOG": str(tmp_path / "at.csv"),
+                "HPDL_AUTOTUNE_WARMUP_SAMPLES": "5", "HPDL_AUTOTUNE_STEPS_PER_SAMPLE": "6",
+                "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8", "HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}
     assert {k: v for k, v in (w.split("=", 1) for w in out.split(" mpiexec ")[0].split())} == expected
     # hierarchical_allgather: false asks for what hpdl does: no warning for it.
-    assert err.splitlines() == [f"hpdl run: warning: {config}: autotune is not honoured by hpdl; ignoring it"]
+    assert err == ""
 
 
 def _settings_of(out):
@@ -311,10 +316,11 @@ def test_horovods_own_config_file_runs_with_a_warning_per_unhonoured_setting(mon
                       "library_options:\n  mpi_threads_disable: true\n  num_nccl_streams: 2\n"
                       "logging:\n  level: INFO\n")
     out, err = _dry_run(monkeypatch, capsys, "-np", "2", "--config-file", str(config))
-    assert out.startswith("HPDL_BACKEND=gloo ") and " torchrun " in out  # controller: gloo
+    assert out.startswith("HPDL_AUTOTUNE=1 ") and "HPDL_BACKEND=gloo " in out and " torchrun " in out
     assert "HPDL_STALL_WARNING=240" in out and "HPDL_FUSION_THRESHOLD=33554432" in out
+    assert f"HPDL_AUTOTUNE_LOG={tmp_path / 'at.csv'} " in out and "HPDL_AUTOTUNE_WARMUP_SAMPLES=5 " in out
     assert err.splitlines() == [f"hpdl run: warning: {config}: {line}; ignoring it" for line in (
-        "params.hierarchical_allgather is not honoured by hpdl", "autotune is not honoured by hpdl",
+        "params.hierarchical_allgather is not honoured by hpdl",
         "elastic is not honoured: hpdl does not provide elastic training",
         "library_options.mpi_threads_disable is not honoured by hpdl",
         "library_options.num_nccl_streams is not honoured by hpdl", "logging.level is not honoured by hpdl")]
@@ -341,7 +347,7 @@ def test_horovodrun_options_that_hpdl_honours(horovodrun, expected, monkeypatch,
     assert _dry_run(monkeypatch, capsys, "-np", "2", *horovodrun) == (expected, "")
 
 
-@pytest.mark.parametrize("option", [["--autotune"], ["--hierarchical-allgather"], ["--mpi-threads-disable"],
+@pytest.mark.parametrize("option", [["--hierarchical-allgather"], ["--mpi-threads-disable"],
                                     ["--num-nccl-streams", "2"], ["--log-level", "debug"]])
 def test_horovodrun_options_hpdl_has_no_counterpart_for_warn_once(option, monkeypatch, capsys, clean_env):
     out, err = _dry_run(monkeypatch, capsys, "-np", "2", *option)
@@ -396,7 +402,9 @@ def test_cli_run_help_explains_options(capsys):
                    "--stall-check-shutdown-time-seconds", "--output-filename", "--verbose", "--start-timeout",
                    "--ssh-port", "--ssh-identity-file", "--network-interfaces", "--config-file", "--no-stall-check",
                    "--disable-cache", "--check-build", "--tcp", "--binding-args", "--prefix-output-with-timestamp",
-                   "--log-level", "--autotune", "--hierarchical-allgather", "--mpi-threads-disable",
+                   "--log-level", "--autotune", "--autotune-log-file", "--autotune-warmup-samples",
+                   "--autotune-steps-per-sample", "--autotune-bayes-opt-max-samples",
+                   "--autotune-gaussian-process-noise", "--hierarchical-allgather", "--mpi-threads-disable",
                    "--num-nccl-streams", "--timeline-mark-cycles"):
         assert option in text
 

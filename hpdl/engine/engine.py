@@ -60,7 +60,6 @@ small, just enough to keep the network busy.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import threading
@@ -69,14 +68,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from hpdl.comm import CommError, Communicator
+from hpdl.comm import Communicator
 from hpdl.config import Settings
-from hpdl.engine import abort
+from hpdl.engine import autotune
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
+from hpdl.engine.failure import EngineFailures
 from hpdl.engine.handle import Handle
-from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, Controller, CycleResult, ranks_text
+from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, TUNING_NONE, Controller, CycleResult, ranks_text
 from hpdl.engine.process_set import ProcessSet
 from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Response
 
@@ -87,7 +87,6 @@ _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this r
 # the longest they double to while its rounds agree nothing (each costs the compute CPU time).
 _IDLE_PAUSE_MIN_S = 0.02
 _IDLE_PAUSE_MAX_S = 0.1
-_LIVENESS_WAIT_S = 2.0  # after a backend failure, how long the survivors listen for each other
 # How often collectives that move only when polled (MPI over TCP) are polled while a caller
 # waits for a result: its core is idle then, and every protocol step the backend takes only
 # when called (a rendezvous, a reduction) would otherwise wait for the next poll. Otherwise
@@ -104,29 +103,24 @@ def _lower_priority(increment: int) -> None:
         log.debug("could not lower the engine thread's priority: %s", err)
 
 
-class StallAbort(HorovodInternalError):
-    """Raised asynchronously in the main thread of a rank that stopped submitting."""
-
-    message = "collectives stalled"
-
-    def __init__(self, *args):
-        super().__init__(*(args or (self.message,)))
-
-
-class Engine:
+class Engine(EngineFailures):
     """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
 
     def __init__(self, settings: Settings, comm: Communicator, data_comm: Optional[Communicator] = None,
-                 thread_nice: int = 0):
+                 thread_nice: int = 0, autotuner: Optional[autotune.Autotuner] = None):
         """Start the engine thread on ``comm`` (the world group).
 
         Args:
             data_comm: run the global set's collectives here instead of on ``comm`` (e.g. a
                 HierarchicalCommunicator); negotiation always uses ``comm``.
             thread_nice: lower the engine thread's CPU priority by this nice increment.
+            autotuner: on rank 0, the tuner whose parameters every rank applies (autotune.py).
         """
         self.thread_nice = thread_nice
         self.settings = settings
+        self.autotuner = autotuner if comm.rank == 0 else None
+        self._tuning = TUNING_NONE  # the tuning word last applied
+        self._cycle_s = settings.cycle_time_ms / 1000.0
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
@@ -304,6 +298,8 @@ class Engine:
         # is ended by the interpreter inside torch's C++ code, which aborts the process.
         self._watcher.join(2.0)
         self.stop_timeline()
+        if self.autotuner is not None:
+            self.autotuner.close()
         for ps in self._sets.values():
             if ps.controller is not None and ps.id != 0:
                 ps.controller.comm.close()
@@ -349,7 +345,6 @@ class Engine:
     # -- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        cycle_s = self.settings.cycle_time_ms / 1000.0
         # The engine's copies (fusion buffer in and out) are never part of an autograd graph,
         # even when the caller's tensors require grad; grad mode is per thread.
         torch.set_grad_enabled(False)
@@ -370,6 +365,7 @@ class Engine:
                 if progressed is None:
                     break
                 self.cycles += 1
+                cycle_s = self._cycle_s
                 if self._idle:
                     # Nothing pending here: the next local submission wakes the engine. Peers
                     # with work wait for this rank's next round, which they get at once if they
@@ -459,33 +455,6 @@ class Engine:
             self._collectives_done = False
             executor.complete()
 
-    def _watch(self) -> None:
-        """Fail the engine when one round, or one collective in flight, has run longer than
-        the stall timeout.
-
-        A round (negotiation and the collectives agreed in it) completes within moments while
-        every rank's engine thread runs, even when some rank stops submitting; one that lasts
-        the stall timeout is stuck in the backend on a peer that died or a node that can no
-        longer be reached, where no error comes (MPI over TCP waits for ever). The engine
-        thread cannot notice, being the one stuck, so this thread does.
-        """
-        limit = self.settings.stall_timeout_s
-        while not self._stopped.wait(min(1.0, limit / 4)):
-            started = self._round_started
-            oldest = self.executor.oldest_in_flight()
-            now = time.monotonic()
-            if started is not None and now - started > limit and self._failure is None:
-                err = CommError(f"a round of collectives has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
-                                "a rank has died or its node is unreachable")
-            elif oldest is not None and now - oldest > limit and self._failure is None:
-                err = CommError(f"a collective has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
-                                "a rank has died or its node is unreachable")
-            else:
-                err = None
-            if err is not None:
-                self._fail(f"hpdl engine failed on rank {self.rank}: {err}{self._lost(err)}", err)
-                return
-
     def _drain(self) -> int:
         """Move submitted requests to their process set's pending table; return how many."""
         queue = self._queue
@@ -524,7 +493,9 @@ class Engine:
             if ps.id and ps.pending and ps.id < 32:
                 sets_pending |= 1 << ps.id
         room = self._room()
-        result = world.controller.cycle(world.pending, flags, sets_pending, room)
+        tuner = self.autotuner
+        tuning = tuner.word() if tuner is not None else TUNING_NONE
+        result = world.controller.cycle(world.pending, flags, sets_pending, room, tuning)
         if result.shutdown:
             for ps in list(self._sets.values()):  # agreed on every rank: they start everywhere
                 self._start_queued_of(ps, everything=True)
@@ -536,7 +507,12 @@ class Engine:
         if result.abort is not None:
             self._fail(result.abort, log_it=self.rank == 0)
             return None
+        if result.tuning != self._tuning:
+            self._retune(result.tuning)
         self._execute(world, result)
+        if tuner is not None and tuner.active and result.responses:
+            tuner.observe([r.name for r in result.responses if r.error is None],
+                          sum(r.nbytes for r in result.responses if r.error is None))
         # Negotiations in flight (full exchanges, process sets with work) need every rank's
         # next round soon, even a rank with nothing of its own pending.
         self._hot = result.full or bool(result.sets_pending)
@@ -564,6 +540,30 @@ class Engine:
         if self._timeline is not None and self._timeline.mark_cycles:
             self.bus.emit(ev.Event(ev.CYCLE, "cycle", (), ev.now_us(), rank=self.rank, cycle=self.cycles))
         return ran or self._hot
+
+    def _retune(self, word: int) -> None:
+        """Apply rank 0's autotuned parameters, agreed in this round on every rank. The fusion
+        threshold decides how allreduces are fused into backend calls, so whatever was queued
+        under the old one starts first, in the agreed order, as on every rank."""
+        self._tuning = word
+        parameters = autotune.decode(word)
+        if parameters is None:
+            return
+        fusion_threshold, cycle_time_ms = parameters
+        if fusion_threshold is not None and fusion_threshold != self.executor.fusion_threshold:
+            for ps in list(self._sets.values()):
+                self._start_queued_of(ps, everything=True)
+            self.executor.fusion_threshold = fusion_threshold
+        if cycle_time_ms is not None:
+            self._cycle_s = cycle_time_ms / 1000.0
+
+    def parameters(self) -> Dict[str, Any]:
+        """The parameters the engine runs with now (autotuning changes them): the fusion
+        threshold in bytes, the cycle time in ms, and whether rank 0 is still tuning (None on
+        the other ranks)."""
+        tuner = self.autotuner
+        return {"fusion_threshold": self.executor.fusion_threshold, "cycle_time_ms": self._cycle_s * 1000.0,
+                "autotuning": (tuner.active if tuner is not None else False) if self.rank == 0 else None}
 
     def _execute(self, ps: ProcessSet, result: CycleResult) -> None:
         if not result.responses and not ps.backlog and not ps.queued:
@@ -649,71 +649,3 @@ class Engine:
                 handle.set_result(set_id)
 
     # -- failure ---------------------------------------------------------------------------
-
-    def _lost(self, err: BaseException) -> str:
-        """After a backend failure, the ranks that no longer answer, as words for the message."""
-        if self.size == 1 or not isinstance(err, (CommError, RuntimeError)) or isinstance(err, HorovodInternalError):
-            return ""
-        try:
-            lost = self.comm.unanswering(_LIVENESS_WAIT_S)
-        except Exception:  # noqa: BLE001 - the failure is reported all the same
-            return ""
-        if not lost:
-            return ""
-        world = self._sets[0].ranks
-        names = ", ".join(str(world[r]) for r in lost)
-        return f" (lost: rank {names} does not answer)" if len(lost) == 1 else f" (lost: ranks {names} do not answer)"
-
-    def _fail_set(self, ps: ProcessSet, message: str) -> None:
-        pending, ps.pending = ps.pending, collections.OrderedDict()
-        backlog, ps.backlog = ps.backlog, []
-        queued, ps.queued = ps.queued, collections.deque()
-        self._queued_bytes -= sum(nbytes for _, _, nbytes in queued)
-        waiting = [request for _, request in backlog if request is not None]
-        waiting += [request for _, requests, _ in queued for request in requests.values()]
-        for request in list(pending.values()) + waiting:
-            request.handle.set_error(HorovodInternalError(message))
-
-    def _fail_queued(self) -> None:
-        """Fail what is still in the queue of a stopped engine (from any thread)."""
-        message = self._failure or self._stop_message
-        while True:
-            try:
-                request = self._queue.popleft()
-            except IndexError:
-                return
-            request.handle.set_error(HorovodInternalError(message))
-
-    def _fail_pending(self, message: str) -> None:
-        self.executor.fail_in_flight(HorovodInternalError(message))
-        self._drain()
-        for ps in self._sets.values():
-            self._fail_set(ps, message)
-
-    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True) -> None:
-        """Enter the failed state: every pending and future request raises ``message``."""
-        if self._failure is not None:  # failed already (the watch thread was first)
-            return
-        self._failure = message
-        waiting = any(ps.pending for ps in self._sets.values()) or bool(self._queue)
-        if log_it:
-            log.error("%s", message)
-        # Armed before the waiting callers wake: one that raises and exits at once must find
-        # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
-        # one that stopped submitting when it had nothing pending.
-        self._end_job(message, stalled=not waiting and cause is None)
-        self._fail_pending(message)
-
-    def _end_job(self, message: str, stalled: bool) -> None:
-        """The job cannot go on: make sure it ends, even where no exception can reach."""
-        abort.arm(self.comm, self.rank, message, stalled)
-        if stalled:
-            # A stalled rank has no handle to raise through: raise in its main thread, as every
-            # surviving rank does (it arrives if that thread is running Python).
-            self._raise_in_main_thread(message)
-
-    def _raise_in_main_thread(self, message: str) -> None:
-        if self._main_thread_id is None:
-            return
-        StallAbort.message = message
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._main_thread_id), ctypes.py_object(StallAbort))

@@ -9,7 +9,9 @@ Two paths, as in Horovod:
 The first word of the bit vector carries flags (OR-combined, stored inverted so that AND
 yields OR) that switch to the full path, report a join or a shutdown; the second the process
 sets with work (inverted too); the third each rank's room for prioritized allreduces, in
-units, as that many low bits, so that AND yields the smallest room of all.
+units, as that many low bits, so that AND yields the smallest room of all; the fourth the
+autotuner's parameters from the set's rank 0 (autotune.py), every other member sending all ones
+so that AND yields rank 0's word.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ _JOIN = RequestKind.JOIN.value
 _FULL = FLAG_UNCACHED | FLAG_STALL_CHECK | FLAG_JOINED | FLAG_ABORT
 _MASK = 0xFFFFFFFF
 ROOM_UNITS = 32  # the room word's resolution: a rank's window is this many units
-_HEADER_WORDS = 3
+_HEADER_WORDS = 4
+TUNING_NONE = _MASK  # the tuning word of a member other than rank 0: AND leaves rank 0's
 
 # Requests that never enter the response cache.
 _UNCACHED_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
@@ -58,6 +61,7 @@ class CycleResult:
     sets_pending: int = 0  # bit i: some member has requests pending for process set i
     full: bool = False
     room: int = ROOM_UNITS  # the least room for prioritized allreduces of any member, in units
+    tuning: int = TUNING_NONE  # rank 0's autotuner word (autotune.decode)
 
 
 def _describe_value(field: int, value: Any) -> str:
@@ -139,11 +143,12 @@ class Controller:
     # -- one cycle -------------------------------------------------------------------------
 
     def cycle(self, pending: "OrderedDict[str, Request]", flags: int = 0, sets_pending: int = 0,
-              room: int = ROOM_UNITS) -> CycleResult:
+              room: int = ROOM_UNITS, tuning: int = TUNING_NONE) -> CycleResult:
         """Agree with the other members on what to run now; collective over the set.
 
         Args:
             room: this rank's room for prioritized allreduces, 0 .. ROOM_UNITS units.
+            tuning: on the set's rank 0, the autotuner's word; elsewhere TUNING_NONE.
         """
         now = time.monotonic()
         positions: List[int] = []
@@ -170,10 +175,12 @@ class Controller:
         vector[0] = ~flags & _MASK
         vector[1] = ~sets_pending & _MASK
         vector[2] = (1 << max(0, min(room, ROOM_UNITS))) - 1
+        vector[3] = tuning & _MASK
         self.cache.encode(positions, vector[_HEADER_WORDS:])
         self.comm.allreduce_control(self._vector_tensor, ReduceOp.BAND)
         any_flags = ~int(vector[0]) & _MASK
-        result = CycleResult([], sets_pending=~int(vector[1]) & _MASK, room=int(vector[2]).bit_count())
+        result = CycleResult([], sets_pending=~int(vector[1]) & _MASK, room=int(vector[2]).bit_count(),
+                             tuning=int(vector[3]))
         if any_flags & FLAG_SHUTDOWN:
             result.shutdown = True
             # Every member saw the flag in this round, so every member takes part in this

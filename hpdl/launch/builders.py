@@ -80,6 +80,12 @@ class RunOptions:
     stall_warning_s: Optional[float] = None
     stall_timeout_s: Optional[float] = None
     hierarchical_allreduce: bool = False
+    autotune: bool = False
+    autotune_log: Optional[str] = None
+    autotune_warmup_samples: Optional[int] = None
+    autotune_steps_per_sample: Optional[int] = None
+    autotune_bayes_opt_max_samples: Optional[int] = None
+    autotune_gaussian_process_noise: Optional[float] = None
     remote_shell: Optional[str] = None  # how to reach other hosts (default: ssh)
     binding_args: Tuple[str, ...] = ()  # Open MPI's process binding, in place of --bind-to none
     rendezvous_port: int = 29400  # torchrun's static rendezvous on the first host, across hosts
@@ -105,6 +111,12 @@ def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[
         "HPDL_STALL_WARNING": _num(options.stall_warning_s),
         "HPDL_STALL_TIMEOUT": _num(options.stall_timeout_s),
         "HPDL_HIERARCHICAL_ALLREDUCE": "1" if options.hierarchical_allreduce else None,
+        "HPDL_AUTOTUNE": "1" if options.autotune else None,
+        "HPDL_AUTOTUNE_LOG": os.path.join(cwd, options.autotune_log) if options.autotune_log else None,
+        "HPDL_AUTOTUNE_WARMUP_SAMPLES": _num(options.autotune_warmup_samples),
+        "HPDL_AUTOTUNE_STEPS_PER_SAMPLE": _num(options.autotune_steps_per_sample),
+        "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": _num(options.autotune_bayes_opt_max_samples),
+        "HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": _num(options.autotune_gaussian_process_noise),
     }
     out.update({k: v for k, v in given.items() if v is not None})
     try:

@@ -153,8 +153,9 @@ def register(subparsers) -> None:
                      help="horovodrun's YAML config file: controller (gloo or mpi), sections params "
                           "(fusion_threshold_mb, cycle_time_ms, cache_capacity, hierarchical_allreduce), timeline "
                           "(filename, mark_cycles), "
-                          "stall_check (enabled, warning_time_seconds, shutdown_time_seconds); its other settings "
-                          "(autotune, elastic, ...) get a warning each; options on the command line win")
+                          "stall_check (enabled, warning_time_seconds, shutdown_time_seconds), autotune (enabled, "
+                          "log_file, warmup_samples, steps_per_sample, bayes_opt_max_samples, gaussian_process_noise); "
+                          "its other settings (elastic, ...) get a warning each; options on the command line win")
     how.add_argument("--output-filename", metavar="DIR",
                      help="write each rank's output to DIR/rank.<rank>/stdout and stderr instead of the terminal")
     how.add_argument("--start-timeout", type=float, metavar="S",
@@ -199,6 +200,22 @@ def register(subparsers) -> None:
                                                  "keeps hpdl's timeout")
     knobs.add_argument("--hierarchical-allreduce", action="store_true", default=None,
                        help="allreduce within each node, then across nodes (HPDL_HIERARCHICAL_ALLREDUCE=1)")
+    tune = run.add_argument_group(
+        "autotuning", "the fusion threshold and cycle time tuned as the job runs; one set explicitly stays fixed")
+    tune.add_argument("--autotune", action="store_true", default=None, help="autotune (HPDL_AUTOTUNE=1)")
+    tune.add_argument("--autotune-log-file", metavar="FILE",
+                      help="rank 0 writes a CSV row per sample tried, the best as the last row (HPDL_AUTOTUNE_LOG; "
+                           "made absolute)")
+    tune.add_argument("--autotune-warmup-samples", type=int, metavar="N",
+                      help="samples discarded before tuning starts (default 3; HPDL_AUTOTUNE_WARMUP_SAMPLES)")
+    tune.add_argument("--autotune-steps-per-sample", type=int, metavar="N",
+                      help="training steps per sub-sample; a sample is scored by the median of 5 "
+                           "(default 10; HPDL_AUTOTUNE_STEPS_PER_SAMPLE)")
+    tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
+                      help="parameters proposed by the Bayesian optimisation before the best is kept "
+                           "(default 20; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
+    tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
+                      help="noise assumed in the scores, 0 to 1 (default 0.8; HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE)")
     horovod = run.add_argument_group("horovodrun's options", "so that horovodrun command lines run unchanged")
     horovod.add_argument("-cb", "--check-build", action="store_true",
                          help="print `hpdl check`'s report of what is available here, and exit")
@@ -215,7 +232,6 @@ def register(subparsers) -> None:
                               "by the other launchers)")
     horovod.add_argument("--log-level", type=str.upper, choices=HOROVOD_LOG_LEVELS,
                          help="not honoured (a warning): hpdl prints warnings and errors")
-    horovod.add_argument("--autotune", action="store_true", help="not honoured (a warning): hpdl does not autotune")
     horovod.add_argument("--hierarchical-allgather", action="store_true",
                          help="not honoured (a warning): hpdl's allgather is flat")
     horovod.add_argument("--mpi-threads-disable", action="store_true",
@@ -275,6 +291,12 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         stall_warning_s=args.stall_warning_s,
         stall_timeout_s=args.stall_timeout_s,
         hierarchical_allreduce=bool(args.hierarchical_allreduce),
+        autotune=bool(args.autotune),
+        autotune_log=args.autotune_log_file,
+        autotune_warmup_samples=args.autotune_warmup_samples,
+        autotune_steps_per_sample=args.autotune_steps_per_sample,
+        autotune_bayes_opt_max_samples=args.autotune_bayes_opt_max_samples,
+        autotune_gaussian_process_noise=args.autotune_gaussian_process_noise,
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
         binding_args=binding_args,
@@ -369,13 +391,15 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def check_written_files(args: argparse.Namespace) -> None:
-    """Refuse, before the job runs, a --profile or --timeline file that rank 0 could never write.
+    """Refuse, before the job runs, a --profile, --timeline or --autotune-log-file that rank 0
+    could never write.
 
     Checked on this host, where rank 0 usually runs (rank 0 checks --profile again at
     hvd.init()); a directory still missing is made when the file is written.
     """
     written = {}
-    for option, path in (("--profile", args.profile), ("--timeline", args.timeline)):
+    for option, path in (("--profile", args.profile), ("--timeline", args.timeline),
+                         ("--autotune-log-file", args.autotune_log_file)):
         if not path or (option == "--timeline" and path == DYNAMIC_TIMELINE):
             continue
         path = os.path.abspath(path)
@@ -385,7 +409,7 @@ def check_written_files(args: argparse.Namespace) -> None:
         if blocker is not None:
             raise LaunchError(f"{option} {path}: {blocker} is not a directory")
         written[option] = path
-    if len(written) == 2 and _same_file(written["--profile"], written["--timeline"]):
+    if "--profile" in written and "--timeline" in written and _same_file(written["--profile"], written["--timeline"]):
         # The profile, written at the end, would replace the whole timeline.
         raise LaunchError(f"--profile and --timeline name the same file, {written['--profile']}; "
                           "give them different files")
@@ -443,7 +467,7 @@ def _not_honoured(args: argparse.Namespace, launcher: Optional[str]) -> List[str
             launcher options, as under horovodrun).
     """
     lines = [f"{option} is not honoured by hpdl" for option, given in (
-        ("--autotune", args.autotune), ("--hierarchical-allgather", args.hierarchical_allgather),
+        ("--hierarchical-allgather", args.hierarchical_allgather),
         ("--mpi-threads-disable", args.mpi_threads_disable), ("--num-nccl-streams", args.num_nccl_streams is not None),
         ("--log-level", args.log_level is not None)) if given]
     if launcher is not None:

@@ -3,7 +3,7 @@
 - ``--config-file``: horovodrun's YAML file (``controller`` and the sections ``params``,
   ``timeline``, ``stall_check``, ...), read into the values of `hpdl run`'s options; the command
   line wins over the file. What hpdl has no counterpart for gets one warning line, unless its
-  value asks for what hpdl does anyway (``autotune: {enabled: false}``).
+  value asks for what hpdl does anyway (``hierarchical_allgather: false``).
 - ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--network-interfaces``: variables that the
   launcher or the backends read (mpiexec passes ssh options to the ssh that starts remote
   ranks; gloo, NCCL and MPI's TCP transport keep to the named interfaces), or options of the
@@ -33,17 +33,22 @@ CONFIG_KEYS: Dict[Tuple[str, str], Tuple[str, type]] = {
     ("stall_check", "enabled"): ("stall_check", bool),
     ("stall_check", "warning_time_seconds"): ("stall_warning_s", float),
     ("stall_check", "shutdown_time_seconds"): ("stall_timeout_s", float),
+    ("autotune", "enabled"): ("autotune", bool),
+    ("autotune", "log_file"): ("autotune_log_file", str),
+    ("autotune", "warmup_samples"): ("autotune_warmup_samples", int),
+    ("autotune", "steps_per_sample"): ("autotune_steps_per_sample", int),
+    ("autotune", "bayes_opt_max_samples"): ("autotune_bayes_opt_max_samples", int),
+    ("autotune", "gaussian_process_noise"): ("autotune_gaussian_process_noise", float),
 }
 # horovodrun's one top-level setting that is not a section: the controller, gloo or mpi.
 CONTROLLERS = ("gloo", "mpi")
 # Sections of horovodrun's file whose settings hpdl has no counterpart for: one warning each
 # (one per key in library_options and logging, whose keys are unrelated settings).
-UNHONOURED_SECTIONS = ("autotune", "elastic", "library_options", "logging")
+UNHONOURED_SECTIONS = ("elastic", "library_options", "logging")
 # Keys hpdl has no counterpart for, in sections that it reads.
 UNHONOURED_KEYS = {("params", "hierarchical_allgather"), ("params", "torus_allreduce")}
-# Values that ask for what hpdl does anyway: no warning for them. (The rest of the autotune
-# section only tunes the autotuner, so `enabled: false` makes the whole section moot.)
-_HPDL_BEHAVIOUR = {("autotune", "enabled"): False, ("params", "hierarchical_allgather"): False,
+# Values that ask for what hpdl does anyway: no warning for them.
+_HPDL_BEHAVIOUR = {("params", "hierarchical_allgather"): False,
                    ("params", "torus_allreduce"): False, ("library_options", "mpi_threads_disable"): False}
 
 # Where each MPI's mpiexec takes extra arguments for the ssh that starts remote ranks, and the
@@ -60,7 +65,7 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
 
     Returns:
         the `hpdl run` option values it sets, and a line for each of its settings that hpdl
-        does not honour ("autotune is not honoured by hpdl").
+        does not honour ("elastic is not honoured: ...").
 
     Raises:
         LaunchError: naming the file and key, for an unreadable file, an unknown key or a bad value.
@@ -118,9 +123,6 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
 
 def _unhonoured(section: str, entries: Dict[Any, Any]) -> List[str]:
     """The warning lines for the settings in ``entries`` (of ``section``) that hpdl has no counterpart for."""
-    if section == "autotune":
-        # horovodrun reads a section without `enabled` as autotuning off.
-        return ["autotune is not honoured by hpdl"] if entries.get("enabled", False) is not False else []
     if section == "elastic":
         return ["elastic is not honoured: hpdl does not provide elastic training"] if entries else []
     return [f"{section}.{key} is not honoured by hpdl" for key, value in entries.items()

@@ -38,6 +38,10 @@ LIMITS: Dict[str, Limit] = {
     "stall_shutdown_s": Limit(None, YEAR_S, "seconds", "a year"),
     "start_timeout": Limit(0, YEAR_S, "seconds", "a year"),
     "ssh_port": Limit(1, 65535, ""),
+    "autotune_warmup_samples": Limit(0, C_INT_MAX, "samples"),
+    "autotune_steps_per_sample": Limit(1, C_INT_MAX, "steps"),
+    "autotune_bayes_opt_max_samples": Limit(0, C_INT_MAX, "samples"),
+    "autotune_gaussian_process_noise": Limit(0, 1, ""),
 }
 
 

@@ -20,8 +20,9 @@ import torch
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
 from hpdl.comm.topology import WorldSizeError, check_world_size
 from hpdl.comm.mpi import MPI, mpi_available
-from hpdl.config import Settings, horovod_variables_ignored
+from hpdl.config import Settings, horovod_variables_ignored, settings_given
 from hpdl.engine import Engine, abort
+from hpdl.engine.autotune import Autotuner
 from hpdl.engine import events as ev
 from hpdl.torch import process_sets as _process_sets
 
@@ -94,7 +95,8 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             data_comm = HierarchicalCommunicator(world, world.host_names())
         nice = settings.resolve_engine_nice(local_size, torch.get_num_threads(), os.cpu_count() or 1,
                                             torch.cuda.is_available())
-        engine = Engine(settings, world, data_comm, thread_nice=nice)
+        autotuner = _autotuner(settings) if settings.autotune and world.rank == 0 else None
+        engine = Engine(settings, world, data_comm, thread_nice=nice, autotuner=autotuner)
         _state = _State(settings, topology, world, engine, homogeneous, parent)
         if topology.rank == 0:
             for name in horovod_variables_ignored():
@@ -109,6 +111,22 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             _process_sets.add_process_set(ps)
     if settings.profile:
         start_profile(settings.profile)
+
+
+def _autotuner(settings: Settings) -> Autotuner:
+    """Rank 0's autotuner; the knobs the user set stay as they are (as in Horovod)."""
+    given = set(settings_given())
+    fixed = [name for name in ("fusion_threshold", "cycle_time_ms") if name in given]
+    if len(fixed) == 2:
+        sys.stderr.write("hpdl: warning: HPDL_AUTOTUNE has nothing to tune: HPDL_FUSION_THRESHOLD and "
+                         "HPDL_CYCLE_TIME are both set\n")
+    return Autotuner(settings.fusion_threshold, settings.cycle_time_ms, fixed,
+                     warmup_samples=settings.autotune_warmup_samples,
+                     steps_per_sample=settings.autotune_steps_per_sample,
+                     max_samples=settings.autotune_bayes_opt_max_samples,
+                     noise=settings.autotune_gaussian_process_noise, log_path=settings.autotune_log,
+                     hierarchical_allreduce=settings.hierarchical_allreduce,
+                     cache_enabled=settings.cache_capacity > 0)
 
 
 @contextlib.contextmanager
