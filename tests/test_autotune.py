@@ -5,6 +5,7 @@ while checking every result."""
 from __future__ import annotations
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -166,7 +167,7 @@ def test_bad_autotune_settings_name_the_variable(var, value):
 
 def _job_env(log, **extra):
     env = {"HPDL_AUTOTUNE": "1", "HPDL_AUTOTUNE_LOG": str(log), "HPDL_AUTOTUNE_WARMUP_SAMPLES": "1",
-           "HPDL_AUTOTUNE_STEPS_PER_SAMPLE": "2", "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "4"}
+           "HPDL_AUTOTUNE_STEPS_PER_SAMPLE": "1", "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "4"}
     env.update(extra)
     return env
 
@@ -177,7 +178,8 @@ def _job_env(log, **extra):
 def test_a_job_tunes_while_every_result_stays_exact_and_every_rank_applies_the_same(launcher, fixed_fusion,
                                                                                       tmp_path):
     log = tmp_path / "autotune.csv"
-    extra = {} if fixed_fusion is None else {"HOROVOD_FUSION_THRESHOLD": str(fixed_fusion)}
+    profile = tmp_path / "profile.json"
+    extra = {"HPDL_PROFILE": str(profile)} if fixed_fusion is None else {"HOROVOD_FUSION_THRESHOLD": str(fixed_fusion)}
     result = run_ranks("autotune_job.py", 2, launcher, env=_job_env(log, **extra))
     assert "OK autotune rank 0" in result.stdout and "OK autotune rank 1" in result.stdout
     rows = list(csv.DictReader(log.open()))
@@ -193,5 +195,11 @@ def test_a_job_tunes_while_every_result_stays_exact_and_every_rank_applies_the_s
     fusion = round(float(best["tensor_fusion_threshold"]) * MIB / 1024) * 1024
     assert (f"final fusion_threshold={fusion} cycle_time_ms={float(best['cycle_time_ms']):g} autotuning=False"
             in result.stdout), result.stdout
-    # every tuned value was run with on both ranks
-    assert int(result.stdout.split("common parameters seen: ")[1].split()[0]) >= 5, result.stdout
+    # Both ranks ran with exactly the parameters of the log (the best is one of them).
+    seen = json.loads(result.stdout.split("parameters seen: ")[1].splitlines()[0])
+    logged = {(round(float(r["tensor_fusion_threshold"]) * 1024) * 1024, float(r["cycle_time_ms"])) for r in rows}
+    assert {(f, c) for f, c in seen} == logged, result.stdout
+    if fixed_fusion is None:  # a profile of the job records the parameters it ended with
+        settings = json.loads(profile.read_text())["job"]["settings"]
+        assert settings["autotune"] is True and settings["fusion_threshold"] == fusion
+        assert settings["cycle_time_ms"] == pytest.approx(float(best["cycle_time_ms"]))

@@ -229,11 +229,13 @@ def test_without_np_every_launcher_starts_the_allocations_tasks(cluster, job, ru
     assert _ranks(result.stdout) == ["rank 0 of 2", "rank 1 of 2"], result.stdout + result.stderr
 
 
-def test_srun_without_mpi_plugin_is_refused_on_every_rank(cluster, job):
+def test_srun_without_mpi_plugin_is_refused(cluster, job):
     result = salloc_run(cluster, job, "--mpi-args=--mpi=none")
     assert result.returncode != 0 and _ranks(result.stdout) == []
     refusal = "but the launcher announced 2 (SLURM_STEP_NUM_TASKS=2); likely cause: srun started the tasks"
-    assert result.stderr.count(refusal) == 2, result.stderr
+    # Every task refuses; the first to exit ends the step (srun --kill-on-bad-exit), so the
+    # other's line may not be printed before it is ended.
+    assert 1 <= result.stderr.count(refusal) <= 2, result.stderr
 
 
 # Rank 1 dies of a signal after hvd.init(), while rank 0 goes on into an allreduce with it.

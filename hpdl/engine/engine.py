@@ -120,6 +120,7 @@ class Engine(EngineFailures):
         self.settings = settings
         self.autotuner = autotuner if comm.rank == 0 else None
         self._tuning = TUNING_NONE  # the tuning word last applied
+        self._cycle_time_ms = settings.cycle_time_ms
         self._cycle_s = settings.cycle_time_ms / 1000.0
         self.comm = comm
         self.rank = comm.rank
@@ -555,6 +556,7 @@ class Engine(EngineFailures):
                 self._start_queued_of(ps, everything=True)
             self.executor.fusion_threshold = fusion_threshold
         if cycle_time_ms is not None:
+            self._cycle_time_ms = cycle_time_ms
             self._cycle_s = cycle_time_ms / 1000.0
 
     def parameters(self) -> Dict[str, Any]:
@@ -562,7 +564,7 @@ class Engine(EngineFailures):
         threshold in bytes, the cycle time in ms, and whether rank 0 is still tuning (None on
         the other ranks)."""
         tuner = self.autotuner
-        return {"fusion_threshold": self.executor.fusion_threshold, "cycle_time_ms": self._cycle_s * 1000.0,
+        return {"fusion_threshold": self.executor.fusion_threshold, "cycle_time_ms": self._cycle_time_ms,
                 "autotuning": (tuner.active if tuner is not None else False) if self.rank == 0 else None}
 
     def _execute(self, ps: ProcessSet, result: CycleResult) -> None:

@@ -47,7 +47,8 @@ def job_line(a: Analysis, path: str) -> str:
     hosts = sorted(set(job.get("hosts", [])))
     missing = job.get("missing_ranks") or []
     line = (f"{path}: {_ranks(a.size)} ({job.get('backend', '?')}) on {', '.join(hosts) or '?'}; fusion threshold "
-            f"{format_size(settings.get('fusion_threshold', 0))}, in place from "
+            f"{format_size(settings.get('fusion_threshold', 0))}"
+            f"{' (autotuned, at the end)' if settings.get('autotune') else ''}, in place from "
             f"{format_size(settings.get('inplace_threshold', 0))}; recorded {job.get('started', '?')}")
     return line + (f"; MISSING ranks {', '.join(map(str, missing))}" if missing else "")
 

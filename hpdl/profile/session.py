@@ -75,6 +75,8 @@ class Session:
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.recorder = Recorder(rank, clock.origin_us + clock.applied_offset(rank))
         self.engine_counters: Dict[str, int] = {}
+        # Under autotuning: the fusion threshold and cycle time the engine ran with last.
+        self.tuned: Dict[str, Any] = {}
 
     def part(self, engine_counters: Dict[str, int]) -> Dict[str, Any]:
         """This rank's object of ``ranks`` in the file."""
@@ -86,12 +88,22 @@ class Session:
     def counters(self, engine) -> Dict[str, int]:
         """The engine counters of this recording: earlier engines' plus the running one's."""
         total = dict(self.engine_counters)
+        parameters = engine.parameters()
+        self.tuned = {name: parameters[name] for name in ("fusion_threshold", "cycle_time_ms")}
         for key, value in engine.stats().items():
             if key in _SUMMED:
                 total[key] = total.get(key, 0) + value
             elif key == "fusion_buffer_bytes":
                 total[key] = max(total.get(key, 0), value)
         return total
+
+    def _settings(self, settings) -> Dict[str, Any]:
+        """The engine settings the recording ran with; autotuned ones as they were at its end."""
+        out = {name: getattr(settings, name) for name in _SETTINGS}
+        if settings.autotune:
+            out["autotune"] = True
+            out.update(self.tuned)
+        return out
 
     def document(self, parts: List[Dict[str, Any]], settings) -> Dict[str, Any]:
         """The whole file: job fields and the ranks' parts."""
@@ -104,7 +116,7 @@ class Session:
                 "command": sys.argv, "hpdl_version": __version__, "started": self.started,
                 "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "origin_us": self.clock.origin_us,
-                "settings": {name: getattr(settings, name) for name in _SETTINGS},
+                "settings": self._settings(settings),
                 "windows": {"steps": STEP_WINDOW, "collectives": RAW_WINDOW},
                 "missing_ranks": [r for r in range(self.size) if r not in present],
             },
