@@ -131,6 +131,15 @@ def test_an_unknown_option_points_at_the_help_that_lists_the_right_ones(argv, un
     _one_line_error(capsys, f"unrecognized arguments: {unknown} (see {prog} --help)")
 
 
+@pytest.mark.parametrize("argv", [["--min-np", "2"], ["--max-np", "4"], ["--host-discovery-script", "find.sh"],
+                                  ["--elastic-timeout", "600"], ["--blacklist-cooldown-range", "10"]])
+def test_horovodruns_elastic_options_say_why_they_are_refused(argv, capsys, clean_env):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "-np", "2", *argv, "--dry-run", "--", "python", "train.py"])
+    assert exit_.value.code == 2
+    _one_line_error(capsys, f"{argv[0]}: an hpdl job keeps the ranks it starts with")
+
+
 def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2\n# spare\nnode2 = 3\n")
@@ -321,7 +330,7 @@ def test_horovods_own_config_file_runs_with_a_warning_per_unhonoured_setting(mon
     assert f"HPDL_AUTOTUNE_LOG={tmp_path / 'at.csv'} " in out and "HPDL_AUTOTUNE_WARMUP_SAMPLES=5 " in out
     assert err.splitlines() == [f"hpdl run: warning: {config}: {line}; ignoring it" for line in (
         "params.hierarchical_allgather is not honoured by hpdl",
-        "elastic is not honoured: hpdl does not provide elastic training",
+        "elastic is not honoured: an hpdl job keeps the ranks it starts with",
         "library_options.mpi_threads_disable is not honoured by hpdl",
         "library_options.num_nccl_streams is not honoured by hpdl", "logging.level is not honoured by hpdl")]
 

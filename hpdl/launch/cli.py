@@ -90,6 +90,16 @@ HOROVOD_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 DYNAMIC_TIMELINE = "DYNAMIC"
 
 
+ELASTIC_OPTIONS = ("--min-np", "--min-num-proc", "--max-np", "--max-num-proc", "--slots-per-host", "--slots",
+                   "--elastic-timeout", "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script")
+
+
+class _RefusedElastic(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: an hpdl job keeps the ranks it starts with (no elastic driver adds or "
+                     "removes hosts); hvd.elastic scripts run unchanged with -np N")
+
+
 def register(subparsers) -> None:
     """Add the `run` and `check` subcommands."""
     run = subparsers.add_parser(
@@ -237,6 +247,9 @@ def register(subparsers) -> None:
     horovod.add_argument("--mpi-threads-disable", action="store_true",
                          help="not honoured (a warning): hpdl's engine thread calls MPI")
     horovod.add_argument("--num-nccl-streams", type=int, metavar="N", help="not honoured (a warning)")
+    # horovodrun's elastic options get a line saying why, not argparse's "unrecognized".
+    for option in ELASTIC_OPTIONS:
+        horovod.add_argument(option, nargs="?", action=_RefusedElastic, help=argparse.SUPPRESS)
     run.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
         help="the program each rank runs, after '--', e.g. -- python train.py --lr 0.1",

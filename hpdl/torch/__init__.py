@@ -22,6 +22,7 @@ from hpdl.torch.runtime import (
 )
 from hpdl.torch.optimizer import DistributedOptimizer
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
+from hpdl.torch import elastic  # noqa: E402 - after the functions it wraps
 
 _process_sets._setup(_runtime)  # process sets ask the runtime for rank, size and the engine
 
@@ -31,7 +32,7 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
+    "ddl_built", "elastic", "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",

@@ -1,0 +1,119 @@
+"""hvd.elastic: Horovod's elastic scripts on a job whose ranks stay the same."""
+
+import pytest
+
+import hpdl.torch as hvd
+from hpdl.torch import elastic
+from ranks import run_plain_ranks, run_ranks
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)],
+                         ids=["mpiexec-2", "mpiexec-3", "torchrun-2"])
+def test_every_rank_starts_from_rank_0s_state_and_restores_its_commit(launcher, n):
+    result = run_ranks("elastic_api.py", n, launcher, args=["train"], timeout=120)
+    for rank in range(n):
+        assert f"OK elastic train: rank={rank} size={n}" in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+def test_a_lost_rank_ends_the_function_with_the_committed_state_restored():
+    results = run_plain_ranks("elastic_api.py", 3, args=["lost"], env={"HPDL_STALL_TIMEOUT": "30"}, timeout=90)
+    assert results[1].returncode == -9
+    for rank in (0, 2):
+        out = results[rank].stdout + results[rank].stderr
+        assert results[rank].returncode != 0, out  # the job ends as any failed job (docs/api.md)
+        # Batch 3 was committed; the failure came in batch 5 or 6 (the one rank 1 never joined).
+        assert f"rank {rank} caught: batch=3 " in out, out
+        assert "rank 1" in out, out
+
+
+def _one_rank(monkeypatch, rank=0, size=1):
+    monkeypatch.setattr(elastic, "rank", lambda: rank)
+    monkeypatch.setattr(elastic, "size", lambda: size)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_sampler_gives_each_remaining_index_to_one_rank(monkeypatch, size):
+    shards = []
+    for rank in range(size):
+        _one_rank(monkeypatch, rank, size)
+        sampler = elastic.ElasticSampler(list(range(10)), shuffle=False)
+        sampler.record_batch(0, 1)  # one sample on each rank: the first `size` indices are done
+        sampler.reset()
+        shards.append(list(sampler))
+        assert len(sampler) == len(shards[-1]) == -(-(10 - size) // size)
+    seen = [i for shard in shards for i in shard]
+    assert set(seen) == set(range(size, 10))
+    assert len(seen) == size * len(shards[0])  # padded to divide evenly, as Horovod's
+
+
+def test_sampler_state_round_trip_and_a_new_epoch(monkeypatch):
+    _one_rank(monkeypatch)
+    sampler = elastic.ElasticSampler(list(range(8)), shuffle=True, seed=3)
+    first = list(sampler)
+    sampler.record_indices(first[:3])
+    other = elastic.ElasticSampler(list(range(8)), shuffle=True, seed=3)
+    other.load_state_dict(sampler.state_dict())
+    assert list(other) == first[3:]
+    other.set_epoch(1)
+    assert sorted(other) == list(range(8)) and list(other) != first
+
+
+def test_object_state_commit_restore_and_sync():
+    received = []
+
+    def bcast(value):
+        received.append(value)
+        return {"epoch": 7, "log": ["from rank 0"]}
+
+    state = elastic.ObjectState(bcast_object=bcast, get_rank=lambda: 1, epoch=1, log=[])
+    state.sync()
+    assert (state.epoch, state.log) == (7, ["from rank 0"]) and received
+    state.log.append("a")
+    state.commit()
+    state.log.append("b")  # changed in place after the commit
+    state.epoch = 9
+    state.restore()
+    assert (state.epoch, state.log) == (7, ["from rank 0", "a"])
+
+
+def test_run_restarts_after_hosts_updated_and_restores_on_a_failure():
+    syncs, resets, calls = [], [], []
+
+    class Counting(elastic.ObjectState):
+        def sync(self):
+            syncs.append(1)
+
+    state = Counting(bcast_object=lambda v: v, get_rank=lambda: 0, value=1)
+    state.register_reset_callbacks([lambda: resets.append(1)])
+
+    @elastic.run
+    def train(state, skip):
+        calls.append(1)
+        if len(calls) == 1:
+            raise elastic.HostsUpdatedInterrupt(skip_sync=skip)
+        return len(calls)
+
+    assert train(state, False) == 2 and len(syncs) == 2 and len(resets) == 1
+    calls.clear(), syncs.clear()
+    assert train(state, True) == 2 and len(syncs) == 1  # skip_sync: no second sync
+
+    @elastic.run
+    def failing(state):
+        state.value = 2
+        raise hvd.HorovodInternalError("lost: rank 1 does not answer")
+
+    with pytest.raises(hvd.HorovodInternalError, match="rank 1"):
+        failing(state)
+    assert state.value == 1  # the committed value, not the half-done one
+
+
+def test_an_object_that_cannot_be_copied_is_kept_as_it_is():
+    import threading
+
+    lock = threading.Lock()
+    state = elastic.ObjectState(bcast_object=lambda v: v, get_rank=lambda: 0, lock=lock)
+    state.commit()
+    state.restore()
+    assert state.lock is lock
