@@ -341,6 +341,48 @@ def test_a_train_log_row_after_a_resume_averages_the_updates_since_the_previous_
     assert rows("resumed") == [(update, epoch, pytest.approx(loss, rel=1e-6), lr)]
 
 
+def test_a_run_killed_between_its_final_validation_and_its_summary_validates_once_on_resume(tmp_path):
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    settings = ("total_updates=2", "val_every=1", "workers=0")
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, sys, hpdl.sr.train as t\n"
+        "def die(*args, **kwargs): os._exit(9)\n"
+        "t._write_json = die  # the summary is never written\n"
+        "from hpdl.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"), *tiny_run_argv(data, out, *settings)],
+        capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 9, killed.stderr
+    assert not (out / "summary.json").exists()
+    again = tiny_run(data, out, *settings, "resume=auto", "--json")
+    assert again.returncode == 0, again.stderr
+    with open(out / "val_log.csv", newline="") as f:
+        assert [r["update"] for r in csv.DictReader(f)] == ["1", "2"]  # not 1, 2, 2
+    assert json.loads(again.stdout)["psnr"] is not None
+
+
+def test_a_resume_that_changes_settings_keeps_the_ones_before_beside_config_yaml(tmp_path):
+    import yaml
+
+    data, out = tiny_data(tmp_path), tmp_path / "run"
+    assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0
+    first = (out / "config.yaml").read_text()
+    # Resumed as it was: config.yaml stays as it is, resume=auto is no change.
+    (out / "summary.json").unlink()  # an interrupted run, so that it resumes
+    same = tiny_run(data, out, "total_updates=2", "val_at_end=false", "resume=auto")
+    assert same.returncode == 0, same.stderr
+    assert (out / "config.yaml").read_text() == first and not list(out.glob("config.until-update-*"))
+    # Extended: config.yaml says so, and the settings of updates 1-2 are kept.
+    longer = tiny_run(data, out, "total_updates=4", "val_at_end=false", "resume=auto")
+    assert longer.returncode == 0, longer.stderr
+    assert "config.until-update-2.yaml those before" in longer.stdout + longer.stderr
+    now = yaml.safe_load((out / "config.yaml").read_text())
+    assert now["total_updates"] == 4 and now["resume"] is None  # the run's own way of starting
+    assert (out / "config.until-update-2.yaml").read_text() == first
+    # Starting over removes what the earlier run kept.
+    assert tiny_run(data, out, "total_updates=1", "val_at_end=false", "overwrite=true").returncode == 0
+    assert not list(out.glob("config.until-update-*"))
+
+
 # -- one run at a time in an out_dir --------------------------------------------------------------
 
 

@@ -11,8 +11,9 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
+from hpdl.atomic_file import atomic_write
 from hpdl.sr.config import TrainConfig
 from hpdl.sr.train_state import say
 
@@ -21,6 +22,14 @@ RUN_FILES = ("last.pt", "model.pt", "train_log.csv", "val_log.csv", "summary.jso
 
 # The file rank 0 locks in out_dir while a run lives (not a run file: it never means an earlier run).
 LOCK_FILE = ".hpdl-sr-train.lock"
+
+# The settings a run used before a resume changed them: config.until-update-<N>.yaml.
+EARLIER_CONFIGS = "config.until-update-*.yaml"
+
+# Settings that say how a run was started, not what it does: a resume does not count them as
+# changes, and config.yaml keeps the run's own (a resume's resume=auto would make the file,
+# given to --config, resume whatever out_dir it is used with).
+START_KEYS = ("resume", "overwrite", "pretrained", "progress")
 
 
 def earlier_run(out_dir: Path) -> List[str]:
@@ -68,6 +77,8 @@ def prepare_out_dir(out_dir: Path, cfg: TrainConfig, lock: "OutDirLock") -> Opti
         resolved = Path(os.path.realpath(out_dir))  # the files _earlier_run found
         for name in earlier_run(out_dir):
             (resolved / name).unlink()
+        for earlier_config in resolved.glob(EARLIER_CONFIGS):
+            earlier_config.unlink()
         shutil.rmtree(resolved / "tb", ignore_errors=True)
     return None
 
@@ -127,3 +138,40 @@ class OutDirLock:
             path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
             self._signed = True
         return None
+
+
+def write_config(out_dir: Path, config: Dict[str, Any], resumed_at: Optional[int]) -> Optional[str]:
+    """On rank 0: record in ``out_dir/config.yaml`` the settings the run trains with.
+
+    A resumed run (``resumed_at``: its update) that changes settings keeps the file it replaces
+    as ``config.until-update-<resumed_at>.yaml``, so out_dir tells which settings made which
+    part of the run; one that changes nothing leaves it alone. Returns that file's name, if kept.
+    """
+    path = out_dir / "config.yaml"
+    before = _read_config(path) if resumed_at is not None else None
+    if before is not None:
+        config = {**config, **{k: before[k] for k in START_KEYS if k in before}}
+        if config == before:
+            return None
+    kept = None
+    if before is not None:
+        kept = f"config.until-update-{resumed_at}.yaml"
+        atomic_write(out_dir / kept, lambda f: f.write(_yaml(before)))
+    atomic_write(path, lambda f: f.write(_yaml(config)))
+    return kept
+
+
+def _read_config(path: Path) -> Optional[Dict[str, Any]]:
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # missing or damaged: replaced by the settings now in effect
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _yaml(config: Dict[str, Any]) -> bytes:
+    import yaml
+
+    return yaml.safe_dump(config, sort_keys=False).encode("utf-8")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import hpdl.torch as hvd
+from hpdl.atomic_file import atomic_write
 from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpoint, refuse_nonfinite,
                                 restore_rng_state, save_checkpoint)
 from hpdl.sr.config import TrainConfig, resolve_device
@@ -35,7 +36,7 @@ from hpdl.sr.errors import CheckpointError
 from hpdl.sr.evaluate import check_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
-from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir
+from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say, validate
 
@@ -324,10 +325,16 @@ class _Run:
         self.model, self.optimizer, self.ema, self.base_lr = model, optimizer, ema, base_lr
         self.out_dir = Path(cfg.out_dir)
         self.start_update = progress.update
-        self.log = MetricsLog(self.out_dir, progress.update if progress.resumed else None, say) \
-            if world.master else None
-        if world.master and not progress.resumed:
-            _write_config(self.out_dir / "config.yaml", cfg)
+        # Resumed at its end (killed before its summary was written): finish() validates again, so
+        # the interrupted finish's validation row goes, as a row past the checkpoint would.
+        validates_again = progress.resumed and progress.update >= cfg.total_updates and cfg.val_at_end
+        self.log = MetricsLog(self.out_dir, progress.update if progress.resumed else None, say,
+                              drop_val_at_resume=validates_again) if world.master else None
+        if world.master:
+            kept = write_config(self.out_dir, cfg.to_dict(), progress.update if progress.resumed else None)
+            if kept:
+                say(f"note: settings changed on resume: config.yaml holds them from update {progress.update + 1}, "
+                    f"{kept} those before")
         self.bar = _progress(world.master and cfg.progress, cfg.total_updates, progress.update)
         self.loss_sum = torch.zeros((), device=world.device)
         self.logged_at = progress.update  # the update of the last train_log row
@@ -652,13 +659,8 @@ def _progress(enabled: bool, total: int, initial: int):
                 mininterval=0.5 if interactive else 30.0, desc="train")
 
 
-def _write_config(path: Path, cfg: TrainConfig) -> None:
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
     import json
 
-    path.write_text(json.dumps(json_ready(data), indent=2, allow_nan=False) + "\n")
+    text = json.dumps(json_ready(data), indent=2, allow_nan=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))  # a kill never leaves half a summary

@@ -123,11 +123,16 @@ class MetricsLog:
     checkpoint) are dropped, so the files read as if the run had never stopped.
     """
 
-    def __init__(self, out_dir: Path, resume_update: Optional[int], note: Callable[[str], None]) -> None:
+    def __init__(self, out_dir: Path, resume_update: Optional[int], note: Callable[[str], None],
+                 drop_val_at_resume: bool = False) -> None:
+        """``drop_val_at_resume``: drop the validation rows of ``resume_update`` too (the run
+        validates that update again)."""
         self._files = {}
         for kind, columns in (("train", TRAIN_COLUMNS), ("val", VAL_COLUMNS)):
             path = out_dir / f"{kind}_log.csv"
-            kept = _rows_up_to(path, resume_update) if resume_update is not None else []
+            kept = []
+            if resume_update is not None:
+                kept = _rows_up_to(path, resume_update - 1 if kind == "val" and drop_val_at_resume else resume_update)
             # The kept rows are written whole, then renamed over the old log: a job killed
             # meanwhile leaves the old log, never an empty or half-written one.
             atomic_write(path, functools.partial(_write_rows, columns=columns, rows=kept))
