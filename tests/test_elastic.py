@@ -1,9 +1,11 @@
 """hvd.elastic: Horovod's elastic scripts on a job whose ranks stay the same."""
 
 import pytest
+import torch
 
 import hpdl.torch as hvd
 from hpdl.torch import elastic
+from hpdl.torch.elastic import sampler as elastic_sampler, state as elastic_state
 from ranks import run_plain_ranks, run_ranks
 
 
@@ -29,8 +31,8 @@ def test_a_lost_rank_ends_the_function_with_the_committed_state_restored():
 
 
 def _one_rank(monkeypatch, rank=0, size=1):
-    monkeypatch.setattr(elastic, "rank", lambda: rank)
-    monkeypatch.setattr(elastic, "size", lambda: size)
+    monkeypatch.setattr(elastic_sampler, "rank", lambda: rank)
+    monkeypatch.setattr(elastic_sampler, "size", lambda: size)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -117,3 +119,45 @@ def test_an_object_that_cannot_be_copied_is_kept_as_it_is():
     state.commit()
     state.restore()
     assert state.lock is lock
+
+
+def test_a_handler_registered_as_in_horovod_keeps_a_scheduler(monkeypatch):
+    # Horovod's way to keep other objects in a TorchState: a StateHandler in the registry.
+    class SchedulerHandler(elastic_state.StateHandler):
+        def __init__(self, value):
+            super().__init__(value)
+            self.save()
+
+        def save(self):
+            self._saved = dict(self.value.state_dict())
+
+        def restore(self):
+            self.value.load_state_dict(self._saved)
+
+        def sync(self):
+            self.value.load_state_dict(self._saved)  # one rank: nothing to send
+
+    registry = list(elastic_state.get_handler_registry())
+    monkeypatch.setattr(elastic_state, "_handler_registry", registry)
+    elastic_state.set_handler_registry(registry + [(torch.optim.lr_scheduler.LRScheduler, SchedulerHandler)])
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = elastic.TorchState(scheduler=scheduler, epoch=0)
+    assert isinstance(state._handlers["scheduler"], SchedulerHandler)
+    opt.step(), scheduler.step()
+    state.commit()
+    opt.step(), scheduler.step()
+    state.restore()
+    assert scheduler.last_epoch == 1
+
+
+def test_a_model_assigned_to_the_state_is_tracked_from_then_on():
+    state = elastic.TorchState(torch.nn.Linear(2, 1), batch=0)
+    other = torch.nn.Linear(2, 1)
+    state.model = other
+    committed = {k: v.clone() for k, v in other.state_dict().items()}
+    with torch.no_grad():
+        other.weight.add_(1)
+    state.restore()
+    assert all(torch.equal(v, committed[k]) for k, v in other.state_dict().items())

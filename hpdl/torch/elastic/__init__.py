@@ -1,0 +1,64 @@
+"""``hvd.elastic``: Horovod's elastic training API, for a job whose ranks stay the same.
+
+Horovod's elastic scripts keep their training state in a ``State`` (``TorchState(model,
+optimizer, epoch=0, ...)``), wrap their training function in ``@hvd.elastic.run``, call
+``state.commit()`` every few batches, and read their data through an ``ElasticSampler`` that
+records what each batch consumed. Under Horovod's elastic driver (``horovodrun --min-np``),
+ranks may then leave or join: the survivors restore the last committed state, the world is
+formed again, and rank 0's state is sent to every rank.
+
+hpdl runs these scripts unchanged, with the ranks its launcher started: ``run`` sends rank 0's
+state to every rank before the function starts (so every rank begins from the same model,
+optimizer, sampler position and counters), ``commit`` / ``restore`` keep and bring back a copy
+in memory, and the sampler partitions the epoch's remaining indices over the ranks as Horovod's
+does. What it does not do is change the set of ranks: no driver discovers hosts, so hpdl never
+raises ``HostsUpdatedInterrupt`` (a script may), and a lost rank ends the whole job as without
+elastic (docs/api.md, "A failed job ends"). ``run`` then restores the last committed state
+before the error propagates, so a handler in the script (saving a checkpoint, say) sees the
+committed state rather than a half-finished batch. The launcher's elastic options stay refused.
+
+The modules follow Horovod's layout: ``state`` (TorchState and its handlers, whose registry a
+script may extend), ``sampler`` (ElasticSampler); State and ObjectState are Horovod's
+``horovod.common.elastic`` ones (``common``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from hpdl.engine import HorovodInternalError
+from hpdl.torch.elastic.common import HostsUpdatedInterrupt, ObjectState, State
+from hpdl.torch.elastic.sampler import ElasticSampler
+from hpdl.torch.elastic.state import TorchState
+
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``func(state, ...)`` from rank 0's state, as Horovod's ``hvd.elastic.run``.
+
+    Every rank first receives rank 0's state (``state.sync()``), so all start from the same
+    point. A ``HostsUpdatedInterrupt`` raised by the function (Horovod's driver raises it from
+    ``commit``; here only the script can) starts it again as in Horovod: the reset callbacks
+    run, then the state is synced again unless the interrupt says ``skip_sync``. The ranks
+    never change here: when a collective fails (a rank or node lost), the last committed state
+    is restored and the error propagates, and the job ends as any failed hpdl job does.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        skip_sync = False
+        while True:
+            if not skip_sync:
+                state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                state.restore()
+                raise
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            state.on_reset()
+
+    return wrapper

@@ -1,0 +1,100 @@
+"""State kept in step across the ranks of an elastic script: Horovod's ``State`` and
+``ObjectState`` (``horovod.common.elastic``), on fixed ranks."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, List
+
+from hpdl.torch.functions import broadcast_object
+from hpdl.torch.runtime import rank
+
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State"]
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's signal that the set of hosts changed. hpdl never raises it (the ranks are
+    fixed); a script may, and ``run`` then starts the function again, as Horovod's does."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the hosts of the job changed")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """Training state kept in step across the ranks: ``sync`` sends rank 0's to every rank,
+    ``commit`` keeps a copy (and, in Horovod, checks for host changes), ``restore`` brings the
+    last copy back."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank):
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks: List[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
+        """Functions to call when ``run`` starts the function again (after a
+        ``HostsUpdatedInterrupt``): in Horovod, after the ranks changed."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Keep the current state in memory as the one ``restore`` returns to."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Horovod raises HostsUpdatedInterrupt here when hosts came or went; the ranks of an
+        hpdl job never change, so there is nothing to check."""
+
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Reset objects after the ranks changed, before the next sync (a hook for subclasses)."""
+
+
+class ObjectState(State):
+    """State of plain Python objects, given as keyword arguments and kept as attributes.
+
+    ``sync`` sends rank 0's committed values (those given, until the first commit), as
+    Horovod's does. Unlike Horovod, which keeps references, a commit keeps copies: an object
+    changed in place after it (a list appended to) is back as committed after ``restore``.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
+                 **kwargs: Any):
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {attr: _copied(getattr(self, attr)) for attr in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, _copied(value))
+
+
+def _copied(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - locks, files, generators...: kept by reference, as Horovod keeps all
+        return value

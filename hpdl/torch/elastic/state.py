@@ -1,0 +1,135 @@
+"""Horovod's ``TorchState``: models, optimizers and samplers kept in step by handlers, and the
+registry a script extends to keep other objects (an LR scheduler, say) the same way."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from hpdl.torch.elastic.common import ObjectState
+from hpdl.torch.elastic.sampler import ElasticSampler
+from hpdl.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hpdl.torch.runtime import rank
+
+__all__ = ["ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler", "StateHandler", "TorchState",
+           "get_handler_registry", "set_handler_registry"]
+
+
+class StateHandler:
+    """Keeps one object of a TorchState: ``save`` a copy, ``restore`` it, ``sync`` rank 0's."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        raise NotImplementedError()
+
+    def set_value(self, value: Any) -> None:
+        """Track ``value`` from now on; its state now is what ``restore`` goes back to."""
+        self.value = value
+        self.save()
+
+
+class ModelStateHandler(StateHandler):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class OptimizerStateHandler(ModelStateHandler):
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class SamplerStateHandler(ModelStateHandler):
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
+
+
+_handler_registry: List[Tuple[type, type]] = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
+
+
+def get_handler_registry() -> List[Tuple[type, type]]:
+    """The (type, handler class) pairs TorchState looks through, in order, for each keyword."""
+    return _handler_registry
+
+
+def set_handler_registry(registry: List[Tuple[type, type]]) -> None:
+    global _handler_registry
+    _handler_registry = registry
+
+
+def _handler(value: Any) -> Optional[StateHandler]:
+    for kind, handler in _handler_registry:
+        if isinstance(value, kind):
+            return handler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """State of a PyTorch training: models, optimizers and ElasticSamplers (by their
+    ``state_dict``), and any other keyword argument as a plain object (``epoch=0``, ``batch=0``).
+
+    ``sync`` broadcasts rank 0's parameters, optimizer state, sampler position and objects;
+    ``commit`` keeps copies of them in memory; ``restore`` loads the copies back.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **kwargs: Any):
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: Dict[str, StateHandler] = {}
+        plain: Dict[str, Any] = {}
+        for name, value in kwargs.items():
+            handler = _handler(value)
+            if handler is not None:
+                handlers[name] = handler
+            else:
+                plain[name] = value
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A model, optimizer or sampler replaced by assignment is tracked from then on, and
+        # its state at that moment is what restore() goes back to (as Horovod's).
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)
