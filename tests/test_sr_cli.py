@@ -272,6 +272,53 @@ def test_upscale_keeps_gray_images_gray_and_the_colour_profile(tmp_path, ckpt):
     assert out.info.get("icc_profile") == profile
 
 
+def _cmyk_photo(h, w):
+    return Image.fromarray(photo(h, w)).convert("CMYK")
+
+
+def test_a_cmyk_picture_is_read_through_its_colour_profile(tmp_path):
+    from PIL import ImageCms
+
+    from hpdl.sr.images import read_picture
+    from icc_profiles import cmyk_profile, print_like_corners
+
+    profile = cmyk_profile(print_like_corners())
+    image = _cmyk_photo(20, 24)
+    image.save(tmp_path / "press.jpg", icc_profile=profile, quality=100)
+    stored = Image.open(tmp_path / "press.jpg")
+    expected = np.asarray(ImageCms.profileToProfile(stored, ImageCms.ImageCmsProfile(_bytes_io(profile)),
+                                                    ImageCms.createProfile("sRGB"), outputMode="RGB"))
+    picture = read_picture(tmp_path / "press.jpg")
+    assert np.array_equal(picture.rgb, expected)
+    assert np.abs(picture.rgb.astype(int) - np.asarray(stored.convert("RGB"), dtype=int)).max() > 40
+    assert picture.icc_profile is None and "through its colour profile; the output is sRGB" in picture.colour_note
+
+    image.save(tmp_path / "plain.jpg", quality=100)  # no profile: the plain formula, said so
+    plain = read_picture(tmp_path / "plain.jpg")
+    assert np.array_equal(plain.rgb, np.asarray(Image.open(tmp_path / "plain.jpg").convert("RGB")))
+    assert "without a colour profile" in plain.colour_note
+
+    broken = b"\0" * 16 + b"CMYK" + b"\0" * 200  # says CMYK, holds nothing: not the image's fault
+    image.save(tmp_path / "broken.jpg", icc_profile=broken, quality=100)
+    fallback = read_picture(tmp_path / "broken.jpg")
+    assert np.array_equal(fallback.rgb, plain.rgb) and "cannot be used" in fallback.colour_note
+
+
+def _bytes_io(data):
+    import io
+
+    return io.BytesIO(data)
+
+
+def test_upscale_says_how_it_read_a_cmyk_picture(tmp_path, ckpt, capsys):
+    from icc_profiles import cmyk_profile, print_like_corners
+
+    out = upscaled(tmp_path, ckpt, "press.jpg", _cmyk_photo(20, 24), icc_profile=cmyk_profile(print_like_corners()))
+    assert out.mode == "RGB" and out.size == (48, 40) and out.info.get("icc_profile") is None
+    assert (f"hpdl: note: {tmp_path / 'press.jpg'}: CMYK converted to sRGB through its colour profile"
+            in capsys.readouterr().err)
+
+
 def test_upscale_says_that_it_upscales_the_first_frame_of_an_animation(tmp_path, ckpt, capsys):
     frames = [Image.fromarray(photo(20, 24, seed)) for seed in range(3)]
     frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])

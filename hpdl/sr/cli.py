@@ -505,6 +505,8 @@ def _output_picture(args: argparse.Namespace, picture: Any, fmt: str) -> Any:
     if picture.frames > 1:
         print(f"hpdl: note: {args.input}: holds {picture.frames} frames; only the first is upscaled",
               file=sys.stderr, flush=True)
+    if picture.colour_note:
+        print(f"hpdl: note: {args.input}: {picture.colour_note}", file=sys.stderr, flush=True)
     if picture.orientation != 1:
         print(f"hpdl: note: {args.input}: turned upright by its EXIF orientation ({picture.orientation}), as "
               "viewers show it; the output has no orientation tag", file=sys.stderr, flush=True)

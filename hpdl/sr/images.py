@@ -119,6 +119,7 @@ class Picture:
     icc_profile: Optional[bytes]  # the colour profile, when it describes the output's channels
     frames: int  # frames of an animated or multi-page file; only the first is read
     orientation: int  # the EXIF orientation tag turned upright (1: none)
+    colour_note: str = ""  # how colours of another space (CMYK) became RGB, if they did
 
     @property
     def mode(self) -> str:
@@ -169,10 +170,32 @@ def _picture(img: Any, path: PathLike, frames: int, orientation: int) -> Picture
     else:
         colour = img
     profile = img.info.get("icc_profile") or None
+    note = ""
+    if colour.mode == "CMYK":
+        colour, note = _cmyk_to_srgb(colour, profile)
     # A profile describes the channels it was made for: a CMYK file's does not fit its RGB output.
     if profile is not None and bytes(profile[16:20]) != (b"GRAY" if gray else b"RGB "):
         profile = None
-    return Picture(_to_rgb(colour, path), alpha, gray, profile, frames, orientation)
+    return Picture(_to_rgb(colour, path), alpha, gray, profile, frames, orientation, note)
+
+
+def _cmyk_to_srgb(img: Any, profile: Optional[bytes]) -> Tuple[Any, str]:
+    """A CMYK image as a viewer shows it: through its own ICC profile to sRGB where it has one
+    (Pillow's own conversion ignores the profile: print-oriented CMYK comes out too bright and
+    saturated); else Pillow's conversion, with a note saying so."""
+    if profile is not None and bytes(profile[16:20]) == b"CMYK":
+        from PIL import ImageCms
+
+        try:
+            converted = ImageCms.profileToProfile(img, ImageCms.ImageCmsProfile(io.BytesIO(profile)),
+                                                  ImageCms.createProfile("sRGB"), outputMode="RGB")
+        except (ImageCms.PyCMSError, OSError, ValueError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            return img, (f"CMYK whose colour profile cannot be used ({reason}): converted to RGB without it; "
+                         "colours may differ from what a viewer shows")
+        return converted, "CMYK converted to sRGB through its colour profile; the output is sRGB"
+    return img, "CMYK without a colour profile: converted to RGB by a plain formula; colours may differ " \
+                "from what a viewer shows"
 
 
 def header_size(path: PathLike) -> Optional[Tuple[int, int]]:
