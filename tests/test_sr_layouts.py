@@ -217,6 +217,29 @@ def test_an_lr_image_without_its_hr_image_is_named(tmp_path):
         open_pairs(root, 2, cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("make", [edsr_set, basicsr_set], ids=["benchmark", "basicsr"])
+def test_an_hr_image_in_another_format_than_its_lr_image_is_paired(tmp_path, make):
+    root = make(tmp_path / "Set14")
+    hr_dir = root / ("HR" if make is edsr_set else "GTmod12")
+    baby = np.asarray(Image.open(hr_dir / "baby.png"))
+    (hr_dir / "baby.png").unlink()
+    save(hr_dir / "baby.bmp", baby)  # as Set14's originals are: baboon.bmp beside baboonx2.png
+    pairs = open_pairs(root, 2, cache_dir=tmp_path / "cache")
+    assert pairs.names == ["baby", "bird"]
+    lr, hr = pairs.arrays(0)
+    assert np.array_equal(hr, baby) and np.array_equal(lr, matlab_downscale(baby, 2))
+
+
+def test_two_lr_images_that_could_be_one_hr_images_are_named(tmp_path):
+    root = edsr_set(tmp_path / "Set5", scales=(2,))
+    baby = np.asarray(Image.open(root / "HR" / "baby.png"))
+    (root / "HR" / "baby.png").unlink()
+    save(root / "HR" / "baby.bmp", baby)
+    save(root / "LR_bicubic" / "X2" / "babyx2.tif", matlab_downscale(baby, 2))
+    with pytest.raises(SRDataError, match=r"HR/baby\.bmp: its LR image could be any of .*babyx2\.png, .*babyx2\.tif"):
+        open_pairs(root, 2, cache_dir=tmp_path / "cache")
+
+
 def test_split_sets_as_edsr_pytorch_spells_them(tmp_path):
     for name in ("Set5", "Set14"):
         edsr_set(tmp_path / "benchmark" / name)

@@ -184,15 +184,28 @@ def _subfolder(root: Path, *names: str) -> Path:
 
 
 def _paired_by_name(hr_dir: Path, lr_dir: Path, scale: int) -> List[PairSource]:
-    # The LR of ``baby.png`` is ``babyx2.png`` (EDSR-PyTorch) or ``baby.png`` (BasicSR).
+    # The LR of ``baby.png`` is ``babyx2.png`` (EDSR-PyTorch) or ``baby.png`` (BasicSR), in any
+    # image format (``baboon.bmp`` beside ``baboonx2.png``): the same one as the HR's first.
     if not lr_dir.is_dir():
         raise SRDataError(f"{lr_dir}: no LR images for scale {scale}")
     lr_images = {p.relative_to(lr_dir) for p in list_images(lr_dir)}
+    by_stem: Dict[Path, List[Path]] = {}
+    for rel in sorted(lr_images):
+        by_stem.setdefault(rel.with_suffix(""), []).append(rel)
     sources = []
     for hr in _nonempty(list_images(hr_dir), hr_dir):
         rel = hr.relative_to(hr_dir)
-        names = [rel.with_name(f"{hr.stem}x{scale}{hr.suffix}"), rel]
-        lr = next((lr_dir / n for n in names if n in lr_images), lr_dir / names[0])
+        stems = [rel.with_name(f"{hr.stem}x{scale}"), rel.with_suffix("")]
+        lr = lr_dir / stems[0].with_name(stems[0].name + hr.suffix)  # named in the error if missing
+        for stem in stems:
+            found = [n for n in by_stem.get(stem, []) if n in lr_images]
+            same_format = [n for n in found if n.suffix.lower() == hr.suffix.lower()]
+            if len(same_format) == 1 or len(found) == 1:
+                lr = lr_dir / (same_format or found)[0]
+                break
+            if found:
+                raise SRDataError(f"{hr}: its LR image could be any of {', '.join(str(lr_dir / n) for n in found)}; "
+                                  "keep one")
         _require_lr(hr, lr)
         lr_images.discard(lr.relative_to(lr_dir))
         sources.append(PairSource(str(rel.with_suffix("")), hr, lr))
