@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from hpdl.profile import schema
+from hpdl.profile.recorder import core_wait_ns
 from ranks import ROOT, SCRIPTS, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -48,6 +49,8 @@ def test_environment_variable_records_every_rank_of_an_unchanged_script(edsr_pro
         steps = _rows(rank, "steps")
         assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]  # one per optimizer.step()
         assert all(s["end_us"] > s["start_us"] and s["blocked_us"] >= 0 for s in steps)
+        if core_wait_ns() is not None:  # Linux: the training thread's wait for a core, every step
+            assert all(s["core_wait_us"] is not None and s["core_wait_us"] >= 0 for s in steps)
         grads = [c for c in _rows(rank, "collectives") if c["kind"] == "allreduce"]
         # Every gradient reduced once per step, with its bytes; fused messages carry several.
         names = rank["tensors"]

@@ -562,3 +562,93 @@ def test_timeline_to_stdout(tmp_path, capsys, monkeypatch):
     document = trace(make_profile())
     assert write_trace(document, "-") == len(document["traceEvents"])
     assert json.loads(capsys.readouterr().out) == document
+
+
+# -- the training thread's wait for a core -------------------------------------------------------
+
+def test_each_step_records_how_long_the_stepping_thread_waited_for_a_core(monkeypatch):
+    import threading
+
+    from hpdl.profile import recorder as recorder_module
+
+    waits = iter([1_000_000, 4_000_000, 9_000_000, 5_000_000])  # ns, as the kernel counts them
+    monkeypatch.setattr(recorder_module, "core_wait_ns", lambda: next(waits))
+    recorder = Recorder(rank=0, zero_us=0.0)  # reads 1 ms on this thread
+    feed_step(recorder, 1000.0, [MiB])  # 4 ms: 3 ms waited in this step
+    feed_step(recorder, 2000.0, [MiB])  # 9 ms: 5 ms
+    # A step marked from another thread: that thread's count starts there, nothing to subtract.
+    other = threading.Thread(target=feed_step, args=(recorder, 3000.0, [MiB]))
+    other.start(), other.join()
+    rows = list(schema.records(recorder.snapshot(), "steps"))
+    assert [r["core_wait_us"] for r in rows] == [3000.0, 5000.0, None]
+
+
+def test_a_platform_that_does_not_tell_records_no_wait(monkeypatch):
+    from hpdl.profile import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "core_wait_ns", lambda: None)
+    recorder = Recorder(rank=0, zero_us=0.0)
+    feed_step(recorder, 1000.0, [MiB])
+    assert [r["core_wait_us"] for r in schema.records(recorder.snapshot(), "steps")] == [None]
+
+
+def test_the_kernel_counts_the_wait_of_a_thread_that_shares_its_core():
+    # Real counts: a process spinning on this thread's one core makes it wait, runnable.
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from hpdl.profile.recorder import core_wait_ns
+
+    if core_wait_ns() is None or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no per-thread scheduler statistics here (Linux's /proc/thread-self/schedstat)")
+    core = sorted(os.sched_getaffinity(0))[0]
+    saved = os.sched_getaffinity(0)
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.2)  # the spinner is running
+        before = core_wait_ns()
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:  # 0.3 s of this thread's own CPU, shared with the spinner
+            pass
+        waited_s = (core_wait_ns() - before) / 1e9
+    finally:
+        os.sched_setaffinity(0, saved)
+        spinner.kill()
+        spinner.wait()
+    assert waited_s > 0.1, waited_s  # about as long as it ran, on a fair scheduler
+
+
+def _with_core_wait(profile, wait_us):
+    for rank in profile["ranks"]:
+        table = rank["steps"]
+        col = table["columns"].index("core_wait_us")
+        for row in table["rows"]:
+            row[col] = wait_us
+    return profile
+
+
+def test_a_training_thread_kept_waiting_for_a_core_is_a_finding():
+    a = Analysis(_with_core_wait(make_profile(), 20_000.0))  # steps of 101 ms, 20 ms of it waiting
+    assert a.steps.core_wait_us == 20_000.0
+    text = " ".join(findings(a))
+    assert re.search(r"the training thread waited 20\.0 ms per step for a core, ready to run \(2\d% of its compute", text)
+    row = next(line for line in render(a, "p.json", []).splitlines() if line.startswith("all ranks"))
+    assert row.split()[-1] == "20.00"
+    assert "core wait ms" in render_compare(a, "a.json", a, "b.json")
+    quiet = Analysis(_with_core_wait(make_profile(), 1_000.0))  # 1 % of compute: nothing to say
+    assert "for a core" not in " ".join(findings(quiet))
+
+
+def test_a_version_1_profile_reads_with_the_wait_unknown():
+    profile = make_profile()
+    profile["version"] = 1
+    for rank in profile["ranks"]:
+        rank["steps"]["columns"] = rank["steps"]["columns"][:-1]
+        rank["steps"]["rows"] = [row[:-1] for row in rank["steps"]["rows"]]
+    schema.check(profile, "old.json")
+    a = Analysis(profile)
+    assert a.steps.core_wait_us is None and "for a core" not in " ".join(findings(a))
+    assert next(line for line in render(a, "old.json", []).splitlines() if line.startswith("all ranks")).endswith("-")

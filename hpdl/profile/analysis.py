@@ -113,6 +113,8 @@ class StepStats:
     compute_us: float
     comm_us: float
     exposed_us: float
+    # The stepping thread's wait for a core (runnable, not running): None where not recorded.
+    core_wait_us: Optional[float] = None
 
     @property
     def exposed_share(self) -> float:
@@ -289,7 +291,9 @@ class Analysis:
         med = lambda values: float(statistics.median(values))  # noqa: E731
         step = med([s["end_us"] - s["start_us"] for s in steps])
         exposed = med([s["blocked_us"] for s in steps])
-        return StepStats(label, len(steps), step, step - exposed, med([s["comm_us"] for s in steps]), exposed)
+        waits = [s["core_wait_us"] for s in steps if s["core_wait_us"] is not None]
+        return StepStats(label, len(steps), step, step - exposed, med([s["comm_us"] for s in steps]), exposed,
+                         med(waits) if waits else None)
 
     def steady_collectives(self, rank: Dict[str, Any]) -> List[Dict[str, Any]]:
         """The rank's raw collectives outside the start-up step (all of them if there is nothing else)."""

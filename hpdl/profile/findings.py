@@ -84,6 +84,20 @@ def _exposed(a: Analysis) -> Optional[str]:
     return head + f": backward hides the communication; the step is bound by compute (efficiency estimate {s.efficiency:.0%})."
 
 
+def _core_wait(a: Analysis) -> Optional[str]:
+    s = a.steps
+    if s is None or s.core_wait_us is None or not s.compute_us:
+        return None
+    share = s.core_wait_us / s.compute_us
+    if share < 0.05:
+        return None
+    return (f"the training thread waited {_ms(s.core_wait_us)} per step for a core, ready to run ({share:.0%} of its "
+            f"compute, median over {s.steps} steps): other threads or processes share its cores (the engine's and "
+            "the backend's threads, data loading, other ranks on the node), so part of what communication costs "
+            "shows as slower compute, not as exposed communication, and the efficiency estimate is above the "
+            "real one. Give each rank cores of its own, or fewer threads (OMP_NUM_THREADS, DataLoader workers).")
+
+
 def _straggler(a: Analysis) -> Optional[str]:
     arrival, steps = a.arrival, a.steps
     if arrival is None or not arrival.collectives:
@@ -159,7 +173,8 @@ def _fill(a: Analysis) -> Optional[str]:
 
 def findings(a: Analysis, bench: Optional[BenchCurve] = None) -> List[str]:
     """Plain-words findings, most important first."""
-    found = [_size_class(a, bench), _exposed(a), _straggler(a), _small_messages(a), _negotiation(a), _fill(a)]
+    found = [_size_class(a, bench), _exposed(a), _core_wait(a), _straggler(a), _small_messages(a), _negotiation(a),
+             _fill(a)]
     return [f for f in found if f]
 
 

@@ -98,11 +98,16 @@ def _steps_plot(a: Analysis) -> str:
         steps = Analysis.steady(list(schema.records(rank, "steps")))
         index = [s["step"] for s in steps]
         exposed = [s["blocked_us"] / 1e3 for s in steps]
-        compute = [(s["end_us"] - s["start_us"]) / 1e3 - e for s, e in zip(steps, exposed)]
+        # Part of compute: the training thread ready to run, waiting for a core (0 where not recorded).
+        waited = [(s["core_wait_us"] or 0.0) / 1e3 for s in steps]
+        compute = [(s["end_us"] - s["start_us"]) / 1e3 - e - w for s, e, w in zip(steps, exposed, waited)]
         ax.bar(index, compute, color="#4c72b0", label="compute", width=1.0)
-        ax.bar(index, exposed, bottom=compute, color="#dd8452", label="exposed communication", width=1.0)
+        if any(waited):
+            ax.bar(index, waited, bottom=compute, color="#8172b3", label="waiting for a core", width=1.0)
+        ax.bar(index, exposed, bottom=[c + w for c, w in zip(compute, waited)], color="#dd8452",
+               label="exposed communication", width=1.0)
         ax.set_ylabel(f"rank {rank['rank']}\nms")
-    axes[0].set_title("Per step: compute and exposed communication (start-up step left out)")
+    axes[0].set_title("Per step: compute, waiting for a core and exposed communication (start-up step left out)")
     axes[0].legend(fontsize=7, loc="upper right")
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -91,6 +91,9 @@ class Recorder:
         self.steps_seen = 0
         self._step_start = ev.now_us() - zero_us
         self._step_comm = [0.0, 0, 0]  # engine time, messages, bytes of the current step
+        # The stepping thread (the one recording starts on, until a step says otherwise) and
+        # how long it had waited for a core by then, for each step's share.
+        self._core_wait = (threading.get_ident(), core_wait_ns())
         self.paused = False
 
     def observe(self, event: ev.Event) -> None:
@@ -198,7 +201,14 @@ class Recorder:
     def _step(self, event: ev.Event) -> None:
         end = event.time_us - self.zero_us
         comm_us, messages, nbytes = self._step_comm
-        self._steps.append((self.steps_seen, self._step_start, end, event.duration_us, comm_us, messages, nbytes))
+        # STEP events come from the thread that steps: its wait for a core since the last step.
+        thread, waited = threading.get_ident(), core_wait_ns()
+        last_thread, last_waited = self._core_wait
+        core_wait_us = (waited - last_waited) / 1e3 \
+            if thread == last_thread and waited is not None and last_waited is not None else None
+        self._core_wait = (thread, waited)
+        self._steps.append((self.steps_seen, self._step_start, end, event.duration_us, comm_us, messages, nbytes,
+                            core_wait_us))
         self.steps_seen += 1
         self._step_start = end
         self._step_comm = [0.0, 0, 0]
@@ -242,6 +252,16 @@ class Recorder:
                 "collectives_dropped": self.collectives_seen - len(self._raw),
             }
 
+
+
+def core_wait_ns() -> Optional[int]:
+    """Nanoseconds the calling thread has spent runnable but waiting for a core (the kernel's
+    run-queue time, Linux's schedstat); None where the platform does not tell."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _rounded(row: list) -> list:

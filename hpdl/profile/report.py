@@ -80,13 +80,16 @@ def tables(a: Analysis) -> List[Table]:
     if steps:
         out.append(Table(
             "Per step (medians; the first step, start-up, left out)",
-            ["ranks", "steps", "step ms", "compute ms", "comm ms", "exposed comm ms", "exposed %", "efficiency"],
+            ["ranks", "steps", "step ms", "compute ms", "comm ms", "exposed comm ms", "exposed %", "efficiency",
+             "core wait ms"],
             [[s.label, str(s.steps), _ms(s.step_us), _ms(s.compute_us), _ms(s.comm_us), _ms(s.exposed_us),
-              _pct(s.exposed_share), _pct(s.efficiency)] for s in steps],
+              _pct(s.exposed_share), _pct(s.efficiency), "-" if s.core_wait_us is None else _ms(s.core_wait_us)]
+             for s in steps],
             "compute: step minus the time blocked waiting for collectives (exposed communication), of the "
             "medians, so that compute + exposed = step; comm: engine "
             "time of the step's collectives (copies and backend calls, mostly hidden behind backward); "
-            "efficiency estimate: compute / step", "steps"))
+            "efficiency estimate: compute / step; core wait: time the training thread was ready to run but "
+            "waited for a core (other threads or processes on it), part of compute", "steps"))
     if a.arrival is not None:
         arr = a.arrival
         out.append(Table(
@@ -141,6 +144,8 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
     if sa is not None and sb is not None:
         figures = [("step ms", sa.step_us, sb.step_us), ("compute ms", sa.compute_us, sb.compute_us),
                    ("comm ms", sa.comm_us, sb.comm_us), ("exposed comm ms", sa.exposed_us, sb.exposed_us)]
+        if sa.core_wait_us is not None and sb.core_wait_us is not None:
+            figures.append(("core wait ms", sa.core_wait_us, sb.core_wait_us))
         step_rows = [[name, _ms(x), _ms(y), _change(x, y)] for name, x, y in figures]
         step_rows.append(["efficiency estimate", _pct(sa.efficiency), _pct(sb.efficiency),
                           f"{(sb.efficiency - sa.efficiency) * 100:+.0f} points"])

@@ -23,12 +23,14 @@ import stat
 from typing import Any, Dict, Iterator, List, Sequence
 
 FORMAT = "hpdl-profile"
-VERSION = 1
+VERSION = 2  # 2: steps.core_wait_us
 
 MESSAGE_COLUMNS = ("kind", "backend", "dtype", "bytes", "tensors", "calls", "backend_us", "copy_in_us",
                    "copy_out_us", "queue_us", "negotiate_us", "min_us", "max_us")
 TENSOR_COLUMNS = ("name", "kind", "bytes", "calls", "time_us")
-STEP_COLUMNS = ("step", "start_us", "end_us", "blocked_us", "comm_us", "messages", "bytes")
+STEP_COLUMNS = ("step", "start_us", "end_us", "blocked_us", "comm_us", "messages", "bytes", "core_wait_us")
+# Version 1's steps, read as version 2's with core_wait_us unknown (null).
+_STEP_COLUMNS_V1 = STEP_COLUMNS[:-1]
 COLLECTIVE_COLUMNS = ("seq", "step", "process_set", "kind", "backend", "dtype", "bytes", "tensors", "names",
                       "sizes", "ready_us", "queue_us", "negotiate_us", "start_us", "copy_in_us", "backend_us",
                       "copy_out_us")
@@ -44,6 +46,8 @@ _RANK_COUNTS = ("steps_dropped", "collectives_dropped", "tensors_folded")
 _TEXT_COLUMNS = {"kind", "backend", "dtype"}
 _INTEGER_COLUMNS = {"name"}  # an index into the rank's name table
 _LIST_COLUMNS = {"names": "integers", "sizes": "numbers"}
+# Numbers that may be unknown (null): where the platform cannot tell.
+_OPTIONAL_COLUMNS = {"core_wait_us"}
 # job.settings that readers compute with; the others are only shown.
 _NUMERIC_SETTINGS = ("fusion_threshold", "inplace_threshold")
 
@@ -65,6 +69,8 @@ def _cell_check(column: str):
     if column in _LIST_COLUMNS:
         inner = _is_integer if _LIST_COLUMNS[column] == "integers" else _is_number
         return (lambda v: isinstance(v, list) and all(inner(x) for x in v)), f"a list of {_LIST_COLUMNS[column]}"
+    if column in _OPTIONAL_COLUMNS:
+        return (lambda v: v is None or _is_number(v)), "a number or null"
     return _is_number, "a number"
 
 
@@ -171,6 +177,8 @@ def check(data: Any, path: str) -> None:
         engine = rank.get("engine", {})
         if not isinstance(engine, dict) or not all(_is_number(v) for v in engine.values()):
             raise ProfileError(f"{path}: ranks[{i}].engine must be an object of counters (numbers)")
+        if version == 1:
+            _upgrade_steps_v1(rank)
         for name, columns in TABLES.items():
             stored = rank.get(name)
             if not isinstance(stored, dict) or not isinstance(stored.get("rows"), list) \
@@ -185,6 +193,15 @@ def check(data: Any, path: str) -> None:
                     if not valid(row[c]):
                         raise ProfileError(f"{path}: ranks[{i}].{name} row {r}: '{column}' must be {wanted}, "
                                            f"got {_shown(row[c])}")
+
+
+def _upgrade_steps_v1(rank: Dict[str, Any]) -> None:
+    """Read a version 1 rank's steps as version 2's: core_wait_us was not recorded (null)."""
+    stored = rank.get("steps")
+    if isinstance(stored, dict) and stored.get("columns") == list(_STEP_COLUMNS_V1) \
+            and isinstance(stored.get("rows"), list):
+        stored["columns"] = list(STEP_COLUMNS)
+        stored["rows"] = [row + [None] if isinstance(row, list) else row for row in stored["rows"]]
 
 
 def _check_job(job: Dict[str, Any], path: str) -> None:
