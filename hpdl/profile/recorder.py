@@ -257,11 +257,14 @@ class Recorder:
 def core_wait_ns() -> Optional[int]:
     """Nanoseconds the calling thread has spent runnable but waiting for a core (the kernel's
     run-queue time, Linux's schedstat); None where the platform does not tell."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    # /proc/thread-self since Linux 3.17; the task's own entry before it.
+    for path in ("/proc/thread-self/schedstat", f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        try:
+            with open(path, "rb") as f:
+                return int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def _rounded(row: list) -> list:
