@@ -161,3 +161,14 @@ def test_a_model_assigned_to_the_state_is_tracked_from_then_on():
         other.weight.add_(1)
     state.restore()
     assert all(torch.equal(v, committed[k]) for k, v in other.state_dict().items())
+
+
+def test_the_objects_given_are_the_states_own_until_a_restore():
+    history = []
+    state = elastic.ObjectState(bcast_object=lambda v: v, get_rank=lambda: 0, history=history)
+    history.append(1)  # the script's own reference, as Horovod's state keeps it
+    assert state.history is history
+    state.commit()
+    history.append(2)
+    state.restore()
+    assert state.history == [1]

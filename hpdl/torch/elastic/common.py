@@ -74,7 +74,8 @@ class ObjectState(State):
     def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
                  **kwargs: Any):
         self._saved_state = kwargs
-        self._set_attrs()
+        for attr, value in kwargs.items():  # the objects given, as Horovod's: a script may hold them too
+            setattr(self, attr, value)
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
