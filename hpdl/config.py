@@ -34,6 +34,7 @@ HOROVOD_ALIASES = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "HPDL_STALL_WARNING",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HPDL_STALL_TIMEOUT",
     "HOROVOD_START_TIMEOUT": "HPDL_START_TIMEOUT",
+    "HOROVOD_SPARK_START_TIMEOUT": "HPDL_SPARK_START_TIMEOUT",
     "HOROVOD_AUTOTUNE": "HPDL_AUTOTUNE",
     "HOROVOD_AUTOTUNE_LOG": "HPDL_AUTOTUNE_LOG",
     "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "HPDL_AUTOTUNE_WARMUP_SAMPLES",
@@ -140,6 +141,9 @@ class Settings:
     # How long init() waits for the ranks to meet before this rank gives up (0: no bound of
     # its own; the backend's rendezvous then waits up to the stall timeout).
     start_timeout_s: float = dataclasses.field(default=0.0, metadata={"env": "HPDL_START_TIMEOUT"})
+    # How long hpdl.spark.run waits for Spark to start every rank's task (free slots for the
+    # whole barrier stage, then each task reaching the driver) before it gives up; Horovod's 600 s.
+    spark_start_timeout_s: float = dataclasses.field(default=600.0, metadata={"env": "HPDL_SPARK_START_TIMEOUT"})
     timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
     # Record every collective and step of every rank; rank 0 writes them to this JSON file at
     # shutdown (docs/profile.md).
@@ -191,7 +195,8 @@ class Settings:
                 ("HPDL_GATHER_TIME", self.gather_time_ms, YEAR_S * 1000, "a year"),
                 ("HPDL_STALL_WARNING", self.stall_warning_s, YEAR_S, "a year"),
                 ("HPDL_STALL_TIMEOUT", self.stall_timeout_s, YEAR_S, "a year"),
-                ("HPDL_START_TIMEOUT", self.start_timeout_s, YEAR_S, "a year")):
+                ("HPDL_START_TIMEOUT", self.start_timeout_s, YEAR_S, "a year"),
+                ("HPDL_SPARK_START_TIMEOUT", self.spark_start_timeout_s, YEAR_S, "a year")):
             if value > highest:
                 raise SettingsError(f"{env} must be at most {what}, got {value:g}")
         if self.backend not in BACKENDS:
@@ -214,6 +219,8 @@ class Settings:
             raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
         if self.start_timeout_s < 0:
             raise SettingsError(f"HPDL_START_TIMEOUT must be >= 0 seconds, got {self.start_timeout_s}")
+        if self.spark_start_timeout_s <= 0:
+            raise SettingsError(f"HPDL_SPARK_START_TIMEOUT must be > 0 seconds, got {self.spark_start_timeout_s:g}")
         for env, value, lowest in (("HPDL_AUTOTUNE_WARMUP_SAMPLES", self.autotune_warmup_samples, 0),
                                    ("HPDL_AUTOTUNE_STEPS_PER_SAMPLE", self.autotune_steps_per_sample, 1),
                                    ("HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", self.autotune_bayes_opt_max_samples, 0),
