@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 def task_slots(sc) -> int:
@@ -26,15 +26,23 @@ def task_slots(sc) -> int:
         return int(sc.defaultParallelism)
 
 
-def busy_slots(sc) -> int:
-    """The tasks other jobs are running now, each holding a slot."""
+def running_tasks(sc, group: Optional[str] = None) -> int:
+    """The tasks running now: those of the job group ``group``, or of every job (None).
+
+    Each holds a slot; a barrier stage's tasks run all together or not at all.
+    """
     tracker = sc.statusTracker()
-    busy = 0
-    for stage in tracker.getActiveStageIds():
+    if group is None:
+        stages = tracker.getActiveStageIds()
+    else:
+        jobs = [tracker.getJobInfo(job) for job in tracker.getJobIdsForGroup(group)]
+        stages = [stage for job in jobs if job is not None for stage in job.stageIds]
+    running = 0
+    for stage in stages:
         info = tracker.getStageInfo(stage)
         if info is not None:
-            busy += info.numActiveTasks
-    return busy
+            running += info.numActiveTasks
+    return running
 
 
 def driver_addresses(sc) -> Tuple[str, str]:

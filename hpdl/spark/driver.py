@@ -26,7 +26,7 @@ import cloudpickle
 
 from hpdl.launch.rank_output import prefix_line
 from hpdl.spark import service as events
-from hpdl.spark.cluster import busy_slots, driver_addresses, task_slots
+from hpdl.spark.cluster import driver_addresses, running_tasks, task_slots
 from hpdl.spark.errors import RankFailedError, SlotsUnavailableError, SparkRunError
 from hpdl.spark.service import DriverService
 from hpdl.spark.task import TaskSpec, describe_exit, run_task
@@ -72,6 +72,7 @@ class SparkRun:
         self.output, self.log, self.verbose = output, log, verbose
         self.token = secrets.token_hex(16)
         self.group = f"hpdl.spark.run.{next(_run_ids)}.{self.token[:8]}"
+        self.service_address = ""
         self._job: Optional[threading.Thread] = None
         self._job_outcome: "queue.Queue[tuple]" = queue.Queue()
 
@@ -84,6 +85,7 @@ class SparkRun:
         deadline = time.monotonic() + self.start_timeout_s
         bind_host, advertised_host = driver_addresses(self.sc)
         service = DriverService(bind_host, advertised_host, self.token, self.output.write)
+        self.service_address = "%s:%d" % service.address
         try:
             self._wait_for_slots(deadline)
             self._submit(service)
@@ -116,6 +118,18 @@ class SparkRun:
             f"{self.start_timeout_s:g} s ({total} in the cluster{busy}): a barrier stage starts all its "
             f"tasks together, one rank in each; add executors or cores, lower num_proc, or raise start_timeout "
             f"(HPDL_SPARK_START_TIMEOUT)", wanted=self.num_proc, found=free, total=total)
+
+    def _start_timed_out(self, registered: int) -> SparkRunError:
+        """The error for tasks that did not all reach the driver in time: no slots, or slow to start."""
+        started = running_tasks(self.sc, self.group)
+        if started:
+            return SparkRunError(
+                f"hpdl.spark.run: Spark started the {started} tasks of the barrier stage, but only {registered} of "
+                f"{self.num_proc} reached the driver at {self.service_address} within the start timeout of "
+                f"{self.start_timeout_s:g} s: can the executors reach that address (spark.driver.host)? Or raise "
+                f"start_timeout (HPDL_SPARK_START_TIMEOUT) if their Python workers are slow to start")
+        total = task_slots(self.sc)
+        return self._slots_error(max(0, total - running_tasks(self.sc)), total)
 
     def _submit(self, service: DriverService) -> None:
         from pyspark import InheritableThread
@@ -165,8 +179,7 @@ class SparkRun:
             if stopped_at is not None and time.monotonic() - stopped_at > CANCEL_GRACE_S:
                 raise self._rank_failed(failures)
             if not failures and len(registered) < self.num_proc and time.monotonic() >= deadline:
-                total = task_slots(self.sc)
-                raise self._slots_error(max(0, total - busy_slots(self.sc)), total)
+                raise self._start_timed_out(len(registered))
 
     def _take_events(self, service: DriverService, registered: Dict[int, str],
                      failures: List[Dict[str, Any]]) -> None:

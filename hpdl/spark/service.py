@@ -24,7 +24,6 @@ HELLO_TIMEOUT_S = 30.0
 REGISTERED = "registered"  # a task runs: {"partition", "attempt", "host", "hostname"}
 STARTED = "started"  # its rank's process runs: {"partition", "rank", "local_rank", "pid", "hostname"}
 EXITED = "exited"  # its rank ended: the task's EXITED message, plus "partition" and "hostname"
-CLOSED = "closed"  # its connection ended: {"partition"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +103,6 @@ class DriverService:
                 task.sock.close()
             except OSError:
                 pass
-            if task.partition is not None:
-                self.events.put(Event(CLOSED, {"partition": task.partition}))
 
     def _greet(self, task: _Task) -> bool:
         task.sock.settimeout(HELLO_TIMEOUT_S)

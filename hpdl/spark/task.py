@@ -30,6 +30,7 @@ import tempfile
 import threading
 from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
+from hpdl.comm.topology import host_identity
 from hpdl.spark import channel as wire
 from hpdl.spark import rank as rank_module
 from hpdl.spark.placement import place_ranks, rank_environment
@@ -64,8 +65,6 @@ def run_task(spec: TaskSpec, _rows: Iterator) -> Iterator[Tuple[int, bytes]]:
 
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    from hpdl.comm.topology import host_identity
-
     host = host_identity()
     driver = wire.TaskChannel(spec.driver)
     try:
