@@ -104,6 +104,51 @@ def test_spark_failures_are_cut_to_what_went_wrong():
     assert spark_failure(RuntimeError("org.apache.spark.SparkException: Job 3 cancelled\n\tat x")) == "Job 3 cancelled"
 
 
+def _rank_workdir(tmp_path, fn, *args):
+    from hpdl.spark import rank
+
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / rank.PAYLOAD).write_bytes(cloudpickle.dumps((fn, args, {})))
+    (tmp_path / rank.SYS_PATH).write_text(json.dumps(sys.path))
+    return tmp_path
+
+
+def _start_rank(workdir, parent_pid):
+    return subprocess.run([sys.executable, "-m", "hpdl.spark.rank", str(workdir), str(parent_pid)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_rank_process_writes_its_result_or_its_traceback(tmp_path):
+    from hpdl.spark import rank
+
+    done = _start_rank(_rank_workdir(tmp_path / "ok", divmod, 7, 2), os.getpid())
+    assert done.returncode == 0 and cloudpickle.loads((tmp_path / "ok" / rank.RESULT).read_bytes()) == (3, 1)
+    done = _start_rank(_rank_workdir(tmp_path / "bad", divmod, 1, 0), os.getpid())
+    error = (tmp_path / "bad" / rank.ERROR).read_text()
+    assert done.returncode == 1 and error.rstrip().endswith("ZeroDivisionError: integer division or modulo by zero")
+    assert error in done.stderr and not (tmp_path / "bad" / rank.RESULT).exists()
+
+
+def test_a_rank_process_dies_with_the_task_that_started_it(tmp_path):
+    workdir = _rank_workdir(tmp_path, time.sleep, 120)
+    # A stand-in for the task: starts the rank, says its pid, then waits.
+    task = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys, time; "
+        f"r = subprocess.Popen([sys.executable, '-m', 'hpdl.spark.rank', {str(workdir)!r}, str(os.getpid())]); "
+        "print(r.pid, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    rank_pid = int(task.stdout.readline())
+    time.sleep(1)  # let it arm its watch: the kernel's signal, set as it starts
+    assert _alive(rank_pid)
+    task.kill()
+    task.wait()
+    deadline = time.monotonic() + 10
+    while _alive(rank_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank_pid)
+    # A rank whose task is gone before it looked (its parent is another process) ends at once.
+    assert _start_rank(workdir, 1).returncode == 1
+
+
 def test_java_needed_by_each_pyspark():
     assert java_needed("4.3.0") == 17 and java_needed("3.5.1") == 8
 
