@@ -83,7 +83,8 @@ def test_exit_descriptions_name_the_rank_and_the_last_lines():
     text = describe_exit("rank 1 (on n2)", 1, None, traceback, [], stopped=False, lines=3)
     assert text.splitlines() == ["rank 1 (on n2) raised an exception; last lines of its traceback:",
                                  "      line 18", "      line 19", "    KeyError: 'x'"]
-    assert describe_exit("rank 0", None, 9, None, [], False) == "rank 0 was killed by SIGKILL (it printed nothing on stderr)"
+    assert describe_exit("rank 0", None, 9, None, [], False) == \
+        "rank 0 was killed by SIGKILL (it printed nothing on stderr)"
     assert describe_exit("rank 2", 3, None, None, ["fn called sys.exit(3)"], False).endswith(
         "exited with status 3; last lines of its stderr:\n    fn called sys.exit(3)")
     assert "could not start: cannot start /no/python" in describe_exit("rank 0", None, None,
@@ -100,7 +101,8 @@ def test_spark_failures_are_cut_to_what_went_wrong():
     jvm = ("An error occurred while calling o1.collect.\n: org.apache.spark.SparkException: Job aborted due to stage "
            "failure: PythonException: Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
            "ModuleNotFoundError: No module named 'hpdl'\n\n\tat org.apache.spark.api.python.X(Y.scala:1)\n")
-    assert spark_failure(RuntimeError(jvm)) == "\n      File \"x.py\", line 3, in f\n    ModuleNotFoundError: No module named 'hpdl'"
+    assert spark_failure(RuntimeError(jvm)) == \
+        "\n      File \"x.py\", line 3, in f\n    ModuleNotFoundError: No module named 'hpdl'"
     assert spark_failure(RuntimeError("org.apache.spark.SparkException: Job 3 cancelled\n\tat x")) == "Job 3 cancelled"
 
 
@@ -339,13 +341,11 @@ def test_slots_held_by_another_job_fail_within_the_start_timeout_and_that_job_go
 
 
 def raise_on_rank_1():
-    import hpdl.torch as hvd
-
-    hvd.init()
-    if hvd.rank() == 1:
-        raise ValueError("rank 1 cannot go on")
+    import os
     import time
 
+    if os.environ["RANK"] == "1":  # the rank, as hvd.init() reads it (torch is not needed here)
+        raise ValueError("rank 1 cannot go on")
     time.sleep(120)  # rank 0 would wait: the run must end it
 
 
@@ -402,6 +402,15 @@ def test_a_rank_killed_mid_run_ends_the_job(spark, tmp_path, no_rank_left):
     assert not _alive(pids[0]) and not _alive(pids[1])
 
 
+def write_pid_then_sleep(folder):
+    import os
+    import time
+
+    with open(os.path.join(folder, os.environ["RANK"]), "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(120)
+
+
 @needs_spark
 def test_ctrl_c_in_the_driver_ends_every_rank(spark, tmp_path, no_rank_left):
     pids = {}
@@ -413,7 +422,7 @@ def test_ctrl_c_in_the_driver_ends_every_rank(spark, tmp_path, no_rank_left):
     presser = threading.Thread(target=press_ctrl_c, daemon=True)
     presser.start()
     with pytest.raises(KeyboardInterrupt):
-        hpdl.spark.run(write_pid_then_loop, args=(str(tmp_path),), stderr=io.StringIO())
+        hpdl.spark.run(write_pid_then_sleep, args=(str(tmp_path),), stderr=io.StringIO())
     presser.join()
     assert not _alive(pids[0]) and not _alive(pids[1])
     assert hpdl.spark.run(sleep_then_return, args=(0,), verbose=0) == [0, 0]  # the session still works
