@@ -103,7 +103,11 @@ def test_spark_failures_are_cut_to_what_went_wrong():
            "ModuleNotFoundError: No module named 'hpdl'\n\n\tat org.apache.spark.api.python.X(Y.scala:1)\n")
     assert spark_failure(RuntimeError(jvm)) == \
         "\n      File \"x.py\", line 3, in f\n    ModuleNotFoundError: No module named 'hpdl'"
-    assert spark_failure(RuntimeError("org.apache.spark.SparkException: Job 3 cancelled\n\tat x")) == "Job 3 cancelled"
+    cancelled = ("An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.\n: "
+                 "org.apache.spark.SparkException: [SPARK_JOB_CANCELLED] Job 0 cancelled as part of cancellation of "
+                 "all jobs SQLSTATE: XXKDA\n\tat org.apache.spark.errors.SparkCoreErrors$.sparkJobCancelled(x:1)\n")
+    assert spark_failure(RuntimeError(cancelled)) == \
+        "[SPARK_JOB_CANCELLED] Job 0 cancelled as part of cancellation of all jobs"
 
 
 def _rank_workdir(tmp_path, fn, *args):
@@ -236,11 +240,12 @@ def no_rank_left():
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return False
-    return True
 
 
 def train_two_ranks():
@@ -426,6 +431,23 @@ def test_ctrl_c_in_the_driver_ends_every_rank(spark, tmp_path, no_rank_left):
     presser.join()
     assert not _alive(pids[0]) and not _alive(pids[1])
     assert hpdl.spark.run(sleep_then_return, args=(0,), verbose=0) == [0, 0]  # the session still works
+
+
+@needs_spark
+def test_cancelling_the_job_elsewhere_ends_every_rank(spark, tmp_path, no_rank_left):
+    # As a notebook's cancel button: run() learns it from Spark's failure of the stage.
+    pids = {}
+
+    def cancel():
+        pids.update(_pids_when_both_started(tmp_path))
+        spark.sparkContext.cancelAllJobs()
+
+    canceller = threading.Thread(target=cancel, daemon=True)
+    canceller.start()
+    with pytest.raises(hpdl.spark.SparkRunError, match=r"Spark failed the barrier stage: .*Job \d+ cancelled"):
+        hpdl.spark.run(write_pid_then_sleep, args=(str(tmp_path),), stderr=io.StringIO())
+    canceller.join()
+    assert not _alive(pids[0]) and not _alive(pids[1])
 
 
 HPDL_SCRIPT = """

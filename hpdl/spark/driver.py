@@ -163,8 +163,9 @@ class SparkRun:
             except queue.Empty:
                 pass
             else:
-                # Every task has ended: once their connections are read to the end, every
-                # report and output line is in.
+                if error is not None:
+                    service.stop_all()  # Spark ends the stage's tasks in its own time: end their ranks now
+                # Once the tasks' connections are read to the end, every report and output line is in.
                 service.close(drain_s=DRAIN_S)
                 self._take_events(service, registered, failures)
                 if failures:
@@ -250,9 +251,11 @@ class SparkRun:
 def spark_failure(error: BaseException, lines: int = 8) -> str:
     """The part of Spark's failure that says what went wrong: a Python traceback's last lines, else the cause.
 
-    Spark's own text is the whole JVM stack, with the task's Python traceback inside it.
+    Spark's own text is the whole JVM stack, with the task's Python traceback inside it, and
+    its error class's SQL state after the message.
     """
     text = str(error)
+    sql_state = re.compile(r"\s*SQLSTATE: \w+\s*$")
     python = text.rfind("Traceback (most recent call last):")
     if python >= 0:
         body = []
@@ -260,10 +263,10 @@ def spark_failure(error: BaseException, lines: int = 8) -> str:
             if re.match(r"\s+at [\w$.]+\(", line) or line.startswith("\tat "):
                 break
             body.append(line)
-        body = [line for line in body if line.strip()]
+        body = [line for line in body if line.strip() and not sql_state.fullmatch(line)]
         return "\n" + "\n".join("    " + line for line in body[-lines:])
     for line in text.splitlines():
-        cause = re.match(r"\S*(?:Exception|Error|Failed)\S*: (.+)", line.strip())
+        cause = re.search(r"[\w.$]*(?:Exception|Error|Failed)\w*: (.+)", line)
         if cause:
-            return cause.group(1)
+            return sql_state.sub("", cause.group(1))
     return text.splitlines()[0] if text else type(error).__name__
