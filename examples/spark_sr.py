@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import unquote, urlparse
 
 
@@ -98,6 +98,30 @@ def _training_paths(spark, folder: Path) -> List[str]:
     return sorted(unquote(urlparse(row.path).path) for row in listing.collect())
 
 
+def train_on_spark(spark, checkpoint: Path, cfg: Any, cache: Path,
+                   num_proc: Optional[int] = None) -> Tuple[List[str], List[Dict[str, Any]]]:
+    """Train on the session's executors; return the training paths and every rank's report."""
+    import hpdl.spark
+    from hpdl.sr import prepare_embedded
+
+    paths = _training_paths(spark, prepare_embedded(cache)["train"])
+    ranks = hpdl.spark.run(train_rank, args=(paths, str(checkpoint), cfg, str(cache)), num_proc=num_proc)
+    return paths, ranks
+
+
+def score(checkpoint: Path, cfg: Any, cache: Path, names: Sequence[str] = ()):
+    """Score the checkpoint against bicubic on the held-out photos (those named, or all), on the driver."""
+    from hpdl.sr import ImageCache, ImagePairs, evaluate, load_model, prepare_embedded
+    from hpdl.sr.datasets import PairSource
+    from hpdl.sr.images import EMBEDDED_VAL
+
+    folder = prepare_embedded(cache)["val"]
+    held_out = ImagePairs([PairSource(name, folder / f"{name}.png") for name in names or EMBEDDED_VAL], cfg.scale,
+                          cache=ImageCache(cache / "decoded"))
+    model, _ = load_model(checkpoint)
+    return evaluate(model, held_out, cfg.scale, cfg.val_space)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="spark_sr.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[2]", help="Spark master URL (default local[2])")
@@ -109,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     import hpdl.spark
-    from hpdl.sr import build_val_dataset, evaluate, format_table, load_model, prepare_embedded
+    from hpdl.sr import format_table
     from hpdl.sr.config import ConfigError, load_config
     from hpdl.sr.images import default_cache_dir
 
@@ -123,13 +147,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"{checkpoint} exists (an earlier run's): pass --overwrite to replace it")
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir()
-    photos = prepare_embedded(cache)
 
     start = time.perf_counter()
     spark = _session(args.master)
     try:
-        paths = _training_paths(spark, photos["train"])
-        ranks = hpdl.spark.run(train_rank, args=(paths, str(checkpoint), cfg, str(cache)), num_proc=args.ranks)
+        paths, ranks = train_on_spark(spark, checkpoint, cfg, cache, args.ranks)
     except (hpdl.spark.SparkRunError, ValueError) as err:
         print(f"spark_sr.py: error: {err}", file=sys.stderr)
         return 1
@@ -138,9 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     spark_seconds = time.perf_counter() - start
 
     # The driver reads what rank 0 wrote, and scores it on photos no rank trained on.
-    model, _ = load_model(checkpoint)
-    held_out = build_val_dataset("embedded", cfg.scale, cache_dir=cache)
-    result = evaluate(model, held_out, cfg.scale, cfg.val_space)
+    result = score(checkpoint, cfg, cache)
     print(format_table(result))
     means = result.means()
     gain = means["psnr"] - means["bicubic_psnr"]
