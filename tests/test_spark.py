@@ -328,21 +328,36 @@ def test_more_ranks_than_slots_fail_within_the_start_timeout_naming_both(spark, 
 
 
 @needs_spark
-def test_slots_held_by_another_job_fail_within_the_start_timeout_and_that_job_goes_on(spark, no_rank_left):
+def test_slots_held_by_another_job_fail_within_the_start_timeout_and_that_job_goes_on(spark, tmp_path,
+                                                                                     no_rank_left):
     sc = spark.sparkContext
+    release = tmp_path / "release"
     other = {}
-    # A lambda: pyspark pickles it by value (a function of this module would be looked up by name).
-    holder = threading.Thread(target=lambda: other.update(
-        result=sc.parallelize([6], 1).map(lambda s: time.sleep(s) or s).collect()))
+
+    def hold(value, release=str(release)):  # one slot, until the test releases it (two minutes at most)
+        import os
+        import time
+
+        end = time.monotonic() + 120
+        while not os.path.exists(release) and time.monotonic() < end:
+            time.sleep(0.1)
+        return value
+
+    # In a thread of its own, as another user's job; pyspark pickles a function of this module by
+    # value only when it is nested, as this one is.
+    holder = threading.Thread(target=lambda: other.update(result=sc.parallelize([6], 1).map(hold).collect()))
     holder.start()
-    while holder.is_alive() and not any(info.numActiveTasks for info in map(
-            sc.statusTracker().getStageInfo, sc.statusTracker().getActiveStageIds()) if info):
-        time.sleep(0.1)
-    with pytest.raises(hpdl.spark.SlotsUnavailableError) as raised:
-        hpdl.spark.run(sleep_then_return, args=(0,), num_proc=2, start_timeout=2, verbose=0)
+    try:
+        while holder.is_alive() and not any(info.numActiveTasks for info in map(
+                sc.statusTracker().getStageInfo, sc.statusTracker().getActiveStageIds()) if info):
+            time.sleep(0.1)
+        with pytest.raises(hpdl.spark.SlotsUnavailableError) as raised:
+            hpdl.spark.run(sleep_then_return, args=(0,), num_proc=2, start_timeout=2, verbose=0)
+    finally:
+        release.touch()
+        holder.join()
     assert (raised.value.wanted, raised.value.found, raised.value.total) == (2, 1, 2)
     assert "found 1 free" in str(raised.value) and "1 of them busy with other jobs" in str(raised.value)
-    holder.join()
     assert other["result"] == [6]  # only this run's stage was cancelled
 
 
