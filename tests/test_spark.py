@@ -187,6 +187,11 @@ def _spark_env():
     return {"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
 
 
+# The tests' JVMs live a minute or two: the JIT's quick tier alone costs them less CPU than it
+# loses, which counts on a machine of two cores.
+QUICK_JIT = "-XX:TieredStopAtLevel=1"
+
+
 @pytest.fixture(scope="module")
 def spark():
     """local[2] with 2 attempts per task and barrier slot checks every second, on loopback."""
@@ -199,7 +204,7 @@ def spark():
                .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
-               .getOrCreate())
+               .config("spark.driver.extraJavaOptions", QUICK_JIT).getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
@@ -543,7 +548,8 @@ def fn():
 
 spark = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.driver.host", "127.0.0.1")
          .config("spark.driver.bindAddress", "127.0.0.1").config("spark.ui.enabled", "false")
-         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+         .config("spark.ui.showConsoleProgress", "false").config("spark.driver.extraJavaOptions", sys.argv[1])
+         .config("spark.executor.extraJavaOptions", sys.argv[1]).getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 try:
     print("RESULT " + json.dumps(hpdl.spark.run(fn, num_proc=2)))
@@ -574,7 +580,7 @@ def test_ranks_on_separate_executor_jvms_of_local_cluster(tmp_path, no_rank_left
     # starts two executor JVMs with one core each: one rank in each.
     driver = tmp_path / "driver.py"
     driver.write_text(LOCAL_CLUSTER_DRIVER)
-    done = subprocess.run([sys.executable, str(driver)], cwd=tmp_path, env=dict(os.environ, **_spark_env()),
+    done = subprocess.run([sys.executable, str(driver), QUICK_JIT], cwd=tmp_path, env=dict(os.environ, **_spark_env()),
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = json.loads(done.stdout.split("RESULT ", 1)[1])
