@@ -49,6 +49,19 @@ def test_ranks_are_grouped_by_node_with_partition_0_first():
     assert placement.topology(4).local_size == 1
 
 
+def test_each_rank_sees_its_nodes_gpus_with_its_own_at_its_local_rank():
+    placement = place_ranks(["a", "b", "a", "b"])  # ranks: partition 0 -> 0, 2 -> 1, 1 -> 2, 3 -> 3
+    gpus = [["3"], ["0"], ["1"], ["2"]]
+    assert placement.node_gpus(0, gpus) == ["3", "1"] == placement.node_gpus(2, gpus)
+    assert placement.node_gpus(3, gpus) == ["0", "2"]
+    for partition in range(4):
+        local_rank = placement.topology(partition).local_rank
+        assert placement.node_gpus(partition, gpus)[local_rank] == gpus[partition][0]
+    # Fractional amounts: two tasks given one GPU see it once (and share it); none: nothing to set.
+    assert place_ranks(["a", "a"]).node_gpus(1, [["0"], ["0"]]) == ["0"]
+    assert place_ranks(["a", "a"]).node_gpus(0, [[], []]) == []
+
+
 def test_rank_environment_layers_its_sources_and_keeps_the_rank_variables_last():
     topology = place_ranks(["n1", "n1"]).topology(1)
     env = rank_environment(

@@ -31,6 +31,25 @@ class Placement:
     def partition_of(self, rank: int) -> int:
         return self.ranks.index(rank)
 
+    def node_gpus(self, partition: int, partition_gpus: Sequence[Sequence[str]]) -> List[str]:
+        """The GPUs Spark gave the tasks of ``partition``'s node, in local-rank order, each once.
+
+        A rank sees these (``CUDA_VISIBLE_DEVICES``), so that GPU ``local_rank`` of the node is
+        the one Spark gave its own task, as Horovod's ``torch.cuda.set_device(hvd.local_rank())``
+        expects, and NCCL sees one GPU per rank of the node. A GPU that Spark gave several tasks
+        (fractional amounts) is listed once: those ranks then share it, and hpdl connects them
+        over gloo, as NCCL refuses two ranks on one GPU.
+
+        Args:
+            partition_gpus: each partition's GPU addresses, in partition order.
+        """
+        node = self.hosts[self.ranks[partition]]
+        by_rank = sorted((rank, p) for p, rank in enumerate(self.ranks) if self.hosts[rank] == node)
+        gpus: List[str] = []
+        for _, member in by_rank:
+            gpus.extend(g for g in partition_gpus[member] if g not in gpus)
+        return gpus
+
 
 def place_ranks(partition_hosts: Sequence[str]) -> Placement:
     """Number the ranks so that each node's ranks are consecutive, partition 0 being rank 0.
@@ -85,7 +104,7 @@ def rank_environment(
         driver_settings: the driver's ``HPDL_*`` and Horovod variables, so that the settings a
             job is run with do not depend on how the executors were started.
         user_env: ``run(env=...)``.
-        gpus: the GPU addresses Spark gave the task: the rank sees those alone.
+        gpus: the GPUs the rank sees (``Placement.node_gpus``); none: the variable is left as it is.
         cpus: the CPUs Spark gave the task (``spark.task.cpus``): the rank's threads, unless a
             thread count is set already.
         interfaces: the network interface variables of ``run(nics=...)``.

@@ -34,8 +34,9 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mappi
     them together, or none), and runs ``fn`` in a process of its own, a child of its task that
     dies with it. Inside ``fn``, ``hvd.init()`` (``import hpdl.torch as hvd``) joins the
     others: rank, size, local and cross ranks come from the tasks' hosts (host name and network
-    namespace), the backend is gloo on CPUs and nccl where the task was given GPUs (it sees
-    those alone, through ``CUDA_VISIBLE_DEVICES``). ``fn``, its arguments and its result travel
+    namespace), the backend is gloo on CPUs and nccl where Spark gave the tasks GPUs (a rank's
+    ``CUDA_VISIBLE_DEVICES`` lists its node's, so that GPU ``hvd.local_rank()`` is the one its
+    own task was given). ``fn``, its arguments and its result travel
     by cloudpickle, so functions and classes defined in the driver's script work.
 
     Each rank's stdout and stderr reach the driver's, every line prefixed with the rank

@@ -3,8 +3,8 @@
 Runs inside Spark's Python worker on an executor. The steps:
 
 1. tell the driver it runs (the driver's start timeout ends here) and learn whether to go on;
-2. ``allGather`` every task's host identity, and the port partition 0 picked on its address
-   for the ranks to meet at (as Spark's TorchDistributor does);
+2. ``allGather`` every task's host identity and GPUs, and the port partition 0 picked on its
+   address for the ranks to meet at (as Spark's TorchDistributor does);
 3. start the rank as a child process (``python -m hpdl.spark.rank``) in a session of its own,
    with torchrun's variables for its place, and forward its output lines to the driver;
 4. wait until it exits, or until the driver says stop or goes away: then end it, and every
@@ -72,13 +72,15 @@ def run_task(spec: TaskSpec, _rows: Iterator) -> Iterator[Tuple[int, bytes]]:
             return  # the run is over (a retried stage after a failure): start nothing
         master_addr = context.getTaskInfos()[0].address.rsplit(":", 1)[0]
         port = _free_port(master_addr) if partition == 0 else 0
-        gathered = [json.loads(m) for m in context.allGather(json.dumps({"host": host, "port": port}))]
+        mine = {"host": host, "port": port, "gpus": _gpu_addresses(context)}
+        gathered = [json.loads(m) for m in context.allGather(json.dumps(mine))]
         placement = place_ranks([g["host"] for g in gathered])
         topology = placement.topology(partition)
         env = rank_environment(
             os.environ, topology, master_addr, gathered[0]["port"],
             driver_settings=spec.driver_settings, user_env=spec.user_env,
-            gpus=_gpu_addresses(context), cpus=context.cpus(), interfaces=spec.interfaces,
+            gpus=placement.node_gpus(partition, [g["gpus"] for g in gathered]), cpus=context.cpus(),
+            interfaces=spec.interfaces,
         )
         result = _RankProcess(spec, topology.rank, env, driver).run(topology.local_rank)
     finally:
