@@ -21,15 +21,29 @@ import torch
 
 from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
+_NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
 try:  # mpi4py is an optional dependency (extra "mpi").
     from mpi4py import MPI
+    _MISSING = _NOT_INSTALLED
 except ImportError:  # pragma: no cover - exercised where mpi4py is absent
     MPI = None
+    _MISSING = _NOT_INSTALLED
+except RuntimeError as _err:
+    # mpi4py 4's wheels load the MPI library when MPI is imported, and raise this where none is
+    # installed (mpi4py without an MPI runtime, as on machines that train with nccl alone):
+    # hpdl then runs without MPI, as if mpi4py were absent.
+    MPI = None
+    _MISSING = f"mpi4py is installed but found no MPI library ({str(_err).splitlines()[0]}): pip install mpich"
 
 
 def mpi_available() -> bool:
     """Return whether mpi4py imports (and so an MPI library was found)."""
     return MPI is not None
+
+
+def mpi_missing_reason() -> Optional[str]:
+    """Why MPI cannot be used here (mpi4py absent, or without an MPI library), or None when it can."""
+    return None if MPI is not None else _MISSING
 
 
 def mpi_library_version() -> str:

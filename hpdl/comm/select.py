@@ -55,8 +55,9 @@ def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: 
         return "nccl" if cuda else "gloo"
     if requested in ("mpi", "gloo", "nccl"):
         if requested == "mpi" and not mpi_present:
-            raise BackendUnavailableError(
-                "backend 'mpi' requested but mpi4py is not installed (pip install 'hpdl[mpi]')")
+            from hpdl.comm.mpi import mpi_missing_reason
+
+            raise BackendUnavailableError(f"backend 'mpi' requested but {mpi_missing_reason()}")
         if requested == "nccl":
             check_nccl_available()
         return requested

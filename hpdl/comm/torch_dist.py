@@ -99,13 +99,13 @@ def _free_port() -> int:
 
 
 def _rendezvous_through_mpi(rank: int) -> Tuple[str, int]:
-    try:
-        from mpi4py import MPI
-    except ImportError:
+    from hpdl.comm.mpi import MPI
+
+    if MPI is None:  # mpi4py absent, or without an MPI library
         raise CommError(
             "torch.distributed needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
             "set them or launch with torchrun"
-        ) from None
+        )
     import socket
 
     info = (socket.gethostname(), _free_port()) if rank == 0 else None
