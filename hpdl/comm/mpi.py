@@ -21,13 +21,13 @@ import torch
 
 from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
-_NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
+NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
 try:  # mpi4py is an optional dependency (extra "mpi").
     from mpi4py import MPI
-    _MISSING = _NOT_INSTALLED
+    _MISSING = NOT_INSTALLED
 except ImportError:  # pragma: no cover - exercised where mpi4py is absent
     MPI = None
-    _MISSING = _NOT_INSTALLED
+    _MISSING = NOT_INSTALLED
 except RuntimeError as _err:
     # mpi4py 4's wheels load the MPI library when MPI is imported, and raise this where none is
     # installed (mpi4py without an MPI runtime, as on machines that train with nccl alone):

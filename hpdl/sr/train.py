@@ -165,7 +165,11 @@ def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
     """
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
+    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_gpu))
+    if device.type == "cuda":
+        # This rank's GPU is the current one from now on: allocations that name no index, and
+        # the copies of pinned DataLoader batches, go there.
+        torch.cuda.set_device(device)
     # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
     # and decides; every rank raises its verdict alike. An out_dir that does not exist yet is
     # locked when it is made (prepare_out_dir): making it now would leave it behind after an error.
