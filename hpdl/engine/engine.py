@@ -477,6 +477,8 @@ class Engine(EngineFailures):
                     del ps.failed_groups[request.group]
                 request.handle.set_error(HorovodInternalError(message))
                 continue
+            if request.kind is RequestKind.JOIN:
+                self.executor.join_device = request.root  # where this rank's zeros go on a GPU
             ps.pending[request.name] = request
         return count
 
