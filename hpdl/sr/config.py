@@ -24,6 +24,7 @@ __all__ = ["DEVICE_NAMES", "ConfigError", "TrainConfig", "config_names", "is_dev
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 COMPRESSIONS = ("none", "fp16", "bf16")
+AMP_MODES = ("none", "bf16", "fp16")  # hpdl.torch.mixed_precision.AMP_MODES, without importing torch here
 METRIC_SPACES = ("y", "rgb")
 BAD_IMAGE_POLICIES = ("fail", "skip")
 DOWNSCALERS = ("matlab", "torch")  # hpdl.sr.images.DOWNSCALERS, without importing numpy here
@@ -78,6 +79,9 @@ class TrainConfig:
     warmup_updates: int = 0  # linear ramp of lr from 0 over this many updates
     scale_lr_with_world: bool = False  # lr *= number of ranks (with per-rank batches)
     compression: str = "none"  # gradient allreduce compression: none, fp16, bf16
+    # Mixed precision: none, bf16 (autocast) or fp16 (autocast and loss scaling, CUDA only), as
+    # EDSR-PyTorch's --precision half; weights and the optimizer stay float32 (hpdl/torch/mixed_precision.py).
+    amp: str = "none"
     # Let the gradients' exchange overlap the next forward (DistributedOptimizer's
     # overlap_forward): for networks slower than the compute, e.g. across nodes over TCP.
     overlap_forward: bool = False
@@ -160,6 +164,12 @@ def _check_ranges(c: TrainConfig) -> None:
     need(0 < c.gamma <= 1, "gamma", "in (0, 1]")
     need(0 <= c.ema_decay < 1, "ema_decay", "in [0, 1)")
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
+    need(c.amp in AMP_MODES, "amp", " or ".join(AMP_MODES))
+    # Loss scaling must see the averaged gradients before each update, which overlap_forward
+    # leaves to the next forward.
+    need(not (c.amp == "fp16" and c.overlap_forward), "overlap_forward",
+         "false with amp=fp16 (loss scaling checks the averaged gradients before each update; amp=bf16 needs no "
+         "scaling)")
     need(c.val_space in METRIC_SPACES, "val_space", "y or rgb")
     need(c.on_bad_image in BAD_IMAGE_POLICIES, "on_bad_image", "fail or skip")
     need(c.downscaler in DOWNSCALERS, "downscaler", " or ".join(DOWNSCALERS))
