@@ -30,8 +30,9 @@ def _communicator(backend: str):
 def test_the_group_that_carries_a_tensor(backend, device, group, gloo):
     comm, tensor = _communicator(backend), torch.empty(2, device=device)
     assert comm._data_group(tensor) == group and comm._gloo_for(tensor) is gloo
-    # gloo has no int16: widened wherever gloo carries it
-    assert comm._movable(torch.empty(2, dtype=torch.int16, device=device)) is not gloo
+    # neither gloo nor NCCL has int16: moved as bytes, reduced widened, wherever it goes
+    assert not comm._movable(torch.empty(2, dtype=torch.int16, device=device))
+    assert comm._movable(torch.empty(2, dtype=torch.bfloat16, device=device))
 
 
 # -- MPI: the bytes of any tensor, and one pinned buffer per dtype ---------------------------------
@@ -154,3 +155,35 @@ def test_a_checkpoint_keeps_the_generator_of_the_ranks_gpu_only():
     state = capture_rng_state(torch.device("cpu"))
     assert set(state) == {"python", "numpy", "torch"}  # a CPU run touches no GPU
     restore_rng_state({**state, "cuda": [torch.zeros(8, dtype=torch.uint8)]}, torch.device("cpu"))
+
+
+# -- the gpu marker --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the gpu tests run instead")
+def test_tests_marked_gpu_skip_saying_why_without_cuda():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    skipped = re.findall(r"^SKIPPED \[(\d+)\] .*: needs a CUDA device: this PyTorch \S+ (?:is a CPU-only build|"
+                         r"\(CUDA \S+\) sees no CUDA device)$", proc.stdout, re.M)
+    assert sum(map(int, skipped)) == 13 and re.search(r"^13 skipped", proc.stdout, re.M), proc.stdout[-3000:]
+
+
+def test_the_skip_reason_names_what_is_missing(monkeypatch):
+    import hpdl.comm.select as select
+    from conftest import gpu_skip_reason
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert gpu_skip_reason() == f"needs a CUDA device: this PyTorch {torch.__version__} is a CPU-only build"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select.cuda_unavailable_reason() == f"this PyTorch {torch.__version__} (CUDA 13.0) sees no CUDA device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_skip_reason() is None

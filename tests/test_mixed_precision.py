@@ -108,3 +108,14 @@ def test_the_loss_scale_survives_a_checkpoint(tmp_path):
     assert resumed.scale() == 1024.0
     resumed.load_state_dict(None)  # a checkpoint of a run without loss scaling: nothing to load
     assert resumed.scale() == 1024.0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("torchrun", 3)])
+def test_mixed_precision_on_ranks_equals_one_process_on_the_whole_batch(launcher, n):
+    # an overflow on one rank only is seen by all (the scaler reads averaged gradients): every
+    # rank skips that update and halves the scale, as one process does
+    from ranks import run_ranks
+
+    out = run_ranks("mixed_precision.py", n, launcher, timeout=180).stdout
+    assert "OK amp bf16" in out and "OK amp fp16" in out, out

@@ -18,6 +18,17 @@ class BackendUnavailableError(CommError, SettingsError):
     """
 
 
+def cuda_unavailable_reason() -> Optional[str]:
+    """Why this PyTorch cannot compute on a GPU here, or None when it can."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this PyTorch {torch.__version__} is a CPU-only build"
+    if not torch.cuda.is_available():
+        return f"this PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+    return None
+
+
 def nccl_unavailable_reason() -> Optional[str]:
     """Why this PyTorch cannot run the nccl backend here, or None when it can."""
     import torch
@@ -26,9 +37,7 @@ def nccl_unavailable_reason() -> Optional[str]:
     if not dist.is_available() or not dist.is_nccl_available():
         build = " (a CPU-only build)" if torch.version.cuda is None else ""
         return f"this PyTorch {torch.__version__} has no NCCL{build}"
-    if not torch.cuda.is_available():
-        return f"this PyTorch {torch.__version__} sees no CUDA device"
-    return None
+    return cuda_unavailable_reason()
 
 
 def check_nccl_available() -> None:

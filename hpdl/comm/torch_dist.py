@@ -44,9 +44,9 @@ _BOOL_OPS = {
     ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
     ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN,
 }
-# gloo has no int16 at all: reduce it widened (wrap-around on narrowing matches int16
+# Neither gloo nor NCCL has int16: reduce it widened (wrap-around on narrowing matches int16
 # arithmetic) and move it as bytes.
-_GLOO_WIDEN = {torch.int16: torch.int32}
+_WIDEN = {torch.int16: torch.int32}
 
 
 def _as_rows_of_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -199,8 +199,8 @@ class TorchCommunicator(Communicator):
             return
         if op in (ReduceOp.BAND, ReduceOp.BOR) and tensor.dtype.is_floating_point:
             raise CommError(f"bitwise reduction {op.value} is not defined for {tensor.dtype}")
-        if self._gloo_for(tensor) and tensor.dtype in _GLOO_WIDEN:
-            wide = tensor.to(_GLOO_WIDEN[tensor.dtype])
+        if tensor.dtype in _WIDEN:
+            wide = tensor.to(_WIDEN[tensor.dtype])
             dist.all_reduce(wide, op=_OPS[op], group=group)
             tensor.copy_(wide)
             return
@@ -210,9 +210,9 @@ class TorchCommunicator(Communicator):
 
     def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
         """Start the allreduce on the backend's own threads (gloo's workers, nccl's stream);
-        the conversions of :meth:`_allreduce` (bool, gloo's missing types) run blocking."""
+        the conversions of :meth:`_allreduce` (bool, int16) run blocking."""
         if (tensor.dtype == torch.bool or op in (ReduceOp.BAND, ReduceOp.BOR)
-                or (self._gloo_for(tensor) and tensor.dtype in _GLOO_WIDEN)):
+                or tensor.dtype in _WIDEN):
             return super().allreduce_start(tensor, op)
         if not self._gloo_for(tensor):
             # nccl: started and waited for on the engine's stream, which queues what follows
@@ -225,7 +225,7 @@ class TorchCommunicator(Communicator):
         return self.name == "gloo" or tensor.device.type == "cpu"
 
     def _movable(self, tensor: torch.Tensor) -> bool:
-        return not (self._gloo_for(tensor) and tensor.dtype in _GLOO_WIDEN)
+        return tensor.dtype not in _WIDEN
 
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
         if tensor.dim() == 0:
@@ -277,12 +277,13 @@ class TorchCommunicator(Communicator):
     ) -> torch.Tensor:
         counts = list(counts) if counts is not None else even_split(tensor.shape[0], self._size)
         start = sum(counts[: self._rank])
-        if not self._gloo_for(tensor):
+        if not self._gloo_for(tensor) and tensor.dtype != torch.bool and tensor.dtype not in _WIDEN:
             inputs = list(torch.split(tensor, counts))
             out = torch.empty_like(inputs[self._rank])
             dist.reduce_scatter(out, [t.contiguous() for t in inputs], op=_OPS[op], group=self._group)
             return out
-        # gloo has no reduce-scatter: reduce everything, keep this rank's block.
+        # gloo has no reduce-scatter (nor NCCL one of bool and int16, which _allreduce converts):
+        # reduce everything, keep this rank's block.
         reduced = tensor.clone()
         self._allreduce(reduced, op, self._data_group(tensor))
         return reduced[start : start + counts[self._rank]].clone()
