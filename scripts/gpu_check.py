@@ -91,7 +91,9 @@ def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytes
         Step("environment", [python, "-c", ENVIRONMENT_PROBE], 60, kind="environment"),
         Step("hpdl-check", hpdl + ["check"], 60),
     ]
-    tests = [python, "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider"]
+    # A test module that fails to import here (a package this machine lacks) must not stop the rest.
+    tests = [python, "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
+             "--continue-on-collection-errors"]
     if pytest_timeout_found:
         tests.append("--timeout=150")  # one hung test must not take the others' time
     steps.append(Step("gpu-tests", tests + ["tests"], 240, kind="tests",
@@ -488,6 +490,12 @@ class Check:
 # -- the command line ----------------------------------------------------------------------------
 
 
+def _mps_control() -> Optional[str]:
+    """NVIDIA MPS's control program: on PATH, or beside a driver mounted at /usr/local/nvidia."""
+    return shutil.which("nvidia-cuda-mps-control") or shutil.which("nvidia-cuda-mps-control",
+                                                                   path="/usr/local/nvidia/bin:/usr/bin")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line, not argparse's usage and error."""
@@ -519,7 +527,7 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     mps_dir = os.path.join(tempfile.gettempdir(), f"hpdl-gpu-check-mps-{os.getpid()}")
-    steps = plan(python, detect_launchers(env).torchrun, shutil.which("nvidia-cuda-mps-control"),
+    steps = plan(python, detect_launchers(env).torchrun, _mps_control(),
                  importlib.util.find_spec("pytest") is not None,
                  importlib.util.find_spec("pytest_timeout") is not None, mps_dir)
     if args.steps:
