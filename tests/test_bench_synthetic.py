@@ -40,7 +40,8 @@ def test_edsr_workloads(name, params, hr):
 
 
 @pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"model": "vgg16"}, {"scale": 5}, {"compare": ("nccl",)}, {"compare": ("ddp", "ddp")},
-                                    {"num_warmup": -1}, {"repeats": 0}, {"device": "gpu"}, {"amp": "half"}])
+                                    {"num_warmup": -1}, {"repeats": 0}, {"device": "gpu"}, {"amp": "half"},
+                                    {"amp": "fp16", "overlap_forward": True}])
 def test_option_errors(kwargs):
     with pytest.raises(ValueError):
         SyntheticOptions(**kwargs)

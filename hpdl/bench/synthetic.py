@@ -45,7 +45,7 @@ from hpdl.bench.models import benchmark_models, build_workload, count_parameters
 from hpdl.bench.stats import format_table, median, spread
 from hpdl.sr.config import AMP_MODES, DEVICE_NAMES, is_device_name
 from hpdl.sr.registry import known_scales, scales_of
-from hpdl.torch.mixed_precision import MixedPrecision
+from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON, MixedPrecision
 
 __all__ = ["COMPARE", "SyntheticOptions", "device_of", "run_synthetic"]
 
@@ -128,6 +128,8 @@ class SyntheticOptions:
             raise ValueError(f"device must be {DEVICE_NAMES}, got {self.device!r}")
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.amp == "fp16" and self.overlap_forward:
+            raise ValueError(f"overlap-forward does not go with amp fp16: {FP16_OVERLAP_REASON}")
         unknown = [c for c in self.compare if c not in COMPARE]
         if unknown or len(set(self.compare)) != len(self.compare):
             raise ValueError(f"compare takes distinct baselines among {', '.join(COMPARE)}, got {','.join(self.compare)}")

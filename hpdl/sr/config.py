@@ -165,11 +165,10 @@ def _check_ranges(c: TrainConfig) -> None:
     need(0 <= c.ema_decay < 1, "ema_decay", "in [0, 1)")
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
     need(c.amp in AMP_MODES, "amp", " or ".join(AMP_MODES))
-    # Loss scaling must see the averaged gradients before each update, which overlap_forward
-    # leaves to the next forward.
-    need(not (c.amp == "fp16" and c.overlap_forward), "overlap_forward",
-         "false with amp=fp16 (loss scaling checks the averaged gradients before each update; amp=bf16 needs no "
-         "scaling)")
+    if c.amp == "fp16" and c.overlap_forward:  # overlap_forward leaves each update to the next forward
+        from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON
+
+        need(False, "overlap_forward", f"false with amp=fp16 ({FP16_OVERLAP_REASON})")
     need(c.val_space in METRIC_SPACES, "val_space", "y or rgb")
     need(c.on_bad_image in BAD_IMAGE_POLICIES, "on_bad_image", "fail or skip")
     need(c.downscaler in DOWNSCALERS, "downscaler", " or ".join(DOWNSCALERS))

@@ -27,9 +27,12 @@ from typing import Any, ContextManager, Dict, Optional
 
 import torch
 
-__all__ = ["AMP_MODES", "MixedPrecision", "amp_refusal"]
+__all__ = ["AMP_MODES", "FP16_OVERLAP_REASON", "MixedPrecision", "amp_refusal"]
 
 AMP_MODES = ("none", "bf16", "fp16")
+# Why float16 does not go with DistributedOptimizer(overlap_forward=model).
+FP16_OVERLAP_REASON = ("loss scaling checks the averaged gradients before each update; amp=bf16 needs no "
+                       "scaling")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
