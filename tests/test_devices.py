@@ -59,6 +59,7 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE
     ("torch", {}, True, "gloo"),
     ("auto", {"PMI_RANK": "0", "PMI_SIZE": "2"}, True, "mpi"),
     ("gloo", TORCHRUN, True, "gloo"),
+    ("auto", {}, False, "nccl"),          # one process on a GPU: nccl's allreduce stays on the device
 ])
 def test_backend_of_ranks_on_gpus(requested, env, shared, expected):
     assert choose_backend(requested, discover_topology(env), True, cuda=True, shared_gpus=shared) == expected

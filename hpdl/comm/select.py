@@ -85,8 +85,10 @@ def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: 
     if topology.is_mpi_launch and mpi_present:
         return "mpi"
     if topology.launcher == "single":
-        # A single process needs no transport; MPI (if present) starts as a singleton.
-        return "mpi" if mpi_present else "gloo"
+        # A single process needs no transport; MPI (if present) starts as a singleton. With a
+        # GPU, nccl: its allreduce of one rank stays on the device, where MPI's and gloo's copy
+        # every gradient through host memory and back.
+        return "nccl" if cuda else "mpi" if mpi_present else "gloo"
     return nccl_or_gloo
 
 
