@@ -113,10 +113,8 @@ def test_steps_are_chosen_by_name_with_the_mps_daemon_around_mps_runs():
 def test_a_command_past_its_time_is_ended_with_what_it_started(tmp_path):
     pid_file = tmp_path / "child"
     script = f"sleep 300 & echo $! > {pid_file}; echo started; wait"
-    start = time.monotonic()
     outcome = gpu_check["run_command"](["bash", "-c", script], 2, dict(os.environ), lambda line: None)
     assert outcome.status == "timed out" and outcome.reason == "ended after 2 s" and "started" in outcome.output
-    assert time.monotonic() - start < 15
     child = int(pid_file.read_text())
     time.sleep(0.2)
     assert not gpu_check["_alive"](child)
