@@ -227,3 +227,30 @@ def test_benchmark_figures_reach_the_summary_with_the_gain_per_gpu(tmp_path):
     assert gain["1"] == 1.0 and gain["2"] == round(by_ranks["2"]["total_img_sec"] / by_ranks["1"]["total_img_sec"], 2)
     assert any(line.startswith("gpu-check: edsr-baseline-fp32: ") for line in lines)
     assert any(line.startswith("gpu-check: EDSR-baseline total img/s per GPU without MPS: 1 ranks ") for line in lines)
+
+
+def test_the_mps_daemon_is_started_before_the_mps_runs_and_stopped_after(tmp_path):
+    # A stand-in for nvidia-cuda-mps-control that logs how it was called (the real one needs a GPU).
+    calls = tmp_path / "calls"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\n"
+                       f'echo "$* stdin=$(cat) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+                       'echo "[t] Starting new server 4321 for user 0" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"\n'
+                       "echo 4321\n")
+    control.chmod(0o755)
+    mps_dir = tmp_path / "mps"
+    (mps_dir / "log").mkdir(parents=True)
+    steps = gpu_check["select_steps"](plan(sys.executable, None, str(control), True, False, str(mps_dir)),
+                                      ["ranks-per-gpu-1-mps"])
+    assert [s.name for s in steps] == ["mps-start", "ranks-per-gpu-1-mps", "mps-servers", "mps-stop"]
+    run = steps[1]
+    run.argv, run.kind = [sys.executable, "-c", "import os; print(os.environ['CUDA_MPS_PIPE_DIRECTORY'])"], "command"
+    check = Check(steps, tmp_path / "out", budget_s=120, env=dict(os.environ), echo=lambda line: None)
+    assert check.run() == 0
+    pipe = str(mps_dir / "pipe")
+    assert calls.read_text().splitlines() == [f"-d stdin= pipe={pipe}", f" stdin=get_server_list pipe={pipe}",
+                                              f" stdin=quit pipe={pipe}"]
+    assert pipe in check.outcomes["ranks-per-gpu-1-mps"].output  # the ranks reach the daemon's folders
+    mps = json.loads((tmp_path / "out" / "gpu-check.json").read_text())["figures"]["mps"]
+    # read when the servers are listed, before the stop: the start and the listing logged a line each
+    assert mps == {"servers": ["4321"], "control_log": ["[t] Starting new server 4321 for user 0"] * 2}
