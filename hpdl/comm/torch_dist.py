@@ -258,6 +258,15 @@ class TorchCommunicator(Communicator):
         self._allreduce(reduced, op, self._group)
         return reduced[start : start + counts[self._rank]].clone()
 
+    def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
+                 receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        ops = [dist.P2POp(dist.irecv, tensor, self._global(peer), group=self._group) for peer, tensor in receives]
+        ops += [dist.P2POp(dist.isend, tensor.contiguous(), self._global(peer), group=self._group)
+                for peer, tensor in sends]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
     def barrier(self) -> None:
         dist.barrier(group=self._control)
 
