@@ -249,13 +249,13 @@ def _generic(ctx: Context, func, part: Part, args, kwargs):
 
 
 def _describe(func: Callable) -> str:
+    """How a user would spell ``func``: ``F.linear``, ``Tensor.unfold``, ``torch.fft.fft2``."""
+    name = _name(func)
+    for prefix, namespace in (("F", F), ("torch", torch), ("Tensor", torch.Tensor)):
+        if getattr(namespace, name, None) is func:
+            return f"{prefix}.{name}"
     module = getattr(func, "__module__", "") or ""
-    qualified = getattr(func, "__qualname__", _name(func))
-    if module.startswith("torch.nn.functional"):
-        return f"F.{_name(func)}"
-    if "Tensor" in qualified:
-        return f"Tensor.{_name(func)}"
-    return f"torch.{_name(func)}"
+    return f"{module}.{name}" if module else name
 
 
 def _touches_image(name: str, args, kwargs, ndim: int) -> bool:

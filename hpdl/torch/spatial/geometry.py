@@ -142,7 +142,8 @@ class BandPlan:
     """What one band does along one dimension so that it holds exactly its needed range.
 
     The assembled tensor is, in order: ``fill_before`` rows of fill (beyond the image),
-    ``recv_before`` rows from the previous band, the band's own rows ``keep`` (local indices),
+    ``recv_before`` rows from the previous band, the band's own rows ``keep`` (local indices
+    into its ``owned`` rows),
     ``recv_after`` rows from the next band, ``fill_after`` rows of fill. ``send_before`` and
     ``send_after`` are the local rows the previous and next bands need from this one.
     """
@@ -154,12 +155,14 @@ class BandPlan:
     fill_after: int
     send_before: Range
     send_after: Range
+    owned: int
 
     @property
     def moves_nothing(self) -> bool:
         """True when the band already holds exactly what it needs (no exchange, no copy)."""
         return not (self.fill_before or self.recv_before or self.recv_after or self.fill_after
-                    or self.send_before[1] > self.send_before[0] or self.send_after[1] > self.send_after[0])
+                    or self.send_before[1] > self.send_before[0] or self.send_after[1] > self.send_after[0]
+                    or self.keep != (0, self.owned))
 
     def assembled_length(self) -> int:
         return self.fill_before + self.recv_before + (self.keep[1] - self.keep[0]) + self.recv_after + self.fill_after
@@ -182,13 +185,17 @@ class ThinBand(SpatialError):
         (o0, o1), (n0, n1) = self.owned, self.needed
         what = "row" if self.axis == 0 else "column"
         at = f"{self.layer}: " if self.layer else ""
+        band = f"{what} band {self.band + 1} of {self.bands}"
         if o1 <= o0:
-            return f"{at}{what} band {self.band + 1} of {self.bands} would be empty ({self.length} {what}s)"
+            return f"{at}{band} would hold none of the layer's {self.length} input {what}s"
         if n1 <= n0:
-            return (f"{at}{what} band {self.band + 1} of {self.bands} ({what}s {o0}-{o1 - 1} of {self.length}) "
-                    f"gets no output {what}")
-        return (f"{at}{what} band {self.band + 1} of {self.bands} ({what}s {o0}-{o1 - 1} of {self.length}) needs "
-                f"{what}s {max(n0, 0)}-{min(n1, self.length) - 1}, beyond its neighbours' bands")
+            return f"{at}{band} gets none of the layer's output {what}s ({_span(what, o0, o1)} of {self.length} in)"
+        return (f"{at}{band} ({_span(what, o0, o1)} of {self.length}) needs "
+                f"{_span(what, max(n0, 0), min(n1, self.length))}, beyond its neighbours' bands")
+
+
+def _span(what: str, start: int, stop: int) -> str:
+    return f"{what} {start}" if stop - start == 1 else f"{what}s {start}-{stop - 1}"
 
 
 def plan_bands(owned: Sequence[Range], needed: Sequence[Range], length: int) -> List[BandPlan]:
@@ -213,7 +220,7 @@ def plan_bands(owned: Sequence[Range], needed: Sequence[Range], length: int) -> 
             raise ThinBand(b, count, (h0, h1), (a, z), length)
         receives.append((before, own, after))
     plans = []
-    for b, ((h0, _h1), (a, z)) in enumerate(zip(owned, needed)):
+    for b, ((h0, h1), (a, z)) in enumerate(zip(owned, needed)):
         before, own, after = receives[b]
         # What the neighbours take from this band: the previous band's "after", the next band's "before".
         to_prev = receives[b - 1][2] if b > 0 else (h0, h0)
@@ -222,5 +229,6 @@ def plan_bands(owned: Sequence[Range], needed: Sequence[Range], length: int) -> 
             fill_before=max(0, -a), recv_before=before[1] - before[0],
             keep=(own[0] - h0, own[1] - h0), recv_after=after[1] - after[0],
             fill_after=max(0, z - length),
-            send_before=(to_prev[0] - h0, to_prev[1] - h0), send_after=(to_next[0] - h0, to_next[1] - h0)))
+            send_before=(to_prev[0] - h0, to_prev[1] - h0), send_after=(to_next[0] - h0, to_next[1] - h0),
+            owned=h1 - h0))
     return plans

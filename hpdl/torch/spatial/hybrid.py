@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from hpdl.torch import runtime
-from hpdl.torch.process_sets import ProcessSet, add_process_set, global_process_set
+from hpdl.torch.process_sets import ProcessSet, add_process_set, global_process_set, registered_with
 from hpdl.torch.spatial.geometry import SpatialError
 
 
@@ -39,7 +39,7 @@ def grid(spatial: int, data: int = None) -> Layout:
     """Register the process sets of a ``spatial`` x ``data`` layout of every rank; return this rank's.
 
     Collective: every rank calls it, with the same numbers. ``data`` defaults to the ranks
-    left over (size / spatial).
+    left over (size / spatial). Sets registered by an earlier call are used again.
     """
     size = runtime.size()
     if data is None:
@@ -57,4 +57,5 @@ def grid(spatial: int, data: int = None) -> Layout:
 def _register(ranks, size: int) -> ProcessSet:
     if len(ranks) == size:
         return global_process_set
-    return add_process_set(ranks)
+    # Every rank sees the same registrations, so every rank takes the same branch.
+    return registered_with(ranks) or add_process_set(ranks)

@@ -189,13 +189,15 @@ class SpatialParallel(nn.Module):
         parts = self.grid.bands_along(axis)
         largest = next((k for k in range(parts - 1, 0, -1)
                         if self._fits(self._regridded_part(part, axis, k), x)), None)
+        extent = "high" if axis == 0 else "wide"
         options = []
         if smallest is not None:
-            options.append(f"the smallest image {what[0]} that works on {parts} {what[1]} bands is {smallest}")
+            options.append(f"an image at least {smallest} pixels {extent}")
         if largest is not None:
-            options.append(f"a {length}-pixel {what[0]} works on at most {largest} {what[1]} band"
-                           + ("s" if largest > 1 else ""))
-        return " or ".join(options) if options else f"no {what[0]} up to {length + _SEARCH_LIMIT} works"
+            options.append(f"at most {largest} {what[1]} band" + ("s" if largest > 1 else ""))
+        return (f"an image {length} pixels {extent} is too small for {parts} {what[1]} bands: use "
+                + (" or ".join(options) if options else f"another model (no {what[0]} up to "
+                                                         f"{length + _SEARCH_LIMIT} works)"))
 
     @staticmethod
     def _resized_part(part: Part, axis: int, length: int) -> Part:
