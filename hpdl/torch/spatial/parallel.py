@@ -114,6 +114,13 @@ class SpatialParallel(nn.Module):
             whole[..., r0:r1, c0:c1] = chunk.view(lead + piece.local_size)
         return whole
 
+    def whole_mean(self, value: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """The whole map's value of a mean taken over this rank's ``part`` of it (a loss such as
+        ``F.l1_loss(y_part, t_part)``), the same on every rank of the group; no gradient."""
+        share = self._part_of(part).numel_share
+        total = (value.detach().to(torch.float64) * share).reshape(1).clone()
+        return self._comm.allreduce_sum(total, "whole_mean")[0].to(value.dtype)
+
     def _part_of(self, x: torch.Tensor) -> Part:
         """The part ``x`` holds: its mark, or else found from every rank's size (collective)."""
         part = part_of(x)
