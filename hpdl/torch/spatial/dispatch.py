@@ -107,8 +107,8 @@ class SpatialMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ctx = self.ctx
-        if ctx.grad_scale != 1.0:
-            args, kwargs = _scale_parameters(args, kwargs, ctx.grad_scale)
+        if ctx.grad_scale != 1.0 and torch.is_grad_enabled():
+            args, kwargs = _scale_parameters(func, args, kwargs, ctx.grad_scale)
         part = _find_part(args, kwargs)
         if part is None:
             return func(*args, **kwargs)
@@ -134,9 +134,11 @@ def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGradient.apply(tensor, factor) if factor != 1.0 and tensor.requires_grad else tensor
 
 
-def _scale_parameters(args, kwargs, factor: float):
+def _scale_parameters(func, args, kwargs, factor: float):
+    """``args`` and ``kwargs`` with every parameter that requires a gradient scaled on its way
+    back by ``factor``; reading a parameter's metadata (its shape) leaves it as it is."""
     def scaled(value):
-        if isinstance(value, nn.Parameter) and value.requires_grad and torch.is_grad_enabled():
+        if isinstance(value, nn.Parameter) and value.requires_grad:
             return _ScaleGradient.apply(value, factor)
         if isinstance(value, (list, tuple)) and any(isinstance(v, nn.Parameter) for v in value):
             return type(value)(scaled(v) for v in value)
@@ -144,6 +146,9 @@ def _scale_parameters(args, kwargs, factor: float):
 
     if not any(isinstance(a, (nn.Parameter, list, tuple)) for a in args) and \
             not any(isinstance(v, nn.Parameter) for v in kwargs.values()):
+        return args, kwargs
+    name = _name(func)
+    if name == "__get__" or name in _PASS_THROUGH:
         return args, kwargs
     return tuple(scaled(a) for a in args), {k: scaled(v) for k, v in kwargs.items()}
 
