@@ -260,12 +260,18 @@ class TorchCommunicator(Communicator):
 
     def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
                  receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
-        ops = [dist.P2POp(dist.irecv, tensor, self._global(peer), group=self._group) for peer, tensor in receives]
-        ops += [dist.P2POp(dist.isend, tensor.contiguous(), self._global(peer), group=self._group)
-                for peer, tensor in sends]
+        # gloo moves host memory only: device tensors travel through host copies.
+        staged = self.name == "gloo"
+        landing = [(peer, t, t.cpu() if staged and t.is_cuda else t) for peer, t in receives]
+        ops = [dist.P2POp(dist.irecv, buf, self._global(peer), group=self._group) for peer, _t, buf in landing]
+        ops += [dist.P2POp(dist.isend, (t.cpu() if staged and t.is_cuda else t).contiguous(), self._global(peer),
+                           group=self._group) for peer, t in sends]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        for _peer, tensor, buf in landing:
+            if buf is not tensor:
+                tensor.copy_(buf)
 
     def barrier(self) -> None:
         dist.barrier(group=self._control)
