@@ -176,6 +176,21 @@ _MAX_SLEEP = 2e-3
 POLL_INTERVAL_S = 5e-4
 
 
+_EXCHANGE_TAG = 7  # point-to-point transfers (Communicator.exchange); nothing else sends on these
+
+
+class _AllOf:
+    """Several MPI requests waited for as one (``Test`` is ``Testall``)."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, requests):
+        self._requests = requests
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling, for _wait_politely
+        return MPI.Request.Testall(self._requests)
+
+
 class _PolledInFlight(InFlight):
     """A non-blocking MPI collective. MPI moves data only inside its calls (over TCP, no
     thread of its own), so the engine thread polls it between rounds, sleeping in between:
@@ -432,6 +447,24 @@ class MPICommunicator(Communicator):
             op=_mpi_op(tensor.dtype, op),
         )
         return out.to(tensor.device)
+
+    def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
+                 receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        # Device memory that MPI cannot read travels through host copies of its own (not the
+        # cached staging buffers: two transfers of one size may be under way at once).
+        stage = any(t.is_cuda for _, t in list(sends) + list(receives)) and not self.cuda_aware
+        if any(t.is_cuda for _, t in sends) and not stage:
+            torch.cuda.current_stream().synchronize()
+        landing = [(peer, t, torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if stage and t.is_cuda else t)
+                   for peer, t in receives]
+        requests = [self._comm.Irecv(self._spec(buf), source=peer, tag=_EXCHANGE_TAG) for peer, _t, buf in landing]
+        outgoing = [(peer, t.cpu() if stage and t.is_cuda else t.contiguous()) for peer, t in sends]
+        requests += [self._comm.Isend(self._spec(t), dest=peer, tag=_EXCHANGE_TAG) for peer, t in outgoing]
+        if requests:
+            _wait_politely(_AllOf(requests), POLL_INTERVAL_S)
+        for _peer, tensor, buf in landing:
+            if buf is not tensor:
+                tensor.copy_(buf)
 
     def barrier(self) -> None:
         self._comm.Barrier()

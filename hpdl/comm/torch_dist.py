@@ -288,6 +288,24 @@ class TorchCommunicator(Communicator):
         self._allreduce(reduced, op, self._data_group(tensor))
         return reduced[start : start + counts[self._rank]].clone()
 
+    def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
+                 receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        # gloo moves host memory only: device tensors travel through host copies. Under nccl,
+        # CPU tensors go over the gloo group beside it (one batch takes one group).
+        staged = self.name == "gloo"
+        tensors = [t for _, t in list(sends) + list(receives)]
+        group = self._data_group(tensors[0]) if tensors else self._group
+        landing = [(peer, t, t.cpu() if staged and t.is_cuda else t) for peer, t in receives]
+        ops = [dist.P2POp(dist.irecv, buf, self._global(peer), group=group) for peer, _t, buf in landing]
+        ops += [dist.P2POp(dist.isend, (t.cpu() if staged and t.is_cuda else t).contiguous(), self._global(peer),
+                           group=group) for peer, t in sends]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for _peer, tensor, buf in landing:
+            if buf is not tensor:
+                tensor.copy_(buf)
+
     def barrier(self) -> None:
         dist.barrier(group=self._control)
 

@@ -642,6 +642,12 @@ class Engine(EngineFailures):
             self._sets[set_id] = added
             if handle is not None:
                 handle.set_result(set_id)
+        elif response.kind == RequestKind.SPLIT_COMMUNICATOR:
+            sub = self.comm.split(list(response.signature[SIG_SPLITS]))  # collective, in the agreed order
+            if handle is not None:
+                handle.set_result(sub)
+            elif sub is not None:
+                sub.close()
         elif response.kind == RequestKind.REMOVE_PROCESS_SET:
             set_id = response.signature[SIG_ROOT]
             ps = self._sets.pop(set_id, None)

@@ -38,7 +38,8 @@ _FUSION_SLOTS = 2  # fusion buffers per dtype and device: one filling while one 
 _SCALE_ON_COPY_MAX = 16  # fused batches up to this many tensors scale while copying out
 _AVERAGE = Op.AVERAGE.value
 _ADASUM = Op.ADASUM.value
-_ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
+_ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET,
+                 RequestKind.SPLIT_COMMUNICATOR)
 
 
 def zeros_device(device_type: str, join_device: int) -> torch.device:
