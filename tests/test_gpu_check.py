@@ -135,11 +135,23 @@ def test_what_a_step_leaves_running_in_a_session_of_its_own_is_ended():
     proc = subprocess.Popen(["sleep", "300"], env={**os.environ, "GPU_CHECK_STEP": mark.split("=", 1)[1]},
                             start_new_session=True)
     try:
+        # Until the child has exec'd, /proc shows the parent's environment, without the mark.
+        deadline = time.monotonic() + 30
+        while mark.encode() not in _environ(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert gpu_check["end_leftovers"](mark) == [proc.pid]
         assert proc.wait(timeout=10) == -signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _environ(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
 
 
 # -- reading outputs -------------------------------------------------------------------------------
