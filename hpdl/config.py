@@ -157,6 +157,10 @@ class Settings:
     mpi_cuda_aware: str = dataclasses.field(
         default="auto", metadata={"env": "HPDL_MPI_CUDA_AWARE"}
     )
+    # Ranks that share each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1, ...
+    # (hpdl/comm/devices.py; hpdl run --ranks-per-gpu). Above 1, nccl is out (it refuses two
+    # ranks on one GPU): the ranks talk over gloo or MPI.
+    ranks_per_gpu: int = dataclasses.field(default=1, metadata={"env": "HPDL_RANKS_PER_GPU"})
     # How much lower than the compute the engine thread runs (a nice increment, 0-19); auto:
     # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine.py, Pacing).
     engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
@@ -186,6 +190,7 @@ class Settings:
                 ("HPDL_PRIORITY_WINDOW", self.priority_window, MAX_BYTES, "1 TiB"),
                 ("HPDL_GATHER_BYTES", self.gather_bytes, MAX_BYTES, "1 TiB"),
                 ("HPDL_CACHE_CAPACITY", self.cache_capacity, C_INT_MAX, str(C_INT_MAX)),
+                ("HPDL_RANKS_PER_GPU", self.ranks_per_gpu, C_INT_MAX, str(C_INT_MAX)),
                 ("HPDL_AUTOTUNE_WARMUP_SAMPLES", self.autotune_warmup_samples, C_INT_MAX, str(C_INT_MAX)),
                 ("HPDL_AUTOTUNE_STEPS_PER_SAMPLE", self.autotune_steps_per_sample, C_INT_MAX, str(C_INT_MAX)),
                 ("HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", self.autotune_bayes_opt_max_samples, C_INT_MAX,
@@ -213,6 +218,8 @@ class Settings:
             raise SettingsError(f"HPDL_GATHER_BYTES must be >= 0 bytes, got {self.gather_bytes}")
         if self.gather_time_ms < 0:
             raise SettingsError(f"HPDL_GATHER_TIME must be >= 0 ms, got {self.gather_time_ms}")
+        if self.ranks_per_gpu < 1:
+            raise SettingsError(f"HPDL_RANKS_PER_GPU must be >= 1, got {self.ranks_per_gpu}")
         if self.cache_capacity < 0:
             raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
         if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:

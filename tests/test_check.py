@@ -124,3 +124,22 @@ def test_report_without_pyspark_says_how_to_install_it():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "    [ ] pyspark (not installed: pip install 'hpdl[spark]')" in done.stdout
+
+
+def test_mpi4py_without_an_mpi_library_leaves_hpdl_usable():
+    # mpi4py 4's wheels load the MPI library when MPI is imported and raise RuntimeError where
+    # none is installed (machines that train over nccl alone): hpdl imports, runs a one-rank job
+    # over gloo, and `hpdl check` names the reason.
+    pytest.importorskip("mpi4py._mpiabi", reason="an mpi4py that loads its MPI library through _mpiabi (4.x)")
+    code = ("import sys, mpi4py._mpiabi as abi; abi.LIBMPI_PATH = ['/nonexistent']; "
+            "abi._dlopen_rpath = lambda: ['/nonexistent']\n"
+            "import torch, hpdl.torch as hvd\n"
+            "hvd.init(); assert hvd.allreduce(torch.ones(2), name='x').tolist() == [1.0, 1.0]; "
+            "print('backend', hvd.mpi_enabled(), hvd.gloo_enabled()); hvd.shutdown()\n"
+            "from hpdl.cli import main; sys.exit(main(['check']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("HPDL_")})
+    assert done.returncode == 0, done.stderr
+    assert "backend False True" in done.stdout
+    assert "[ ] MPI (mpi4py is installed but found no MPI library (cannot load MPI library): pip install mpich)" \
+        in done.stdout, done.stdout

@@ -71,6 +71,7 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     # NumPy seeds within 32 bits, and rank r seeds with seed + r.
     ("seed=-1", "seed"), ("seed=4294967296", "seed"), ("seed=4294967295", "seed"),
     ("data=", "data"),  # the current directory, else
+    ("amp=half", "amp"), ("amp=fp16 overlap_forward=true", "overlap_forward"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^command line: {key}: "):

@@ -149,6 +149,17 @@ class Communicator(abc.ABC):
                 taking the remainder, as Horovod does).
         """
 
+    def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
+                 receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        """Point to point: send each ``(peer, tensor)`` of ``sends`` and receive into each
+        ``(peer, tensor)`` of ``receives``, all started at once; return when all are done.
+
+        Not collective: each send meets the receive its peer posts for it, matched in order
+        among the messages between the same two ranks. For a communicator of the caller's own
+        (never the engine's), used from one thread at a time.
+        """
+        raise CommError(f"the {self.name} backend has no point-to-point transfers")
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank of the group has arrived."""

@@ -41,7 +41,7 @@ def _mpi_line() -> List[str]:
     except ImportError as err:
         return [f"    [ ] MPI (cannot import: {err})"]
     if not mpi.mpi_available():
-        return ["    [ ] MPI (mpi4py is not installed: pip install 'hpdl[mpi]')"]
+        return [f"    [ ] MPI ({mpi.mpi_missing_reason()})"]
     aware = "CUDA-aware" if mpi.mpi_cuda_aware() else "not CUDA-aware"
     return [f"    [X] MPI ({mpi.mpi_flavour()}: {mpi.mpi_library_version()}; {aware})"]
 

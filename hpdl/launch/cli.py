@@ -114,6 +114,13 @@ def register(subparsers) -> None:
         "-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
         help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS inside a Slurm allocation, else 1)",
     )
+    where.add_argument(
+        "--ranks-per-gpu", type=int, metavar="K",
+        help="ranks sharing each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1, ... "
+        "(HPDL_RANKS_PER_GPU; hvd.local_gpu() names a rank's GPU, hvd.local_rank() still the process); "
+        "above 1 the ranks talk over gloo or MPI, as NCCL refuses two ranks on one GPU; run NVIDIA MPS "
+        "so that their kernels share the GPU at once (docs/gpu.md) (default 1)",
+    )
     hosts = where.add_mutually_exclusive_group()
     hosts.add_argument(
         "-H", "--hosts", dest="hosts", metavar="HOST[:SLOTS],...",
@@ -313,6 +320,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
         binding_args=binding_args,
+        ranks_per_gpu=args.ranks_per_gpu,
     )
 
 

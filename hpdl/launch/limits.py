@@ -38,6 +38,7 @@ LIMITS: Dict[str, Limit] = {
     "stall_shutdown_s": Limit(None, YEAR_S, "seconds", "a year"),
     "start_timeout": Limit(0, YEAR_S, "seconds", "a year"),
     "ssh_port": Limit(1, 65535, ""),
+    "ranks_per_gpu": Limit(1, C_INT_MAX, "ranks"),
     "autotune_warmup_samples": Limit(0, C_INT_MAX, "samples"),
     "autotune_steps_per_sample": Limit(1, C_INT_MAX, "steps"),
     "autotune_bayes_opt_max_samples": Limit(0, C_INT_MAX, "samples"),
