@@ -179,11 +179,23 @@ def test_java_needed_by_each_pyspark():
     ({"start_timeout": 0}, "start_timeout must be a number of seconds above 0"),
     ({"start_timeout": float("nan")}, "start_timeout must be a number of seconds above 0"),
     ({"verbose": 3}, "verbose must be 0, 1 or 2"),
+    ({"num_proc": 0}, "num_proc must be a whole number of ranks, at least 1, got 0"),
+    ({"num_proc": 2.0}, "num_proc must be a whole number of ranks, at least 1, got 2.0"),
+    ({"env": {"OMP_NUM_THREADS": 4}}, "env['OMP_NUM_THREADS']: names and values must be strings"),
+    ({"nics": ["eth0", ""]}, "nics must name network interfaces, such as ['eth0']"),
+    ({"executable": ""}, "executable must name a Python interpreter"),
 ])
 def test_arguments_that_cannot_work_are_refused_before_spark_is_asked(kwargs, fragment):
     with pytest.raises(ValueError) as raised:
         hpdl.spark.run(print, **kwargs)
     assert fragment in str(raised.value)
+
+
+def test_a_function_that_cannot_be_pickled_is_refused_before_spark_is_asked():
+    import threading as threads
+
+    with pytest.raises(TypeError, match="fn and its arguments must be picklable by cloudpickle"):
+        hpdl.spark.run(print, args=(threads.Lock(),))
 
 
 def test_the_start_timeout_setting_is_checked(monkeypatch):
@@ -291,6 +303,7 @@ def train_two_ranks():
     print(f"rank {hvd.rank()} says so on stderr", file=sys.stderr)
     return {"rank": hvd.rank(), "size": hvd.size(), "local": (hvd.local_rank(), hvd.local_size()),
             "cross": (hvd.cross_rank(), hvd.cross_size()), "pid": os.getpid(),
+            "env": {k: os.environ.get(k) for k in ("RUN_MARK", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")},
             "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()}
 
 
@@ -316,9 +329,16 @@ def _expected_weights():
 def test_two_runs_each_give_every_rank_in_order_with_equal_weights(spark, no_rank_left):
     expected = _expected_weights()
     pids = []
-    for _ in range(2):  # Spark reuses its Python workers: the second run must not see the first's world
+    for run in range(2):  # Spark reuses its Python workers: the second run must not see the first's world
         out, err = io.StringIO(), io.StringIO()
-        results = hpdl.spark.run(train_two_ranks, stdout=out, stderr=err)
+        # The first run's ranks keep to the loopback interface (gloo's variable) and get a variable of ours.
+        options = {"nics": ["lo"], "env": {"RUN_MARK": "first"}} if run == 0 else {}
+        results = hpdl.spark.run(train_two_ranks, stdout=out, stderr=err, **options)
+        expected_env = {"RUN_MARK": "first", "GLOO_SOCKET_IFNAME": "lo"} if run == 0 else \
+            {"RUN_MARK": None, "GLOO_SOCKET_IFNAME": None}
+        # Threads: the CPUs of a task (spark.task.cpus, 1), unless the executors' environment sets them.
+        threads = os.environ.get("OMP_NUM_THREADS", "1")
+        assert all(r["env"] == dict(expected_env, OMP_NUM_THREADS=threads) for r in results)
         assert [r["rank"] for r in results] == [0, 1]
         assert all(r["size"] == 2 and r["local"] == (r["rank"], 2) and r["cross"] == (0, 1) for r in results)
         assert results[0]["weights"] == results[1]["weights"]

@@ -84,14 +84,16 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mappi
     if verbose not in (0, 1, 2):
         raise ValueError(f"hpdl.spark.run: verbose must be 0, 1 or 2, got {verbose!r}")
     timeout_s = _start_timeout(start_timeout)
-    sc = _active_context()
     from_default = num_proc is None
-    num_proc = _num_proc(sc.defaultParallelism if from_default else num_proc)
+    if not from_default:
+        _num_proc(num_proc)
     user_env = _environment(env)
     interfaces = _interfaces(nics)
-    payload = _pickled(fn, tuple(args), dict(kwargs or {}))
     if executable is not None and (not isinstance(executable, str) or not executable):
         raise ValueError(f"hpdl.spark.run: executable must name a Python interpreter, got {executable!r}")
+    payload = _pickled(fn, tuple(args), dict(kwargs or {}))
+    sc = _active_context()
+    num_proc = _num_proc(sc.defaultParallelism) if from_default else num_proc
 
     from hpdl.spark.driver import RankOutput, SparkRun
 
