@@ -1,0 +1,71 @@
+"""What the report tells a user: advice their own job can follow, figures that say what they
+average over."""
+
+from __future__ import annotations
+
+from hpdl.profile.analysis import Analysis
+from hpdl.profile.findings import findings
+from test_profile_units import MiB, make_profile
+
+
+def _exposed_finding(profile: dict) -> str:
+    a = Analysis(profile)
+    return next(text for text in findings(a) if text.startswith("exposed communication"))
+
+
+def _with_command(profile: dict, command: list) -> dict:
+    profile["job"]["command"] = command
+    return profile
+
+
+def test_fp16_advice_is_spelt_as_the_profiled_job_takes_it():
+    blocked = dict(blocked=18_200.0)  # 18 % of a 101 ms step exposed
+    script = _exposed_finding(_with_command(make_profile(**blocked), ["train.py", "--epochs", "3"]))
+    assert "`compression=hvd.Compression.fp16` in `hvd.DistributedOptimizer`" in script, script
+    assert "--fp16-allreduce" not in script, script
+    sr_train = _exposed_finding(_with_command(make_profile(**blocked), ["/venv/bin/hpdl", "sr", "train", "--config",
+                                                                        "demo"]))
+    assert "(`compression=fp16`)" in sr_train and "hvd.Compression" not in sr_train, sr_train
+    bench = _exposed_finding(_with_command(make_profile(**blocked), ["/venv/bin/hpdl", "bench", "synthetic"]))
+    assert "`--fp16-allreduce`" in bench, bench
+
+
+def test_no_fp16_advice_for_gradients_sent_in_half_precision_already():
+    profile = make_profile(blocked=18_200.0)
+    for rank in profile["ranks"]:
+        table = rank["messages"]
+        column = table["columns"].index("dtype")
+        for row in table["rows"]:
+            row[column] = "float16"
+    text = _exposed_finding(profile)
+    assert "backward does not hide it" in text and "fp16" not in text and "HPDL_FUSION_THRESHOLD" in text, text
+
+
+def test_messages_at_the_backends_speed_get_the_jobs_own_fp16_spelling():
+    a = Analysis(make_profile())  # 64 MiB in 0.1 s: 0.67 GB/s, as the bench reached
+    text = findings(a, {64 * MiB: (100_000.0, 0.7)})[0]
+    assert "already run at the backend's speed" in text and "hvd.Compression.fp16" in text, text
+    assert "--fp16-allreduce" not in text, text
+
+
+def test_a_one_rank_profile_advises_nothing_about_exchanges():
+    profile = make_profile(blocked=18_200.0)
+    profile["ranks"] = profile["ranks"][:1]
+    profile["job"].update(size=1, hosts=["h"])
+    text = _exposed_finding(profile)
+    assert "with one rank nothing is exchanged" in text, text
+    assert "fp16" not in text and "HPDL_FUSION_THRESHOLD" not in text, text
+
+
+def test_the_straggler_and_the_late_joiner_say_what_they_average_over():
+    # Rank 1 submits 40 ms late at every collective: both findings name it, by different measures.
+    a = Analysis(make_profile(backend_us=10_000.0, round_us=100.0, late_rank1=40_000.0))
+    found = findings(a)
+    straggler = next(text for text in found if text.startswith("rank 1 "))
+    negotiation = next(text for text in found if text.startswith("collectives wait"))
+    assert "rank 1 arrives 40.0 ms after the first rank on average over all 3 collectives matched across ranks" \
+        in straggler, straggler
+    assert "Rank 1 joins last at 100% of collectives, and at those it joins 40.0 ms after the first on average" \
+        in negotiation, negotiation
+    assert "its submission plus its queue wait" in negotiation, negotiation
+    assert not any("behind the first on average" in text for text in found), found
