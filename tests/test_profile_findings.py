@@ -1,10 +1,11 @@
 """What the report tells a user: advice their own job can follow, figures that say what they
-average over."""
+average over, an empty profile said plainly on every page."""
 
 from __future__ import annotations
 
 from hpdl.profile.analysis import Analysis
 from hpdl.profile.findings import findings
+from hpdl.profile.report import NOTHING_RECORDED, render, render_compare
 from test_profile_units import MiB, make_profile
 
 
@@ -69,3 +70,28 @@ def test_the_straggler_and_the_late_joiner_say_what_they_average_over():
         in negotiation, negotiation
     assert "its submission plus its queue wait" in negotiation, negotiation
     assert not any("behind the first on average" in text for text in found), found
+
+
+def _empty_profile() -> dict:
+    empty = make_profile(steps=0)
+    for rank in empty["ranks"]:
+        rank["messages"]["rows"] = []
+        rank["tensors_time"]["rows"] = []
+    return empty
+
+
+def test_the_html_page_of_an_empty_profile_says_it_is_empty():
+    from hpdl.profile.html import render_html
+
+    a = Analysis(_empty_profile())
+    page = render_html(a, "p.json", findings(a))
+    assert NOTHING_RECORDED in page and NOTHING_RECORDED in render(a, "p.json", findings(a))
+    assert "Findings" not in page and "<table" not in page and "<svg" not in page, page
+    assert "tensors per message" not in page, page
+
+
+def test_the_html_page_has_no_findings_heading_without_findings():
+    from hpdl.profile.html import render_html
+
+    page = render_html(Analysis(make_profile()), "p.json", [])
+    assert "Findings" not in page and "<table" in page

@@ -109,11 +109,14 @@ def tables(a: Analysis) -> List[Table]:
     return out
 
 
+NOTHING_RECORDED = "nothing recorded: no collectives and no steps between the start of the recording and its end"
+
+
 def render(a: Analysis, path: str, found: List[str]) -> str:
     """The terminal report."""
     parts = [job_line(a, path)]
     if a.empty:
-        parts.append("nothing recorded: no collectives and no steps between the start of the recording and its end")
+        parts.append(NOTHING_RECORDED)
         return "\n".join(parts)
     for t in tables(a):
         parts += ["", t.title, format_table(t.header, t.rows)] + ([t.note] if t.note else [])
