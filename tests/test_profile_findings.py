@@ -1,5 +1,5 @@
 """What the report tells a user: advice their own job can follow, figures that say what they
-average over, an empty profile said plainly on every page."""
+average over, an empty profile said plainly on every page, and autotuned settings named as such."""
 
 from __future__ import annotations
 
@@ -95,3 +95,28 @@ def test_the_html_page_has_no_findings_heading_without_findings():
 
     page = render_html(Analysis(make_profile()), "p.json", [])
     assert "Findings" not in page and "<table" in page
+
+
+def _autotuned(profile: dict, threshold: int) -> dict:
+    profile["job"]["settings"].update(autotune=True, fusion_threshold=threshold, cycle_time_ms=10.0)
+    return profile
+
+
+def test_compare_names_autotuning_and_its_values_at_the_end():
+    plain, tuned = make_profile(), _autotuned(make_profile(), 8 * MiB)
+    plain["job"]["settings"]["cycle_time_ms"] = 1.0
+    text = render_compare(Analysis(plain), "a.json", Analysis(tuned), "b.json")
+    line = next(line for line in text.splitlines() if line.startswith("settings"))
+    assert line == ("settings changed: autotune off -> on, cycle_time_ms 1.0 -> 10.0 (autotuned, at the end), "
+                    "fusion_threshold 67108864 -> 8388608 (autotuned, at the end)"), line
+
+
+def test_an_autotuned_profile_says_its_fill_is_against_the_threshold_at_the_end():
+    # 4 MiB messages of two tensors against the 64 MiB threshold in force at the end: 6 % full.
+    a = Analysis(_autotuned(make_profile(sizes=(2 * MiB, 2 * MiB)), 64 * MiB))
+    text = render(a, "p.json", findings(a))
+    row = next(line for line in text.splitlines() if line.startswith("fill of"))
+    assert row.startswith("fill of the 64 MiB fusion buffer (autotuned: the threshold at the end of the recording)"), \
+        row
+    fill = next(line for line in text.splitlines() if line.startswith("- fused messages fill"))
+    assert "(autotuned: the threshold at the end of the recording)" in fill, fill

@@ -200,11 +200,11 @@ def _negotiation(a: Analysis) -> Optional[str]:
 def _fill(a: Analysis) -> Optional[str]:
     f = a.fusion
     if f.max_fill is not None and f.max_fill >= 0.95:
-        return (f"fused messages reach the {format_size(f.threshold)} fusion threshold: the gradients are split "
-                "over several messages; a larger HPDL_FUSION_THRESHOLD sends fewer.")
+        return (f"fused messages reach {f.buffer}: the gradients are split over several messages; a larger "
+                "HPDL_FUSION_THRESHOLD sends fewer.")
     if f.fill is not None and f.fill < 0.25:
-        return (f"fused messages fill {f.fill:.0%} of the {format_size(f.threshold)} fusion buffer on average "
-                f"({f.tensors_per_message:.1f} tensors per message): the buffer is larger than what is ready at once.")
+        return (f"fused messages fill {f.fill:.0%} of {f.buffer} on average ({f.tensors_per_message:.1f} tensors "
+                "per message): the buffer is larger than what is ready at once.")
     return None
 
 
