@@ -95,6 +95,10 @@ class TorchState(ObjectState):
     ``commit`` keeps copies of them in memory; ``restore`` loads the copies back.
     """
 
+    unsendable_advice = ("keep such an object by its state_dict() through a StateHandler, added to "
+                         "hvd.elastic.state.get_handler_registry() as (its type, the handler class) before the "
+                         "TorchState is made (docs/api.md, hvd.elastic)")
+
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  **kwargs: Any):
         kwargs.update(model=model, optimizer=optimizer)
