@@ -1,6 +1,8 @@
 """hvd.elastic: what a TorchState keeps through handlers, and a plain object it cannot send.
 
 Modes (argv[1]):
+  scheduler    an LR scheduler of a DistributedOptimizer, further on rank 0: run() gives every
+               rank rank 0's; commit/restore bring back the committed one.
   unpicklable  a plain object that does not pickle (it holds a weak reference): run() raises on
                every rank, naming its keyword and the handler registry; with the handler
                docs/api.md shows, it is kept by its state_dict and every rank gets rank 0's.
@@ -46,6 +48,31 @@ def register_the_documented_handler() -> None:
     exec(textwrap.dedent(example), {"Tracker": Tracker})  # noqa: S102 - the documented code itself
 
 
+def scheduler_mode():
+    hvd.init()
+    rank = hvd.rank()
+    model = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3 if rank == 0 else rank + 5):  # rank 0 at epoch 3, the others elsewhere
+        scheduler.step()
+
+    @hvd.elastic.run
+    def train(state):
+        assert state.scheduler.last_epoch == 3, state.scheduler.state_dict()
+        state.scheduler.step()
+        state.commit()
+        state.scheduler.step()
+        state.restore()
+        return state.scheduler.last_epoch
+
+    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, epoch=0)
+    assert train(state) == 4
+    hvd.shutdown()
+    print(f"OK elastic scheduler: rank={rank}")
+
+
 def unpicklable_mode():
     hvd.init()
     rank = hvd.rank()
@@ -80,5 +107,5 @@ def unpicklable_mode():
 
 
 if __name__ == "__main__":
-    modes = {"unpicklable": unpicklable_mode}
+    modes = {"scheduler": scheduler_mode, "unpicklable": unpicklable_mode}
     run_main(modes[sys.argv[1]])
