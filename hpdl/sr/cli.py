@@ -65,6 +65,23 @@ def _warnings_in_one_line() -> Any:
         warnings.showwarning = shown
 
 
+# The packages of the sr extra (pyproject.toml) that a command cannot do without, by module.
+_SR_EXTRA = {"tqdm": "tqdm", "PIL": "pillow", "yaml": "pyyaml"}
+
+
+def _require_sr_extra(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a command whose modules of the sr extra (``args.sr_modules``)
+    are not installed: one line, not a ModuleNotFoundError traceback minutes later. (The others
+    are optional: TensorBoard and matplotlib, whose absence training notes; scikit-image, which
+    only the embedded photos need and whose absence that dataset reports.)"""
+    import importlib.util
+
+    for module in args.sr_modules:
+        if importlib.util.find_spec(module) is None:
+            raise CliError(f"hpdl sr {args.sr_command} needs {_SR_EXTRA[module]} (module {module}), which the "
+                           "sr extra installs: pip install 'hpdl[sr]'")
+
+
 def _print_help(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 2
@@ -91,7 +108,7 @@ def _register_train(sr_sub: Any) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings that replace the config's")
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; 'auto': OUT_DIR/last.pt if present")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    p.set_defaults(func=_run_train)
+    p.set_defaults(func=_run_train, sr_modules=("yaml", "tqdm", "PIL"))
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -103,6 +120,12 @@ def _run_train(args: argparse.Namespace) -> int:
     from hpdl.sr.train import TrainError, format_summary, json_ready, train
 
     reporter = discover_topology().rank == 0
+    try:
+        _require_sr_extra(args)
+    except CliError:  # every rank misses the same module: rank 0 says so
+        if not reporter:
+            raise SystemExit(2) from None
+        raise
     try:
         overrides = list(args.overrides) + ([f"resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
@@ -167,7 +190,7 @@ def _register_eval(sr_sub: Any) -> None:
     _add_device(p)
     _add_res_scale(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
-    p.set_defaults(func=_guarded(_run_eval))
+    p.set_defaults(func=_guarded(_run_eval), sr_modules=("tqdm", "PIL"))
 
 
 def _register_upscale(sr_sub: Any) -> None:
@@ -185,7 +208,7 @@ def _register_upscale(sr_sub: Any) -> None:
     _add_max_pixels(p, "refuse an input image of more pixels than this")
     _add_device(p)
     _add_res_scale(p)
-    p.set_defaults(func=_guarded(_run_upscale))
+    p.set_defaults(func=_guarded(_run_upscale), sr_modules=("tqdm", "PIL"))
 
 
 def _register_export(sr_sub: Any) -> None:
@@ -201,7 +224,7 @@ def _register_export(sr_sub: Any) -> None:
     p.add_argument("--to", required=True, choices=("basicsr", "edsr-pytorch"), help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the checkpoint)")
     _add_res_scale(p)
-    p.set_defaults(func=_guarded(_run_export))
+    p.set_defaults(func=_guarded(_run_export), sr_modules=())
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -266,6 +289,7 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         # (one table, one writer of each output) and the others end at once, successfully.
         if discover_topology().rank != 0:
             return 0
+        _require_sr_extra(args)
         try:
             with _warnings_in_one_line():
                 return handler(args)
