@@ -1,10 +1,17 @@
-"""What the `hpdl sr` commands say and where: without the sr extra."""
+"""What the `hpdl sr` commands say and where: without the sr extra, progress bars."""
 
+import importlib
+import io
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import tqdm
+from PIL import Image
 
+from hpdl.cli import main
+from hpdl.sr.progress import LOG_INTERVAL, progress_bar
 from ranks import ROOT
 from test_sr_cli import ckpt, folder  # noqa: F401 - fixtures
 
@@ -28,3 +35,91 @@ def test_without_the_sr_extra_a_command_ends_in_one_line_naming_it(tmp_path, fol
     assert done.stderr.splitlines() == [f"hpdl: error: hpdl sr {command} needs {package} (module {module}), which "
                                         "the sr extra installs: pip install 'hpdl[sr]'"], done.stderr
     assert not out_dir.exists() and not (tmp_path / "up.png").exists()  # refused before any work
+
+
+# -- progress bars: one rule for train, eval and upscale ----------------------------------------
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class _Clock:
+    """Stands in for tqdm's clock: each reading is ``step`` seconds after the previous one."""
+
+    def __init__(self, step):
+        self.start = self.now = 1000.0
+        self.step = step
+
+    def __call__(self):
+        self.now += self.step
+        return self.now
+
+    @property
+    def elapsed(self):
+        return self.now - self.start
+
+
+def _frames(text: str) -> int:
+    return text.count("\r")
+
+
+def test_a_bar_redraws_on_a_terminal_and_rarely_elsewhere(monkeypatch):
+    for stream, step, shown in ((_Terminal(), 1.0, True), (io.StringIO(), 1.0, False), (io.StringIO(), 5.0, True)):
+        clock = _Clock(step)
+        monkeypatch.setattr(tqdm.std, "time", clock)
+        monkeypatch.setattr(sys, "stderr", stream)
+        for _ in progress_bar(range(20), desc="work", unit="it"):
+            pass
+        frames = _frames(stream.getvalue())
+        assert (frames > 0) == shown, (step, stream.getvalue())
+        if not stream.isatty():  # in a log: none before LOG_INTERVAL, then one per LOG_INTERVAL at most
+            assert frames <= clock.elapsed / LOG_INTERVAL + 1, (frames, clock.elapsed)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    for _ in progress_bar(range(20), desc="work", unit="it", enabled=False):
+        pass
+    assert sys.stderr.getvalue() == ""
+
+
+def _eval(tmp_path, folder, ckpt, *extra):
+    return main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--cache-dir", str(tmp_path / "c"), *extra])
+
+
+def _upscale(tmp_path, ckpt, *extra):
+    Image.fromarray(np.zeros((24, 24, 3), np.uint8)).save(tmp_path / "in.png")
+    return main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "out.png"), "--ckpt", str(ckpt),
+                 "--tile", "4", "--overwrite", *extra])
+
+
+@pytest.mark.parametrize("command", ["eval", "upscale"])
+def test_eval_and_upscale_draw_rarely_in_a_log_and_not_at_all_with_no_progress(monkeypatch, tmp_path, folder, ckpt,
+                                                                               command):
+    run = (lambda *extra: _eval(tmp_path, folder, ckpt, *extra)) if command == "eval" else \
+        (lambda *extra: _upscale(tmp_path, ckpt, *extra))
+    desc = f"{command}:"
+    # On a terminal too, slow work: past upscale's delay before its bar appears.
+    monkeypatch.setattr(importlib.import_module("hpdl.sr.upscale"), "PROGRESS_DELAY", 0.0)
+    # Slow work (seconds per reading of tqdm's clock): a bar appears even in a log.
+    for stream, step, extra, shown in ((_Terminal(), 3.0, (), True), (_Terminal(), 3.0, ("--no-progress",), False),
+                                       (io.StringIO(), 20.0, (), True),
+                                       (io.StringIO(), 20.0, ("--no-progress",), False)):
+        clock = _Clock(step)
+        monkeypatch.setattr(tqdm.std, "time", clock)
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert run(*extra) == 0
+        err = stream.getvalue()
+        assert (desc in err) == shown, (extra, err)
+        if shown and not stream.isatty():
+            assert _frames(err) <= clock.elapsed / LOG_INTERVAL + 1, (_frames(err), clock.elapsed, err)
+
+
+def test_train_draws_its_bar_by_the_same_rule(monkeypatch):
+    from hpdl.sr import train
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = train._progress(True, 100, 0)
+    assert (bar.mininterval, bar.delay) == (LOG_INTERVAL, LOG_INTERVAL)
+    bar.close()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    bar = train._progress(False, 100, 0)
+    assert bar.disable

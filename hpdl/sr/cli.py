@@ -190,6 +190,7 @@ def _register_eval(sr_sub: Any) -> None:
     _add_device(p)
     _add_res_scale(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
+    _add_no_progress(p, "images")
     p.set_defaults(func=_guarded(_run_eval), sr_modules=("tqdm", "PIL"))
 
 
@@ -208,6 +209,7 @@ def _register_upscale(sr_sub: Any) -> None:
     _add_max_pixels(p, "refuse an input image of more pixels than this")
     _add_device(p)
     _add_res_scale(p)
+    _add_no_progress(p, "tiles")
     p.set_defaults(func=_guarded(_run_upscale), sr_modules=("tqdm", "PIL"))
 
 
@@ -254,6 +256,14 @@ def _run_export(args: argparse.Namespace) -> int:
 def _add_max_pixels(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
                    help=f"{what} (default {DEFAULT_MAX_PIXELS:,})")
+
+
+def _add_no_progress(p: argparse.ArgumentParser, over: str) -> None:
+    from hpdl.sr.progress import LOG_INTERVAL
+
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help=f"no progress bar over the {over} (where stderr is not a terminal the bar appears only "
+                   f"after {LOG_INTERVAL:.0f} s and redraws every {LOG_INTERVAL:.0f} s)")
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -361,7 +371,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     for (name, data, pairs), space in zip(opened, spaces):
         saver = _result_saver(args, name, model.scale, guard) if args.save_results else None
         result = evaluate(model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
-                          progress=True, on_output=saver)
+                          progress=args.progress, on_output=saver)
         scored.append((name, data, pairs, result))
     if args.grid:
         _write_grid(args, model, grid_images, guard)
@@ -501,7 +511,8 @@ def _run_upscale(args: argparse.Namespace) -> int:
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
-    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
+    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
+                        progress=args.progress)
     if picture.gray:
         from PIL import Image
 

@@ -91,7 +91,7 @@ class TrainConfig:
     val_space: str = "y"  # PSNR on Y (shave scale) or rgb (shave scale + 6, DIV2K in the paper)
     ckpt_every: int = 1000  # write out_dir/last.pt every this many updates (0: only at the end)
     log_every: int = 100  # log loss, lr and img/s every this many updates
-    progress: bool = True  # progress bar on rank 0
+    progress: bool = True  # progress bar on rank 0 (hpdl.sr.progress: rarely where stderr is not a terminal)
     out_dir: str = "runs/sr"
     resume: Optional[str] = None  # checkpoint to continue from, or 'auto' (out_dir/last.pt if any)
     overwrite: bool = False  # start over in an out_dir holding an earlier run (without it: refused)

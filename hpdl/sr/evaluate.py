@@ -91,7 +91,8 @@ def evaluate(
         metric_space: ``"y"`` (benchmarks; shave ``scale``) or ``"rgb"`` (DIV2K; ``scale + 6``).
         self_ensemble: average over the 8 flips/transposes (EDSR+).
         tile: run the model in tiles of this many LR pixels (exact; bounds memory).
-        progress: show a progress bar over images.
+        progress: show a progress bar over images (``hpdl.sr.progress``'s rule: rarely where
+            stderr is not a terminal).
         on_output: called with each image's name and model output ``(3, H, W)`` (e.g. to save it).
     """
     shave = default_shave(scale, metric_space)  # also validates metric_space
@@ -102,9 +103,9 @@ def evaluate(
     names: List[str] = list(getattr(dataset, "names", [str(i) for i in range(len(dataset))]))
     indices = range(len(dataset))
     if progress:
-        from tqdm import tqdm
+        from hpdl.sr.progress import progress_bar
 
-        indices = tqdm(indices, desc="eval", unit="img")
+        indices = progress_bar(indices, desc="eval", unit="img")
     was_training = model.training
     model.eval()
     records = []

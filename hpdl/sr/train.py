@@ -651,12 +651,9 @@ def _batches(loader: DataLoader, sampler: ShardSampler, dataset: Any) -> Iterato
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    from tqdm import tqdm
+    from hpdl.sr.progress import progress_bar
 
-    interactive = sys.stderr.isatty()
-    # Without a terminal every refresh is a new line in the log: refresh rarely.
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="upd", dynamic_ncols=True,
-                mininterval=0.5 if interactive else 30.0, desc="train")
+    return progress_bar(total=total, initial=initial, enabled=enabled, desc="train", unit="upd")
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:

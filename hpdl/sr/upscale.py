@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "forward_tiled", "self_ensemble", "
 DEFAULT_TILE = 256
 # LR pixels on each side that the bicubic kernel (a = -0.5, 4 taps) reaches when enlarging, plus one.
 BICUBIC_MARGIN = 3
-PROGRESS_DELAY = 3.0  # seconds of upscaling before its progress bar appears: short runs stay quiet
+PROGRESS_DELAY = 3.0  # seconds of upscaling before its bar appears on a terminal: short runs stay quiet
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 Box = Tuple[int, int, int, int]  # y0, y1, x0, x1
@@ -140,7 +140,8 @@ def upscale_image(
     The output is assembled tile by tile in uint8, and only one tile at a time is in float, so
     memory is about the output's uint8 size whatever the image. The self-ensemble runs per
     tile, which is as exact as tiling itself (a flip or transpose maps the image border onto
-    the border). ``progress`` shows a bar over the tiles once ``PROGRESS_DELAY`` has passed.
+    the border). ``progress`` shows a bar over the tiles once ``PROGRESS_DELAY`` has passed
+    (``hpdl.sr.progress``'s rule: later and rarely where stderr is not a terminal).
     """
     h, w = image.shape[:2]
     lr = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)  # a uint8 view
@@ -177,6 +178,6 @@ def upscale_alpha(alpha: np.ndarray, scale: int, *, tile: Optional[int] = DEFAUL
 def _progress(items: Iterable, total: int, enabled: bool) -> Iterable:
     if not enabled:
         return items
-    from tqdm import tqdm
+    from hpdl.sr.progress import progress_bar
 
-    return tqdm(items, total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY)
+    return progress_bar(items, total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY)
