@@ -123,3 +123,21 @@ def test_train_draws_its_bar_by_the_same_rule(monkeypatch):
     monkeypatch.setattr(sys, "stderr", _Terminal())
     bar = train._progress(False, 100, 0)
     assert bar.disable
+
+
+# -- the grid says the size of its crops --------------------------------------------------------
+
+@pytest.mark.parametrize("crop, said, cell", [
+    (500, "2 crops of 52x40, 44x36 px (--grid-crop 500 cut to whole LR pixels and to the images)", (40, 52)),
+    (33, "2 crops of 32x32 px (--grid-crop 33 cut to whole LR pixels and to the images)", (32, 32)),
+    (32, "2 crops of 32x32 px", (32, 32)),
+])
+def test_the_grid_reports_the_size_of_the_crops_it_drew(tmp_path, folder, ckpt, capsys, crop, said, cell):
+    from hpdl.sr.figures import grid_size
+
+    grid = tmp_path / f"grid{crop}.png"
+    assert _eval(tmp_path, folder, ckpt, "--no-progress", "--grid", str(grid), "--grid-images", "img0,img1",
+                 "--grid-crop", str(crop)) == 0
+    assert f"wrote {grid}: {said}\n" in capsys.readouterr().err
+    with Image.open(grid) as image:  # cells as large as the largest crop drawn
+        assert image.size[::-1] == grid_size(2, cell)

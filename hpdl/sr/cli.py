@@ -487,7 +487,11 @@ def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_Out
 
     samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
     write_image(args.grid, sample_grid(samples), check_target=guard.for_writer(args.grid))
-    print(f"wrote {args.grid}: {len(samples)} crops of {args.grid_crop} px", file=sys.stderr)
+    # The crops as drawn: --grid-crop rounded down to whole LR pixels and cut to each image.
+    sizes = list(dict.fromkeys(f"{s.hr.shape[1]}x{s.hr.shape[0]}" for s in samples))
+    asked = f"{args.grid_crop}x{args.grid_crop}"
+    cut = "" if sizes == [asked] else f" (--grid-crop {args.grid_crop} cut to whole LR pixels and to the images)"
+    print(f"wrote {args.grid}: {len(samples)} crops of {', '.join(sizes)} px{cut}", file=sys.stderr)
 
 
 def _run_upscale(args: argparse.Namespace) -> int:
