@@ -1,7 +1,9 @@
-"""What the `hpdl sr` commands say and where: without the sr extra, progress bars."""
+"""What the `hpdl sr` commands say and where: without the sr extra, progress bars, the grid's crops, skipped
+images."""
 
 import importlib
 import io
+import json
 import subprocess
 import sys
 
@@ -141,3 +143,29 @@ def test_the_grid_reports_the_size_of_the_crops_it_drew(tmp_path, folder, ckpt, 
     assert f"wrote {grid}: {said}\n" in capsys.readouterr().err
     with Image.open(grid) as image:  # cells as large as the largest crop drawn
         assert image.size[::-1] == grid_size(2, cell)
+
+
+# -- --on-bad-image skip skips images too small, as undecodable ones --------------------------------
+
+def test_images_too_small_are_skipped_with_one_warning_line_each(tmp_path, folder, ckpt, capsys):
+    Image.fromarray(np.zeros((1, 1, 3), np.uint8)).save(folder / "dot.png")  # smaller than the scale
+    Image.fromarray(np.zeros((30, 8, 3), np.uint8)).save(folder / "strip.png")  # too narrow to measure
+    assert _eval(tmp_path, folder, ckpt, "--no-progress", "--json", "--on-bad-image", "skip") == 0
+    out, err = capsys.readouterr()
+    assert [image["name"] for image in json.loads(out)["sets"][0]["images"]] == ["img0", "img1"]
+    warned = [line for line in err.splitlines() if line.startswith("hpdl: warning:")]
+    assert warned == [f"hpdl: warning: skipping {folder / 'dot.png'}: image of 1x1 is smaller than scale 2",
+                      f"hpdl: warning: skipping {folder / 'strip.png'}: image of 8x30 is too small to measure at "
+                      "x2 on Y: 2 px shaved from each border must leave the 11x11 SSIM window, so each side needs "
+                      "at least 15 px"], err
+    assert _eval(tmp_path, folder, ckpt, "--no-progress") == 2  # without skip: refused, naming the first
+    assert capsys.readouterr().err.strip().endswith("dot.png: image of 1x1 is smaller than scale 2")
+
+
+def test_a_set_of_images_all_too_small_to_measure_is_refused_in_one_line(tmp_path, ckpt, capsys):
+    small = tmp_path / "small"
+    small.mkdir()
+    Image.fromarray(np.zeros((30, 8, 3), np.uint8)).save(small / "strip.png")
+    assert _eval(tmp_path, small, ckpt, "--no-progress", "--on-bad-image", "skip") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"hpdl: error: {small}: no usable images (every one is too small to measure)", err

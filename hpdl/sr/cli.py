@@ -41,8 +41,9 @@ def register(subparsers: Any) -> None:
 
 
 @contextlib.contextmanager
-def _warnings_in_one_line() -> Any:
-    """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each.
+def _warnings_in_one_line(shown: bool = True) -> Any:
+    """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each, or
+    none where not ``shown`` (the ranks of a training other than rank 0, which warns the same).
 
     Python's format adds the file and line of the code that warned, which tells a user nothing.
     Other packages' warnings keep Python's format.
@@ -54,7 +55,8 @@ def _warnings_in_one_line() -> Any:
 
     def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         if os.path.abspath(filename).startswith(package + os.sep):
-            print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
+            if shown:
+                print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
         else:
             shown(message, category, filename, lineno, file, line)
 
@@ -131,7 +133,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
         # With --json, stdout carries the summary alone: progress notes go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
-                _warnings_in_one_line():
+                _warnings_in_one_line(shown=reporter):
             summary = train(cfg)
     except (ConfigError, TrainError, SRDataError, CheckpointError, ModelMismatchError) as err:
         if not reporter:
@@ -175,7 +177,8 @@ def _register_eval(sr_sub: Any) -> None:
     p.add_argument("--tile", type=int, help="run the model in exact tiles of TILE LR pixels (bounds memory; default: whole images)")
     p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900 (DIV2K sets only)")
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
-                   help="on an undecodable image: fail (default) or skip it with a warning")
+                   help="on an image that cannot be decoded, or is too small for the scale or to measure: fail "
+                   "(default) or skip it with a warning")
     p.add_argument("--cache-dir", help="decode cache and embedded photos (default $XDG_CACHE_HOME/hpdl/sr, else "
                    "~/.cache/hpdl/sr)")
     p.add_argument("--save-results", metavar="DIR",
@@ -351,7 +354,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import check_measurable, evaluate, format_sets_table, format_table
+    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table, keep_measurable
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
@@ -360,8 +363,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
         max_pixels=args.max_pixels, downscaler=args.downscaler)) for name, data in sets]
     spaces = [args.space or ("rgb" if pairs.layout == "div2k" else "y") for _, _, pairs in opened]
-    for (_, _, pairs), space in zip(opened, spaces):
-        check_measurable(pairs, model.scale, space)
+    opened = [(name, data, keep_measurable(pairs, model.scale, space, args.on_bad_image))
+              for (name, data, pairs), space in zip(opened, spaces)]
     grid_images = _grid_images(args, opened) if args.grid else []
     # Now that the sets are open, their image files are inputs the outputs must not replace either.
     guard = _OutputGuard([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)

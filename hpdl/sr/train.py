@@ -33,7 +33,7 @@ from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpo
 from hpdl.sr.config import TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.evaluate import check_measurable
+from hpdl.sr.evaluate import keep_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
 from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config
@@ -539,9 +539,9 @@ def _thread_oversubscription(threads: int) -> Optional[str]:
 
 
 def _measurable(val_set: Any, cfg: TrainConfig) -> Any:
-    """``val_set``, once every image is known to be large enough to score: now, not after training."""
-    check_measurable(val_set, cfg.scale, cfg.val_space)
-    return val_set
+    """``val_set``, once every image is known to be large enough to score (or, with
+    on_bad_image=skip, without those that are not): now, not after training."""
+    return keep_measurable(val_set, cfg.scale, cfg.val_space, cfg.on_bad_image)
 
 
 def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
