@@ -41,9 +41,9 @@ def register(subparsers: Any) -> None:
 
 
 @contextlib.contextmanager
-def _warnings_in_one_line(shown: bool = True) -> Any:
+def _warnings_in_one_line(visible: bool = True) -> Any:
     """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each, or
-    none where not ``shown`` (the ranks of a training other than rank 0, which warns the same).
+    none where not ``visible`` (the ranks of a training other than rank 0, which warns the same).
 
     Python's format adds the file and line of the code that warned, which tells a user nothing.
     Other packages' warnings keep Python's format.
@@ -51,20 +51,20 @@ def _warnings_in_one_line(shown: bool = True) -> Any:
     import warnings
 
     package = os.path.dirname(os.path.abspath(__file__))
-    shown = warnings.showwarning
+    previous = warnings.showwarning
 
     def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         if os.path.abspath(filename).startswith(package + os.sep):
-            if shown:
+            if visible:
                 print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
         else:
-            shown(message, category, filename, lineno, file, line)
+            previous(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
     try:
         yield
     finally:
-        warnings.showwarning = shown
+        warnings.showwarning = previous
 
 
 # The packages of the sr extra (pyproject.toml) that a command cannot do without, by module.
@@ -133,7 +133,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
         # With --json, stdout carries the summary alone: progress notes go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
-                _warnings_in_one_line(shown=reporter):
+                _warnings_in_one_line(visible=reporter):
             summary = train(cfg)
     except (ConfigError, TrainError, SRDataError, CheckpointError, ModelMismatchError) as err:
         if not reporter:
