@@ -174,7 +174,9 @@ def _register_eval(sr_sub: Any) -> None:
                    help="how LR is made where a dataset has none: matlab (imresize, as the published "
                    "benchmarks; default) or torch (antialiased bicubic)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
-    p.add_argument("--tile", type=int, help="run the model in exact tiles of TILE LR pixels (bounds memory; default: whole images)")
+    p.add_argument("--tile", type=int, help="run the model in tiles of TILE LR pixels, each seeing all the input its "
+                   "output needs (bounds memory; float rounding may still move a few 8-bit values by one level "
+                   "against whole images: docs/sr.md; default: whole images)")
     p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900 (DIV2K sets only)")
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
                    help="on an image that cannot be decoded, or is too small for the scale or to measure: fail "
@@ -201,7 +203,9 @@ def _register_upscale(sr_sub: Any) -> None:
     p = sr_sub.add_parser(
         "upscale",
         help="super-resolve one image of any size",
-        description="Super-resolve an image with a checkpoint, in exact overlapping tiles.",
+        description="Super-resolve an image with a checkpoint, in overlapping tiles that each see all the input "
+        "their output needs, so that seams do not show; float rounding (the convolution kernels add in another "
+        "order for other extents) may still move a few 8-bit values by one level against --tile 0 (docs/sr.md).",
     )
     p.add_argument("input", help="input (LR) image")
     p.add_argument("output", help="output image (.png recommended)")

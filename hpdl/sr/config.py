@@ -87,7 +87,7 @@ class TrainConfig:
     val_every: int = 0  # validate every this many updates (0: only at the end)
     val_at_end: bool = True  # validate the final weights for the summary (else only val_every's multiples)
     val_sharded: bool = True  # split the validation images over the ranks
-    val_tile: int = 0  # run validation in exact tiles of this many LR pixels (0: whole images)
+    val_tile: int = 0  # run validation in exact tiles (up to float rounding) of this many LR pixels (0: whole images)
     val_space: str = "y"  # PSNR on Y (shave scale) or rgb (shave scale + 6, DIV2K in the paper)
     ckpt_every: int = 1000  # write out_dir/last.pt every this many updates (0: only at the end)
     log_every: int = 100  # log loss, lr and img/s every this many updates

@@ -101,7 +101,8 @@ def evaluate(
         scale: upscaling factor; must match the model's and the dataset's when they have one.
         metric_space: ``"y"`` (benchmarks; shave ``scale``) or ``"rgb"`` (DIV2K; ``scale + 6``).
         self_ensemble: average over the 8 flips/transposes (EDSR+).
-        tile: run the model in tiles of this many LR pixels (exact; bounds memory).
+        tile: run the model in tiles of this many LR pixels (exact up to float rounding, as
+            ``hpdl.sr.upscale`` says; bounds memory).
         progress: show a progress bar over images (``hpdl.sr.progress``'s rule: rarely where
             stderr is not a terminal).
         on_output: called with each image's name and model output ``(3, H, W)`` (e.g. to save it).

@@ -5,8 +5,14 @@ receptive field (36 LR px for EDSR-baseline), so its stitched output differs fro
 pass near the seams. Here each tile is extended on every side by at least the receptive-field
 radius (``models.receptive_field_radius``) and only its inner part is kept: every kept output
 pixel then sees exactly the input it would see in a whole-image pass, zero padding included
-(a tile's margin stops at the image border, where the whole image is padded too). The result
-equals the whole-image pass up to float rounding, with memory bounded by the tile size.
+(a tile's margin stops at the image border, where the whole image is padded too). That is what
+"exact" means here, with memory bounded by the tile size; it is not bit-identical. The
+convolution kernels (oneDNN on CPU, cuDNN on CUDA) choose their loop blocking by the extent of
+their input, so a tile's sums are added in another order than the whole image's: float32
+outputs differ by rounding (about 1e-4 of a level at most), and after rounding to 8 bits a
+value that close to a rounding boundary comes out one level apart. PyTorch's own convolution
+(im2col and a matrix product) gave bit-identical tiles at every extent tried, at about three
+times the time (docs/perf.md, "Tiled upscaling and float rounding"), so the fast kernels stay.
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ def forward_tiled(
     Args:
         tile: side of the part of each tile that is kept, in LR pixels; the model sees up to
             ``tile + 2 * overlap`` pixels a side, which bounds memory.
-        overlap: margin around each tile; default (and minimum for an exact result) is the
-            model's receptive-field radius.
+        overlap: margin around each tile; default (and minimum for an exact result, up to
+            float rounding) is the model's receptive-field radius.
     """
     if tile < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
