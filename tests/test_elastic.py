@@ -41,8 +41,9 @@ def test_an_lr_scheduler_of_a_distributed_optimizer_is_kept_by_its_state_dict(n)
 def test_an_lr_scheduler_has_a_handler_of_its_own():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    for scheduler in (torch.optim.lr_scheduler.StepLR(opt, step_size=1), torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
-                      torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)):
+    schedulers = torch.optim.lr_scheduler
+    for scheduler in (schedulers.StepLR(opt, step_size=1), schedulers.ReduceLROnPlateau(opt),
+                      schedulers.LambdaLR(opt, lambda epoch: 0.5 ** epoch)):
         state = elastic.TorchState(model, opt, scheduler=scheduler)
         assert isinstance(state._handlers["scheduler"], elastic_state.LRSchedulerStateHandler), type(scheduler)
 

@@ -64,7 +64,7 @@ class TrainConfig:
     augment: bool = True  # random flips and transposes (the 8 dihedral transforms)
     workers: int = 2  # DataLoader worker processes per rank (0: load in the training process)
     cache_dir: Optional[str] = None  # decode cache (default ~/.cache/hpdl/sr)
-    on_bad_image: str = "fail"  # fail, or skip with a warning images undecodable or too small for the scale
+    on_bad_image: str = "fail"  # fail, or skip with a warning images undecodable or too small
     downscaler: str = "matlab"  # LR made from HR (folders, embedded): matlab (imresize, as the benchmarks) or torch
     max_pixels: int = DEFAULT_MAX_PIXELS  # refuse training/validation image files of more pixels (checked in the header)
 
