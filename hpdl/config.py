@@ -165,8 +165,9 @@ class Settings:
     # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine.py, Pacing).
     engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
     # Tune the fusion threshold and the cycle time while the job runs (hpdl/engine/autotune.py):
-    # the samples to discard first, the training steps per sub-sample, the Bayesian proposals
-    # to try, and the noise the Gaussian process assumes in the scores (Horovod's defaults).
+    # the samples to discard first, the training steps per sub-sample, the samples to tune
+    # less one (Horovod's start points included), and the noise the Gaussian process assumes
+    # in the scores (Horovod's defaults).
     autotune: bool = dataclasses.field(default=False, metadata={"env": "HPDL_AUTOTUNE"})
     autotune_log: str = dataclasses.field(default="", metadata={"env": "HPDL_AUTOTUNE_LOG"})
     autotune_warmup_samples: int = dataclasses.field(default=3, metadata={"env": "HPDL_AUTOTUNE_WARMUP_SAMPLES"})

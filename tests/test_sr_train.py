@@ -244,6 +244,18 @@ def tiny_run(data, out, *extra):
                           text=True, timeout=120)
 
 
+def test_on_bad_image_skip_skips_validation_images_too_small_to_score(tmp_path):
+    data = tiny_data(tmp_path)
+    Image.fromarray(photo(30, 8, 1)).save(data / "val" / "strip.png")
+    proc = tiny_run(data, tmp_path / "run", "total_updates=2", "on_bad_image=skip", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["val_images"] == 2
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("hpdl: warning:")]
+    assert warned == [f"hpdl: warning: skipping {data / 'val' / 'strip.png'}: image of 8x30 is too small to measure "
+                      "at x2 on Y: 2 px shaved from each border must leave the 11x11 SSIM window, so each side needs "
+                      "at least 15 px"], proc.stderr
+
+
 def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):
     out = tmp_path / "run"
     proc = tiny_run(tiny_data(tmp_path), out, "total_updates=6", "ckpt_every=3", "ema_decay=0.5", "--json")

@@ -229,8 +229,9 @@ def register(subparsers) -> None:
                       help="training steps per sub-sample; a sample is scored by the median of 5 "
                            "(default 10; HPDL_AUTOTUNE_STEPS_PER_SAMPLE)")
     tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
-                      help="parameters proposed by the Bayesian optimisation before the best is kept "
-                           "(default 20; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
+                      help="tuning ends after N + 1 samples, Horovod's 4 start points included, and keeps "
+                           "the best (default 20: 4 start points and 17 proposals of the Bayesian "
+                           "optimisation; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
     tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
                       help="noise assumed in the scores, 0 to 1 (default 0.8; HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE)")
     horovod = run.add_argument_group("horovodrun's options", "so that horovodrun command lines run unchanged")

@@ -65,7 +65,7 @@ class TrainConfig:
     augment: bool = True  # random flips and transposes (the 8 dihedral transforms)
     workers: int = 2  # DataLoader worker processes per rank (0: load in the training process)
     cache_dir: Optional[str] = None  # decode cache (default ~/.cache/hpdl/sr)
-    on_bad_image: str = "fail"  # fail, or skip undecodable images with a warning
+    on_bad_image: str = "fail"  # fail, or skip with a warning images undecodable or too small
     downscaler: str = "matlab"  # LR made from HR (folders, embedded): matlab (imresize, as the benchmarks) or torch
     max_pixels: int = DEFAULT_MAX_PIXELS  # refuse training/validation image files of more pixels (checked in the header)
 
@@ -91,11 +91,11 @@ class TrainConfig:
     val_every: int = 0  # validate every this many updates (0: only at the end)
     val_at_end: bool = True  # validate the final weights for the summary (else only val_every's multiples)
     val_sharded: bool = True  # split the validation images over the ranks
-    val_tile: int = 0  # run validation in exact tiles of this many LR pixels (0: whole images)
+    val_tile: int = 0  # run validation in exact tiles (up to float rounding) of this many LR pixels (0: whole images)
     val_space: str = "y"  # PSNR on Y (shave scale) or rgb (shave scale + 6, DIV2K in the paper)
     ckpt_every: int = 1000  # write out_dir/last.pt every this many updates (0: only at the end)
     log_every: int = 100  # log loss, lr and img/s every this many updates
-    progress: bool = True  # progress bar on rank 0
+    progress: bool = True  # progress bar on rank 0 (hpdl.sr.progress: rarely where stderr is not a terminal)
     out_dir: str = "runs/sr"
     resume: Optional[str] = None  # checkpoint to continue from, or 'auto' (out_dir/last.pt if any)
     overwrite: bool = False  # start over in an out_dir holding an earlier run (without it: refused)

@@ -33,7 +33,7 @@ from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpo
 from hpdl.sr.config import ConfigError, TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.evaluate import check_measurable
+from hpdl.sr.evaluate import keep_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
 from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config
@@ -552,9 +552,9 @@ def _thread_oversubscription(threads: int) -> Optional[str]:
 
 
 def _measurable(val_set: Any, cfg: TrainConfig) -> Any:
-    """``val_set``, once every image is known to be large enough to score: now, not after training."""
-    check_measurable(val_set, cfg.scale, cfg.val_space)
-    return val_set
+    """``val_set``, once every image is known to be large enough to score (or, with
+    on_bad_image=skip, without those that are not): now, not after training."""
+    return keep_measurable(val_set, cfg.scale, cfg.val_space, cfg.on_bad_image)
 
 
 def _mixed_precision(amp: str, device: torch.device) -> MixedPrecision:
@@ -672,12 +672,9 @@ def _batches(loader: DataLoader, sampler: ShardSampler, dataset: Any) -> Iterato
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    from tqdm import tqdm
+    from hpdl.sr.progress import progress_bar
 
-    interactive = sys.stderr.isatty()
-    # Without a terminal every refresh is a new line in the log: refresh rarely.
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="upd", dynamic_ncols=True,
-                mininterval=0.5 if interactive else 30.0, desc="train")
+    return progress_bar(total=total, initial=initial, enabled=enabled, desc="train", unit="upd")
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
