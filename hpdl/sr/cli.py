@@ -213,6 +213,11 @@ def _register_upscale(sr_sub: Any) -> None:
     p.add_argument("--tile", type=int, default=256, help="tile size in LR pixels; 0 = whole image (default 256)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the input)")
+    p.add_argument("--spatial", action="store_true",
+                   help="under a launcher of several ranks (hpdl run -np 4 -- hpdl sr upscale ... --spatial), split the "
+                   "rows of tiles into one band per rank, each rank computing its tiles with their full margins as "
+                   "one process does: the output file has the same bytes as the one-process upscale with the same "
+                   "--tile; rank 0 reads the input and the checkpoint and writes the output (docs/sr.md)")
     _add_max_pixels(p, "refuse an input image of more pixels than this")
     _add_device(p)
     _add_res_scale(p)
@@ -296,27 +301,41 @@ def _add_res_scale(p: argparse.ArgumentParser) -> None:
 
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    # The sr errors' messages already name the file; OSError covers unwritable outputs.
     def run(args: argparse.Namespace) -> int:
         from hpdl.comm import discover_topology
-        from hpdl.sr.config import ConfigError
-        from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 
         # These commands are one process's work: under a launcher of several ranks, rank 0 does it
-        # (one table, one writer of each output) and the others end at once, successfully.
+        # (one table, one writer of each output) and the others end at once, successfully. An
+        # upscale with --spatial is every rank's work, rank 0 reporting.
         if discover_topology().rank != 0:
-            return 0
-        _require_sr_extra(args)
-        try:
-            with _warnings_in_one_line():
-                return handler(args)
-        except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
-            raise CliError(str(err)) from None
-        except OSError as err:
-            where = f"{err.filename}: " if err.filename else ""
-            raise CliError(f"{where}{err.strerror or err}") from None
+            if not getattr(args, "spatial", False):
+                return 0
+            try:
+                _require_sr_extra(args)
+            except CliError:  # every rank misses the same module: rank 0 says so
+                raise SystemExit(2) from None
+        else:
+            _require_sr_extra(args)
+        with _warnings_in_one_line(visible=discover_topology().rank == 0), _sr_errors_as_cli_errors():
+            return handler(args)
 
     return run
+
+
+@contextlib.contextmanager
+def _sr_errors_as_cli_errors() -> Any:
+    """Turn the sr errors (whose messages already name the file) and OSError (unwritable
+    outputs) into the one line of a ``CliError``."""
+    from hpdl.sr.config import ConfigError
+    from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
+
+    try:
+        yield
+    except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
+        raise CliError(str(err)) from None
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        raise CliError(f"{where}{err.strerror or err}") from None
 
 
 def _check_max_pixels(args: argparse.Namespace) -> None:
@@ -502,39 +521,118 @@ def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_Out
 
 
 def _run_upscale(args: argparse.Namespace) -> int:
+    if args.spatial:
+        return _run_upscale_spatial(args)
+    picture, model, guard = _open_upscale(args)
+    from hpdl.sr.upscale import upscale_image
+
+    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
+                        progress=args.progress)
+    return _write_upscaled(args, picture, model.scale, out, guard)
+
+
+def _open_upscale(args: argparse.Namespace, device: Any = None) -> tuple:
+    """Check the command line and the output, read the picture and load the model, before any
+    work; return ``(picture, model, output guard)``. ``device``: the model's (default: --device)."""
     from hpdl.sr.config import resolve_device
-    from hpdl.sr.images import output_format, read_picture, write_image
+    from hpdl.sr.images import output_format, read_picture
 
     if args.tile < 0:
         raise CliError(f"--tile must be >= 0, got {args.tile}")
+    if args.spatial and args.tile == 0:
+        raise CliError("--spatial splits the rows of tiles over the ranks, and --tile 0 makes the whole image "
+                       "one tile: give a tile size (--tile 256)")
     _check_max_pixels(args)
     # Everything about the output is checked before minutes of inference, not after.
     guard = _OutputGuard([("input image", args.input)], args.overwrite)
     guard.refuse_now(args.output)
     fmt = output_format(args.output)
     picture = _output_picture(args, read_picture(args.input, max_pixels=args.max_pixels), fmt)
-    device = resolve_device(args.device, "--device")
-
-    import numpy as np
+    device = device if device is not None else resolve_device(args.device, "--device")
 
     from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.upscale import upscale_alpha, upscale_image
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
-    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
-                        progress=args.progress)
+    return picture, model, guard
+
+
+def _write_upscaled(args: argparse.Namespace, picture: Any, scale: int, out: Any, guard: "_OutputGuard") -> int:
+    """Write the upscaled picture (gray kept gray, transparency enlarged beside it) and say so."""
+    import numpy as np
+
+    from hpdl.sr.images import write_image
+    from hpdl.sr.upscale import upscale_alpha
+
     if picture.gray:
         from PIL import Image
 
         # The network's colours of a gray input are its error: the output keeps the input's channels.
         out = np.asarray(Image.fromarray(out).convert("L"))
     if picture.alpha is not None:
-        out = np.dstack([out, upscale_alpha(picture.alpha, model.scale, tile=args.tile or None)])
+        out = np.dstack([out, upscale_alpha(picture.alpha, scale, tile=args.tile or None)])
     write_image(args.output, out, check_target=guard.for_writer(args.output), icc_profile=picture.icc_profile)
     (h, w), (sh, sw) = picture.rgb.shape[:2], out.shape[:2]
-    print(f"wrote {args.output}: {sw}x{sh} (x{model.scale} of {w}x{h})")
+    print(f"wrote {args.output}: {sw}x{sh} (x{scale} of {w}x{h})")
     return 0
+
+
+def _run_upscale_spatial(args: argparse.Namespace) -> int:
+    """The upscale on every rank of the job, each computing a band of the rows of tiles; rank 0
+    reads, checks and writes as the one-process upscale does (hpdl/sr/spatial_upscale.py)."""
+    import torch
+
+    import hpdl.torch as hvd
+    from hpdl.sr.config import resolve_device
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.spatial_upscale import idle_ranks, upscale_image_in_bands
+
+    hvd.init()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # The ranks of a node share its cores: one thread pool per core, not one per rank.
+        torch.set_num_threads(max(1, torch.get_num_threads() // hvd.local_size()))
+    # Rank 0 alone reads the input and the checkpoint (they need not be on the other nodes) and
+    # refuses bad input before any work; every rank then ends with its one line and status.
+    picture = model = guard = None
+    plan, refusal = None, None
+    if hvd.rank() == 0:
+        try:
+            with _sr_errors_as_cli_errors():
+                picture, model, guard = _open_upscale(args, device="cpu")
+            plan = {"config": model.config.to_dict(), "shape": picture.rgb.shape[:2], "scale": model.scale}
+        except CliError as err:
+            refusal = (str(err), err.code)
+    plan, refusal = hvd.broadcast_object((plan, refusal), 0, name="upscale.plan")
+    if refusal is not None:
+        raise CliError(*refusal)
+    if model is None:
+        model = build_model_from_config(plan["config"]).eval()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    device_errors = hvd.allgather_object(_device_error(args.device, hvd.local_gpu), name="upscale.device")
+    failed = [(rank, error) for rank, error in enumerate(device_errors) if error is not None]
+    if failed:
+        raise CliError(f"rank {failed[0][0]}: {failed[0][1]}" if len(failed) < len(device_errors) else failed[0][1])
+    model = model.to(resolve_device(args.device, "--device", hvd.local_gpu))
+    idle = idle_ranks(plan["shape"][0], args.tile, hvd.size())
+    if idle and hvd.rank() == 0:
+        print(f"hpdl: note: {args.input}: {hvd.size() - idle} rows of tiles for {hvd.size()} ranks: {idle} rank(s) "
+              "have nothing to do; a smaller --tile splits the image finer", file=sys.stderr, flush=True)
+    out = upscale_image_in_bands(model, picture.rgb if picture is not None else None, plan["shape"], plan["scale"],
+                                 tile=args.tile, ensemble=args.self_ensemble, progress=args.progress)
+    if hvd.rank() != 0:
+        return 0
+    return _write_upscaled(args, picture, plan["scale"], out, guard)
+
+
+def _device_error(name: str, local_gpu: Callable[[], int]) -> Any:
+    """Why this rank cannot use --device ``name`` (one line), or None."""
+    from hpdl.sr.config import ConfigError, resolve_device
+
+    try:
+        resolve_device(name, "--device", local_gpu)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def _output_picture(args: argparse.Namespace, picture: Any, fmt: str) -> Any:

@@ -17,7 +17,8 @@ times the time (docs/perf.md, "Tiled upscaling and float rounding"), so the fast
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+import dataclasses
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,8 +28,8 @@ from hpdl.sr.metrics import bicubic_upscale, quantize
 from hpdl.sr.models import receptive_field_radius
 from hpdl.sr.transforms import NUM_DIHEDRAL, dihedral_tensor, inverse_dihedral_tensor
 
-__all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "forward_tiled", "self_ensemble", "upscale", "upscale_alpha",
-           "upscale_image"]
+__all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "Tile", "as_image", "forward_tiled", "image_forward", "run_tile",
+           "self_ensemble", "tile_progress", "tile_rows", "upscale", "upscale_alpha", "upscale_image"]
 
 DEFAULT_TILE = 256
 # LR pixels on each side that the bicubic kernel (a = -0.5, 4 taps) reaches when enlarging, plus one.
@@ -49,25 +50,47 @@ def _on_device(model: nn.Module) -> Forward:
     return lambda x: model(x.to(device=device, dtype=torch.float32).contiguous()).to(x.device)
 
 
-def _tile_count(h: int, w: int, tile: int) -> int:
-    return -(-h // tile) * -(-w // tile)
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One tile of an image, in LR pixels: ``box``, the part whose output it gives, and
+    ``window``, what the model sees: the box extended by the margin on every side, up to the
+    image border (where a whole-image pass pads with zeros too)."""
+
+    box: Box
+    window: Box
+
+
+def tile_rows(h: int, w: int, tile: int, margin: int) -> List[List[Tile]]:
+    """The tiles of an ``h`` x ``w`` image, row of tiles by row of tiles, each left to right:
+    the order in which they are computed. Every path that upscales in tiles takes them from
+    here, so the same options give the same boxes and windows, hence the same bytes."""
+    rows = []
+    for y0 in range(0, h, tile):
+        row = []
+        for x0 in range(0, w, tile):
+            y1, x1 = min(y0 + tile, h), min(x0 + tile, w)
+            row.append(Tile((y0, y1, x0, x1), (max(y0 - margin, 0), min(y1 + margin, h),
+                                               max(x0 - margin, 0), min(x1 + margin, w))))
+        rows.append(row)
+    return rows
+
+
+def run_tile(forward: Forward, lr: torch.Tensor, tile: Tile, first_row: int = 0) -> Tuple[int, torch.Tensor]:
+    """Return ``(scale, output of the tile's box)``: ``forward`` on the tile's window of ``lr``
+    (``(..., rows, W)``, image rows from ``first_row`` on: all of them, or the rows one rank holds)."""
+    ya, yb, xa, xb = tile.window
+    piece = forward(lr[..., ya - first_row : yb - first_row, xa:xb])
+    s = piece.shape[-1] // (xb - xa)  # the model's scale, read off its output
+    y0, y1, x0, x1 = tile.box
+    return s, piece[..., (y0 - ya) * s : (y1 - ya) * s, (x0 - xa) * s : (x1 - xa) * s]
 
 
 def _tiles(forward: Forward, lr: torch.Tensor, tile: int, margin: int) -> Iterator[Tuple[int, Box, torch.Tensor]]:
-    """Yield ``(scale, tile box in LR pixels, output of the tile)`` for every tile of ``lr`` (``(..., H, W)``).
-
-    ``forward`` sees each tile extended by ``margin`` on every side (up to the image border)
-    and only the output of the tile itself is kept.
-    """
-    h, w = lr.shape[-2:]
-    for y0 in range(0, h, tile):
-        for x0 in range(0, w, tile):
-            y1, x1 = min(y0 + tile, h), min(x0 + tile, w)
-            ya, xa = max(y0 - margin, 0), max(x0 - margin, 0)
-            yb, xb = min(y1 + margin, h), min(x1 + margin, w)
-            piece = forward(lr[..., ya:yb, xa:xb])
-            s = piece.shape[-1] // (xb - xa)  # the model's scale, read off its output
-            yield s, (y0, y1, x0, x1), piece[..., (y0 - ya) * s : (y1 - ya) * s, (x0 - xa) * s : (x1 - xa) * s]
+    """Yield ``(scale, tile box in LR pixels, output of the tile)`` for every tile of ``lr`` (``(..., H, W)``)."""
+    for row in tile_rows(lr.shape[-2], lr.shape[-1], tile, margin):
+        for t in row:
+            s, piece = run_tile(forward, lr, t)
+            yield s, t.box, piece
 
 
 def forward_tiled(
@@ -132,6 +155,17 @@ def upscale(
     return out.squeeze(0) if lr.dim() == 3 else out
 
 
+def image_forward(model: nn.Module, ensemble: bool = False) -> Forward:
+    """The function a tile of an image goes through: the model on its device, or the x8 self-ensemble of it."""
+    on_device = _on_device(model)
+    return (lambda x: self_ensemble(on_device, x)) if ensemble else on_device
+
+
+def as_image(lr: torch.Tensor) -> np.ndarray:
+    """An image's output ``(1, 3, sh, sw)`` in float, quantised to a uint8 ``(sh, sw, 3)`` array."""
+    return quantize(lr[0]).to(torch.uint8).permute(1, 2, 0).numpy()
+
+
 @torch.no_grad()
 def upscale_image(
     model: nn.Module,
@@ -151,15 +185,15 @@ def upscale_image(
     """
     h, w = image.shape[:2]
     lr = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)  # a uint8 view
-    on_device = _on_device(model)
-    forward = (lambda x: self_ensemble(on_device, x)) if ensemble else on_device
     tile = tile or max(h, w)
     out: Optional[np.ndarray] = None
-    tiles = _tiles(forward, lr, tile, receptive_field_radius(model))
-    for s, (y0, y1, x0, x1), piece in _progress(tiles, _tile_count(h, w, tile), progress):
-        if out is None:
-            out = np.empty((h * s, w * s, 3), dtype=np.uint8)
-        out[y0 * s : y1 * s, x0 * s : x1 * s] = quantize(piece[0]).to(torch.uint8).permute(1, 2, 0).numpy()
+    tiles = _tiles(image_forward(model, ensemble), lr, tile, receptive_field_radius(model))
+    with tile_progress(-(-h // tile) * -(-w // tile), progress) as bar:
+        for s, (y0, y1, x0, x1), piece in tiles:
+            if out is None:
+                out = np.empty((h * s, w * s, 3), dtype=np.uint8)
+            out[y0 * s : y1 * s, x0 * s : x1 * s] = as_image(piece)
+            bar.update(1)
     assert out is not None
     return out
 
@@ -181,9 +215,9 @@ def upscale_alpha(alpha: np.ndarray, scale: int, *, tile: Optional[int] = DEFAUL
     return out
 
 
-def _progress(items: Iterable, total: int, enabled: bool) -> Iterable:
-    if not enabled:
-        return items
+def tile_progress(total: int, enabled: bool) -> Any:
+    """The bar over an upscale's tiles (``bar.update(n)``), drawn once ``PROGRESS_DELAY`` has passed;
+    ``enabled=False`` draws none."""
     from hpdl.sr.progress import progress_bar
 
-    return progress_bar(items, total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY)
+    return progress_bar(total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY, enabled=enabled)
