@@ -163,3 +163,28 @@ def test_torchrun_on_several_hosts_ends_every_host_when_one_fails(cluster):
     assert done.returncode != 0
     time.sleep(1)
     assert _pids(cluster.nodes[0].netns) == [] and _pids(cluster.nodes[1].netns) == []
+
+
+# -- one image split over the ranks of two nodes ---------------------------------------------------
+
+def test_spatial_upscale_across_nodes_writes_the_bytes_of_one_process(cluster, tmp_path):
+    # Ranks 0-1 on n1, 2-3 on n2; 5 rows of tiles (the last partial) in bands of 2, 1, 1 and 1.
+    import numpy as np
+    from PIL import Image
+
+    from hpdl.cli import main
+    from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
+    from hpdl.sr.models import build_model_from_config
+    from hpdl.sr.registry import ModelConfig
+
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "tiny.pt", make_checkpoint(build_model_from_config(ModelConfig("tiny", 2, 2, 8, 1.0))))
+    small = np.random.default_rng(0).integers(0, 256, (14, 13, 3), dtype=np.uint8)
+    Image.fromarray(small).resize((70, 75), Image.BICUBIC).save(tmp_path / "in.png")
+    options = ["--ckpt", str(tmp_path / "tiny.pt"), "--tile", "16"]
+    assert main(["sr", "upscale", str(tmp_path / "in.png"), str(tmp_path / "one.png"), *options]) == 0
+    out = on_first_node(cluster, sys.executable, "-m", "hpdl", "run", "-np", "4", "-H", "n1:2,n2:2", "--",
+                        sys.executable, "-m", "hpdl", "sr", "upscale", str(tmp_path / "in.png"),
+                        str(tmp_path / "four.png"), *options, "--spatial")
+    assert out.count("wrote ") == 1  # rank 0 reports
+    assert (tmp_path / "four.png").read_bytes() == (tmp_path / "one.png").read_bytes()

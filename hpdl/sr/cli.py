@@ -24,6 +24,7 @@ __all__ = ["DEFAULT_MAX_PIXELS", "register"]
 def register(subparsers: Any) -> None:
     """Add ``hpdl sr`` and its subcommands."""
     from hpdl.sr.registry import model_names  # no torch: cheap enough for --help
+    from hpdl.sr.upscale_cli import register_upscale  # here: it imports this module's helpers
 
     sr = subparsers.add_parser(
         "sr",
@@ -36,7 +37,7 @@ def register(subparsers: Any) -> None:
     sr_sub = sr.add_subparsers(dest="sr_command", metavar="SUBCOMMAND")
     _register_train(sr_sub)
     _register_eval(sr_sub)
-    _register_upscale(sr_sub)
+    register_upscale(sr_sub)
     _register_export(sr_sub)
 
 
@@ -197,32 +198,6 @@ def _register_eval(sr_sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
     _add_no_progress(p, "images")
     p.set_defaults(func=_guarded(_run_eval), sr_modules=("tqdm", "PIL"))
-
-
-def _register_upscale(sr_sub: Any) -> None:
-    p = sr_sub.add_parser(
-        "upscale",
-        help="super-resolve one image of any size",
-        description="Super-resolve an image with a checkpoint, in overlapping tiles that each see all the input "
-        "their output needs, so that seams do not show; float rounding (the convolution kernels add in another "
-        "order for other extents) may still move a few 8-bit values by one level against --tile 0 (docs/sr.md).",
-    )
-    p.add_argument("input", help="input (LR) image")
-    p.add_argument("output", help="output image (.png recommended)")
-    p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or EDSR-PyTorch or BasicSR weights")
-    p.add_argument("--tile", type=int, default=256, help="tile size in LR pixels; 0 = whole image (default 256)")
-    p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the input)")
-    p.add_argument("--spatial", action="store_true",
-                   help="under a launcher of several ranks (hpdl run -np 4 -- hpdl sr upscale ... --spatial), split the "
-                   "rows of tiles into one band per rank, each rank computing its tiles with their full margins as "
-                   "one process does: the output file has the same bytes as the one-process upscale with the same "
-                   "--tile; rank 0 reads the input and the checkpoint and writes the output (docs/sr.md)")
-    _add_max_pixels(p, "refuse an input image of more pixels than this")
-    _add_device(p)
-    _add_res_scale(p)
-    _add_no_progress(p, "tiles")
-    p.set_defaults(func=_guarded(_run_upscale), sr_modules=("tqdm", "PIL"))
 
 
 def _register_export(sr_sub: Any) -> None:
@@ -518,151 +493,6 @@ def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_Out
     asked = f"{args.grid_crop}x{args.grid_crop}"
     cut = "" if sizes == [asked] else f" (--grid-crop {args.grid_crop} cut to whole LR pixels and to the images)"
     print(f"wrote {args.grid}: {len(samples)} crops of {', '.join(sizes)} px{cut}", file=sys.stderr)
-
-
-def _run_upscale(args: argparse.Namespace) -> int:
-    if args.spatial:
-        return _run_upscale_spatial(args)
-    picture, model, guard = _open_upscale(args)
-    from hpdl.sr.upscale import upscale_image
-
-    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
-                        progress=args.progress)
-    return _write_upscaled(args, picture, model.scale, out, guard)
-
-
-def _open_upscale(args: argparse.Namespace, device: Any = None) -> tuple:
-    """Check the command line and the output, read the picture and load the model, before any
-    work; return ``(picture, model, output guard)``. ``device``: the model's (default: --device)."""
-    from hpdl.sr.config import resolve_device
-    from hpdl.sr.images import output_format, read_picture
-
-    if args.tile < 0:
-        raise CliError(f"--tile must be >= 0, got {args.tile}")
-    if args.spatial and args.tile == 0:
-        raise CliError("--spatial splits the rows of tiles over the ranks, and --tile 0 makes the whole image "
-                       "one tile: give a tile size (--tile 256)")
-    _check_max_pixels(args)
-    # Everything about the output is checked before minutes of inference, not after.
-    guard = _OutputGuard([("input image", args.input)], args.overwrite)
-    guard.refuse_now(args.output)
-    fmt = output_format(args.output)
-    picture = _output_picture(args, read_picture(args.input, max_pixels=args.max_pixels), fmt)
-    device = device if device is not None else resolve_device(args.device, "--device")
-
-    from hpdl.sr.checkpoint import load_model
-
-    model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
-    _print_notes(checkpoint)
-    return picture, model, guard
-
-
-def _write_upscaled(args: argparse.Namespace, picture: Any, scale: int, out: Any, guard: "_OutputGuard") -> int:
-    """Write the upscaled picture (gray kept gray, transparency enlarged beside it) and say so."""
-    import numpy as np
-
-    from hpdl.sr.images import write_image
-    from hpdl.sr.upscale import upscale_alpha
-
-    if picture.gray:
-        from PIL import Image
-
-        # The network's colours of a gray input are its error: the output keeps the input's channels.
-        out = np.asarray(Image.fromarray(out).convert("L"))
-    if picture.alpha is not None:
-        out = np.dstack([out, upscale_alpha(picture.alpha, scale, tile=args.tile or None)])
-    write_image(args.output, out, check_target=guard.for_writer(args.output), icc_profile=picture.icc_profile)
-    (h, w), (sh, sw) = picture.rgb.shape[:2], out.shape[:2]
-    print(f"wrote {args.output}: {sw}x{sh} (x{scale} of {w}x{h})")
-    return 0
-
-
-def _run_upscale_spatial(args: argparse.Namespace) -> int:
-    """The upscale on every rank of the job, each computing a band of the rows of tiles; rank 0
-    reads, checks and writes as the one-process upscale does (hpdl/sr/spatial_upscale.py)."""
-    import torch
-
-    import hpdl.torch as hvd
-    from hpdl.sr.config import resolve_device
-    from hpdl.sr.models import build_model_from_config
-    from hpdl.sr.spatial_upscale import idle_ranks, upscale_image_in_bands
-
-    hvd.init()
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The ranks of a node share its cores: one thread pool per core, not one per rank.
-        torch.set_num_threads(max(1, torch.get_num_threads() // hvd.local_size()))
-    # Rank 0 alone reads the input and the checkpoint (they need not be on the other nodes) and
-    # refuses bad input before any work; every rank then ends with its one line and status.
-    picture = model = guard = None
-    plan, refusal = None, None
-    if hvd.rank() == 0:
-        try:
-            with _sr_errors_as_cli_errors():
-                picture, model, guard = _open_upscale(args, device="cpu")
-            plan = {"config": model.config.to_dict(), "shape": picture.rgb.shape[:2], "scale": model.scale}
-        except CliError as err:
-            refusal = (str(err), err.code)
-    plan, refusal = hvd.broadcast_object((plan, refusal), 0, name="upscale.plan")
-    if refusal is not None:
-        raise CliError(*refusal)
-    if model is None:
-        model = build_model_from_config(plan["config"]).eval()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    device_errors = hvd.allgather_object(_device_error(args.device, hvd.local_gpu), name="upscale.device")
-    failed = [(rank, error) for rank, error in enumerate(device_errors) if error is not None]
-    if failed:
-        raise CliError(f"rank {failed[0][0]}: {failed[0][1]}" if len(failed) < len(device_errors) else failed[0][1])
-    model = model.to(resolve_device(args.device, "--device", hvd.local_gpu))
-    idle = idle_ranks(plan["shape"][0], args.tile, hvd.size())
-    if idle and hvd.rank() == 0:
-        print(f"hpdl: note: {args.input}: {hvd.size() - idle} rows of tiles for {hvd.size()} ranks: {idle} rank(s) "
-              "have nothing to do; a smaller --tile splits the image finer", file=sys.stderr, flush=True)
-    out = upscale_image_in_bands(model, picture.rgb if picture is not None else None, plan["shape"], plan["scale"],
-                                 tile=args.tile, ensemble=args.self_ensemble, progress=args.progress)
-    if hvd.rank() != 0:
-        return 0
-    return _write_upscaled(args, picture, plan["scale"], out, guard)
-
-
-def _device_error(name: str, local_gpu: Callable[[], int]) -> Any:
-    """Why this rank cannot use --device ``name`` (one line), or None."""
-    from hpdl.sr.config import ConfigError, resolve_device
-
-    try:
-        resolve_device(name, "--device", local_gpu)
-    except ConfigError as err:
-        return str(err)
-    return None
-
-
-def _output_picture(args: argparse.Namespace, picture: Any, fmt: str) -> Any:
-    """Fit what the input shows to what the output's format holds, or refuse before any work.
-
-    An alpha channel with no transparent pixel is dropped (nothing is lost); real transparency
-    is kept, or the command is refused rather than writing an image that lost it. Gray is
-    written as RGB where the format cannot hold gray.
-    """
-    import dataclasses
-
-    from hpdl.sr.images import writer_keeps
-
-    if picture.frames > 1:
-        print(f"hpdl: note: {args.input}: holds {picture.frames} frames; only the first is upscaled",
-              file=sys.stderr, flush=True)
-    if picture.colour_note:
-        print(f"hpdl: note: {args.input}: {picture.colour_note}", file=sys.stderr, flush=True)
-    if picture.orientation != 1:
-        print(f"hpdl: note: {args.input}: turned upright by its EXIF orientation ({picture.orientation}), as "
-              "viewers show it; the output has no orientation tag", file=sys.stderr, flush=True)
-    if picture.alpha is not None and bool((picture.alpha == 255).all()):
-        picture = dataclasses.replace(picture, alpha=None)
-    if picture.gray and not writer_keeps(fmt, picture.mode):
-        # Written as RGB, which a gray profile does not describe.
-        picture = dataclasses.replace(picture, gray=False, icc_profile=None)
-    if picture.alpha is not None and not writer_keeps(fmt, picture.mode):
-        raise CliError(f"{args.output}: Pillow's {fmt} writer cannot keep the transparency of {args.input}; "
-                       "write .png, .webp or .tif")
-    return picture
 
 
 class _OutputGuard:
