@@ -85,6 +85,9 @@ def test_errors_are_one_line_on_rank_0_and_silent_elsewhere(tmp_path, data):
         "truncated_ckpt": "truncated.pt: not a readable checkpoint: the zip archive is truncated or damaged",
         "other_scale_ckpt": "checkpoint is for edsr_custom x3, not edsr_custom x2",
         "corrupt_image": "broken.png: cannot decode image",
+        "spatial_not_dividing": "spatial=3: the 2 ranks of this job do not form groups of 3",
+        "spatial_patch_too_small": "spatial=2 cannot split patches of patch_size=1: a 1 x 1 image cannot be split "
+                                   "into 2x1 bands",
     }
     for case, words in expected.items():
         lines = rank0[case]["stderr"].strip().splitlines()
@@ -112,3 +115,46 @@ def test_overlap_forward_trains_the_same_model(tmp_path, data):
             for column in ("loss", "psnr"):
                 if column in ra:
                     assert abs(float(ra[column]) - float(rb[column])) < 1e-4, (log, ra, rb)
+
+
+# -- spatial=S: each patch split over S ranks -------------------------------------------------------
+
+def assert_same_training(a, b, tolerance):
+    """The runs in ``a`` and ``b`` reached the same weights (model and moving average) and logged
+    the same losses and scores, within ``tolerance`` (float32 summation order)."""
+    wa, wb = torch.load(a / "last.pt", weights_only=True), torch.load(b / "last.pt", weights_only=True)
+    assert wa["update"] == wb["update"] == 4
+    for part in ("model", "ema"):
+        assert wa[part].keys() == wb[part].keys()
+        for key in wa[part]:
+            torch.testing.assert_close(wb[part][key], wa[part][key], rtol=tolerance, atol=tolerance, msg=(part, key))
+    for log, columns in (("train_log.csv", ("update", "epoch", "loss", "lr")), ("val_log.csv", ("update", "psnr"))):
+        ra, rb = rows(a / log), rows(b / log)
+        assert len(ra) == len(rb) > 0, log
+        for x, y in zip(ra, rb):
+            for column in columns:
+                assert float(x[column]) == pytest.approx(float(y[column]), rel=tolerance), (log, x, y)
+
+
+def test_spatial_training_reaches_the_weights_of_one_process_on_whole_patches(tmp_path, data):
+    # 11 px patches in bands of 6 and 5 rows on 2 ranks, against one process with the same config.
+    run_ranks("sr_train.py", 1, args=["spatial", str(tmp_path), str(data), "whole"], timeout=150)
+    run_ranks("sr_train.py", 2, args=["spatial", str(tmp_path), str(data), "split", "spatial=2"], timeout=150)
+    assert_same_training(tmp_path / "whole", tmp_path / "split", 1e-5)
+    assert "spatial: 2" in (tmp_path / "split" / "config.yaml").read_text().splitlines()
+    # The checkpoint holds the model's own weights: one process loads it as any other.
+    from hpdl.sr.checkpoint import load_model
+
+    model, _ = load_model(tmp_path / "split" / "model.pt")
+    assert not any(key.startswith("module.") for key in model.state_dict())
+
+
+def test_spatial_groups_train_as_data_parallel_replicas_and_resume(tmp_path, data):
+    # 4 ranks in 2 groups of spatial=2 against 2 ranks of plain data parallelism; the spatial run
+    # is stopped half way and resumed by a second job.
+    run_ranks("sr_train.py", 2, args=["spatial", str(tmp_path), str(data), "plain"], timeout=150)
+    hybrid = ["spatial", str(tmp_path), str(data), "hybrid", "spatial=2"]
+    run_ranks("sr_train.py", 4, args=hybrid + ["total_updates=2", "val_at_end=false"], timeout=200)
+    resumed = run_ranks("sr_train.py", 4, args=hybrid + ["resume=auto"], timeout=200)
+    assert "resumed from" in resumed.stdout and "at update 2" in resumed.stdout, resumed.stdout
+    assert_same_training(tmp_path / "plain", tmp_path / "hybrid", 1e-5)

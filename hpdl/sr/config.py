@@ -59,8 +59,8 @@ class TrainConfig:
     val_data: Optional[str] = None
     val_range: Optional[str] = None  # DIV2K image numbers, e.g. '801-810' (default 801-900)
     patch_size: int = 48  # LR patch side; HR patches are patch_size * scale
-    batch_size: int = 16  # per rank (ignored when global_batch_size is set)
-    global_batch_size: int = 0  # >0: split this over the ranks (must divide evenly)
+    batch_size: int = 16  # per rank, or per group of `spatial` ranks (ignored when global_batch_size is set)
+    global_batch_size: int = 0  # >0: split this over the ranks, or the groups (must divide evenly)
     repeat: int = 20  # passes over the training images per sampler epoch
     augment: bool = True  # random flips and transposes (the 8 dihedral transforms)
     workers: int = 2  # DataLoader worker processes per rank (0: load in the training process)
@@ -86,6 +86,9 @@ class TrainConfig:
     # overlap_forward): for networks slower than the compute, e.g. across nodes over TCP.
     overlap_forward: bool = False
     ema_decay: float = 0.0  # exponential moving average of the weights (0: off; BasicSR 0.999)
+    # Ranks that share each patch, split into row bands (hpdl.torch.spatial, exact to one process);
+    # the job's ranks / spatial data-parallel replicas take different patches. 1: data parallel only.
+    spatial: int = 1
 
     # -- validation, logging, checkpoints --
     val_every: int = 0  # validate every this many updates (0: only at the end)
@@ -151,7 +154,7 @@ def _check_ranges(c: TrainConfig) -> None:
     for key in ("n_resblocks", "n_feats", "global_batch_size", "workers", "warmup_updates", "lr_decay_steps",
                 "val_every", "val_tile", "ckpt_every", "threads"):
         need(getattr(c, key) >= 0, key, ">= 0")
-    for key in ("patch_size", "batch_size", "repeat", "total_updates", "log_every", "max_pixels"):
+    for key in ("patch_size", "batch_size", "repeat", "total_updates", "log_every", "max_pixels", "spatial"):
         need(getattr(c, key) >= 1, key, ">= 1")
     # Adam keeps lr and eps as float32 numbers beside the weights: past 1 neither means anything
     # (and past float32's range Adam fails at its first step, after out_dir is written).

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,8 @@ from hpdl.sr.models import build_model_from_config, count_parameters, load_pretr
 from hpdl.sr.registry import make_config
 from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config
 from hpdl.sr.sampler import ShardSampler
+from hpdl.sr.spatial_train import patch_forward, spatial_layout
+from hpdl.sr.threads import share_of_cores, thread_oversubscription
 from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say, validate
 from hpdl.torch.mixed_precision import MixedPrecision
 
@@ -73,6 +74,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         world = _join(cfg, lock)
         data = _open_data(cfg, world)
         model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
+        # With spatial=S, this rank's row band of each patch (spatial_train.py); else whole patches.
+        net = patch_forward(model, world.layout, cfg.patch_size, world.device)
         precision = agreed("amp", lambda: _mixed_precision(cfg.amp, world.device))
         progress = _start_or_resume(cfg, world, model, optimizer, ema, precision, data.sampler, lock)
         if progress.resumed and progress.update >= cfg.total_updates:
@@ -97,15 +100,17 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with precision.autocast():  # amp: the forward in 16 bits, the weights stay float32
-                sr_img = model(lr_img)
-            loss = F.l1_loss(sr_img.float(), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
+                sr_part = net(net.scatter(lr_img))
+            # L1, as EDSR: sharper than L2 and better PSNR. On this rank's part of the patches as on
+            # the whole: SpatialParallel weighs each part's loss by its share of the pixels.
+            loss = F.l1_loss(sr_part.float(), net.scatter(hr_img))
             optimizer.zero_grad(set_to_none=True)
             precision.backward(loss)  # the gradient allreduces start in here
             precision.step(optimizer)  # waits for them, then Adam (with overlap_forward: the next forward does)
             if ema is not None:
                 optimizer.apply_pending_updates()  # the average needs this step's weights
                 ema.update(model)
-            run.count_update(loss, lr, epoch, time.perf_counter() - step_start)
+            run.count_update(net.whole_mean(loss, sr_part), lr, epoch, time.perf_counter() - step_start)
             run.validate_and_checkpoint(step_in_pass)
         return run.finish(wall_start)
 
@@ -120,15 +125,25 @@ class _World:
     rank: int
     size: int
     device: torch.device
-    batch_size: int  # per rank
+    batch_size: int  # per replica: a rank, or a group of `spatial` ranks sharing each patch
+    layout: Optional[Any] = None  # hpdl.torch.spatial.Layout of the groups (spatial > 1)
 
     @property
     def master(self) -> bool:
         return self.rank == 0
 
     @property
+    def replicas(self) -> int:
+        """How many data-parallel replicas take different patches."""
+        return self.layout.data if self.layout is not None else self.size
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica if self.layout is not None else self.rank
+
+    @property
     def global_batch(self) -> int:
-        return self.batch_size * self.size
+        return self.batch_size * self.replicas
 
 
 @dataclasses.dataclass
@@ -162,10 +177,8 @@ def _from_rank0(name: str, fn: Callable[[], T]) -> T:
 
 def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
     """Join the job: device, threads, seeds and per-rank batch; refuse an out_dir holding an earlier
-    run, or in use by a live one.
-
-    One process per core is the usual layout on CPUs, so by default each rank takes its share of
-    the node's cores; more threads than cores only adds contention.
+    run, or in use by a live one. Threads: ``threads``, or this rank's share of its node's cores
+    (hpdl/sr/threads.py).
     """
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -181,12 +194,11 @@ def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
         lambda: lock.refusal(existing_only=True) or earlier_run_refusal(Path(cfg.out_dir), cfg)))
     if refusal is not None:
         raise TrainError(refusal)
-    cores = _cpu_count()
     if cfg.threads:
-        warning = _thread_oversubscription(cfg.threads)  # every rank takes part: it gathers
+        warning = thread_oversubscription(cfg.threads)  # every rank takes part: it gathers
         if warning is not None:
             print(f"hpdl: warning: {warning}; the threads will contend for them", file=sys.stderr, flush=True)
-    torch.set_num_threads(cfg.threads or max(1, cores // hvd.local_size()))
+    torch.set_num_threads(cfg.threads or share_of_cores())
     # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
     # weights all come from rank 0, so the models still start identical.
     if cfg.seed + size > 2**32:  # the config left room for MAX_SEED_RANKS ranks; this job has more
@@ -194,9 +206,13 @@ def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
-    if cfg.global_batch_size and cfg.global_batch_size % size:
-        raise TrainError(f"global_batch_size={cfg.global_batch_size} does not split over {size} ranks")
-    return _World(rank, size, device, cfg.global_batch_size // size if cfg.global_batch_size else cfg.batch_size)
+    layout = spatial_layout(cfg.spatial)  # groups of ranks sharing each patch, if spatial > 1
+    replicas = size // cfg.spatial
+    if cfg.global_batch_size and cfg.global_batch_size % replicas:
+        over = f"{size} ranks" if cfg.spatial == 1 else f"{replicas} groups of spatial={cfg.spatial} ranks"
+        raise TrainError(f"global_batch_size={cfg.global_batch_size} does not split over {over}")
+    batch_size = cfg.global_batch_size // replicas if cfg.global_batch_size else cfg.batch_size
+    return _World(rank, size, device, batch_size, layout)
 
 
 def _open_data(cfg: TrainConfig, world: _World) -> _Data:
@@ -215,8 +231,9 @@ def _open_data(cfg: TrainConfig, world: _World) -> _Data:
         cfg.data, cfg.scale, patch_size=cfg.patch_size, repeat=cfg.repeat, augment=cfg.augment, seed=cfg.seed,
         cache_dir=cfg.cache_dir, index_range=_range(cfg.train_range), on_bad_image=cfg.on_bad_image,
         downscaler=cfg.downscaler, max_pixels=cfg.max_pixels, limit_name="max_pixels"))
-    if len(train_set) // world.size < world.batch_size:
-        raise TrainError(f"{len(train_set)} patches per epoch give each of {world.size} ranks fewer than "
+    if len(train_set) // world.replicas < world.batch_size:
+        who = "ranks" if world.layout is None else "groups of ranks"
+        raise TrainError(f"{len(train_set)} patches per epoch give each of {world.replicas} {who} fewer than "
                          f"batch_size={world.batch_size}; raise repeat")
     val_set = agreed("validation data", lambda: _measurable(build_val_dataset(
         cfg.val_data or cfg.data, cfg.scale, cache_dir=cfg.cache_dir, index_range=_range(cfg.val_range),
@@ -229,10 +246,11 @@ def _open_data(cfg: TrainConfig, world: _World) -> _Data:
     if not held_out:
         say(f"note: data={cfg.data} has no validation split and val_data is not another set: validation "
             "scores the training images (set val_data= for held-out scores)")
-    # The sampler gives each rank its share of every epoch's permutation, the same number of
-    # samples on every rank (at most size - 1 repeated to even them); drop_last keeps every batch
-    # full, so all ranks make as many steps.
-    sampler = ShardSampler(train_set, rank=world.rank, num_replicas=world.size, seed=cfg.seed)
+    # The sampler gives each replica (a rank, or a group of ranks that split each patch) its share
+    # of every epoch's permutation, the same number of samples on every replica (at most
+    # replicas - 1 repeated to even them); drop_last keeps every batch full, so all ranks make as
+    # many steps.
+    sampler = ShardSampler(train_set, rank=world.replica, num_replicas=world.replicas, seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=world.batch_size, sampler=sampler, num_workers=cfg.workers,
                         drop_last=True, pin_memory=world.device.type == "cuda")
     return _Data(train_set, val_set, held_out, sampler, loader)
@@ -247,7 +265,7 @@ def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Modu
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # With per-rank batches the global batch grows with the ranks; the linear scaling rule
     # (Goyal et al.) grows the lr with it, and the warm-up avoids the early instability.
-    base_lr = cfg.lr * (world.size if cfg.scale_lr_with_world else 1)
+    base_lr = cfg.lr * (world.replicas if cfg.scale_lr_with_world else 1)
     optimizer = torch.optim.Adam([p for _, p in named], lr=base_lr, betas=cfg.betas, eps=cfg.eps)
     # Every gradient's allreduce starts inside backward(), as soon as autograd has produced it;
     # step() waits for them and then runs Adam on the averaged gradients.
@@ -311,16 +329,18 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
     changed = ", ".join(f"{k} ({state['config'].get(k)!r} -> {now[k]!r})"
                         for k in TRAJECTORY_KEYS if state["config"].get(k) != now[k])
     say(f"resumed from {path} at update {state['update']}" + (f"; changed: {changed}" if changed else ""))
-    if len(state["rng"]) != world.size:
-        before = len(state["rng"])
+    before = len(state["rng"]), int(state["config"].get("spatial", 1))  # ranks, and ranks per patch
+    if before != (world.size, cfg.spatial):
+        before_replicas = before[0] // before[1]
         what = ""
-        if not cfg.global_batch_size:
-            # A per-rank batch: the global batch (and a lr scaled with the ranks) follows the ranks.
+        if not cfg.global_batch_size and before_replicas != world.replicas:
+            # A per-replica batch: the global batch (and a lr scaled with the replicas) follows the replicas.
             what = (f": the global batch is {world.global_batch} patches per update, "
-                    f"{world.batch_size * before} before")
+                    f"{world.batch_size * before_replicas} before")
             if cfg.scale_lr_with_world:
-                what += f", and the lr is scaled by {world.size} instead of {before}"
-        say(f"note: the checkpoint was written by {before} ranks, this job has {world.size}{what}")
+                what += f", and the lr is scaled by {world.replicas} instead of {before_replicas}"
+        say(f"note: the checkpoint was written by {before[0]} ranks{_groups(*before)}, this job has "
+            f"{world.size}{_groups(world.size, cfg.spatial)}{what}")
     window = state["log_window"]
     return _Progress(state["update"], state["train_seconds"], resumed=True,
                      log_window=(window["since"], window["loss_sum"]) if window else None)
@@ -364,7 +384,9 @@ class _Run:
     def describe(self) -> str:
         """Return the line that says what is trained, on how many ranks, with what batches."""
         w, cfg = self.world, self.cfg
-        return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {w.size} rank(s) x "
+        replicas = f"{w.size} rank(s)" if w.layout is None else \
+            f"{w.size} ranks in {w.replicas} group(s) of spatial={cfg.spatial} (each patch in {cfg.spatial} row bands)"
+        return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {replicas} x "
                 f"batch {w.batch_size} of {cfg.patch_size}px patches; {len(self.data.train_set)} patches per epoch; "
                 f"{torch.get_num_threads()} thread(s) per rank on {w.device}"
                 + (f", amp {cfg.amp}" if self.precision.enabled else ""))
@@ -482,7 +504,7 @@ class _Run:
         else:  # the scores of these weights, if val_every validated them at the last update
             scores = self.last_scores if self.last_scores and self.last_scores["update"] == p.update else None
         summary = {
-            "model": self.weights.config.describe(), "world_size": w.size, "updates": p.update,
+            "model": self.weights.config.describe(), "world_size": w.size, "spatial": cfg.spatial, "updates": p.update,
             "updates_this_run": p.update - self.start_update, "global_batch": w.global_batch,
             "patch_size": cfg.patch_size, "train_seconds": p.train_seconds,
             "wall_seconds": time.perf_counter() - wall_start,
@@ -502,6 +524,11 @@ class _Run:
 # -- helpers of the set-up above ------------------------------------------------------------------
 
 
+def _groups(ranks: int, spatial_ranks: int) -> str:
+    """`` (2 groups of spatial=2)`` for 4 ranks sharing patches by 2; nothing without spatial."""
+    return f" ({ranks // spatial_ranks} groups of spatial={spatial_ranks})" if spatial_ranks > 1 else ""
+
+
 def _throughput(step_seconds: List[float], global_batch: int) -> Dict[str, float]:
     """img/s over the updates of this run: the mean (images / time), the median and 10-90th percentiles.
 
@@ -514,41 +541,6 @@ def _throughput(step_seconds: List[float], global_batch: int) -> Dict[str, float
     rates = sorted(global_batch / t for t in steady)
     return {"img_per_s": global_batch * len(steady) / sum(steady), "img_per_s_median": statistics.median(rates),
             "img_per_s_p10": rates[len(rates) // 10], "img_per_s_p90": rates[-1 - len(rates) // 10]}
-
-
-def _cpu_count() -> int:
-    return len(_cpu_set())
-
-
-def _cpu_set() -> List[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return list(range(os.cpu_count() or 1))
-
-
-def _thread_oversubscription(threads: int) -> Optional[str]:
-    """On every rank (it gathers): on rank 0, why ``threads`` per rank are too many for its node, if they are.
-
-    The ranks of a node share its cores, unless the launcher bound each to its own: the threads
-    of all of them count against the cores they may run on together, and each rank's against
-    its own.
-    """
-    placement = hvd.allgather_object((socket.gethostname(), _cpu_set()), name="train.cores")
-    if hvd.rank() != 0:
-        return None
-    node = [set(cpus) for host, cpus in placement if host == placement[0][0]]
-    usable = set().union(*node)
-    if len(node) == 1:
-        return f"threads={threads} is more than the {len(usable)} cores this process can use" \
-            if threads > len(usable) else None
-    if threads * len(node) > len(usable):
-        return (f"threads={threads} on each of the {len(node)} ranks of this node is {threads * len(node)} "
-                f"threads, more than the {len(usable)} cores they can use")
-    fewest = min(len(cpus) for cpus in node)
-    if threads > fewest:
-        return f"threads={threads} is more than the {fewest} cores a rank of this node is bound to"
-    return None
 
 
 def _measurable(val_set: Any, cfg: TrainConfig) -> Any:

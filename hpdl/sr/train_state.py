@@ -254,7 +254,9 @@ def format_summary(summary: Dict[str, Any]) -> str:
     """Format the end-of-training summary as a two-column table."""
     rows: Sequence[Tuple[str, str]] = [
         ("model", summary["model"]),
-        ("ranks", str(summary["world_size"])),
+        ("ranks", str(summary["world_size"]) + (f" ({summary['world_size'] // summary['spatial']} groups of "
+                                                 f"spatial={summary['spatial']})"
+                                                 if summary.get("spatial", 1) > 1 else "")),
         ("updates", f"{summary['updates']} ({summary['updates_this_run']} in this run)"),
         ("global batch", str(summary["global_batch"])),
         ("training time", f"{summary['train_seconds']:.1f} s (wall {summary['wall_seconds']:.1f} s)"),

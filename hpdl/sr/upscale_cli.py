@@ -114,11 +114,12 @@ def _run_upscale_spatial(args: argparse.Namespace) -> int:
     from hpdl.sr.config import resolve_device
     from hpdl.sr.models import build_model_from_config
     from hpdl.sr.spatial_upscale import idle_ranks, upscale_image_in_bands
+    from hpdl.sr.threads import share_of_cores
 
     hvd.init()
     if "OMP_NUM_THREADS" not in os.environ:
-        # The ranks of a node share its cores: one thread pool per core, not one per rank.
-        torch.set_num_threads(max(1, torch.get_num_threads() // hvd.local_size()))
+        # The ranks of a node share its cores, as training's ranks do (threads.py).
+        torch.set_num_threads(share_of_cores())
     # Rank 0 alone reads the input and the checkpoint (they need not be on the other nodes) and
     # refuses bad input before any work; every rank then ends with its one line and status.
     picture = model = guard = None

@@ -4,6 +4,7 @@
     sr_train.py resume OUT DATA                   # OUT/resumed: continue to N (a new process)
     sr_train.py errors OUT DATA                   # CLI error cases; OUT/errors.<rank>.json
     sr_train.py overlap OUT DATA                  # OUT/plain and OUT/overlap (overlap_forward=true)
+    sr_train.py spatial OUT DATA NAME [KEY=VALUE ...]  # OUT/NAME: N_SPATIAL updates with those settings
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from _common import run_main
 
 N = 10  # updates; the sampler epoch is 4 updates long, so N/2 = 5 stops inside epoch 1
+N_SPATIAL = 4  # updates of the spatial runs, compared with plain ones
 
 
 def tiny(data: Path, out: Path, *extra: str) -> list:
@@ -48,6 +50,10 @@ def main() -> None:
             # No EMA: its average would apply each update at once, with nothing left to overlap.
             train(load_config("demo", tiny(data, out / name, f"total_updates={N}", f"ckpt_every={N // 2}",
                                            "ema_decay=0", *extra)))
+    elif mode == "spatial":
+        name, extra = sys.argv[4], sys.argv[5:]
+        train(load_config("demo", tiny(data, out / name, f"total_updates={N_SPATIAL}", "ckpt_every=2",
+                                       "patch_size=11", *extra)))
     else:
         raise SystemExit(f"unknown mode {mode}")
 
@@ -65,6 +71,8 @@ def errors(out: Path, data: Path) -> None:
         "truncated_ckpt": base + tiny(data, out / "e") + ["--resume", str(out / "truncated.pt")],
         "other_scale_ckpt": base + tiny(data, out / "e") + ["--resume", str(out / "x3.pt")],
         "corrupt_image": base + tiny(data, out / "e") + [f"data={data / 'corrupt'}"],
+        "spatial_not_dividing": base + tiny(data, out / "e") + ["spatial=3"],
+        "spatial_patch_too_small": base + tiny(data, out / "e") + ["spatial=2", "patch_size=1"],
         "corrupt_image_skipped": base + tiny(data, out / "skip") + [f"data={data / 'corrupt'}", "on_bad_image=skip",
                                                                      "total_updates=1", "val_at_end=false"],
     }
