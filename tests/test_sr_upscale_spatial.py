@@ -16,7 +16,7 @@ from hpdl.sr.models import build_model_from_config
 from hpdl.sr.registry import ModelConfig
 from hpdl.sr.spatial_upscale import idle_ranks
 from hpdl.sr.upscale import tile_rows
-from hpdl.torch.spatial.geometry import bands
+from hpdl.torch.spatial import bands
 from ranks import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -165,3 +165,16 @@ def test_bad_input_is_one_line_on_rank_0_and_every_rank_fails(job, inputs, case)
     else:
         assert not (out / output).exists()
 
+
+
+def test_the_help_and_the_docs_say_what_spatial_does(capsys):
+    from pathlib import Path
+
+    with pytest.raises(SystemExit):
+        main(["sr", "upscale", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--spatial" in text and "the output file has the same bytes as the one-process upscale with the same " \
+                                   "--tile" in text, text
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "sr.md").read_text().split())
+    assert "writes the file that the one-process `hpdl sr upscale big.png out.png --ckpt model.pt` writes with the " \
+           "same `--tile` (and `--self-ensemble`), byte for byte" in docs

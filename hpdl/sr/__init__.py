@@ -45,6 +45,7 @@ _EXPORTS: Dict[str, str] = {
     "bicubic_upscale": "metrics",
     "upscale": "upscale",
     "upscale_image": "upscale",
+    "upscale_image_in_bands": "spatial_upscale",
     "forward_tiled": "upscale",
     "self_ensemble": "upscale",
     "evaluate": "evaluate",

@@ -96,13 +96,14 @@ def _register_train(sr_sub: Any) -> None:
 
     p = sr_sub.add_parser(
         "train",
-        help="train a model data-parallel (alone or under hpdl run / mpiexec / srun / torchrun)",
+        help="train a model data-parallel, each patch split over S ranks with spatial=S (alone or under hpdl run / "
+        "mpiexec / srun / torchrun)",
         description=f"Train a model (model= one of {', '.join(model_names())}; scale= {describe_scales()}) "
         "from a YAML config (a packaged name such as 'demo', "
         "'edsr_baseline_x2', or a path) with KEY=VALUE overrides, e.g. "
         "'hpdl run -np 2 -- hpdl sr train --config demo total_updates=500'. Rank 0 writes into "
         "OUT_DIR (the out_dir= key, e.g. runs/demo for demo): last.pt (resumable), model.pt (weights), CSV logs, "
-        "curves.png and a summary. An OUT_DIR "
+        "curves.png and a summary. spatial=S splits each patch over groups of S ranks (docs/sr.md). An OUT_DIR "
         "holding an earlier run is refused: continue it with resume=auto, or start over with overwrite=true.",
         epilog=f"packaged configs: {', '.join(config_names())}. The keys and their meaning: "
         "TrainConfig in hpdl/sr/config.py.",

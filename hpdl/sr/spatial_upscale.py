@@ -3,7 +3,7 @@
 The one-process upscale computes the image in overlapping tiles (upscale.py: each tile's
 window is its box extended by the receptive-field radius), row of tiles after row of tiles.
 Here the rows of tiles are split into contiguous bands, one per rank, as evenly as possible
-with the earlier bands larger (the spatial layers' rule, ``hpdl.torch.spatial.geometry.bands``),
+with the earlier bands larger (the spatial layers' rule, ``hpdl.torch.spatial.bands``),
 and every rank computes its tiles exactly as the one process does: the same boxes and windows
 (``upscale.tile_rows``), the same forward and quantisation. A convolution's result depends on
 the extent of its input, not on which process computes it, so the output is the one process's
@@ -30,9 +30,9 @@ from torch import nn
 import hpdl.torch as hvd
 from hpdl.sr.models import receptive_field_radius
 from hpdl.sr.upscale import Tile, as_image, image_forward, run_tile, tile_progress, tile_rows
-from hpdl.torch.spatial.geometry import bands
+from hpdl.torch.spatial import bands
 
-__all__ = ["MAX_MESSAGE_BYTES", "upscale_image_in_bands"]
+__all__ = ["MAX_MESSAGE_BYTES", "idle_ranks", "upscale_image_in_bands"]
 
 # Bytes one alltoall moves at most; larger rounds go in several. MPI counts and displacements
 # are 32-bit integers, so a message must stay well under 2 GiB.

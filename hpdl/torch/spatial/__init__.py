@@ -9,8 +9,8 @@ parallelism over groups (``grid``). See docs/spatial.md.
     y_part = net(net.scatter(x))
 """
 
-from hpdl.torch.spatial.geometry import SpatialError
+from hpdl.torch.spatial.geometry import SpatialError, bands
 from hpdl.torch.spatial.hybrid import Layout, grid
 from hpdl.torch.spatial.parallel import SpatialParallel
 
-__all__ = ["Layout", "SpatialError", "SpatialParallel", "grid"]
+__all__ = ["Layout", "SpatialError", "SpatialParallel", "bands", "grid"]
