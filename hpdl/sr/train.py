@@ -39,7 +39,8 @@ from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, wr
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.spatial_train import patch_forward, spatial_layout
 from hpdl.sr.threads import share_of_cores, thread_oversubscription
-from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say, validate
+from hpdl.sr.train_state import (EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say,
+                                 spatial_groups, validate)
 from hpdl.torch.mixed_precision import MixedPrecision
 
 T = TypeVar("T")
@@ -339,8 +340,8 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
                     f"{world.batch_size * before_replicas} before")
             if cfg.scale_lr_with_world:
                 what += f", and the lr is scaled by {world.replicas} instead of {before_replicas}"
-        say(f"note: the checkpoint was written by {before[0]} ranks{_groups(*before)}, this job has "
-            f"{world.size}{_groups(world.size, cfg.spatial)}{what}")
+        say(f"note: the checkpoint was written by {before[0]} ranks{spatial_groups(*before)}, this job has "
+            f"{world.size}{spatial_groups(world.size, cfg.spatial)}{what}")
     window = state["log_window"]
     return _Progress(state["update"], state["train_seconds"], resumed=True,
                      log_window=(window["since"], window["loss_sum"]) if window else None)
@@ -384,9 +385,8 @@ class _Run:
     def describe(self) -> str:
         """Return the line that says what is trained, on how many ranks, with what batches."""
         w, cfg = self.world, self.cfg
-        replicas = f"{w.size} rank(s)" if w.layout is None else \
-            f"{w.size} ranks in {w.replicas} group(s) of spatial={cfg.spatial} (each patch in {cfg.spatial} row bands)"
-        return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {replicas} x "
+        ranks = f"{w.size} rank(s)" + spatial_groups(w.size, cfg.spatial)
+        return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {ranks} x "
                 f"batch {w.batch_size} of {cfg.patch_size}px patches; {len(self.data.train_set)} patches per epoch; "
                 f"{torch.get_num_threads()} thread(s) per rank on {w.device}"
                 + (f", amp {cfg.amp}" if self.precision.enabled else ""))
@@ -522,11 +522,6 @@ class _Run:
 
 
 # -- helpers of the set-up above ------------------------------------------------------------------
-
-
-def _groups(ranks: int, spatial_ranks: int) -> str:
-    """`` (2 groups of spatial=2)`` for 4 ranks sharing patches by 2; nothing without spatial."""
-    return f" ({ranks // spatial_ranks} groups of spatial={spatial_ranks})" if spatial_ranks > 1 else ""
 
 
 def _throughput(step_seconds: List[float], global_batch: int) -> Dict[str, float]:

@@ -25,7 +25,7 @@ from hpdl.sr.config import ConfigError
 from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 from hpdl.sr.evaluate import EvalResult, evaluate
 
-__all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "json_ready", "lr_at", "validate"]
+__all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "json_ready", "lr_at", "spatial_groups", "validate"]
 
 T = TypeVar("T")
 
@@ -254,9 +254,7 @@ def format_summary(summary: Dict[str, Any]) -> str:
     """Format the end-of-training summary as a two-column table."""
     rows: Sequence[Tuple[str, str]] = [
         ("model", summary["model"]),
-        ("ranks", str(summary["world_size"]) + (f" ({summary['world_size'] // summary['spatial']} groups of "
-                                                 f"spatial={summary['spatial']})"
-                                                 if summary.get("spatial", 1) > 1 else "")),
+        ("ranks", str(summary["world_size"]) + spatial_groups(summary["world_size"], summary.get("spatial", 1))),
         ("updates", f"{summary['updates']} ({summary['updates_this_run']} in this run)"),
         ("global batch", str(summary["global_batch"])),
         ("training time", f"{summary['train_seconds']:.1f} s (wall {summary['wall_seconds']:.1f} s)"),
@@ -274,6 +272,14 @@ def format_summary(summary: Dict[str, Any]) -> str:
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def spatial_groups(ranks: int, spatial: int) -> str:
+    """`` (2 groups of spatial=2)`` for 4 ranks that split each patch by 2; nothing without spatial."""
+    if spatial == 1:
+        return ""
+    groups = ranks // spatial
+    return f" ({groups} group{'s' if groups != 1 else ''} of spatial={spatial})"
 
 
 def json_ready(summary: Dict[str, Any]) -> Dict[str, Any]:
