@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
 
@@ -78,12 +78,78 @@ class SettingsError(ValueError):
     """A setting has an unknown name or a value that cannot be used."""
 
 
-# The upper bounds of settings (``hpdl run`` checks its options against the same ones before
-# a job starts, hpdl/launch/limits.py). A year is longer than any job and far inside what
+# The upper bounds of settings (SETTING_BOUNDS). A year is longer than any job and far inside what
 # Python's timers take; MPI numbers ranks, and Horovod its cache entries, with a C int.
 MAX_BYTES = 1 << 40  # 1 TiB
 C_INT_MAX = 2**31 - 1
 YEAR_S = 365 * 24 * 3600
+
+
+class Bound(NamedTuple):
+    """The range of a numeric setting, in its own unit."""
+
+    lowest: float
+    highest: float
+    unit: str = ""  # "bytes", "ms", ...: how messages name the unit
+    highest_means: str = ""  # what the upper bound is in words, when its number says little
+    lowest_excluded: bool = False  # the setting must be above ``lowest``, not at it
+
+
+# Settings field -> its range; ``Settings`` refuses a value outside it, and `hpdl run` its
+# options in their own units (hpdl/launch/limits.py).
+SETTING_BOUNDS: Dict[str, Bound] = {
+    "cycle_time_ms": Bound(0, YEAR_S * 1000, "ms", "a year"),
+    "fusion_threshold": Bound(0, MAX_BYTES, "bytes", "1 TiB"),
+    "inplace_threshold": Bound(0, MAX_BYTES, "bytes", "1 TiB"),
+    "cache_capacity": Bound(0, C_INT_MAX, "entries"),
+    "priority_window": Bound(1, MAX_BYTES, "bytes", "1 TiB"),
+    "gather_bytes": Bound(0, MAX_BYTES, "bytes", "1 TiB"),
+    "gather_time_ms": Bound(0, YEAR_S * 1000, "ms", "a year"),
+    "stall_warning_s": Bound(0, YEAR_S, "seconds", "a year", lowest_excluded=True),
+    "stall_timeout_s": Bound(0, YEAR_S, "seconds", "a year", lowest_excluded=True),
+    "start_timeout_s": Bound(0, YEAR_S, "seconds", "a year"),
+    "autotune_warmup_samples": Bound(0, C_INT_MAX, "samples"),
+    "autotune_steps_per_sample": Bound(1, C_INT_MAX, "steps"),
+    "autotune_bayes_opt_max_samples": Bound(0, C_INT_MAX, "samples"),
+    "autotune_gaussian_process_noise": Bound(0, 1),
+}
+
+
+def out_of_range(name: str, value: float, bound: Bound, scale: float = 1, unit: Optional[str] = None) -> Optional[str]:
+    """Why ``value`` is not a number ``bound`` allows, in one line naming ``name``; None when it is.
+
+    Args:
+        scale: the setting's units per unit of ``value``, for a value given in other units
+            (an option in MB for a setting in bytes); the bound is divided by it.
+        unit: the unit of ``value`` when it is not the setting's.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} must be a finite number, got {value}"
+    lowest, highest = (bound.lowest, bound.highest) if scale == 1 else (bound.lowest / scale, bound.highest / scale)
+    unit = bound.unit if unit is None else unit
+    if value < lowest or (bound.lowest_excluded and value == lowest):
+        relation = ">" if bound.lowest_excluded else ">="
+        return f"{name} must be {relation} {_with_unit(lowest, unit)}, got {number_text(value)}"
+    if value > highest:
+        means = f" ({bound.highest_means})" if bound.highest_means else ""
+        return f"{name} must be at most {_with_unit(highest, unit)}{means}, got {number_text(value)}"
+    return None
+
+
+def _with_unit(value: float, unit: str) -> str:
+    text = number_text(value)
+    if unit.endswith("s") and text == "1":
+        unit = unit[:-1]  # 1 byte, 1 step
+    return f"{text} {unit}" if unit else text
+
+
+def number_text(value: float) -> str:
+    """A number as written: 2147483647 and 0.5 in full, 1e+300 rather than its 301 digits."""
+    if isinstance(value, int):  # may be too large for a float
+        digits = str(abs(value))
+        sign = "-" if value < 0 else ""
+        return sign + digits if len(digits) <= 15 else f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
 def _parse_finite(text: str) -> float:
@@ -174,52 +240,15 @@ class Settings:
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise SettingsError(f"{field.metadata['env']} must be a finite number, got {value}")
-        # Upper bounds: values that parse but no job can mean (HPDL_FUSION_THRESHOLD=1e300), or
-        # that the engine's timers cannot wait for (Python's lock timeouts end near 292 years).
-        for env, value, highest, what in (
-                ("HPDL_FUSION_THRESHOLD", self.fusion_threshold, MAX_BYTES, "1 TiB"),
-                ("HPDL_INPLACE_THRESHOLD", self.inplace_threshold, MAX_BYTES, "1 TiB"),
-                ("HPDL_PRIORITY_WINDOW", self.priority_window, MAX_BYTES, "1 TiB"),
-                ("HPDL_GATHER_BYTES", self.gather_bytes, MAX_BYTES, "1 TiB"),
-                ("HPDL_CACHE_CAPACITY", self.cache_capacity, C_INT_MAX, str(C_INT_MAX)),
-                ("HPDL_AUTOTUNE_WARMUP_SAMPLES", self.autotune_warmup_samples, C_INT_MAX, str(C_INT_MAX)),
-                ("HPDL_AUTOTUNE_STEPS_PER_SAMPLE", self.autotune_steps_per_sample, C_INT_MAX, str(C_INT_MAX)),
-                ("HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", self.autotune_bayes_opt_max_samples, C_INT_MAX,
-                 str(C_INT_MAX)),
-                ("HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", self.autotune_gaussian_process_noise, 1, "1"),
-                ("HPDL_CYCLE_TIME", self.cycle_time_ms, YEAR_S * 1000, "a year"),
-                ("HPDL_GATHER_TIME", self.gather_time_ms, YEAR_S * 1000, "a year"),
-                ("HPDL_STALL_WARNING", self.stall_warning_s, YEAR_S, "a year"),
-                ("HPDL_STALL_TIMEOUT", self.stall_timeout_s, YEAR_S, "a year"),
-                ("HPDL_START_TIMEOUT", self.start_timeout_s, YEAR_S, "a year")):
-            if value > highest:
-                raise SettingsError(f"{env} must be at most {what}, got {value:g}")
+            if field.name in SETTING_BOUNDS:
+                # The upper bounds keep out values that parse but no job can mean
+                # (HPDL_FUSION_THRESHOLD=1e300), or that the engine's timers cannot wait for
+                # (Python's lock timeouts end near 292 years).
+                problem = out_of_range(field.metadata["env"], value, SETTING_BOUNDS[field.name])
+                if problem is not None:
+                    raise SettingsError(problem)
         if self.backend not in BACKENDS:
             raise SettingsError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.cycle_time_ms < 0:
-            raise SettingsError(f"HPDL_CYCLE_TIME must be >= 0 ms, got {self.cycle_time_ms}")
-        if self.fusion_threshold < 0:
-            raise SettingsError(f"HPDL_FUSION_THRESHOLD must be >= 0 bytes, got {self.fusion_threshold}")
-        if self.inplace_threshold < 0:
-            raise SettingsError(f"HPDL_INPLACE_THRESHOLD must be >= 0 bytes, got {self.inplace_threshold}")
-        if self.priority_window < 1:
-            raise SettingsError(f"HPDL_PRIORITY_WINDOW must be >= 1 byte, got {self.priority_window}")
-        if self.gather_bytes < 0:
-            raise SettingsError(f"HPDL_GATHER_BYTES must be >= 0 bytes, got {self.gather_bytes}")
-        if self.gather_time_ms < 0:
-            raise SettingsError(f"HPDL_GATHER_TIME must be >= 0 ms, got {self.gather_time_ms}")
-        if self.cache_capacity < 0:
-            raise SettingsError(f"HPDL_CACHE_CAPACITY must be >= 0, got {self.cache_capacity}")
-        if self.stall_warning_s <= 0 or self.stall_timeout_s <= 0:
-            raise SettingsError("HPDL_STALL_WARNING and HPDL_STALL_TIMEOUT must be > 0 seconds")
-        if self.start_timeout_s < 0:
-            raise SettingsError(f"HPDL_START_TIMEOUT must be >= 0 seconds, got {self.start_timeout_s}")
-        for env, value, lowest in (("HPDL_AUTOTUNE_WARMUP_SAMPLES", self.autotune_warmup_samples, 0),
-                                   ("HPDL_AUTOTUNE_STEPS_PER_SAMPLE", self.autotune_steps_per_sample, 1),
-                                   ("HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", self.autotune_bayes_opt_max_samples, 0),
-                                   ("HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", self.autotune_gaussian_process_noise, 0)):
-            if value < lowest:
-                raise SettingsError(f"{env} must be >= {lowest}, got {value:g}")
         if self.mpi_cuda_aware not in ("auto", "0", "1"):
             raise SettingsError(f"HPDL_MPI_CUDA_AWARE must be auto, 0 or 1, got {self.mpi_cuda_aware!r}")
         if self.engine_nice != "auto" and not (self.engine_nice.isdigit() and 0 <= int(self.engine_nice) <= 19):

@@ -1,6 +1,7 @@
 """Tests of `hpdl run`'s command line: one-line errors, --dry-run, horovodrun's spellings, and
 runs end to end under mpiexec, torchrun and Open MPI."""
 
+import argparse
 import os
 import random
 import shutil
@@ -37,7 +38,7 @@ def _one_line_error(capsys, fragment):
     (["run", "-np", "5", "-H", "a:2,b:2", "--", "python", "x.py"], "-np 5 is more than the 4 slots"),
     (["run", "-H", "a:0", "--", "python", "x.py"], "slot count must be at least 1"),
     (["run", "--mpi-args", "'unclosed", "--", "python"], "--mpi-args"),
-    (["run", "--cycle-time-ms", "-3", "--", "python"], "HPDL_CYCLE_TIME"),
+    (["run", "--cycle-time-ms", "-3", "--", "python"], "--cycle-time-ms must be >= 0 ms, got -3"),
 ])
 def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
     assert main(args) == 2
@@ -67,6 +68,41 @@ def test_cli_numbers_that_are_not_finite_or_absurd_are_one_line(args, fragment, 
     _one_line_error(capsys, fragment)
 
 
+@pytest.mark.parametrize("args, fragment", [
+    # The option and the value typed, in the option's unit: not the variable it would set.
+    (["--fusion-threshold-mb", "-1"], "--fusion-threshold-mb must be >= 0 MB, got -1"),
+    (["--fusion-threshold-mb", "-0.5"], "--fusion-threshold-mb must be >= 0 MB, got -0.5"),
+    (["--cycle-time-ms", "-1"], "--cycle-time-ms must be >= 0 ms, got -1"),
+    (["--cache-capacity", "-3"], "--cache-capacity must be >= 0 entries, got -3"),
+    (["--stall-warning-s", "0"], "--stall-warning-s must be > 0 seconds, got 0"),
+    (["--stall-check-warning-time-seconds", "-2"], "--stall-warning-s must be > 0 seconds, got -2"),
+    (["--stall-timeout-s", "-5"], "--stall-timeout-s must be > 0 seconds, got -5"),
+    (["--stall-check-shutdown-time-seconds", "-1"], "--stall-check-shutdown-time-seconds must be >= 0 seconds, got -1"),
+    (["--autotune-warmup-samples", "-1"], "--autotune-warmup-samples must be >= 0 samples, got -1"),
+    (["--autotune-steps-per-sample", "0"], "--autotune-steps-per-sample must be >= 1 step, got 0"),
+    (["--autotune-bayes-opt-max-samples", "-4"], "--autotune-bayes-opt-max-samples must be >= 0 samples, got -4"),
+    (["--autotune-gaussian-process-noise", "-0.1"], "--autotune-gaussian-process-noise must be >= 0, got -0.1"),
+    (["-np", "0"], "-np must be >= 1 rank, got 0"),
+    (["--num-nccl-streams", "0"], "--num-nccl-streams must be >= 1 stream, got 0"),
+])
+def test_cli_numbers_below_their_range_name_the_option_and_the_value_typed(args, fragment, monkeypatch, capsys,
+                                                                             clean_env):
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
+    assert main(["run", *args, "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, fragment)
+    assert "HPDL_" not in capsys.readouterr().err
+
+
+def test_every_numeric_option_of_run_is_range_checked():
+    from hpdl.cli import build_parser
+    from hpdl.launch.limits import numeric_options
+
+    parser = build_parser()
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    numeric = {action.dest for action in run._actions if action.type in (int, float)}
+    assert numeric == set(numeric_options()), numeric ^ set(numeric_options())
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("params:\n  fusion_threshold_mb: .inf\n", "params.fusion_threshold_mb must be a finite number, got inf"),
     ("params:\n  cycle_time_ms: .nan\n", "params.cycle_time_ms must be a finite number, got nan"),
@@ -75,7 +111,11 @@ def test_cli_numbers_that_are_not_finite_or_absurd_are_one_line(args, fragment, 
     ("params:\n  cache_capacity: " + "9" * 5000 + "\n", "unreadable value: Exceeds the limit (4300 digits)"),
     ("stall_check:\n  warning_time_seconds: 1.0e+12\n", "stall_check.warning_time_seconds must be at most 31536000"),
     ("stall_check:\n  shutdown_time_seconds: .inf\n", "stall_check.shutdown_time_seconds must be a finite number"),
-], ids=["inf", "nan", "huge-float", "huge-int", "too-many-digits", "huge-warning", "inf-timeout"])
+    ("params:\n  fusion_threshold_mb: -1\n", "params.fusion_threshold_mb must be >= 0 MB, got -1"),
+    ("params:\n  cache_capacity: -3\n", "params.cache_capacity must be >= 0 entries, got -3"),
+    ("stall_check:\n  shutdown_time_seconds: -1\n", "stall_check.shutdown_time_seconds must be >= 0 seconds, got -1"),
+], ids=["inf", "nan", "huge-float", "huge-int", "too-many-digits", "huge-warning", "inf-timeout", "negative-fusion",
+        "negative-cache", "negative-timeout"])
 def test_config_file_numbers_that_are_not_finite_or_absurd_name_file_and_key(text, fragment, capsys, clean_env,
                                                                              tmp_path):
     config = tmp_path / "horovod.yaml"
@@ -226,7 +266,7 @@ def test_horovodrun_spellings_mean_the_same(horovodrun, own, monkeypatch, capsys
 
 def test_start_timeout_and_verbose(monkeypatch, capsys, clean_env):
     out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "--start-timeout", "30")
-    assert out == "HPDL_START_TIMEOUT=30.0 mpiexec -genv HPDL_START_TIMEOUT 30.0 -n 2 python train.py"
+    assert out == "HPDL_START_TIMEOUT=30 mpiexec -genv HPDL_START_TIMEOUT 30 -n 2 python train.py"
     monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(OSError(2, "stopped here")))
     assert main(["run", "-np", "2", "--verbose", "--", "python", "train.py"]) == 2
     out, err = capsys.readouterr()

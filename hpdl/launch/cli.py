@@ -25,7 +25,7 @@ from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
 from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
-from hpdl.launch.limits import LIMITS, check_number
+from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, numeric_options
 
 _RUN_DESCRIPTION = """\
 Start COMMAND as N ranks of an hpdl job through mpiexec, srun or torchrun, then get out of
@@ -289,27 +289,16 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         host_list = read_hostfile(args.hostfile or os.environ["HPDL_HOSTFILE"])
     else:
         host_list = None
+    settings = {option: getattr(args, option) for option in RUN_SETTINGS}
+    if args.timeline == DYNAMIC_TIMELINE:
+        settings["timeline"] = None
     return RunOptions(
         command=tuple(command),
         np=args.np,
         hosts=host_list,
-        backend=args.backend,
         launcher=args.launcher,
         mpi_args=mpi_args,
-        timeline=None if args.timeline == DYNAMIC_TIMELINE else args.timeline,
-        profile=args.profile,
-        fusion_threshold_mb=args.fusion_threshold_mb,
-        cycle_time_ms=args.cycle_time_ms,
-        cache_capacity=args.cache_capacity,
-        stall_warning_s=args.stall_warning_s,
-        stall_timeout_s=args.stall_timeout_s,
-        hierarchical_allreduce=bool(args.hierarchical_allreduce),
-        autotune=bool(args.autotune),
-        autotune_log=args.autotune_log_file,
-        autotune_warmup_samples=args.autotune_warmup_samples,
-        autotune_steps_per_sample=args.autotune_steps_per_sample,
-        autotune_bayes_opt_max_samples=args.autotune_bayes_opt_max_samples,
-        autotune_gaussian_process_noise=args.autotune_gaussian_process_noise,
+        **settings,
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
         binding_args=binding_args,
@@ -323,8 +312,9 @@ def apply_config_file(args: argparse.Namespace) -> None:
     values, ignored = horovodrun.read_config_file(args.config_file)
     for line in ignored:
         sys.stderr.write(f"hpdl run: warning: {args.config_file}: {line}; ignoring it\n")
-    if values.get("stall_timeout_s") == 0:
-        del values["stall_timeout_s"]  # horovodrun's 0: never; hpdl keeps its timeout
+    shutdown_s = values.pop("stall_shutdown_s", None)
+    if shutdown_s:  # horovodrun's 0: never; hpdl keeps its timeout
+        values["stall_timeout_s"] = shutdown_s
     if values.pop("stall_check", True) is False:
         # As Horovod: the check off makes the file's warning time moot; a warning time on the
         # command line still wins over the file.
@@ -350,8 +340,6 @@ def run_command(args: argparse.Namespace) -> int:
         start_env.update(horovodrun.interface_env(args.network_interfaces))
         check_numbers(args)
         check_written_files(args)
-        if args.start_timeout is not None:
-            start_env["HPDL_START_TIMEOUT"] = str(args.start_timeout)
         options = options_from_args(args)
         if args.no_stall_check:
             options = dataclasses.replace(options, stall_warning_s=_stall_timeout(options, start_env))
@@ -398,9 +386,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse a numeric option out of its range (:mod:`hpdl.launch.limits`), before anything starts."""
-    flags = {"np": "-np", "ssh_port": "--ssh-port", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
-    for option in LIMITS:
-        check_number(flags.get(option, "--" + option.replace("_", "-")), option, getattr(args, option))
+    for option in numeric_options():
+        check_number(flag(option), option, getattr(args, option))
 
 
 def check_written_files(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hpdl.launch.detect import INTELMPI, MPICH, MVAPICH2, OPENMPI, LauncherInfo
 from hpdl.launch.hosts import LaunchError
-from hpdl.launch.limits import LIMITS, check_number
+from hpdl.launch.limits import check_number, numeric_options
 
 # horovodrun config file: (section, key) -> (`hpdl run` option, type).
 CONFIG_KEYS: Dict[Tuple[str, str], Tuple[str, type]] = {
@@ -32,7 +32,7 @@ CONFIG_KEYS: Dict[Tuple[str, str], Tuple[str, type]] = {
     ("timeline", "mark_cycles"): ("timeline_mark_cycles", bool),
     ("stall_check", "enabled"): ("stall_check", bool),
     ("stall_check", "warning_time_seconds"): ("stall_warning_s", float),
-    ("stall_check", "shutdown_time_seconds"): ("stall_timeout_s", float),
+    ("stall_check", "shutdown_time_seconds"): ("stall_shutdown_s", float),
     ("autotune", "enabled"): ("autotune", bool),
     ("autotune", "log_file"): ("autotune_log_file", str),
     ("autotune", "warmup_samples"): ("autotune_warmup_samples", int),
@@ -143,7 +143,7 @@ def _typed(path: str, key: str, value: Any, kind: type) -> Any:
     if not ok:
         raise LaunchError(f"--config-file {path}: {key} must be {_KIND_NAMES[kind]}, got {value!r}")
     option = CONFIG_KEYS[tuple(key.split("."))][0]
-    if option in LIMITS:
+    if option in numeric_options():
         check_number(f"--config-file {path}: {key}", option, value)
     return kind(value)
 

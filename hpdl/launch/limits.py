@@ -1,52 +1,107 @@
-"""The ranges of `hpdl run`'s numeric options and of the numbers in horovodrun's config file.
+"""`hpdl run`'s options that set settings, and the ranges of its numeric options.
+
+:data:`RUN_SETTINGS` is the one table of which setting each option gives every rank, and in
+what unit: :func:`hpdl.launch.builders.settings_env` makes the ``HPDL_*`` variables from it,
+and a numeric option's range is its setting's (:data:`hpdl.config.SETTING_BOUNDS`) in the
+option's unit, so that a value out of range is refused naming the option and the value typed
+(``--fusion-threshold-mb must be >= 0 MB, got -1``), not the variable it would have become.
+The numeric options that set no setting have their ranges in :data:`LIMITS`.
 
 A value out of range is refused before anything starts, with one line naming the option (or
-the file's key) and the value. The lower bounds of the settings are :class:`hpdl.config.Settings`'
-(it checks them, naming the variable); the upper bounds, the settings' own in the options'
-units, keep values that parse but mean nothing (``1e300`` MB would become a 300-digit HPDL_FUSION_THRESHOLD) or that the
-runtime's timers cannot wait for (Python's lock timeouts end near 292 years, ``timedelta``
-near 2.7 million years), and ``inf`` / ``nan``, which the conversions to integers reject
-with a traceback.
+the config file's key) and the value. The upper bounds keep out values that parse but mean
+nothing (``1e300`` MB would become a 300-digit HPDL_FUSION_THRESHOLD), and ``inf`` / ``nan``,
+which the conversions to integers reject with a traceback.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Dict, NamedTuple, Optional
 
-from hpdl.config import C_INT_MAX, MAX_BYTES, YEAR_S
+from hpdl.config import C_INT_MAX, SETTING_BOUNDS, YEAR_S, Bound, Settings, out_of_range
 from hpdl.launch.hosts import LaunchError
 
 
-class Limit(NamedTuple):
-    """The range of one option: ``lowest`` (None: Settings checks it) up to ``highest``, in ``unit``."""
+class RunSetting(NamedTuple):
+    """The setting an `hpdl run` option gives every rank."""
 
-    lowest: Optional[float]
-    highest: float
-    unit: str
-    highest_means: str = ""  # what the upper bound is in words, when its number says little
+    field: str  # the Settings field; its HPDL_* variable is the field's
+    scale: float = 1  # the setting's units per unit of the option (MB -> bytes)
+    unit: Optional[str] = None  # the option's unit where it is not the setting's
+    path: bool = False  # a file: made absolute, since the ranks may start elsewhere
 
 
-# `hpdl run` option (the namespace's name) -> its range.
-LIMITS: Dict[str, Limit] = {
-    "np": Limit(None, C_INT_MAX, "ranks"),  # at least 1: checked where the rank count is settled
-    "fusion_threshold_mb": Limit(None, MAX_BYTES >> 20, "MB", "1 TiB"),
-    "cycle_time_ms": Limit(None, YEAR_S * 1000, "ms", "a year"),
-    "cache_capacity": Limit(None, C_INT_MAX, "entries"),
-    "stall_warning_s": Limit(None, YEAR_S, "seconds", "a year"),
-    "stall_timeout_s": Limit(None, YEAR_S, "seconds", "a year"),
-    "stall_shutdown_s": Limit(None, YEAR_S, "seconds", "a year"),
-    "start_timeout": Limit(0, YEAR_S, "seconds", "a year"),
-    "ssh_port": Limit(1, 65535, ""),
-    "autotune_warmup_samples": Limit(0, C_INT_MAX, "samples"),
-    "autotune_steps_per_sample": Limit(1, C_INT_MAX, "steps"),
-    "autotune_bayes_opt_max_samples": Limit(0, C_INT_MAX, "samples"),
-    "autotune_gaussian_process_noise": Limit(0, 1, ""),
+# `hpdl run` option (its RunOptions field and command-line name) -> the setting it sets.
+RUN_SETTINGS: Dict[str, RunSetting] = {
+    "backend": RunSetting("backend"),
+    "timeline": RunSetting("timeline", path=True),
+    "profile": RunSetting("profile", path=True),
+    "fusion_threshold_mb": RunSetting("fusion_threshold", scale=1 << 20, unit="MB"),
+    "cycle_time_ms": RunSetting("cycle_time_ms"),
+    "cache_capacity": RunSetting("cache_capacity"),
+    "stall_warning_s": RunSetting("stall_warning_s"),
+    "stall_timeout_s": RunSetting("stall_timeout_s"),
+    "start_timeout": RunSetting("start_timeout_s"),
+    "hierarchical_allreduce": RunSetting("hierarchical_allreduce"),
+    "autotune": RunSetting("autotune"),
+    "autotune_log_file": RunSetting("autotune_log", path=True),
+    "autotune_warmup_samples": RunSetting("autotune_warmup_samples"),
+    "autotune_steps_per_sample": RunSetting("autotune_steps_per_sample"),
+    "autotune_bayes_opt_max_samples": RunSetting("autotune_bayes_opt_max_samples"),
+    "autotune_gaussian_process_noise": RunSetting("autotune_gaussian_process_noise"),
 }
+
+# The numeric options that set no setting -> their ranges.
+LIMITS: Dict[str, Bound] = {
+    "np": Bound(1, C_INT_MAX, "ranks"),
+    # horovodrun's spelling of --stall-timeout-s, where 0 (never) keeps hpdl's timeout.
+    "stall_shutdown_s": Bound(0, YEAR_S, "seconds", "a year"),
+    "ssh_port": Bound(1, 65535),
+    "num_nccl_streams": Bound(1, C_INT_MAX, "streams"),
+}
+
+# Options whose command-line name is not "--" and the field name with dashes.
+_FLAGS = {"np": "-np", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
+
+_FIELDS = {field.name: field for field in dataclasses.fields(Settings)}
+
+
+def numeric_options() -> list:
+    """The `hpdl run` options whose values are numbers (checked by :func:`check_number`)."""
+    return list(LIMITS) + [option for option, setting in RUN_SETTINGS.items()
+                           if setting.field in SETTING_BOUNDS]
+
+
+def flag(option: str) -> str:
+    """How the command line spells ``option``: ``--cycle-time-ms``."""
+    return _FLAGS.get(option, "--" + option.replace("_", "-"))
+
+
+def setting_variable(option: str) -> str:
+    """The ``HPDL_*`` variable that ``option`` sets."""
+    return _FIELDS[RUN_SETTINGS[option].field].metadata["env"]
+
+
+def setting_text(option: str, value) -> Optional[str]:
+    """``value`` of ``option`` as its setting's variable holds it, or None when not given.
+
+    A flag that is off, like an option not given, leaves the setting to the environment.
+    """
+    if value is None or value is False:
+        return None
+    setting = RUN_SETTINGS[option]
+    if value is True:
+        return "1"
+    if isinstance(value, str):
+        return value
+    value = value * setting.scale
+    if _FIELDS[setting.field].type in ("int", int) or float(value).is_integer():
+        return str(int(round(value)))
+    return repr(float(value))
 
 
 def check_number(name: str, option: str, value: Optional[float]) -> None:
-    """Refuse ``value`` of ``option`` (a key of :data:`LIMITS`) out of its range; None is "not given".
+    """Refuse ``value`` of ``option`` out of its range; None is "not given".
 
     Args:
         name: how the error names the value: the flag (``--cycle-time-ms``) or the file and key.
@@ -56,21 +111,10 @@ def check_number(name: str, option: str, value: Optional[float]) -> None:
     """
     if value is None:
         return
-    limit = LIMITS[option]
-    unit = f" {limit.unit}" if limit.unit else ""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise LaunchError(f"{name} must be a finite number, got {value}")
-    if limit.lowest is not None and value < limit.lowest:
-        raise LaunchError(f"{name} must be >= {_text(limit.lowest)}{unit}, got {_text(value)}")
-    if value > limit.highest:
-        means = f" ({limit.highest_means})" if limit.highest_means else ""
-        raise LaunchError(f"{name} must be at most {_text(limit.highest)}{unit}{means}, got {_text(value)}")
-
-
-def _text(value: float) -> str:
-    """A number as written: 2147483647 and 0.5 in full, 1e+300 rather than its 301 digits."""
-    if isinstance(value, int):  # may be too large for a float
-        digits = str(abs(value))
-        sign = "-" if value < 0 else ""
-        return sign + digits if len(digits) <= 15 else f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
-    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
+    if option in LIMITS:
+        problem = out_of_range(name, value, LIMITS[option])
+    else:
+        setting = RUN_SETTINGS[option]
+        problem = out_of_range(name, value, SETTING_BOUNDS[setting.field], setting.scale, setting.unit)
+    if problem is not None:
+        raise LaunchError(problem)
