@@ -735,8 +735,8 @@ def test_sr_unwritable_output_is_named(tmp_path, sr_files, output):
 
 
 @pytest.mark.parametrize("args,fragments", [
-    (["--grid", "{tmp}/afile/g.png"], ["{tmp}/afile/g.png: {tmp}/afile is not a directory"]),
-    (["--save-results", "{tmp}/afile/res"], ["{tmp}/afile/res: {tmp}/afile is not a directory"]),
+    (["--grid", "{tmp}/afile/g.png"], ["{tmp}/afile/g.png: {tmp}/afile is a file, not a directory"]),
+    (["--save-results", "{tmp}/afile/res"], ["{tmp}/afile/res: {tmp}/afile is a file, not a directory"]),
 ], ids=["grid", "save-results"])
 def test_sr_eval_output_under_a_file_is_refused_before_the_evaluation(tmp_path, sr_files, args, fragments):
     _, photo = sr_files

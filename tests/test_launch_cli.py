@@ -141,7 +141,7 @@ def test_profile_and_timeline_files_rank_0_could_never_write_are_refused_before_
     assert main(["run", "-np", "2", option, str(tmp_path / "dir"), "--dry-run", "--", "true"]) == 2
     _one_line_error(capsys, f"{option} {tmp_path / 'dir'}: is a directory")
     assert main(["run", "-np", "2", option, str(tmp_path / "file" / "p.json"), "--dry-run", "--", "true"]) == 2
-    _one_line_error(capsys, f"{option} {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is not a directory")
+    _one_line_error(capsys, f"{option} {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is a file, not a directory")
 
 
 def test_profile_and_timeline_on_one_file_are_refused_before_the_job(tmp_path, capsys, clean_env):

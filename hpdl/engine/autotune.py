@@ -34,6 +34,7 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from hpdl.atomic_file import make_directories
 from hpdl.engine.bayes_opt import BayesianOptimization
 
 log = logging.getLogger("hpdl.autotune")
@@ -212,8 +213,7 @@ class Autotuner:
 def _open_log(path: str):
     """Open the autotune log for writing, line by line (a killed job keeps its rows)."""
     try:
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
+        make_directories(os.path.dirname(os.path.abspath(path)))
         out = open(path, "w", buffering=1, encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot write the autotune log {path} (HPDL_AUTOTUNE_LOG): "

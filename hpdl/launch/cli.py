@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from hpdl.cli import CliError, file_in_the_way
+from hpdl.atomic_file import file_in_the_way, not_a_directory
+from hpdl.cli import CliError
 from hpdl.config import BACKENDS, Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
@@ -407,7 +408,7 @@ def check_written_files(args: argparse.Namespace) -> None:
             raise LaunchError(f"{option} {path}: is a directory; name a file to write")
         blocker = file_in_the_way(path)
         if blocker is not None:
-            raise LaunchError(f"{option} {path}: {blocker} is not a directory")
+            raise LaunchError(f"{option} {path}: {not_a_directory(blocker)}")
         written[option] = path
     if "--profile" in written and "--timeline" in written and _same_file(written["--profile"], written["--timeline"]):
         # The profile, written at the end, would replace the whole timeline.

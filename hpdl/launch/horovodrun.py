@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hpdl.atomic_file import make_directories
 from hpdl.launch.detect import INTELMPI, MPICH, MVAPICH2, OPENMPI, LauncherInfo
 from hpdl.launch.hosts import LaunchError
 from hpdl.launch.limits import check_number, numeric_options
@@ -218,7 +219,7 @@ def output_wrapper(directory: str, command: Sequence[str]) -> List[str]:
     """
     directory = os.path.abspath(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
+        make_directories(directory)
     except OSError as err:
         raise LaunchError(f"--output-filename {directory}: {err.strerror or err}") from None
     if not os.access(directory, os.W_OK):
