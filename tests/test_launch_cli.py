@@ -195,6 +195,39 @@ def test_cli_missing_launcher_is_named(monkeypatch, capsys, clean_env):
     _one_line_error(capsys, "launcher torchrun was not found on PATH")
 
 
+@pytest.mark.parametrize("program, fragment", [
+    ("nosuchprog", "nosuchprog: no such program on PATH"),
+    ("./nosuch.sh", "./nosuch.sh: no such file"),
+    ("./plain.sh", "./plain.sh: not executable"),
+    ("./adir", "./adir: is a directory"),
+    ("{tmp}/plain.sh", "{tmp}/plain.sh: not executable"),
+])
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_program_that_cannot_start_here_is_refused_before_the_launcher(program, fragment, launcher, monkeypatch,
+                                                                         capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain.sh").write_text("echo hi\n")
+    (tmp_path / "adir").mkdir()
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
+    assert main(["run", "-np", "2", "--launcher", launcher, "--", program.format(tmp=tmp_path), "arg"]) == 2
+    _one_line_error(capsys, fragment.format(tmp=tmp_path))
+
+
+def test_a_program_found_as_execvp_finds_it_is_started(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "job.sh").chmod(0o755)
+    started = []
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: started.append(argv))
+    for program in ("./job.sh", str(tmp_path / "job.sh"), "true"):
+        main(["run", "-np", "2", "--", program])
+        assert started and started[-1][-1] == program, capsys.readouterr().err
+    # On other hosts it may be installed where this host lacks it: a warning, and the job starts.
+    main(["run", "-np", "2", "-H", "localhost:1,elsewhere:1", "--", "nosuchprog"])
+    assert started[-1][-1] == "nosuchprog"
+    assert capsys.readouterr().err == "hpdl run: warning: nosuchprog: no such program on PATH on this host\n"
+
+
 def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(os.path.abspath(sys.executable)), "/usr/bin"]))

@@ -24,7 +24,7 @@ from hpdl.cli import CliError
 from hpdl.config import BACKENDS, Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
-from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers
+from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers, program_problem
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, numeric_options
 
@@ -342,6 +342,7 @@ def run_command(args: argparse.Namespace) -> int:
         check_numbers(args)
         check_written_files(args)
         options = options_from_args(args)
+        program = options.command[0]
         if args.no_stall_check:
             options = dataclasses.replace(options, stall_warning_s=_stall_timeout(options, start_env))
         if args.output_filename:
@@ -349,6 +350,9 @@ def run_command(args: argparse.Namespace) -> int:
                 horovodrun.output_wrapper(args.output_filename, options.command)))
         info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
         commands, env = build_run(options, start_env, info)
+        missing = None if args.dry_run else program_problem(program, env.get("PATH", os.defpath), info.cwd)
+        if missing is not None and _every_rank_here(options, start_env, info):
+            raise LaunchError(missing)
         if env.get("HPDL_BACKEND") == "nccl" and _every_rank_here(options, start_env, info):
             _check_nccl_here()
         ssh_port, ssh_identity_file = args.ssh_port, args.ssh_identity_file
@@ -361,6 +365,8 @@ def run_command(args: argparse.Namespace) -> int:
     except LaunchError as err:
         raise CliError(str(err)) from None
     env.update(remote)
+    if missing is not None:  # other hosts start it: it may be installed there only
+        sys.stderr.write(f"hpdl run: warning: {missing} on this host\n")
     openmpi = info.mpi_flavour == OPENMPI and commands[0][0] == info.mpiexec
     for line in _not_honoured(args, None if openmpi else _launcher_name(commands, info)):
         sys.stderr.write(f"hpdl run: warning: {line}; ignoring it\n")
