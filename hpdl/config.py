@@ -20,7 +20,9 @@ BACKENDS = ("auto", "mpi", "gloo", "nccl", "torch")
 # Variables read elsewhere on purpose (by launchers or tests), accepted without being settings.
 _PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_LAUNCHERS",
                 # where `hpdl run` finds the hosts and how it reaches them (set by `hpdl emulate`)
-                "HPDL_HOSTFILE", "HPDL_RSH"}
+                "HPDL_HOSTFILE", "HPDL_RSH",
+                # the pipe through which a rank notes its own exit to `hpdl run`'s wrapper (rank_exit.py)
+                "HPDL_RANK_EXIT"}
 
 # Horovod's variable -> the hpdl variable it stands for; both name the same quantity in the
 # same unit (bytes, milliseconds, seconds, a path, 0/1).

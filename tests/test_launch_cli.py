@@ -16,6 +16,8 @@ from hpdl.launch import detect, detect_launchers
 from launch_texts import INTEL_TEXT, MPICH_TEXT, OPENMPI4_TEXT, info, run
 
 ROOT = Path(__file__).resolve().parents[1]
+# What the ranks of `hpdl run ... -- python train.py` run: the command under its watching parent.
+TRAIN = f"{sys.executable} -m hpdl.launch.rank_watch -- python train.py"
 
 # --- the command line ---------------------------------------------------------------------
 
@@ -240,7 +242,7 @@ def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path
     timeline = os.path.join(str(tmp_path), "t.json")
     assert out == (
         f"HPDL_TIMELINE={timeline} mpiexec --allow-run-as-root --tag-output -np 2 -H a:1,b:1 --bind-to none "
-        f"-x HPDL_TIMELINE={timeline} -x PATH --oversubscribe python train.py --lr 0.1"
+        f"-x HPDL_TIMELINE={timeline} -x PATH --oversubscribe {TRAIN} --lr 0.1"
     )
 
 
@@ -267,7 +269,7 @@ def test_cli_profile_sets_an_absolute_hpdl_profile_for_every_rank(monkeypatch, c
     assert main(["run", "-np", "2", "--profile", "out/p.json", "--dry-run", "--", "python", "train.py"]) == 0
     profile = os.path.join(str(tmp_path), "out", "p.json")
     assert capsys.readouterr().out.strip() == (
-        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 python train.py")
+        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 {TRAIN}")
 
 
 # --- horovodrun's spellings ---------------------------------------------------------------
@@ -299,22 +301,22 @@ def test_horovodrun_spellings_mean_the_same(horovodrun, own, monkeypatch, capsys
 
 def test_start_timeout_and_verbose(monkeypatch, capsys, clean_env):
     out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "--start-timeout", "30")
-    assert out == "HPDL_START_TIMEOUT=30 mpiexec -genv HPDL_START_TIMEOUT 30 -n 2 python train.py"
+    assert out == f"HPDL_START_TIMEOUT=30 mpiexec -genv HPDL_START_TIMEOUT 30 -n 2 {TRAIN}"
     monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(OSError(2, "stopped here")))
     assert main(["run", "-np", "2", "--verbose", "--", "python", "train.py"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines()[0] == "mpiexec -n 2 python train.py", err
+    assert out == "" and err.splitlines()[0] == f"mpiexec -n 2 {TRAIN}", err
 
 
 @pytest.mark.parametrize("version_text, expected", [
     (MPICH_TEXT, "GLOO_SOCKET_IFNAME=eth1 HYDRA_IFACE=eth1 HYDRA_LAUNCHER_EXTRA_ARGS='-p 2222 -i {key}' "
-                 "NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -hosts a:1,b:1 python train.py"),
+                 f"NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -hosts a:1,b:1 {TRAIN}"),
     (INTEL_TEXT, "GLOO_SOCKET_IFNAME=eth1 I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS='-p 2222 -i {key}' "
-                 "I_MPI_HYDRA_IFACE=eth1 NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -ppn 1 -hosts a,b python train.py"),
+                 f"I_MPI_HYDRA_IFACE=eth1 NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -ppn 1 -hosts a,b {TRAIN}"),
     (OPENMPI4_TEXT, "GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 OMPI_MCA_btl_tcp_if_include=eth1 "
                     "OMPI_MCA_oob_tcp_if_include=eth1 OMPI_MCA_plm_rsh_args='-p 2222 -i {key}' mpiexec "
                     "--allow-run-as-root --tag-output -x GLOO_SOCKET_IFNAME -x NCCL_SOCKET_IFNAME -np 2 "
-                    "-H a:1,b:1 --bind-to none -x PATH python train.py"),
+                    f"-H a:1,b:1 --bind-to none -x PATH {TRAIN}"),
 ], ids=["mpich", "intel", "openmpi"])
 def test_ssh_and_network_options_reach_each_mpi(version_text, expected, monkeypatch, capsys, clean_env, tmp_path):
     key = tmp_path / "id_test"
@@ -418,11 +420,11 @@ def test_config_file_settings_that_ask_for_what_hpdl_does_are_silent(monkeypatch
 
 
 @pytest.mark.parametrize("horovodrun, expected", [
-    (["--disable-cache"], "mpiexec -n 2 python train.py"),  # horovodrun's cache of launcher checks; hpdl has none
-    (["--tcp"], "NCCL_IB_DISABLE=1 mpiexec -n 2 python train.py"),
+    (["--disable-cache"], f"mpiexec -n 2 {TRAIN}"),  # horovodrun's cache of launcher checks; hpdl has none
+    (["--tcp"], f"NCCL_IB_DISABLE=1 mpiexec -n 2 {TRAIN}"),
     (["--timeline-mark-cycles"],
-     "HPDL_TIMELINE_MARK_CYCLES=1 mpiexec -genv HPDL_TIMELINE_MARK_CYCLES 1 -n 2 python train.py"),
-    (["--timeline-filename", "DYNAMIC"], "mpiexec -n 2 python train.py"),  # Horovod's: none until start_timeline()
+     f"HPDL_TIMELINE_MARK_CYCLES=1 mpiexec -genv HPDL_TIMELINE_MARK_CYCLES 1 -n 2 {TRAIN}"),
+    (["--timeline-filename", "DYNAMIC"], f"mpiexec -n 2 {TRAIN}"),  # Horovod's: none until start_timeline()
 ])
 def test_horovodrun_options_that_hpdl_honours(horovodrun, expected, monkeypatch, capsys, clean_env, tmp_path):
     monkeypatch.chdir(tmp_path)
@@ -433,7 +435,7 @@ def test_horovodrun_options_that_hpdl_honours(horovodrun, expected, monkeypatch,
                                     ["--num-nccl-streams", "2"], ["--log-level", "debug"]])
 def test_horovodrun_options_hpdl_has_no_counterpart_for_warn_once(option, monkeypatch, capsys, clean_env):
     out, err = _dry_run(monkeypatch, capsys, "-np", "2", *option)
-    assert out == "mpiexec -n 2 python train.py"
+    assert out == f"mpiexec -n 2 {TRAIN}"
     assert err == f"hpdl run: warning: {option[0]} is not honoured by hpdl; ignoring it\n"
 
 
@@ -441,9 +443,9 @@ def test_binding_and_timestamps_reach_open_mpi_and_warn_elsewhere(monkeypatch, c
     args = ("-np", "2", "--binding-args=--bind-to core", "--prefix-output-with-timestamp")
     out, err = _dry_run(monkeypatch, capsys, *args, version_text=OPENMPI4_TEXT)
     assert out == ("mpiexec --allow-run-as-root --tag-output --timestamp-output -np 2 -H localhost:2 --bind-to core "
-                   "python train.py") and err == ""
+                   f"{TRAIN}") and err == ""
     out, err = _dry_run(monkeypatch, capsys, *args)
-    assert out == "mpiexec -n 2 python train.py"
+    assert out == f"mpiexec -n 2 {TRAIN}"
     assert err.splitlines() == [
         f"hpdl run: warning: {option} is not honoured under the mpiexec of MPICH (Hydra); ignoring it"
         for option in ("--binding-args", "--prefix-output-with-timestamp")]
@@ -451,7 +453,7 @@ def test_binding_and_timestamps_reach_open_mpi_and_warn_elsewhere(monkeypatch, c
 
 def test_open_mpi_gets_a_slot_per_rank_on_this_host(monkeypatch, capsys, clean_env):
     out, _ = _dry_run(monkeypatch, capsys, "-np", "3", version_text=OPENMPI4_TEXT)
-    assert out == "mpiexec --allow-run-as-root --tag-output -np 3 -H localhost:3 --bind-to none python train.py"
+    assert out == f"mpiexec --allow-run-as-root --tag-output -np 3 -H localhost:3 --bind-to none {TRAIN}"
 
 
 def test_ssh_options_are_ignored_with_a_note_when_every_rank_is_here(monkeypatch, capsys, clean_env, tmp_path):

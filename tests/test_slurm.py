@@ -211,7 +211,8 @@ def _ranks(stdout: str) -> List[str]:
 def test_dry_run_passes_srun_the_mpi_plugin(cluster, job):
     result = salloc_run(cluster, job, "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert f"srun --ntasks 2 --kill-on-bad-exit=1 --mpi=pmi2 python {job}" in result.stdout
+    assert (f"srun --ntasks 2 --kill-on-bad-exit=1 --mpi=pmi2 {sys.executable} -m hpdl.launch.rank_watch -- "
+            f"python {job}") in result.stdout
 
 
 @pytest.mark.parametrize("run_args", [(), ("--backend", "gloo")], ids=["mpi", "gloo"])

@@ -144,6 +144,7 @@ class Engine(EngineFailures):
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
+        self._end_requested: Optional[str] = None  # why the job is being ended (request_end)
         self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
         self._main_thread_id = threading.main_thread().ident
         self.cycles = 0

@@ -55,6 +55,9 @@ class EngineFailures:
         """
         limit = self.settings.stall_timeout_s
         while not self._stopped.wait(min(1.0, limit / 4)):
+            if self._end_requested is not None and self._failure is None:
+                self._fail(f"hpdl engine failed on rank {self.rank}: {self._end_requested}", ended=True)
+                return
             started = self._round_started
             oldest = self.executor.oldest_in_flight()
             now = time.monotonic()
@@ -69,6 +72,18 @@ class EngineFailures:
             if err is not None:
                 self._fail(f"hpdl engine failed on rank {self.rank}: {err}{self._lost(err)}", err)
                 return
+
+    def request_end(self, reason: str) -> bool:
+        """Fail the engine as a lost peer would, because the job is being ended (``reason``);
+        return False when it has stopped already.
+
+        Safe in a signal handler, whatever the interrupted code holds: it only records the
+        reason, and the watch thread fails the engine within a second.
+        """
+        if self._stopped.is_set():
+            return False
+        self._end_requested = reason
+        return True
 
     def _lost(self, err: BaseException) -> str:
         """After a backend failure, the ranks that no longer answer, as words for the message."""
@@ -110,8 +125,12 @@ class EngineFailures:
         for ps in self._sets.values():
             self._fail_set(ps, message)
 
-    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True) -> None:
-        """Enter the failed state: every pending and future request raises ``message``."""
+    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True,
+              ended: bool = False) -> None:
+        """Enter the failed state: every pending and future request raises ``message``.
+
+        ``ended``: the job is being ended from outside (:meth:`request_end`), not stalled here.
+        """
         if self._failure is not None:  # failed already (the watch thread was first)
             return
         self._failure = message
@@ -121,7 +140,9 @@ class EngineFailures:
         # Armed before the waiting callers wake: one that raises and exits at once must find
         # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
         # one that stopped submitting when it had nothing pending.
-        self._end_job(message, stalled=not waiting and cause is None)
+        self._end_job(message, stalled=not waiting and cause is None and not ended)
+        if ended and not waiting:
+            self._raise_in_main_thread(message)  # no handle to raise through: the caller computes
         self._fail_pending(message)
 
     def _end_job(self, message: str, stalled: bool) -> None:

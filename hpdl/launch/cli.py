@@ -2,7 +2,8 @@
 
 The handlers turn the namespace into :class:`RunOptions`, call the pure builder, and then
 either print the command (``--dry-run``) or ``os.execvpe`` it, so the launcher replaces this
-process and owns signals, exit codes and output from then on. The one exception is torchrun on
+process and owns signals, exit codes and output from then on; each rank's command runs under
+:mod:`hpdl.launch.rank_watch`, which names a rank that dies hard. The one exception is torchrun on
 several hosts: one torchrun per host, started over the remote shell and waited for here.
 """
 
@@ -27,10 +28,14 @@ from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_comman
 from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers, program_problem
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, numeric_options
+from hpdl.launch.rank_watch import watched
 
 _RUN_DESCRIPTION = """\
 Start COMMAND as N ranks of an hpdl job through mpiexec, srun or torchrun, then get out of
-the way: hpdl builds the launcher's command line and replaces itself with it.
+the way: hpdl builds the launcher's command line and replaces itself with it. Each rank's
+COMMAND runs under a small parent that passes signals on to it and, when the rank dies hard
+(a signal, os._exit, a crash in C code), prints one line naming the rank, its host and how it
+ended. COMMAND's program must exist here (on PATH or as a path) when every rank runs here.
 
 Launcher choice (unless --launcher says otherwise):
   inside a Slurm allocation (SLURM_JOB_ID set), backend auto or mpi   -> srun
@@ -348,6 +353,8 @@ def run_command(args: argparse.Namespace) -> int:
         if args.output_filename:
             options = dataclasses.replace(options, command=tuple(
                 horovodrun.output_wrapper(args.output_filename, options.command)))
+        # Every rank runs under a parent that names it when it dies on its own (rank_watch.py).
+        options = dataclasses.replace(options, command=tuple(watched(options.command)))
         info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
         commands, env = build_run(options, start_env, info)
         missing = None if args.dry_run else program_problem(program, env.get("PATH", os.defpath), info.cwd)
