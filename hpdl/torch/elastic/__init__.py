@@ -17,9 +17,9 @@ elastic (docs/api.md, "A failed job ends"). ``run`` then restores the last commi
 before the error propagates, so a handler in the script (saving a checkpoint, say) sees the
 committed state rather than a half-finished batch. The launcher's elastic options stay refused.
 
-Where a rank is lost, the launchers that let the survivors live end them with SIGTERM
-(torchrun at once, srun on a failed task, both after a grace period before SIGKILL), often
-before the survivors' collectives have failed. So while the function runs, SIGTERM (unless
+Where a rank is lost, the launchers that let the survivors live a little end them with
+SIGTERM at once (torchrun, srun, Open MPI's mpiexec; SIGKILL follows 30 s, KillWait or 1 s
+later), often before the survivors' collectives have failed. So while the function runs, SIGTERM (unless
 the script handles it itself) fails the engine as a lost peer would: the survivors' collectives
 raise ``HorovodInternalError`` and the handler runs. MPICH's mpiexec ends them with SIGKILL,
 which nothing can catch.
@@ -36,7 +36,7 @@ import functools
 import os
 import signal
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, List
 
 from hpdl.engine import HorovodInternalError
 from hpdl.torch.elastic.common import HostsUpdatedInterrupt, ObjectState, State
@@ -91,6 +91,7 @@ def _sigterm_fails_the_collectives() -> Iterator[None]:
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
+    _sigterms.clear()
     signal.signal(signal.SIGTERM, _end_on_sigterm)
     try:
         yield
@@ -98,7 +99,16 @@ def _sigterm_fails_the_collectives() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+_sigterms: List[int] = []  # the SIGTERMs received while run's function runs
+
+
 def _end_on_sigterm(signum: int, _frame: Any) -> None:
+    # A second one (srun signals both hpdl run's rank parent and the rank, which then passes
+    # the first on) may interrupt the first's handler: it returns at once, before taking any
+    # lock the first may hold.
+    if _sigterms:
+        return
+    _sigterms.append(signum)
     if is_initialized() and engine().request_end(SIGTERM_REASON):
         return
     # No engine to fail: end as SIGTERM ends a process by default.
