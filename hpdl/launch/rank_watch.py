@@ -17,7 +17,8 @@ It then ends as the command did (killed by the same signal, or with the same exi
 that the launcher sees the rank's end and acts on it as without this process.
 
 Signals: the command runs in a process group of its own, so that a signal the launcher or a
-terminal's Ctrl-C sends to this process's group reaches the command once, passed on from here;
+terminal's Ctrl-C sends to this process's group reaches the command once, passed on from here
+(Slurm signals every process of a step, so there the command gets it twice, nearly at once);
 and with the kernel's parent-death signal set to SIGKILL, so that a launcher killing this
 process (MPICH's mpiexec ends the survivors of a lost rank with SIGKILL) kills the command
 too. The command keeps the launcher's variables and the descriptors this process inherited
@@ -40,7 +41,7 @@ from hpdl import rank_exit
 # Passed on to the command; the first four end it by default, so an end that follows one of
 # them was asked for.
 _ENDING = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)
-_PASSED_ON = _ENDING + (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT, signal.SIGWINCH)
+_PASSED_ON = _ENDING + (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
