@@ -16,7 +16,7 @@ which the conversions to integers reject with a traceback.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 from hpdl.config import C_INT_MAX, SETTING_BOUNDS, YEAR_S, Bound, Settings, out_of_range
 from hpdl.launch.hosts import LaunchError
@@ -66,7 +66,7 @@ _FLAGS = {"np": "-np", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"
 _FIELDS = {field.name: field for field in dataclasses.fields(Settings)}
 
 
-def numeric_options() -> list:
+def numeric_options() -> List[str]:
     """The `hpdl run` options whose values are numbers (checked by :func:`check_number`)."""
     return list(LIMITS) + [option for option, setting in RUN_SETTINGS.items()
                            if setting.field in SETTING_BOUNDS]
