@@ -135,7 +135,10 @@ class EngineFailures:
               ended: bool = False) -> None:
         """Enter the failed state: every pending and future request raises ``message``.
 
-        ``ended``: the job is being ended from outside (:meth:`request_end`), not stalled here.
+        ``ended``: the job is being ended from outside (:meth:`request_end`), not stalled here:
+        a caller computing meets the error at its next collective (the job ends within the
+        abort's grace period all the same); raised in the main thread meanwhile, it could land
+        after that caller has met it, in its handler or in the end of the job itself.
         """
         if self._failure is not None:  # failed already (the watch thread was first)
             return
@@ -147,8 +150,6 @@ class EngineFailures:
         # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
         # one that stopped submitting when it had nothing pending.
         self._end_job(message, stalled=not waiting and cause is None and not ended)
-        if ended and not waiting:
-            self._raise_in_main_thread(message)  # no handle to raise through: the caller computes
         self._fail_pending(message)
 
     def _end_job(self, message: str, stalled: bool) -> None:
