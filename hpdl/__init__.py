@@ -1,6 +1,6 @@
 """hpdl: Horovod-compatible data-parallel training for PyTorch, in pure Python.
 
-Layers (imports point downwards): launch, sr, bench, profile -> torch -> engine -> comm.
+Layers (imports point downwards): launch, spark, sr, bench, profile -> torch -> engine -> comm.
 Import ``hpdl.torch`` (as ``hvd``) for the training API.
 """
 

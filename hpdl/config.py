@@ -36,6 +36,7 @@ HOROVOD_ALIASES = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "HPDL_STALL_WARNING",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HPDL_STALL_TIMEOUT",
     "HOROVOD_START_TIMEOUT": "HPDL_START_TIMEOUT",
+    "HOROVOD_SPARK_START_TIMEOUT": "HPDL_SPARK_START_TIMEOUT",
     "HOROVOD_AUTOTUNE": "HPDL_AUTOTUNE",
     "HOROVOD_AUTOTUNE_LOG": "HPDL_AUTOTUNE_LOG",
     "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "HPDL_AUTOTUNE_WARMUP_SAMPLES",
@@ -110,6 +111,8 @@ SETTING_BOUNDS: Dict[str, Bound] = {
     "stall_warning_s": Bound(0, YEAR_S, "seconds", "a year", lowest_excluded=True),
     "stall_timeout_s": Bound(0, YEAR_S, "seconds", "a year", lowest_excluded=True),
     "start_timeout_s": Bound(0, YEAR_S, "seconds", "a year"),
+    "spark_start_timeout_s": Bound(0, YEAR_S, "seconds", "a year", lowest_excluded=True),
+    "ranks_per_gpu": Bound(1, C_INT_MAX, "ranks"),
     "autotune_warmup_samples": Bound(0, C_INT_MAX, "samples"),
     "autotune_steps_per_sample": Bound(1, C_INT_MAX, "steps"),
     "autotune_bayes_opt_max_samples": Bound(0, C_INT_MAX, "samples"),
@@ -208,6 +211,9 @@ class Settings:
     # How long init() waits for the ranks to meet before this rank gives up (0: no bound of
     # its own; the backend's rendezvous then waits up to the stall timeout).
     start_timeout_s: float = dataclasses.field(default=0.0, metadata={"env": "HPDL_START_TIMEOUT"})
+    # How long hpdl.spark.run waits for Spark to start every rank's task (free slots for the
+    # whole barrier stage, then each task reaching the driver) before it gives up; Horovod's 600 s.
+    spark_start_timeout_s: float = dataclasses.field(default=600.0, metadata={"env": "HPDL_SPARK_START_TIMEOUT"})
     timeline: str = dataclasses.field(default="", metadata={"env": "HPDL_TIMELINE"})
     # Record every collective and step of every rank; rank 0 writes them to this JSON file at
     # shutdown (docs/profile.md).
@@ -221,12 +227,17 @@ class Settings:
     mpi_cuda_aware: str = dataclasses.field(
         default="auto", metadata={"env": "HPDL_MPI_CUDA_AWARE"}
     )
+    # Ranks that share each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1, ...
+    # (hpdl/comm/devices.py; hpdl run --ranks-per-gpu). Above 1, nccl is out (it refuses two
+    # ranks on one GPU): the ranks talk over gloo or MPI.
+    ranks_per_gpu: int = dataclasses.field(default=1, metadata={"env": "HPDL_RANKS_PER_GPU"})
     # How much lower than the compute the engine thread runs (a nice increment, 0-19); auto:
     # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine.py, Pacing).
     engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
     # Tune the fusion threshold and the cycle time while the job runs (hpdl/engine/autotune.py):
-    # the samples to discard first, the training steps per sub-sample, the Bayesian proposals
-    # to try, and the noise the Gaussian process assumes in the scores (Horovod's defaults).
+    # the samples to discard first, the training steps per sub-sample, the samples to tune
+    # less one (Horovod's start points included), and the noise the Gaussian process assumes
+    # in the scores (Horovod's defaults).
     autotune: bool = dataclasses.field(default=False, metadata={"env": "HPDL_AUTOTUNE"})
     autotune_log: str = dataclasses.field(default="", metadata={"env": "HPDL_AUTOTUNE_LOG"})
     autotune_warmup_samples: int = dataclasses.field(default=3, metadata={"env": "HPDL_AUTOTUNE_WARMUP_SAMPLES"})

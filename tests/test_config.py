@@ -35,6 +35,8 @@ def test_unknown_variable_is_rejected_by_name():
     ({"HPDL_HIERARCHICAL_ALLREDUCE": "maybe"}, "HPDL_HIERARCHICAL_ALLREDUCE"),
     ({"HPDL_ENGINE_NICE": "20"}, "HPDL_ENGINE_NICE"),
     ({"HPDL_ENGINE_NICE": "low"}, "HPDL_ENGINE_NICE"),
+    ({"HPDL_RANKS_PER_GPU": "0"}, "HPDL_RANKS_PER_GPU must be >= 1"),
+    ({"HPDL_RANKS_PER_GPU": "two"}, "HPDL_RANKS_PER_GPU"),
 ])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(SettingsError, match=match):

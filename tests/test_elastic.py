@@ -32,6 +32,51 @@ def test_a_lost_rank_ends_the_function_with_the_committed_state_restored():
         assert "rank 1" in out, out
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_lr_scheduler_of_a_distributed_optimizer_is_kept_by_its_state_dict(n):
+    result = run_ranks("elastic_handlers.py", n, args=["scheduler"], timeout=120)
+    for rank in range(n):
+        assert f"OK elastic scheduler: rank={rank}" in result.stdout, result.stdout
+
+
+def test_an_lr_scheduler_has_a_handler_of_its_own():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedulers = torch.optim.lr_scheduler
+    for scheduler in (schedulers.StepLR(opt, step_size=1), schedulers.ReduceLROnPlateau(opt),
+                      schedulers.LambdaLR(opt, lambda epoch: 0.5 ** epoch)):
+        state = elastic.TorchState(model, opt, scheduler=scheduler)
+        assert isinstance(state._handlers["scheduler"], elastic_state.LRSchedulerStateHandler), type(scheduler)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_object_that_does_not_pickle_is_named_with_the_handler_registry_that_keeps_it(n):
+    result = run_ranks("elastic_handlers.py", n, args=["unpicklable"], timeout=120)
+    for rank in range(n):
+        assert f"OK elastic unpicklable: rank={rank}" in result.stdout, result.stdout
+
+
+def test_a_refusal_names_the_objects_this_rank_cannot_pickle_either():
+    # Rank 1's view: the broadcast only says rank 0 could not serialize; the rank names its own.
+    import threading
+
+    def bcast_from_failed_root(value):
+        raise ValueError("broadcast_object 'dict': root rank 0 could not serialize its object (its own error says why)")
+
+    state = elastic.ObjectState(bcast_object=bcast_from_failed_root, get_rank=lambda: 1, lock=threading.Lock(),
+                                epoch=3)
+    with pytest.raises(ValueError, match=r"^ObjectState cannot send its objects from rank 0 to the other ranks: "
+                                         r"lock: cannot serialize lock object: TypeError: .*; give the state what "
+                                         r"can be pickled instead"):
+        state.sync()
+    plain = elastic.ObjectState(bcast_object=bcast_from_failed_root, get_rank=lambda: 1, epoch=3)
+    with pytest.raises(ValueError, match=r"root rank 0 could not serialize its object \(its own error says why\); "
+                                         r"give the state"):
+        plain.sync()
+
+
 def _one_rank(monkeypatch, rank=0, size=1):
     monkeypatch.setattr(elastic_sampler, "rank", lambda: rank)
     monkeypatch.setattr(elastic_sampler, "size", lambda: size)
@@ -193,7 +238,8 @@ def test_a_handler_registered_as_in_horovod_keeps_a_scheduler(monkeypatch):
 
     registry = list(elastic_state.get_handler_registry())
     monkeypatch.setattr(elastic_state, "_handler_registry", registry)
-    elastic_state.set_handler_registry(registry + [(torch.optim.lr_scheduler.LRScheduler, SchedulerHandler)])
+    # Ahead of the registry's own scheduler handler: the first match is used.
+    elastic_state.set_handler_registry([(torch.optim.lr_scheduler.LRScheduler, SchedulerHandler)] + registry)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

@@ -317,6 +317,17 @@ def test_torch_backend_on_several_hosts_starts_through_mpiexec():
         run(hosts=parse_hosts("n1:2,n2:2"), backend="gloo", launchers=info(mpiexec=None))
 
 
+def test_ranks_per_gpu_reaches_every_rank_and_keeps_nccl_out():
+    argv, env = run(np=4, ranks_per_gpu=2, launchers=info(mpiexec=None))
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "4"] and env["HPDL_RANKS_PER_GPU"] == "2"
+    argv, env = run(np=4, ranks_per_gpu=4)
+    assert argv[:5] == ["mpiexec", "-genv", "HPDL_RANKS_PER_GPU", "4", "-n"]
+    for given in ({"backend": "nccl"}, {"env": {"HPDL_BACKEND": "nccl"}}):
+        with pytest.raises(LaunchError, match="NCCL refuses two ranks on one GPU"):
+            run(np=2, ranks_per_gpu=2, **given)
+    assert run(np=2, ranks_per_gpu=1, backend="nccl")[1]["HPDL_RANKS_PER_GPU"] == "1"
+
+
 def test_backend_from_environment_picks_the_launcher():
     argv, env = run(np=2, env={"HPDL_BACKEND": "gloo"})
     assert argv[0] == "torchrun" and env["HPDL_BACKEND"] == "gloo"

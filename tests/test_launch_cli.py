@@ -63,6 +63,8 @@ def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
     (["-np", "1" + "0" * 23], "-np must be at most 2147483647 ranks, got 1.000e+23"),
     (["-H", "a:1,b:1", "--ssh-port", "99999"], "--ssh-port must be at most 65535, got 99999"),
     (["-H", "a:1,b:1", "--ssh-port", "0"], "--ssh-port must be >= 1, got 0"),
+    (["--ranks-per-gpu", "0"], "--ranks-per-gpu must be >= 1 rank, got 0"),
+    (["--ranks-per-gpu", "2", "--backend", "nccl"], "NCCL refuses two ranks on one GPU; use gloo or mpi"),
 ])
 def test_cli_numbers_that_are_not_finite_or_absurd_are_one_line(args, fragment, monkeypatch, capsys, clean_env):
     monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))

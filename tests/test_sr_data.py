@@ -264,6 +264,14 @@ def test_corrupt_image_fails_or_is_skipped_with_a_warning(tmp_path):
         open_pairs(tmp_path / "imgs", 2, cache_dir=tmp_path / "c", on_bad_image="skip")
 
 
+def test_an_image_smaller_than_the_scale_is_skipped_with_a_warning(tmp_path):
+    save(tmp_path / "imgs" / "good.png", rand_image(16, 16))
+    save(tmp_path / "imgs" / "tiny.png", rand_image(1, 1))
+    with pytest.warns(RuntimeWarning, match=r"skipping .*tiny\.png: image of 1x1 is smaller than scale 2"):
+        pairs = open_pairs(tmp_path / "imgs", 2, cache_dir=tmp_path / "c", on_bad_image="skip")
+    assert pairs.names == ["good"]
+
+
 def test_image_smaller_than_patch(tmp_path):
     save(tmp_path / "imgs" / "big.png", rand_image(40, 40))
     save(tmp_path / "imgs" / "small.png", rand_image(30, 40))

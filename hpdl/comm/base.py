@@ -13,7 +13,6 @@ import abc
 import enum
 import os
 import pickle
-import socket
 from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
@@ -150,6 +149,17 @@ class Communicator(abc.ABC):
                 taking the remainder, as Horovod does).
         """
 
+    def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
+                 receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        """Point to point: send each ``(peer, tensor)`` of ``sends`` and receive into each
+        ``(peer, tensor)`` of ``receives``, all started at once; return when all are done.
+
+        Not collective: each send meets the receive its peer posts for it, matched in order
+        among the messages between the same two ranks. For a communicator of the caller's own
+        (never the engine's), used from one thread at a time.
+        """
+        raise CommError(f"the {self.name} backend has no point-to-point transfers")
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank of the group has arrived."""
@@ -163,8 +173,10 @@ class Communicator(abc.ABC):
         """
 
     def host_names(self) -> List[str]:
-        """Return every rank's host name, in rank order."""
-        return self.allgather_object(socket.gethostname())
+        """Return every rank's node (``topology.host_identity``: host name and network namespace), in rank order."""
+        from hpdl.comm.topology import host_identity
+
+        return self.allgather_object(host_identity())
 
     def node_layout(self) -> Tuple[int, int, int, int]:
         """Return (local_rank, local_size, cross_rank, cross_size) as Horovod defines them."""

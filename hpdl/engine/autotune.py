@@ -11,8 +11,11 @@ Rank 0 measures and decides; every rank applies its decision at the same round:
   caches warming). Then each sample's parameters and score go to a Bayesian optimisation
   (bayes_opt.py) over the fusion threshold in [0, 64] MiB and the cycle time in [1, 100] ms,
   which proposes the next parameters to try; Horovod's four starting points come first
-  ((4 MiB, 5 ms), (32, 50), (16, 25), (8, 10)). After ``HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES``
-  proposals the parameters of the best score are kept for the rest of the job.
+  ((4 MiB, 5 ms), (32, 50), (16, 25), (8, 10)). Tuning ends after
+  ``HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` + 1 samples, the start points included, as in
+  Horovod (its ``IsDoneTuning``: iteration > max_samples): 20 tries the four start points and
+  17 proposals; 3 or fewer tries only start points (max + 1 of them). The parameters of the
+  best score are then kept for the rest of the job.
 - **Fixed knobs.** A knob the user set (``HPDL_FUSION_THRESHOLD``, ``HPDL_CYCLE_TIME``, their
   Horovod names, or ``hpdl run``'s options) is not tuned. Horovod's other tunables are not
   tuned here: hierarchical allreduce needs its node-local groups built at ``init()``, and

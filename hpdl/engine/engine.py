@@ -480,6 +480,8 @@ class Engine(EngineFailures):
                     del ps.failed_groups[request.group]
                 request.handle.set_error(HorovodInternalError(message))
                 continue
+            if request.kind is RequestKind.JOIN:
+                self.executor.join_device = request.root  # where this rank's zeros go on a GPU
             ps.pending[request.name] = request
         return count
 
@@ -643,6 +645,12 @@ class Engine(EngineFailures):
             self._sets[set_id] = added
             if handle is not None:
                 handle.set_result(set_id)
+        elif response.kind == RequestKind.SPLIT_COMMUNICATOR:
+            sub = self.comm.split(list(response.signature[SIG_SPLITS]))  # collective, in the agreed order
+            if handle is not None:
+                handle.set_result(sub)
+            elif sub is not None:
+                sub.close()
         elif response.kind == RequestKind.REMOVE_PROCESS_SET:
             set_id = response.signature[SIG_ROOT]
             ps = self._sets.pop(set_id, None)

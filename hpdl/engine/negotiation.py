@@ -47,7 +47,11 @@ _HEADER_WORDS = 4
 TUNING_NONE = _MASK  # the tuning word of a member other than rank 0: AND leaves rank 0's
 
 # Requests that never enter the response cache.
-_UNCACHED_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET)
+_UNCACHED_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET,
+                   RequestKind.SPLIT_COMMUNICATOR)
+# Requests whose member ranks (``splits``) must agree, and whose mismatch says which calls differ.
+_MEMBERSHIP_KINDS = (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value,
+                     RequestKind.SPLIT_COMMUNICATOR.value)
 
 
 @dataclasses.dataclass
@@ -89,7 +93,7 @@ def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]
     """Return a message naming the tensor, the field and the ranks that differ, or None."""
     kind = next(iter(signatures.values()))[SIG_KIND]
     fields = [SIG_KIND, SIG_DTYPE, SIG_DEVICE, SIG_SHAPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_GROUP, SIG_PRIORITY]
-    if kind in (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value):
+    if kind in _MEMBERSHIP_KINDS:
         fields.append(SIG_SPLITS)  # the member ranks must agree
     for field in fields:
         values: Dict[Any, List[int]] = {}
@@ -101,7 +105,7 @@ def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]
         if len(values) > 1:
             parts = [f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
                      for v, ranks in values.items()]
-            if kind in (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value):
+            if kind in _MEMBERSHIP_KINDS:
                 what = {SIG_SPLITS: "member ranks", SIG_ROOT: "process set ids"}.get(field, _FIELD_TEXT[field])
                 return (f"Mismatched {kind} calls ({name!r}; every rank must make the same calls in the same "
                         f"order): {what}: " + "; ".join(parts))

@@ -18,6 +18,10 @@ class RequestKind(enum.Enum):
     JOIN = "join"
     ADD_PROCESS_SET = "add_process_set"  # ``splits`` carries the member ranks
     REMOVE_PROCESS_SET = "remove_process_set"  # ``root`` carries the set's id
+    # A communicator of ``splits`` ranks for the caller's own use, apart from the engine's
+    # (spatial parallelism's halo exchanges): made on the engine thread, which alone may use
+    # the world communicator, in the same agreed order on every rank.
+    SPLIT_COMMUNICATOR = "split_communicator"
 
 
 class Op(enum.Enum):

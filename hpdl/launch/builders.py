@@ -37,6 +37,7 @@ import os
 import shlex
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from hpdl.comm.devices import nccl_refusal
 from hpdl.config import BACKENDS, Settings, SettingsError
 from hpdl.launch.detect import (
     FLAVOUR_NAMES, HYDRA_FLAVOURS, INTELMPI, MPICH, MVAPICH2, OPENMPI, UNKNOWN, LauncherInfo, ranks_path,
@@ -89,6 +90,7 @@ class RunOptions:
     autotune_steps_per_sample: Optional[int] = None
     autotune_bayes_opt_max_samples: Optional[int] = None
     autotune_gaussian_process_noise: Optional[float] = None
+    ranks_per_gpu: Optional[int] = None  # ranks sharing each GPU (hpdl/comm/devices.py)
     remote_shell: Optional[str] = None  # how to reach other hosts (default: ssh)
     binding_args: Tuple[str, ...] = ()  # Open MPI's process binding, in place of --bind-to none
     rendezvous_port: int = 29400  # torchrun's static rendezvous on the first host, across hosts
@@ -165,6 +167,9 @@ def build_run(options: RunOptions, env: Mapping[str, str], info: LauncherInfo) -
     if options.launcher not in LAUNCHERS:
         raise LaunchError(f"unknown launcher {options.launcher!r}; use one of {', '.join(LAUNCHERS)}")
     hpdl_env = settings_env(options, env, info.cwd)
+    refusal = nccl_refusal(backend, Settings.from_env(hpdl_env).ranks_per_gpu > 1)
+    if refusal is not None:
+        raise LaunchError(refusal)
     launcher = choose_launcher(options, backend, env, info)
     hosts = options.hosts
     np = _num_ranks(options, env, launcher)

@@ -120,6 +120,13 @@ def register(subparsers) -> None:
         "-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
         help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS inside a Slurm allocation, else 1)",
     )
+    where.add_argument(
+        "--ranks-per-gpu", type=int, metavar="K",
+        help="ranks sharing each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1, ... "
+        "(HPDL_RANKS_PER_GPU; hvd.local_gpu() names a rank's GPU, hvd.local_rank() still the process); "
+        "above 1 the ranks talk over gloo or MPI, as NCCL refuses two ranks on one GPU; run NVIDIA MPS "
+        "so that their kernels share the GPU at once (docs/gpu.md) (default 1)",
+    )
     hosts = where.add_mutually_exclusive_group()
     hosts.add_argument(
         "-H", "--hosts", dest="hosts", metavar="HOST[:SLOTS],...",
@@ -228,8 +235,9 @@ def register(subparsers) -> None:
                       help="training steps per sub-sample; a sample is scored by the median of 5 "
                            "(default 10; HPDL_AUTOTUNE_STEPS_PER_SAMPLE)")
     tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
-                      help="parameters proposed by the Bayesian optimisation before the best is kept "
-                           "(default 20; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
+                      help="tuning ends after N + 1 samples, Horovod's 4 start points included, and keeps "
+                           "the best (default 20: 4 start points and 17 proposals of the Bayesian "
+                           "optimisation; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
     tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
                       help="noise assumed in the scores, 0 to 1 (default 0.8; HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE)")
     horovod = run.add_argument_group("horovodrun's options", "so that horovodrun command lines run unchanged")

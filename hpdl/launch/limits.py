@@ -49,6 +49,7 @@ RUN_SETTINGS: Dict[str, RunSetting] = {
     "autotune_steps_per_sample": RunSetting("autotune_steps_per_sample"),
     "autotune_bayes_opt_max_samples": RunSetting("autotune_bayes_opt_max_samples"),
     "autotune_gaussian_process_noise": RunSetting("autotune_gaussian_process_noise"),
+    "ranks_per_gpu": RunSetting("ranks_per_gpu"),
 }
 
 # The numeric options that set no setting -> their ranges.

@@ -18,6 +18,7 @@ from hpdl.engine import Handle, HorovodInternalError, Op, Request, RequestKind
 from hpdl.torch import runtime
 from hpdl.torch.compression import Compression
 from hpdl.torch.process_sets import ProcessSet, _set_id, global_process_set
+from hpdl.torch.streams import after_engine, before_engine
 
 Average, Sum, Adasum, Min, Max, Product = Op.AVERAGE, Op.SUM, Op.ADASUM, Op.MIN, Op.MAX, Op.PRODUCT
 
@@ -94,8 +95,11 @@ def _submit(request: Request) -> Handle:
     if state is None:
         runtime._require()  # raises the "not initialized" error
     tensor = request.tensor
-    if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
-        _refuse_dtype(tensor, request.kind.value, request.name)
+    if tensor is not None:
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            _refuse_dtype(tensor, request.kind.value, request.name)
+        if tensor.is_cuda:
+            before_engine(tensor, request.output)
     return state.engine.submit(request)
 
 
@@ -170,8 +174,8 @@ def synchronize(handle: AsyncHandle) -> Any:
     """Wait for ``handle`` and return the operation's result (raising its error, if any)."""
     if handle.finish is None:
         handle.handles[0].wait()
-        return handle.inplace
-    return handle.finish([h.wait() for h in handle.handles])
+        return after_engine(handle.inplace)
+    return after_engine(handle.finish([h.wait() for h in handle.handles]))
 
 
 # -- allreduce ---------------------------------------------------------------------------------
@@ -646,10 +650,17 @@ class _GroupedReducescatter(torch.autograd.Function):
 def join(device: int = -1) -> int:
     """Wait until every rank has joined, contributing zeros to the others' allreduces meanwhile.
 
+    Args:
+        device: the GPU on which to make the zeros for CUDA tensors; -1 (Horovod's default):
+            this thread's current GPU where CUDA is in use (``torch.cuda.set_device``).
+
     Returns:
         the rank of the last process that joined.
     """
-    return _submit(Request(RequestKind.JOIN, "join")).wait()
+    if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()  # the engine's thread has a current device of its own
+    # ``root`` carries the GPU, as it carries a process set's id in REMOVE_PROCESS_SET.
+    return _submit(Request(RequestKind.JOIN, "join", root=int(device))).wait()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -119,6 +119,12 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     return ps
 
 
+def registered_with(ranks: Sequence[int]) -> Optional[ProcessSet]:
+    """The registered process set of exactly ``ranks``, if there is one."""
+    wanted = sorted(int(r) for r in ranks)
+    return next((ps for ps in _registered if ps.ranks == wanted), None)
+
+
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (collective); return whether it was registered."""
     if process_set.process_set_id in (None, 0) or process_set not in _registered:

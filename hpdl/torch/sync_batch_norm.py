@@ -1,23 +1,22 @@
 """SyncBatchNorm: batch normalization over the whole batch of a process set, on CPU or GPU.
 
-Each rank computes its batch's per-channel count, mean and sum of squared deviations; an
-allgather gives every rank every rank's, which combine exactly (Chan et al.'s parallel
-variance) into the statistics of the concatenated batch, whatever each rank's batch size.
-Backward needs two per-channel sums over the whole batch (of the output gradient, and of it
-times the normalized input): one allreduce. The weight and bias gradients stay local, as
-Horovod's: DistributedOptimizer averages them with the other gradients. Plain tensor
-operations throughout, so the same code runs on CPU (PyTorch's own ``nn.SyncBatchNorm``
-needs CUDA kernels) and on GPU.
+An allgather of every rank's per-channel moments gives the statistics of the concatenated
+batch, whatever each rank's batch size; backward's two per-channel sums take one allreduce
+(the arithmetic: batch_norm_stats.py). The weight and bias gradients stay local, as Horovod's:
+DistributedOptimizer averages them with the other gradients. Plain tensor operations
+throughout, so the same code runs on CPU (PyTorch's own ``nn.SyncBatchNorm`` needs CUDA
+kernels) and on GPU.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hpdl.torch import batch_norm_stats as stats
 from hpdl.torch.mpi_ops import Sum, allgather_async, allreduce_async, synchronize
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
@@ -57,52 +56,26 @@ class SyncBatchNorm(_BatchNorm):
                                     self.running_var if running else None, self.eps, factor, self.process_set)
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # 16-bit inputs keep their statistics in float32, as cuDNN's batch norm does.
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _channel_view(stat: torch.Tensor, dims: int) -> torch.Tensor:
-    """Shape a per-channel vector to broadcast against an (N, C, ...) tensor."""
-    return stat.view((1, -1) + (1,) * (dims - 2))
-
-
 def _global_moments(x: torch.Tensor, process_set: ProcessSet) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The count, per-channel mean and sum of squared deviations of every member's ``x`` together."""
-    channels = x.shape[1]
-    reduce_dims: List[int] = [0] + list(range(2, x.dim()))
-    count = x.numel() // channels
-    if count:
-        mean = x.mean(reduce_dims)
-        m2 = (x - _channel_view(mean, x.dim())).square().sum(reduce_dims)
-    else:  # an empty batch on this rank contributes nothing
-        mean = m2 = x.new_zeros(channels)
-    local = torch.cat([x.new_tensor([float(count)]), mean, m2]).unsqueeze(0)
-    gathered = synchronize(allgather_async(local, process_set=process_set))
-    counts, means, m2s = gathered[:, :1], gathered[:, 1:channels + 1], gathered[:, channels + 1:]
-    total = counts.sum()
-    global_mean = (counts * means).sum(0) / total
-    global_m2 = m2s.sum(0) + (counts * (means - global_mean).square()).sum(0)
-    return total, global_mean, global_m2
+    return stats.combine_moments(synchronize(allgather_async(stats.local_moments(x), process_set=process_set)))
 
 
 class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, running_mean, running_var, eps, momentum, process_set):
-        x = input.to(_stat_dtype(input.dtype))
+        x = input.to(stats.stat_dtype(input.dtype))
         total, mean, m2 = _global_moments(x, process_set)
         if total.item() <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(input.shape)} "
                              "on this rank and a batch of one value per channel over the process set")
         invstd = torch.rsqrt(m2 / total + eps)
-        if running_mean is not None:
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            unbiased = m2 / (total - 1)
-            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
-        normalized = (x - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        stats.update_running(running_mean, running_var, mean, m2, total, momentum)
+        normalized = (x - stats.channel_view(mean, x.dim())) * stats.channel_view(invstd, x.dim())
         out = normalized
         if weight is not None:
-            out = normalized * _channel_view(weight.to(x.dtype), x.dim()) + _channel_view(bias.to(x.dtype), x.dim())
+            out = normalized * stats.channel_view(weight.to(x.dtype), x.dim()) \
+                + stats.channel_view(bias.to(x.dtype), x.dim())
         ctx.save_for_backward(normalized, invstd, weight)
         ctx.total, ctx.process_set = total, process_set
         return out.to(input.dtype)
@@ -110,22 +83,14 @@ class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         normalized, invstd, weight = ctx.saved_tensors
-        dims = normalized.dim()
-        reduce_dims = [0] + list(range(2, dims))
         dy = grad_output.to(normalized.dtype)
-        sum_dy = dy.sum(reduce_dims)
-        sum_dy_xhat = (dy * normalized).sum(reduce_dims)
+        local_sums = stats.gradient_sums(dy, normalized)
+        channels = invstd.numel()
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            channels = sum_dy.numel()
-            sums = synchronize(allreduce_async(torch.cat([sum_dy, sum_dy_xhat]), op=Sum,
-                                               process_set=ctx.process_set))
-            mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
-            scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-            grad_input = (dy - _channel_view(mean_dy, dims) - normalized * _channel_view(mean_dy_xhat, dims)) \
-                * _channel_view(scale, dims)
-            grad_input = grad_input.to(grad_output.dtype)
+            sums = synchronize(allreduce_async(local_sums, op=Sum, process_set=ctx.process_set))
+            grad_input = stats.input_gradient(dy, normalized, sums, ctx.total, invstd, weight).to(grad_output.dtype)
         if weight is not None:
-            grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-            grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+            grad_weight = local_sums[channels:].to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_bias = local_sums[:channels].to(weight.dtype) if ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None

@@ -1,0 +1,16 @@
+"""Spatial and hybrid parallelism: one image split across the ranks of a group (row and column
+bands), every layer exact to one process in forward and backward; combined with data
+parallelism over groups (``grid``). See docs/spatial.md.
+
+    import hpdl.torch as hvd
+    from hpdl.torch import spatial
+    hvd.init()
+    net = spatial.SpatialParallel(model, grid=(2, 1))
+    y_part = net(net.scatter(x))
+"""
+
+from hpdl.torch.spatial.geometry import SpatialError
+from hpdl.torch.spatial.hybrid import Layout, grid
+from hpdl.torch.spatial.parallel import SpatialParallel
+
+__all__ = ["Layout", "SpatialError", "SpatialParallel", "grid"]

@@ -1,0 +1,48 @@
+"""What the spatial layers of one forward need to know: the group, its communicator, whether
+this is a dry run (shapes only, on the meta device) or backward's recomputation of a
+checkpointed block, and which module of the model is running (for messages and labels)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+from torch import nn
+
+from hpdl.torch.spatial.comm import GroupComm
+from hpdl.torch.spatial.geometry import Grid
+
+
+@dataclasses.dataclass
+class Context:
+    grid: Grid
+    rank: int  # in the group
+    comm: Optional[GroupComm]  # None: a dry run, no communication
+    names: Dict[int, str]  # id(module) -> its path in the model
+    recomputing: bool = False  # backward re-runs a checkpointed block: running statistics stay as they are
+    # Every parameter's gradient is multiplied by this as the forward uses it (parallel.py: the
+    # group size, so that the optimizer's average over all ranks sums over the group).
+    grad_scale: float = 1.0
+    modules: List[nn.Module] = dataclasses.field(default_factory=list)  # the modules running, outermost first
+
+    @property
+    def dry(self) -> bool:
+        return self.comm is None
+
+    @property
+    def size(self) -> int:
+        return self.grid.size
+
+    def where(self) -> str:
+        """The running module's path and kind, e.g. ``layer1.0.conv2 (Conv2d)``; ``forward`` outside any."""
+        if not self.modules:
+            return "the model's forward"
+        module = self.modules[-1]
+        path = self.names.get(id(module), "")
+        return f"{path or '(the model)'} ({type(module).__name__})"
+
+    def label(self) -> str:
+        """The running module's path, for the profiler."""
+        if not self.modules:
+            return "spatial"
+        return self.names.get(id(self.modules[-1]), "") or "spatial"

@@ -1,0 +1,181 @@
+"""The halo exchange: each rank gets the rows and columns of its neighbours that its window
+operations read, and in backward gives back the gradients of what it received.
+
+One dimension at a time, rows first: the column exchange then carries the received rows too,
+so the corners of a 2-D grid come for free; backward runs the columns first, then the rows
+(DistDL's order). The exchange is split in three so that a layer may keep only its own input
+and the small received strips for backward, and assemble its window input again there,
+without communication (:class:`HaloConv2d` in layers.py does): :func:`receive` (the transfers),
+:func:`assemble` (the concatenation, with fill beyond the image), :func:`adjoint` (backward:
+the received strips' gradients go back to their owners, which add them into the rows they
+sent). Image borders need no special case: the missing neighbour's rows are fill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+
+from hpdl.torch.spatial.comm import GroupComm
+from hpdl.torch.spatial.geometry import BandPlan
+
+ZEROS = "zeros"  # convolution and average pooling padding
+NEG_INF = "-inf"  # max pooling padding
+REPLICATE = "replicate"  # interpolation, which clamps its source rows to the image
+
+Strips = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # received before, after
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloSpec:
+    """Everything a layer's exchange needs on this rank: the plan along rows and columns, the
+    neighbours (group ranks, None at the border), the fill beyond the image, the communicator
+    (None in a dry run) and the label reported to the profiler (the layer's path)."""
+
+    rows: BandPlan
+    cols: BandPlan
+    row_peers: Tuple[Optional[int], Optional[int]]
+    col_peers: Tuple[Optional[int], Optional[int]]
+    fill: str
+    comm: Optional[GroupComm]
+    label: str
+
+    @property
+    def moves_nothing(self) -> bool:
+        return self.rows.moves_nothing and self.cols.moves_nothing
+
+    def along(self, axis: int) -> Tuple[BandPlan, Tuple[Optional[int], Optional[int]]]:
+        return (self.rows, self.row_peers) if axis == 0 else (self.cols, self.col_peers)
+
+
+def _rows(x: torch.Tensor, dim: int, span: Tuple[int, int]) -> torch.Tensor:
+    return x.narrow(dim, span[0], span[1] - span[0])
+
+
+def _strip_shape(x: torch.Tensor, dim: int, length: int) -> List[int]:
+    shape = list(x.shape)
+    shape[dim] = length
+    return shape
+
+
+def receive(x: torch.Tensor, dim: int, plan: BandPlan, peers, comm: Optional[GroupComm], label: str) -> Strips:
+    """Send the neighbours the rows of ``x`` they need along ``dim``; return the strips received."""
+    before = x.new_empty(_strip_shape(x, dim, plan.recv_before)) if plan.recv_before else None
+    after = x.new_empty(_strip_shape(x, dim, plan.recv_after)) if plan.recv_after else None
+    if comm is None:  # a dry run: shapes only
+        return before, after
+    sends = []
+    if plan.send_before[1] > plan.send_before[0]:
+        sends.append((peers[0], _rows(x, dim, plan.send_before).contiguous()))
+    if plan.send_after[1] > plan.send_after[0]:
+        sends.append((peers[1], _rows(x, dim, plan.send_after).contiguous()))
+    receives = [(peer, strip) for peer, strip in ((peers[0], before), (peers[1], after)) if strip is not None]
+    comm.exchange(sends, receives, label)
+    return before, after
+
+
+def _fill(x: torch.Tensor, dim: int, count: int, fill: str, at_start: bool) -> torch.Tensor:
+    if fill == REPLICATE:  # the band at the border holds the image's first (last) row
+        edge = x.narrow(dim, 0 if at_start else x.shape[dim] - 1, 1)
+        return edge.expand(_strip_shape(x, dim, count))
+    value = float("-inf") if fill == NEG_INF else 0.0
+    return x.new_full(_strip_shape(x, dim, count), value)
+
+
+def assemble(x: torch.Tensor, dim: int, plan: BandPlan, strips: Strips, fill: str) -> torch.Tensor:
+    """The rows the band's window operation reads: fill, received, own, received, fill."""
+    if plan.moves_nothing:
+        return x
+    before, after = strips
+    pieces = []
+    if plan.fill_before:
+        pieces.append(_fill(x, dim, plan.fill_before, fill, at_start=True))
+    if before is not None:
+        pieces.append(before)
+    if plan.keep[1] > plan.keep[0]:
+        pieces.append(_rows(x, dim, plan.keep))
+    if after is not None:
+        pieces.append(after)
+    if plan.fill_after:
+        pieces.append(_fill(x, dim, plan.fill_after, fill, at_start=False))
+    return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def adjoint(grad: torch.Tensor, dim: int, plan: BandPlan, peers, comm: GroupComm, fill: str, length: int,
+            label: str) -> torch.Tensor:
+    """Backward of :func:`receive` + :func:`assemble`: the gradient of the band's own ``length`` rows."""
+    if plan.moves_nothing:
+        return grad
+    counts = [plan.fill_before, plan.recv_before, plan.keep[1] - plan.keep[0], plan.recv_after, plan.fill_after]
+    g_fill_before, g_before, g_keep, g_after, g_fill_after = torch.split(grad, counts, dim)
+    out = grad.new_zeros(_strip_shape(grad, dim, length))
+    if counts[2]:
+        _rows(out, dim, plan.keep).add_(g_keep)
+    back_before = grad.new_empty(_strip_shape(grad, dim, plan.send_before[1] - plan.send_before[0])) \
+        if plan.send_before[1] > plan.send_before[0] else None
+    back_after = grad.new_empty(_strip_shape(grad, dim, plan.send_after[1] - plan.send_after[0])) \
+        if plan.send_after[1] > plan.send_after[0] else None
+    sends = [(peer, g.contiguous()) for peer, g, n in ((peers[0], g_before, counts[1]), (peers[1], g_after, counts[3]))
+             if n]
+    receives = [(peer, b) for peer, b in ((peers[0], back_before), (peers[1], back_after)) if b is not None]
+    comm.exchange(sends, receives, label)
+    if back_before is not None:
+        _rows(out, dim, plan.send_before).add_(back_before)
+    if back_after is not None:
+        _rows(out, dim, plan.send_after).add_(back_after)
+    if fill == REPLICATE:  # the fill rows were copies of the border row
+        if plan.fill_before:
+            out.narrow(dim, 0, 1).add_(g_fill_before.sum(dim, keepdim=True))
+        if plan.fill_after:
+            out.narrow(dim, length - 1, 1).add_(g_fill_after.sum(dim, keepdim=True))
+    return out
+
+
+def receive_both(x: torch.Tensor, spec: HaloSpec) -> Tuple[torch.Tensor, Strips, Strips]:
+    """Rows, then columns (with the received rows: the corners): the assembled input and the strips."""
+    row_dim, col_dim = x.dim() - 2, x.dim() - 1
+    row_strips = receive(x, row_dim, spec.rows, spec.row_peers, spec.comm, spec.label)
+    tall = assemble(x, row_dim, spec.rows, row_strips, spec.fill)
+    col_strips = receive(tall, col_dim, spec.cols, spec.col_peers, spec.comm, spec.label)
+    return assemble(tall, col_dim, spec.cols, col_strips, spec.fill), row_strips, col_strips
+
+
+def assemble_both(x: torch.Tensor, spec: HaloSpec, row_strips: Strips, col_strips: Strips) -> torch.Tensor:
+    """:func:`receive_both`'s result again from the kept strips, without communication."""
+    tall = assemble(x, x.dim() - 2, spec.rows, row_strips, spec.fill)
+    return assemble(tall, x.dim() - 1, spec.cols, col_strips, spec.fill)
+
+
+def adjoint_both(grad: torch.Tensor, spec: HaloSpec, local_size: Tuple[int, int]) -> torch.Tensor:
+    """Backward of :func:`receive_both`: columns first, then rows."""
+    row_dim, col_dim = grad.dim() - 2, grad.dim() - 1
+    # The column pass works on the rows as assembled (received ones included): their
+    # gradients go back to their owners in the row pass after it.
+    grad = adjoint(grad, col_dim, spec.cols, spec.col_peers, spec.comm, spec.fill, local_size[1], spec.label)
+    return adjoint(grad, row_dim, spec.rows, spec.row_peers, spec.comm, spec.fill, local_size[0], spec.label)
+
+
+class HaloExchange(torch.autograd.Function):
+    """``x`` -> the window input of its band (received rows and columns, fill beyond the image)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
+        ctx.spec, ctx.local_size = spec, tuple(x.shape[-2:])
+        assembled, _rows_received, _cols_received = receive_both(x, spec)
+        return assembled
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return adjoint_both(grad.contiguous(), ctx.spec, ctx.local_size), None
+
+
+def exchange(x: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
+    """Differentiable halo exchange of ``x`` (a no-op when the plan moves nothing)."""
+    if spec.moves_nothing:
+        return x
+    if spec.comm is None:  # a dry run
+        assembled, _, _ = receive_both(x, spec)
+        return assembled
+    return HaloExchange.apply(x, spec)

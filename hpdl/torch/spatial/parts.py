@@ -1,0 +1,36 @@
+"""Which tensors are parts of a split feature map: a tensor made by a spatial layer (or by
+``SpatialParallel.scatter``) carries its :class:`Part`; element-wise operations pass it on."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from hpdl.torch.spatial.geometry import Part
+
+_ATTRIBUTE = "_hpdl_part"
+
+
+def part_of(value: Any) -> Optional[Part]:
+    """The part ``value`` holds, or None for anything else (a replicated tensor, a number)."""
+    return getattr(value, _ATTRIBUTE, None) if isinstance(value, torch.Tensor) else None
+
+
+def tagged(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    """Mark ``tensor`` as ``part`` (in place; returns it)."""
+    setattr(tensor, _ATTRIBUTE, part)
+    return tensor
+
+
+def tag_outputs(result: Any, part: Part) -> Any:
+    """Mark every tensor of ``result`` (a tensor, or a tuple or list of them) whose last two
+    dimensions are ``part``'s local size: the outputs of an element-wise operation."""
+    size = part.local_size
+    if isinstance(result, torch.Tensor):
+        if result.dim() >= 2 and tuple(result.shape[-2:]) == size:
+            tagged(result, part)
+    elif isinstance(result, (tuple, list)):
+        for item in result:
+            tag_outputs(item, part)
+    return result

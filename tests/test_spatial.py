@@ -1,0 +1,239 @@
+"""Spatial parallelism: the band arithmetic and the dispatch in one process (dry runs, no
+communication), then exactness against one process and the refusals on several ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpdl.torch.spatial import dispatch
+from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand, Window, bands, plan_bands
+from hpdl.torch.spatial.parts import part_of, tagged
+from ranks import run_ranks
+
+# -- bands and plans -----------------------------------------------------------------------
+
+
+def test_bands_split_evenly_with_the_earlier_bands_larger():
+    assert bands(97, 2) == [(0, 49), (49, 97)]
+    assert bands(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    for length in range(1, 40):
+        for parts in range(1, 6):
+            spans = bands(length, parts)
+            assert spans[0][0] == 0 and spans[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            sizes = [b - a for a, b in spans]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,ceil_mode", [
+    (3, 1, 1, 1, False), (7, 2, 3, 1, False), (1, 2, 0, 1, False), (3, 2, 1, 1, True), (2, 2, 0, 1, True),
+    (3, 3, 1, 2, False), (5, 2, 2, 1, True), (3, 2, 0, 1, True)])
+def test_window_output_length_is_pytorchs(kernel, stride, padding, dilation, ceil_mode):
+    window = Window(kernel, stride, padding, padding, dilation, ceil_mode)
+    for length in range(max(1, dilation * (kernel - 1) + 1 - 2 * padding), 40):
+        x = torch.zeros(1, 1, length, 1)
+        expected = F.max_pool2d(x, (kernel, 1), (stride, 1), (padding, 0), (dilation, 1), ceil_mode).shape[2] \
+            if padding <= kernel // 2 else None
+        if expected is not None:
+            assert window.output_length(length) == expected, (length, window)
+
+
+def simulate(length: int, parts: int, window: Window) -> None:
+    """Assemble every band's window input from its plan, with the neighbours' sends, and compare
+    with the rows the window reads in one process (fill: -1)."""
+    image = list(range(length))
+    out_length = window.output_length(length)
+    owned = bands(length, parts)
+    needed = [window.needed(b) for b in bands(out_length, parts)]
+    plans = plan_bands(owned, needed, length)
+    for b, plan in enumerate(plans):
+        (h0, h1), (a, z) = owned[b], needed[b]
+        mine = image[h0:h1]
+        from_prev = image[owned[b - 1][0]:owned[b - 1][1]][slice(*plans[b - 1].send_after)] if b > 0 else []
+        from_next = image[owned[b + 1][0]:owned[b + 1][1]][slice(*plans[b + 1].send_before)] if b + 1 < parts else []
+        assert len(from_prev) == plan.recv_before and len(from_next) == plan.recv_after
+        assembled = [-1] * plan.fill_before + from_prev + mine[slice(*plan.keep)] + from_next + [-1] * plan.fill_after
+        assert assembled == [image[i] if 0 <= i < length else -1 for i in range(a, z)], (b, plan)
+        assert plan.assembled_length() == z - a
+
+
+def test_plans_give_every_band_exactly_the_rows_its_window_reads():
+    rng = random.Random(0)
+    tried = 0
+    while tried < 400:
+        kernel, stride, dilation = rng.choice([1, 2, 3, 5, 7]), rng.choice([1, 2, 3]), rng.choice([1, 1, 2])
+        padding = rng.randint(0, (dilation * (kernel - 1)) // 2 + 1)
+        window = Window(kernel, stride, padding, rng.choice([padding, padding + 1]), dilation)
+        length, parts = rng.randint(1, 60), rng.randint(1, 5)
+        try:
+            if window.output_length(length) < 1:
+                continue
+            simulate(length, parts, window)
+        except ThinBand:
+            continue
+        tried += 1
+
+
+def test_a_band_thinner_than_the_halo_is_refused_naming_it():
+    with pytest.raises(ThinBand) as err:
+        plan_bands(bands(5, 5), [(b - 2, b + 3) for b in range(5)], 5)  # 5x5 kernel on 1-row bands
+    assert "band 2 of 5" in str(err.value) or "band 1 of 5" in str(err.value)
+
+
+def test_regrouping_moves_rows_to_the_even_split():
+    owned = [(0, 98), (98, 194)]  # pixel shuffle x2 of 49 + 48 rows
+    plans = plan_bands(owned, bands(194, 2), 194)
+    assert plans[0].keep == (0, 97) and plans[0].send_after == (97, 98)
+    assert plans[1].recv_before == 1 and plans[1].keep == (0, 96)
+
+
+# -- the dispatch, dry (meta tensors, no communication) ------------------------------------
+
+
+def dry_forward(model: nn.Module, height: int, width: int, grid=(2, 1), rank: int = 0) -> torch.Tensor:
+    part = Part(Grid(*grid), rank, height, width)
+    x = tagged(torch.empty((1, 3) + part.local_size, device="meta"), part)
+    ctx = Context(part.grid, rank, None, {id(m): name for name, m in model.named_modules()})
+    dispatch.track_modules(model)
+    state = {n: t.to("meta") for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    with dispatch.running(ctx), torch.no_grad():
+        return torch.func.functional_call(model, state, (x,))
+
+
+class Functional(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self.conv(x))
+
+
+@pytest.mark.parametrize("body,refusal", [
+    (lambda x: F.layer_norm(x, x.shape[1:]), "F.layer_norm"),
+    (lambda x: F.linear(x, torch.ones(3, x.shape[-1], device=x.device)), "F.linear"),
+    (lambda x: torch.flatten(x, 1), "flatten that changes the image dimensions"),
+    (lambda x: x[:, :, 1:], "indexing that selects rows or columns"),
+    (lambda x: x[..., 0], "indexing that selects rows or columns"),
+    (lambda x: F.pad(x, (1, 1, 1, 1)), "F.pad of the image dimensions"),
+    (lambda x: torch.roll(x, 1, 2), "roll along an image dimension"),
+    (lambda x: x.softmax(2), "softmax along an image dimension"),
+    (lambda x: x.mean(2), "mean over one image dimension only"),
+    (lambda x: x.transpose(2, 3), "transpose that moves the image dimensions"),
+    (lambda x: F.interpolate(x, scale_factor=1.5), "interpolation by 1.5 x 1.5"),
+    (lambda x: F.adaptive_avg_pool2d(x, 2), "adaptive average pooling to 2"),
+    (lambda x: F.max_pool2d(x, 2, return_indices=True), "F.max_pool2d_with_indices"),
+    (lambda x: F.dropout2d(x), "dropout2d"),
+])
+def test_calls_that_cannot_run_on_a_part_are_refused_naming_the_module(body, refusal):
+    model = Functional(nn.Sequential())
+    model.body = _Lambda(body)
+    with pytest.raises(SpatialError) as err:
+        dry_forward(model, 20, 16)
+    assert str(err.value).startswith("body (_Lambda): ") and refusal in str(err.value), str(err.value)
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("body,shape", [
+    (lambda x: x + x * 2, (1, 4, 10, 16)),
+    (lambda x: torch.cat([x, x.relu()], 1), (1, 8, 10, 16)),
+    (lambda x: x[:, :2], (1, 2, 10, 16)),
+    (lambda x: x.softmax(1), (1, 4, 10, 16)),
+    (lambda x: F.interpolate(x, scale_factor=2, mode="bicubic"), (1, 4, 20, 32)),
+    (lambda x: nn.PixelShuffle(2)(x), (1, 1, 20, 32)),
+    (lambda x: x.view(1, 2, 2, 10, 16).sum(1), (1, 2, 10, 16)),
+])
+def test_element_wise_and_channel_calls_keep_the_part(body, shape):
+    out = dry_forward(Functional(_Lambda(body)), 20, 16)
+    assert tuple(out.shape) == shape and part_of(out) is not None
+
+
+def test_global_pooling_makes_a_replicated_result():
+    out = dry_forward(Functional(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))), 20, 16)
+    assert tuple(out.shape) == (1, 2) and part_of(out) is None
+
+
+# -- several ranks -------------------------------------------------------------------------
+
+EXACTNESS = [
+    ("mpiexec", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17",
+                           "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint"]),
+    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "srresnet:23x19"]),
+    ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17"]),
+    ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17"]),
+    ("openmpi", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19"]),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher,n,grid,cases", EXACTNESS, ids=[f"{l}-{g}" for l, _, g, _ in EXACTNESS])
+def test_spatial_parallel_equals_one_process_in_float64(launcher, n, grid, cases):
+    result = run_ranks("spatial_exactness.py", n, launcher, args=[grid, *cases], timeout=600)
+    for case in cases:
+        model, size, *flags = case.split(":")
+        assert f"OK spatial {model} {size} {grid}" + (" checkpoint" if flags else "") in result.stdout, result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+@pytest.mark.parametrize("n,env", [(1, {"HPDL_BACKEND": "nccl"}), (2, {"HPDL_RANKS_PER_GPU": "2"})],
+                         ids=["nccl-1", "gloo-2-on-one-gpu"])
+def test_spatial_parallel_on_cuda_equals_one_process(n, env):
+    cases = ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17:checkpoint"]
+    result = run_ranks("spatial_exactness.py", n, "torchrun", args=["--device", "cuda", f"{n}x1", *cases], env=env,
+                       timeout=300)
+    for case in cases:
+        assert f"OK spatial {case.split(':')[0]} {case.split(':')[1]} {n}x1" in result.stdout, result.stdout
+    assert "on cuda" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_resnet50_and_edsr_split_equal_one_process():
+    result = run_ranks("spatial_exactness.py", 2, "mpiexec", args=["2x1", "resnet50:128x96", "edsr:12x10"],
+                       timeout=900)
+    assert "OK spatial resnet50 128x96 2x1" in result.stdout and "OK spatial edsr 12x10 2x1" in result.stdout
+
+
+@pytest.mark.multirank
+def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
+    result = run_ranks("spatial_hybrid.py", 4, "mpiexec", args=["resnet-small:97x83", "edsr-baseline:21x17"],
+                       timeout=600)
+    assert "OK spatial hybrid resnet-small 97x83" in result.stdout
+    assert "OK spatial hybrid edsr-baseline 21x17" in result.stdout
+
+
+@pytest.mark.multirank
+def test_the_published_implementations_defects_are_absent():
+    result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["defects"], timeout=300)
+    for name in ("halo backward", "batch norm statistics", "weight gradients summed over parts"):
+        assert f"OK defects: {name}" in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+def test_a_grid_too_fine_for_the_image_is_refused_on_every_rank():
+    result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["thin"], timeout=300)
+    assert "OK thin: layer3.0.downsample.0 (Conv2d): row band 3 of 3" in result.stdout, result.stdout
+    assert "use an image at least" in result.stdout and "or at most 2 row bands" in result.stdout
+
+
+@pytest.mark.multirank
+def test_unsupported_layers_are_refused_before_any_halo_moves():
+    result = run_ranks("spatial_checks.py", 2, "torchrun", args=["unsupported"], timeout=300)
+    assert "OK unsupported: block.1 (GroupNorm): F.group_norm is not supported" in result.stdout, result.stdout
+    assert "OK unsupported: 1 (Upsample): interpolation with mode='bilinear', align_corners=True" in result.stdout
