@@ -2,8 +2,8 @@
 
 :data:`RUN_SETTINGS` is the one table of which setting each option gives every rank, and in
 what unit: :func:`hpdl.launch.builders.settings_env` makes the ``HPDL_*`` variables from it,
-and a numeric option's range is its setting's (:data:`hpdl.config.SETTING_BOUNDS`) in the
-option's unit, so that a value out of range is refused naming the option and the value typed
+and a numeric option's range is its setting's (declared on its field, :data:`hpdl.config.SPECS`)
+in the option's unit, so that a value out of range is refused naming the option and the value typed
 (``--fusion-threshold-mb must be >= 0 MB, got -1``), not the variable it would have become.
 The numeric options that set no setting have their ranges in :data:`LIMITS`.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional
 
-from hpdl.config import C_INT_MAX, SETTING_BOUNDS, YEAR_S, Bound, Settings, out_of_range
+from hpdl.config import C_INT_MAX, SPECS, YEAR_S, Bound, Settings, out_of_range, value_problem
 from hpdl.launch.hosts import LaunchError
 
 
@@ -70,7 +70,7 @@ _FIELDS = {field.name: field for field in dataclasses.fields(Settings)}
 def numeric_options() -> List[str]:
     """The `hpdl run` options whose values are numbers (checked by :func:`check_number`)."""
     return list(LIMITS) + [option for option, setting in RUN_SETTINGS.items()
-                           if setting.field in SETTING_BOUNDS]
+                           if SPECS[setting.field].bound is not None]
 
 
 def flag(option: str) -> str:
@@ -80,7 +80,7 @@ def flag(option: str) -> str:
 
 def setting_variable(option: str) -> str:
     """The ``HPDL_*`` variable that ``option`` sets."""
-    return _FIELDS[RUN_SETTINGS[option].field].metadata["env"]
+    return SPECS[RUN_SETTINGS[option].field].env
 
 
 def setting_text(option: str, value) -> Optional[str]:
@@ -116,6 +116,6 @@ def check_number(name: str, option: str, value: Optional[float]) -> None:
         problem = out_of_range(name, value, LIMITS[option])
     else:
         setting = RUN_SETTINGS[option]
-        problem = out_of_range(name, value, SETTING_BOUNDS[setting.field], setting.scale, setting.unit)
+        problem = value_problem(SPECS[setting.field], value, name, setting.scale, setting.unit)
     if problem is not None:
         raise LaunchError(problem)
