@@ -2,8 +2,10 @@
 
 Every knob of the runtime is a field of :class:`Settings`, and the field is the one place that
 declares it (:class:`SettingSpec` in its metadata): its name, type and default, its variable
-and Horovod's, its range or values, and what it means. Parsing and range checks are derived
-from the declarations, here and for `hpdl run`'s options (hpdl/launch/limits.py).
+and Horovod's, its range or values, what it means, and the `hpdl run` option that sets it.
+Everything else is derived from the declarations: parsing and range checks here, `hpdl run`'s
+options, their help and the variables they become (hpdl/launch/limits.py), and horovodrun's
+config-file keys (hpdl/launch/horovodrun.py).
 
 Nothing deeper in the code reads the environment. Unknown ``HPDL_*`` variables are rejected,
 so a typo (``HPDL_FUSION_TRESHOLD``) fails loudly instead of being silently ignored. Horovod's
@@ -65,6 +67,25 @@ _SECONDS_ABOVE_0 = _SECONDS._replace(lowest_excluded=True)
 
 
 @dataclasses.dataclass(frozen=True)
+class RunOptionSpec:
+    """The `hpdl run` option that gives a setting to every rank, in the option's own unit."""
+
+    flags: Tuple[str, ...]  # the first names the option in errors; the others are horovodrun's spellings
+    help: str  # what the option does; `hpdl run --help` adds its variable, default and range
+    group: str = "settings passed to every rank"  # the group of `hpdl run --help` that lists it
+    metavar: Optional[str] = None
+    scale: float = 1  # the setting's units per unit of the option (MB -> bytes)
+    unit: Optional[str] = None  # the option's unit where it is not the setting's
+    path: bool = False  # a file: made absolute, since the ranks may start elsewhere
+    config_key: Optional[Tuple[str, str]] = None  # its (section, key) in horovodrun's config file
+
+    @property
+    def dest(self) -> str:
+        """The option's name in the parsed arguments: ``fusion_threshold_mb``."""
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+
+@dataclasses.dataclass(frozen=True)
 class SettingSpec:
     """What a setting is, beside its field's name, type and default."""
 
@@ -73,12 +94,15 @@ class SettingSpec:
     horovod: str = ""  # Horovod's variable for the same quantity in the same unit, read as an alias
     bound: Optional[Bound] = None  # the range of a number (of an integer given as text, with choices)
     choices: Tuple[str, ...] = ()  # the words a text setting takes
+    run: Optional[RunOptionSpec] = None  # the `hpdl run` option that sets it, if any
 
 
 def _setting(default: Any, env: str, doc: str, **spec: Any) -> Any:
     """A :class:`Settings` field declared by ``env``, ``doc`` and the rest of :class:`SettingSpec`."""
     return dataclasses.field(default=default, metadata={"spec": SettingSpec(env, doc, **spec)})
 
+
+_AUTOTUNING = "autotuning"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,25 +113,41 @@ class Settings:
         "auto", "HPDL_BACKEND", choices=BACKENDS,
         doc="`mpi`, `gloo`, `nccl` or `torch` (gloo on CPU, nccl with CUDA); auto: MPI under mpiexec/srun, or in "
             "a single process without a GPU, when mpi4py is there, else as `torch` (so under torchrun, and in a "
-            "single process with a GPU)")
+            "single process with a GPU)",
+        run=RunOptionSpec(("--backend",), "collective backend of the ranks; gloo, nccl and torch start through "
+                                          "torchrun on one host", group="launcher"))
     timeline: str = _setting(
         "", "HPDL_TIMELINE", horovod="HOROVOD_TIMELINE",
         doc="write a Chrome-trace timeline of engine events to this file (Horovod's `DYNAMIC`: none until "
-            "`hvd.start_timeline()`)")
+            "`hvd.start_timeline()`)",
+        run=RunOptionSpec(("--timeline", "--timeline-filename"), "write a Chrome-trace timeline of collectives to "
+                                                                 "FILE; DYNAMIC: none until hvd.start_timeline(), "
+                                                                 "as Horovod",
+                          metavar="FILE", path=True, config_key=("timeline", "filename")))
     timeline_mark_cycles: bool = _setting(
         False, "HPDL_TIMELINE_MARK_CYCLES", horovod="HOROVOD_TIMELINE_MARK_CYCLES",
-        doc="mark the engine's cycles in the timeline")
+        doc="mark the engine's cycles in the timeline",
+        run=RunOptionSpec(("--timeline-mark-cycles",), "mark the engine's cycles in the timeline",
+                          config_key=("timeline", "mark_cycles")))
     profile: str = _setting(
         "", "HPDL_PROFILE",
         doc="record every rank's collectives and steps; rank 0 writes them to this JSON file at shutdown "
-            "([docs/profile.md](docs/profile.md))")
+            "([docs/profile.md](docs/profile.md))",
+        run=RunOptionSpec(("--profile",), "record every rank's collectives and steps; rank 0 writes them to FILE "
+                                          "at shutdown, read it with `hpdl profile report FILE`",
+                          metavar="FILE", path=True))
     fusion_threshold: int = _setting(
         128 * 1024 * 1024, "HPDL_FUSION_THRESHOLD", horovod="HOROVOD_FUSION_THRESHOLD", bound=_BYTES,
-        doc="fusion buffer size (Horovod's default since v0.21; 0: no fusion)")
+        doc="fusion buffer size (Horovod's default since v0.21; 0: no fusion)",
+        run=RunOptionSpec(("--fusion-threshold-mb",), "fuse tensors into buffers of up to MB mebibytes; "
+                                                      "0 disables", metavar="MB", scale=1 << 20,
+                          unit="MB", config_key=("params", "fusion_threshold_mb")))
     cycle_time_ms: float = _setting(
         1.0, "HPDL_CYCLE_TIME", horovod="HOROVOD_CYCLE_TIME", bound=_MS,
         doc="engine cycle (across nodes over gloo on CPU-bound nodes, 10 with `HPDL_INPLACE_THRESHOLD=0` spends "
-            "less CPU on negotiation: [docs/perf.md](docs/perf.md))")
+            "less CPU on negotiation: [docs/perf.md](docs/perf.md))",
+        run=RunOptionSpec(("--cycle-time-ms",), "engine cycle time in milliseconds", metavar="MS",
+                          config_key=("params", "cycle_time_ms")))
     # Fusing an allreduce this large would save one call's overhead (tens of microseconds) and
     # cost two copies of it (see fusion.py).
     inplace_threshold: int = _setting(
@@ -116,7 +156,9 @@ class Settings:
             "(0: all may be fused)")
     cache_capacity: int = _setting(
         1024, "HPDL_CACHE_CAPACITY", horovod="HOROVOD_CACHE_CAPACITY", bound=Bound(0, C_INT_MAX, "entries"),
-        doc="response cache entries (0 disables)")
+        doc="response cache entries (0 disables)",
+        run=RunOptionSpec(("--cache-capacity",), "entries of the negotiation response cache; 0 disables",
+                          metavar="N", config_key=("params", "cache_capacity")))
     # A round waits for allreduces no caller waits for yet, so that a round agrees, and one call
     # moves, a fused message worth its cost (see engine.py, Gathering).
     gather_bytes: int = _setting(
@@ -141,16 +183,24 @@ class Settings:
             "torch.distributed (gloo, nccl), polled between rounds under MPI (0: one blocking call at a time)")
     stall_warning_s: float = _setting(
         60.0, "HPDL_STALL_WARNING", horovod="HOROVOD_STALL_CHECK_TIME_SECONDS", bound=_SECONDS_ABOVE_0,
-        doc="seconds before a stalled collective is reported on every rank")
+        doc="seconds before a stalled collective is reported on every rank",
+        run=RunOptionSpec(("--stall-warning-s", "--stall-check-warning-time-seconds"),
+                          "warn when a collective waits for some ranks longer than S seconds", metavar="S",
+                          config_key=("stall_check", "warning_time_seconds")))
     stall_timeout_s: float = _setting(
         1800.0, "HPDL_STALL_TIMEOUT", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", bound=_SECONDS_ABOVE_0,
         doc="seconds before a stalled collective is raised on every rank; the whole job then ends within 3 s, even "
-            "a rank stuck in C code (it prints its stack)")
+            "a rank stuck in C code (it prints its stack)",
+        run=RunOptionSpec(("--stall-timeout-s",), "abort the job when a collective stalls longer than S seconds",
+                          metavar="S"))
     # 0: the backend's rendezvous then waits up to the stall timeout.
     start_timeout_s: float = _setting(
         0.0, "HPDL_START_TIMEOUT", horovod="HOROVOD_START_TIMEOUT", bound=_SECONDS,
         doc="seconds `hvd.init()` waits for every rank to meet before this rank exits with an error (0: no bound "
-            "of its own)")
+            "of its own)",
+        run=RunOptionSpec(("--start-timeout",), "a rank whose hvd.init() has not met every other rank within S "
+                                                "seconds exits with an error; 0: no bound of hpdl's own",
+                          group="launcher", metavar="S"))
     spark_start_timeout_s: float = _setting(
         600.0, "HPDL_SPARK_START_TIMEOUT", horovod="HOROVOD_SPARK_START_TIMEOUT", bound=_SECONDS_ABOVE_0,
         doc="seconds `hpdl.spark.run` waits for Spark to start every rank's task (free slots for the whole barrier "
@@ -160,7 +210,9 @@ class Settings:
         False, "HPDL_HIERARCHICAL_ALLREDUCE", horovod="HOROVOD_HIERARCHICAL_ALLREDUCE",
         doc="allreduce within nodes, then across nodes, then within nodes (measured across 2 emulated nodes: no "
             "gain over MPICH, whose allreduce is node-aware already; 5-17 % over gloo for 512 KiB-32 MiB, a loss "
-            "outside; [docs/perf.md](docs/perf.md))")
+            "outside; [docs/perf.md](docs/perf.md))",
+        run=RunOptionSpec(("--hierarchical-allreduce",), "allreduce within each node, then across nodes",
+                          config_key=("params", "hierarchical_allreduce")))
     mpi_cuda_aware: str = _setting(
         "auto", "HPDL_MPI_CUDA_AWARE", choices=("auto", "0", "1"),
         doc="force CUDA-aware MPI on (`1`) or off (`0`)")
@@ -169,7 +221,13 @@ class Settings:
         1, "HPDL_RANKS_PER_GPU", bound=Bound(1, C_INT_MAX, "ranks"),
         doc="ranks sharing each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1 (`hvd.local_gpu()`); "
             "above 1 the ranks talk over gloo or MPI, as NCCL refuses two ranks on one GPU "
-            "([docs/gpu.md](docs/gpu.md))")
+            "([docs/gpu.md](docs/gpu.md))",
+        run=RunOptionSpec(("--ranks-per-gpu",), "ranks sharing each GPU of a node: local ranks 0..K-1 use GPU 0, "
+                                                "K..2K-1 GPU 1, ... (hvd.local_gpu() names a rank's GPU, "
+                                                "hvd.local_rank() still the process); above 1 the ranks talk over "
+                                                "gloo or MPI, as NCCL refuses two ranks on one GPU; run NVIDIA MPS "
+                                                "so that their kernels share the GPU at once, see docs/gpu.md",
+                          group="ranks and hosts", metavar="K"))
     # A nice increment (see engine.py, Pacing, and resolve_engine_nice).
     engine_nice: str = _setting(
         "auto", "HPDL_ENGINE_NICE", choices=("auto",), bound=Bound(0, 19),
@@ -180,27 +238,43 @@ class Settings:
         False, "HPDL_AUTOTUNE", horovod="HOROVOD_AUTOTUNE",
         doc="tune the fusion threshold and the cycle time while the job runs, as Horovod's autotuner does (a "
             "Bayesian optimisation of the allreduces' bytes per microsecond, decided on rank 0 and applied by "
-            "every rank in the same round; a knob set explicitly stays fixed; [docs/api.md](docs/api.md))")
+            "every rank in the same round; a knob set explicitly stays fixed; [docs/api.md](docs/api.md))",
+        run=RunOptionSpec(("--autotune",), "autotune", group=_AUTOTUNING, config_key=("autotune", "enabled")))
     autotune_log: str = _setting(
         "", "HPDL_AUTOTUNE_LOG", horovod="HOROVOD_AUTOTUNE_LOG",
-        doc="rank 0 writes a CSV row per sample tried to this file, in Horovod's columns, the best as the last row")
+        doc="rank 0 writes a CSV row per sample tried to this file, in Horovod's columns, the best as the last row",
+        run=RunOptionSpec(("--autotune-log-file",), "rank 0 writes a CSV row per sample tried, the best as the "
+                                                    "last row", group=_AUTOTUNING, metavar="FILE", path=True,
+                          config_key=("autotune", "log_file")))
     autotune_warmup_samples: int = _setting(
         3, "HPDL_AUTOTUNE_WARMUP_SAMPLES", horovod="HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
         bound=Bound(0, C_INT_MAX, "samples"),
-        doc="samples discarded before tuning starts")
+        doc="samples discarded before tuning starts",
+        run=RunOptionSpec(("--autotune-warmup-samples",), "samples discarded before tuning starts",
+                          group=_AUTOTUNING, metavar="N", config_key=("autotune", "warmup_samples")))
     autotune_steps_per_sample: int = _setting(
         10, "HPDL_AUTOTUNE_STEPS_PER_SAMPLE", horovod="HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
         bound=Bound(1, C_INT_MAX, "steps"),
-        doc="training steps per sub-sample; a sample is scored by the median of 5")
+        doc="training steps per sub-sample; a sample is scored by the median of 5",
+        run=RunOptionSpec(("--autotune-steps-per-sample",), "training steps per sub-sample; a sample is scored "
+                                                            "by the median of 5",
+                          group=_AUTOTUNING, metavar="N", config_key=("autotune", "steps_per_sample")))
     autotune_bayes_opt_max_samples: int = _setting(
         20, "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", horovod="HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
         bound=Bound(0, C_INT_MAX, "samples"),
         doc="tuning ends after this many samples plus one, Horovod's 4 start points included (20: 4 start points "
-            "and 17 proposals), and keeps the best")
+            "and 17 proposals), and keeps the best",
+        run=RunOptionSpec(("--autotune-bayes-opt-max-samples",), "tuning ends after N + 1 samples, Horovod's 4 "
+                                                                 "start points included (20: 4 start points and 17 "
+                                                                 "proposals of the Bayesian optimisation), and keeps "
+                                                                 "the best",
+                          group=_AUTOTUNING, metavar="N", config_key=("autotune", "bayes_opt_max_samples")))
     autotune_gaussian_process_noise: float = _setting(
         0.8, "HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", horovod="HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
         bound=Bound(0, 1),
-        doc="the noise the Gaussian process assumes in the scores")
+        doc="the noise the Gaussian process assumes in the scores",
+        run=RunOptionSpec(("--autotune-gaussian-process-noise",), "noise assumed in the scores", group=_AUTOTUNING,
+                          metavar="X", config_key=("autotune", "gaussian_process_noise")))
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
