@@ -4,8 +4,9 @@ Every knob of the runtime is a field of :class:`Settings`, and the field is the 
 declares it (:class:`SettingSpec` in its metadata): its name, type and default, its variable
 and Horovod's, its range or values, what it means, and the `hpdl run` option that sets it.
 Everything else is derived from the declarations: parsing and range checks here, `hpdl run`'s
-options, their help and the variables they become (hpdl/launch/limits.py), and horovodrun's
-config-file keys (hpdl/launch/horovodrun.py).
+options, their help and the variables they become (hpdl/launch/limits.py), horovodrun's
+config-file keys (hpdl/launch/horovodrun.py) and the README's table of settings
+(hpdl/settings_table.py, which a test holds to the README).
 
 Nothing deeper in the code reads the environment. Unknown ``HPDL_*`` variables are rejected,
 so a typo (``HPDL_FUSION_TRESHOLD``) fails loudly instead of being silently ignored. Horovod's

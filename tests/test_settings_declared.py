@@ -1,11 +1,12 @@
 """Each setting is declared once (hpdl/config.py), and what is derived from the declarations
-holds to them: `hpdl run`'s options and their help, the variables they become, horovodrun's
-config-file keys, and the range checks."""
+holds to them: the README's table, `hpdl run`'s options and their help, the variables they
+become, horovodrun's config-file keys, and the range checks."""
 
 import argparse
 import dataclasses
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,22 @@ from hpdl.config import HOROVOD_ALIASES, SPECS, Settings, default, number_text
 from hpdl.launch import RunOptions, detect, settings_env
 from hpdl.launch.horovodrun import CONFIG_KEYS
 from hpdl.launch.limits import RUN_SETTINGS, flag, option_type, run_spec
+from hpdl.settings_table import readme_table, replace_table, table_lines
 from launch_texts import MPICH_TEXT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_table_of_settings_is_the_declarations():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = readme_table(readme)
+    assert rows, "README.md has no table of settings"
+    wanted = table_lines()
+    differing = [f"README: {row}\ndeclared: {want}" for row, want in zip(rows, wanted) if row != want]
+    assert rows == wanted, ("README.md's table of settings differs from the declarations in hpdl/config.py; "
+                            "`python -m hpdl.settings_table --write README.md` rewrites it\n"
+                            + "\n".join(differing or [f"{len(rows)} rows in README, {len(wanted)} declared"]))
+    assert replace_table(readme) == readme
 
 
 def test_every_setting_has_its_own_names():
