@@ -40,6 +40,25 @@ def test_packaged_configs_follow_the_paper():
     assert (demo.model, demo.scale, demo.data) == ("edsr_baseline", 2, "embedded")
 
 
+def test_spatial_is_a_key_of_the_packaged_configs_and_of_files(tmp_path):
+    import yaml
+
+    from hpdl.sr.config import CONFIG_DIR
+
+    for name in PAPER:  # the recipes say it: whole patches, on every rank
+        assert yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())["spatial"] == 1
+    assert load_config("edsr_baseline_x2", ["spatial=2"]).spatial == 2
+    assert TrainConfig.from_dict({"spatial": "4"}).spatial == 4
+    assert load_config("demo").to_dict()["spatial"] == 1  # so config.yaml holds it
+    (tmp_path / "mine.yaml").write_text("model: edsr_baseline\nspatial: 2\n")
+    assert load_config(str(tmp_path / "mine.yaml")).spatial == 2
+    (tmp_path / "bad.yaml").write_text("spatial: 0\n")
+    with pytest.raises(ConfigError, match=r"^.*bad\.yaml: spatial: must be >= 1, got 0$"):
+        load_config(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ConfigError, match=r"unknown key 'spatail' \(did you mean 'spatial'\?\)"):
+        load_config("demo", ["spatail=2"])
+
+
 def test_overrides_are_converted_to_the_fields_types():
     cfg = load_config("demo", ["lr=2e-4", "betas=0.8,0.99", "augment=no", "total_updates=3e3", "resume=auto",
                                "pretrained=null", "val_range=801-805"])
@@ -72,6 +91,7 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     ("seed=-1", "seed"), ("seed=4294967296", "seed"), ("seed=4294967295", "seed"),
     ("data=", "data"),  # the current directory, else
     ("amp=half", "amp"), ("amp=fp16 overlap_forward=true", "overlap_forward"),
+    ("spatial=0", "spatial"), ("spatial=two", "spatial"), ("spatial=1.5", "spatial"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^command line: {key}: "):
@@ -92,11 +112,21 @@ def test_bad_yaml_files(tmp_path):
     (["--config", "demo", "workers=-1"], "hpdl: error: command line: workers: must be >= 0, got -1"),
     (["--config", "demo", "oops"], "hpdl: error: override 'oops': expected key=value"),
     (["--config", "no_such_config"], "hpdl: error: no_such_config: no such config file or packaged config"),
+    (["--config", "demo", "spatial=0"], "hpdl: error: command line: spatial: must be >= 1, got 0"),
 ])
 def test_cli_config_errors_are_one_line(capsys, argv, message):
     assert main(["sr", "train", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_spatial_beyond_the_jobs_ranks_is_one_line_before_out_dir_is_touched(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["sr", "train", "--config", "demo", "spatial=2", f"out_dir={out}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hpdl: error: spatial=2: the 1 rank of this job does not form groups of 2 (the ranks must be a multiple "
+        "of spatial)"]
+    assert not out.exists()
 
 
 def test_the_seed_range_leaves_room_for_every_ranks_offset():

@@ -50,8 +50,9 @@ def spatial_layout(spatial_ranks: int) -> Optional[spatial.Layout]:
     """
     size = hvd.size()
     if size % spatial_ranks:
-        raise TrainError(f"spatial={spatial_ranks}: the {size} ranks of this job do not form groups of "
-                         f"{spatial_ranks} (the ranks must be a multiple of spatial)")
+        ranks = f"the {size} ranks of this job do not" if size > 1 else "the 1 rank of this job does not"
+        raise TrainError(f"spatial={spatial_ranks}: {ranks} form groups of {spatial_ranks} "
+                         "(the ranks must be a multiple of spatial)")
     if spatial_ranks == 1:
         return None
     return spatial.grid(spatial=spatial_ranks, data=size // spatial_ranks)
