@@ -16,6 +16,7 @@ from hpdl.sr.models import build_model_from_config
 from hpdl.sr.registry import ModelConfig
 from hpdl.sr.spatial_upscale import idle_ranks
 from hpdl.sr.upscale import tile_rows
+from hpdl.sr.upscale_cli import SPATIAL_STALL_S, spatial_stall_settings
 from hpdl.torch.spatial import bands
 from ranks import run_ranks
 
@@ -165,6 +166,15 @@ def test_bad_input_is_one_line_on_rank_0_and_every_rank_fails(job, inputs, case)
     else:
         assert not (out / output).exists()
 
+
+def test_the_stall_check_waits_for_rows_of_tiles_unless_the_job_sets_it(job):
+    # The ranks' exchanges wait for each other's rows of tiles, minutes each: no stall warning then.
+    _, _, results = job
+    assert all(r["stall_check"] == {"warning_s": SPATIAL_STALL_S, "timeout_s": SPATIAL_STALL_S} for r in results)
+    assert spatial_stall_settings({}) == {"HPDL_STALL_WARNING": str(SPATIAL_STALL_S),
+                                          "HPDL_STALL_TIMEOUT": str(SPATIAL_STALL_S)}
+    for variable in ("HPDL_STALL_WARNING", "HPDL_STALL_TIMEOUT", "HOROVOD_STALL_CHECK_DISABLE"):
+        assert spatial_stall_settings({variable: "1"}) == {}  # the job's own choice
 
 
 def test_the_help_and_the_docs_say_what_spatial_does(capsys):

@@ -17,7 +17,25 @@ from hpdl.cli import CliError
 from hpdl.sr.cli import (_add_device, _add_max_pixels, _add_no_progress, _add_res_scale, _check_max_pixels, _guarded,
                          _OutputGuard, _print_notes, _sr_errors_as_cli_errors)
 
-__all__ = ["register_upscale"]
+__all__ = ["SPATIAL_STALL_S", "register_upscale", "spatial_stall_settings"]
+
+# The stall check (a warning after 60 s, the job ended after 30 min) is for a rank that stopped
+# submitting collectives. Under --spatial a rank's exchange waits for the other ranks' rows of
+# tiles, minutes each on a CPU (a row of 24 tiles of EDSR-baseline took 3 minutes on one thread,
+# and --self-ensemble is 8 times that), and the ranks that finish first wait for the others'
+# last rows: the check would warn of a stall in every long upscale, and end a wide one. Unless
+# the job sets the check itself, --spatial warns only when it ends the job, after a week.
+SPATIAL_STALL_S = 7 * 24 * 3600
+_STALL_VARIABLES = ("HPDL_STALL_WARNING", "HPDL_STALL_TIMEOUT", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_CHECK_DISABLE")
+
+
+def spatial_stall_settings(env: Any) -> dict:
+    """The variables ``upscale --spatial`` sets before ``hvd.init()``: the stall check's, when ``env`` sets
+    none of them (``SPATIAL_STALL_S``), else none."""
+    if any(name in env for name in _STALL_VARIABLES):
+        return {}
+    return {"HPDL_STALL_WARNING": str(SPATIAL_STALL_S), "HPDL_STALL_TIMEOUT": str(SPATIAL_STALL_S)}
 
 
 def register_upscale(sr_sub: Any) -> None:
@@ -116,6 +134,7 @@ def _run_upscale_spatial(args: argparse.Namespace) -> int:
     from hpdl.sr.spatial_upscale import idle_ranks, upscale_image_in_bands
     from hpdl.sr.threads import share_of_cores
 
+    os.environ.update(spatial_stall_settings(os.environ))
     hvd.init()
     if "OMP_NUM_THREADS" not in os.environ:
         # The ranks of a node share its cores, as training's ranks do (threads.py).

@@ -5,7 +5,7 @@
 CASES.json maps a case name to the command line after ``hpdl`` (and, optionally, what to
 change first: "max_message_bytes" for hpdl.sr.spatial_upscale, "clock_step" for tqdm's clock).
 Each case runs through hpdl.cli.main on every rank; OUT_DIR/result.<rank>.json records each
-case's exit code, stdout and stderr on that rank.
+case's exit code, stdout and stderr on that rank, and "stall_check" the job's stall settings.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def main() -> None:
                 code = exit_.code
         results[name] = {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
     hvd.init()  # a no-op unless every case was refused before the ranks met
+    settings = hvd.runtime.settings()
+    results["stall_check"] = {"warning_s": settings.stall_warning_s, "timeout_s": settings.stall_timeout_s}
     (out / f"result.{hvd.rank()}.json").write_text(json.dumps(results, indent=1))
     print(f"OK upscale spatial: rank {hvd.rank()} of {hvd.size()}, pid {os.getpid()}")
 
