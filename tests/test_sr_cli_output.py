@@ -83,6 +83,16 @@ def test_a_bar_redraws_on_a_terminal_and_rarely_elsewhere(monkeypatch):
     assert sys.stderr.getvalue() == ""
 
 
+def test_tqdms_monitor_does_not_redraw_a_bar_in_a_log_before_log_interval(monkeypatch):
+    # tqdm's monitor thread redraws, on its own clock, a bar whose last frame is maxinterval old.
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with progress_bar(total=10, desc="work", unit="it") as bar:
+        assert bar.maxinterval == bar.mininterval == LOG_INTERVAL
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with progress_bar(total=10, desc="work", unit="it") as bar:
+        assert bar.mininterval < bar.maxinterval == 10.0  # tqdm's default on a terminal
+
+
 def _eval(tmp_path, folder, ckpt, *extra):
     return main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--cache-dir", str(tmp_path / "c"), *extra])
 

@@ -16,6 +16,7 @@ __all__ = ["LOG_INTERVAL", "progress_bar"]
 
 LOG_INTERVAL = 30.0  # seconds between redraws (and before the first) where stderr is not a terminal
 _TERMINAL_INTERVAL = 0.5  # seconds between redraws on a terminal
+_TERMINAL_MAX_INTERVAL = 10.0  # seconds at most between redraws on a terminal (tqdm's default)
 
 
 def progress_bar(iterable: Optional[Iterable] = None, *, total: Optional[int] = None, desc: str, unit: str,
@@ -30,6 +31,9 @@ def progress_bar(iterable: Optional[Iterable] = None, *, total: Optional[int] = 
     from tqdm import tqdm
 
     terminal = sys.stderr.isatty()
+    # tqdm's monitor thread redraws a bar not redrawn for maxinterval (10 s by default) whatever
+    # mininterval says: in a log, a line every 10 to 20 s instead of every LOG_INTERVAL.
     return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, disable=not enabled,
                 dynamic_ncols=True, file=sys.stderr, mininterval=_TERMINAL_INTERVAL if terminal else LOG_INTERVAL,
+                maxinterval=_TERMINAL_MAX_INTERVAL if terminal else LOG_INTERVAL,
                 delay=delay if terminal else max(delay, LOG_INTERVAL))
