@@ -25,8 +25,8 @@ from hpdl.torch.functions import allgather_object
 from hpdl.torch.process_sets import ProcessSet
 from hpdl.torch.spatial.geometry import SpatialError
 
-HALO = "halo"  # event kind of a halo exchange
-SPATIAL = "spatial"  # event kind of a spatial group's collective (BatchNorm statistics, global pooling, gather)
+HALO = ev.HALO  # event kind of a halo exchange
+SPATIAL = ev.SPATIAL  # event kind of a spatial group's collective (BatchNorm statistics, global pooling, gather)
 
 _splits = itertools.count()  # names of the split requests: every rank makes the same calls
 
