@@ -273,8 +273,8 @@ def _register_scaling(sub) -> None:
 def _run_scaling(args) -> int:
     import os
 
-    from hpdl.bench.scaling import (ScalingError, ScalingOptions, ScalingStopped, format_summary, plot, plot_format,
-                                    run_scaling)
+    from hpdl.bench.jobs import plot_format
+    from hpdl.bench.scaling import ScalingError, ScalingOptions, ScalingStopped, format_summary, plot, run_scaling
     from hpdl.cli import CliError, check_output, write_output
     from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 
