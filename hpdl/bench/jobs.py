@@ -38,6 +38,17 @@ class JobError(RuntimeError):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
+class Stopped(Exception):
+    """The study was stopped by a signal (Ctrl-C, SIGTERM) after its running job was ended.
+
+    ``record`` holds what the jobs that ended before measured; ``signum`` is the signal.
+    """
+
+    def __init__(self, signum: int, record: Dict[str, Any]):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum, self.record = signum, record
+
+
 class Terminated(BaseException):
     """Raised in the driver by SIGTERM or SIGHUP, like KeyboardInterrupt by SIGINT."""
 

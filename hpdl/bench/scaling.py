@@ -23,7 +23,7 @@ import signal
 import sys
 from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
-from hpdl.bench.jobs import JobError, Terminated, check_timeout, run_job, signals_stop_the_driver
+from hpdl.bench.jobs import JobError, Stopped, Terminated, check_timeout, run_job, signals_stop_the_driver
 from hpdl.bench.stats import format_table, median, spread
 
 __all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot"]
@@ -49,15 +49,9 @@ class ScalingError(JobError):
     record: Optional[Dict[str, Any]] = None
 
 
-class ScalingStopped(Exception):
-    """The study was stopped by a signal (Ctrl-C, SIGTERM) after its running job was ended.
-
-    ``record`` holds the runs of the jobs that ended before; ``signum`` is the signal.
-    """
-
-    def __init__(self, signum: int, record: Dict[str, Any]):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum, self.record = signum, record
+class ScalingStopped(Stopped):
+    """The study was stopped by a signal (Ctrl-C, SIGTERM) after its running job was ended;
+    ``record`` holds the runs of the jobs that ended before."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,12 +125,19 @@ class SyntheticOptions:
             raise ValueError(f"compare takes distinct baselines among {', '.join(COMPARE)}, got {','.join(self.compare)}")
 
 
+def usual_optimizer(model: str) -> str:
+    """The optimizer a benchmark model trains with: adam for the SR models (their recipes), sgd
+    for ResNet-50 (Horovod's benchmark)."""
+    return "adam" if model in sr_models() else "sgd"
+
+
 def _optimizer_kind(opts: SyntheticOptions) -> str:
     """The optimizer asked for, else the model's usual one."""
-    return opts.optimizer or ("adam" if opts.model in sr_models() else "sgd")  # SR recipes train with Adam
+    return opts.optimizer or usual_optimizer(opts.model)
 
 
-def _optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
+    """The benchmarks' optimizer ``kind`` ("sgd", "adam") of ``params``, for ``size`` ranks."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.01 * size)  # Horovod's benchmark: lr scaled by size
     return torch.optim.Adam(params, lr=1e-4)  # the EDSR recipe
@@ -220,7 +227,7 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
 
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
     model = workload.model
-    optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
+    optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
     compression = hvd.Compression.fp16 if opts.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression,
@@ -248,7 +255,7 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
+    optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
     return _timed(opts, _train_loop(model, optimizer, workload, trace.phases if trace else None), log, trace)
 
 
@@ -256,7 +263,7 @@ def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
                  trace: Optional[BatchTrace] = None,
                  barrier: Optional[Callable[[], None]] = None) -> List[float]:
     workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
-    optimizer = _optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
+    optimizer = make_optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
     loop = _train_loop(workload.model, optimizer, workload, trace.phases if trace else None, barrier=barrier)
     return _timed(opts, loop, log, trace)
 
