@@ -377,6 +377,10 @@ def _register_spatial(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of real and bound steps (default 3)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="memory each rank may allocate beyond what it held at its start, e.g. 1.5G (enforced)")
+    p.add_argument("--allocator", default="release", metavar="release|default",
+                   help="release (default): the jobs' malloc maps every block of 1 MiB or more on its own and "
+                        "returns it when freed (MALLOC_MMAP_THRESHOLD_=1048576, unless set), so that feature maps "
+                        "freed out of order do not leave its heap fragmented; default: glibc's own threshold")
     p.add_argument("--json", default=None, metavar="FILE", help="write the record as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="write img/s and memory per rank against ranks, PNG unless the extension names another format")
@@ -422,7 +426,7 @@ def _run_spatial(args) -> int:
         opts = SpatialStudyOptions(model=args.model, image=image, ranks=ranks, grids=grids, batch_size=args.batch_size,
                                    scale=2 if args.scale is None else args.scale, checkpoint=args.checkpoint,
                                    threads=args.threads, warmup=args.warmup, steps=args.steps, rounds=args.rounds,
-                                   max_memory=max_memory, timeout_s=args.timeout)
+                                   max_memory=max_memory, allocator=args.allocator, timeout_s=args.timeout)
         # Outputs and layouts are checked before the study's minutes of jobs, not after them.
         outputs = [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot)) if path]
         for flag, path in outputs:

@@ -10,6 +10,14 @@ that one rank count's memory is not another's, and a memory budget (``max_memory
 enforced on each rank of each job. A point whose job runs out of that budget is recorded as
 not fitting, and the study goes on.
 
+The jobs' allocator (``allocator="release"``, unless MALLOC_MMAP_THRESHOLD_ is set already):
+glibc's malloc serves every block of 1 MiB or more with a mapping of its own, returned to the
+system when it is freed. By default glibc raises that threshold, up to 32 MiB, as it sees large
+blocks freed, and keeps smaller ones in its heap, where the feature maps of one step, freed in
+another order than they were made, leave it fragmented: a rank then holds far more than its
+step needs, the more so the smaller its band's maps (docs/spatial.md has the figures, and the
+step's small cost in time). ``allocator="default"`` measures glibc's own behaviour.
+
 The jobs' fusion threshold (unless HPDL_FUSION_THRESHOLD or Horovod's name sets one) is the
 model's gradient bytes, rounded up to a MiB: every model here has fewer than the default 128
 MiB, so the engine fuses the same messages, but its two fusion buffers, each as large as the
@@ -50,6 +58,11 @@ class SpatialStudyStopped(Stopped):
     points measured before."""
 
 
+ALLOCATORS = ("release", "default")
+# glibc's mmap threshold in the jobs' environment with allocator="release".
+RELEASE_THRESHOLD = 1 << 20
+
+
 def default_image(model: str) -> Grid:
     """The input an image-size-less study trains on: ResNet-50's 224 x 224, the SR models' 256 x 256 LR."""
     return (224, 224) if model not in sr_models() else (256, 256)
@@ -71,6 +84,7 @@ class SpatialStudyOptions:
     steps: int = 1
     rounds: int = 3
     max_memory: Optional[int] = None
+    allocator: str = "release"  # or "default": see the module's docstring
     timeout_s: float = 3600.0  # per job
 
     def __post_init__(self) -> None:
@@ -98,6 +112,8 @@ class SpatialStudyOptions:
         if self.model in sr_models() and self.scale not in scales_of(self.model):
             raise ValueError(f"--scale of {self.model} must be one of {', '.join(map(str, scales_of(self.model)))}, "
                              f"got {self.scale}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"--allocator takes {' or '.join(ALLOCATORS)}, got {self.allocator!r}")
         if self.max_memory is not None and self.max_memory < 1:
             raise ValueError(f"--max-memory must be above 0, got {self.max_memory}")
         check_timeout(self.timeout_s)
@@ -140,16 +156,24 @@ def check_layouts(opts: SpatialStudyOptions) -> None:
 
 
 def job_environment(opts: SpatialStudyOptions) -> Dict[str, str]:
-    """The environment of every job: this one's, with the threads per rank and (unless set) a
-    fusion threshold of the model's gradient bytes (see the module's docstring)."""
+    """The environment of every job: this one's, with the threads per rank and (unless set) the
+    allocator's threshold and a fusion threshold of the model's gradient bytes (see the
+    module's docstring)."""
     from hpdl.bench.models import build_workload, count_parameters
 
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(opts.threads)
+    if opts.allocator == "release":
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(RELEASE_THRESHOLD))
     if "HPDL_FUSION_THRESHOLD" not in env and "HOROVOD_FUSION_THRESHOLD" not in env:
         _, gradient_bytes = count_parameters(build_workload(opts.model, 1, opts.scale, image=(1, 1)).model)
         env["HPDL_FUSION_THRESHOLD"] = str(max(1, -(-gradient_bytes // 2**20)) * 2**20)
     return env
+
+
+def job_environment_threshold(opts: SpatialStudyOptions) -> Optional[str]:
+    """The MALLOC_MMAP_THRESHOLD_ the jobs run with (None: glibc's dynamic default)."""
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_", str(RELEASE_THRESHOLD) if opts.allocator == "release" else None)
 
 
 def job_argv(opts: SpatialStudyOptions, ranks: int, grid: Grid) -> List[str]:
@@ -215,7 +239,8 @@ def _record(opts: SpatialStudyOptions, runs: List[Dict[str, Any]], failure: Opti
     record = {"benchmark": "spatial", "model": opts.model, "image": list(opts.input_size),
               "scale": opts.scale if opts.model in sr_models() else None, "batch_size": opts.batch_size,
               "checkpoint": opts.checkpoint, "threads": opts.threads, "warmup": opts.warmup, "steps": opts.steps,
-              "rounds": opts.rounds, "max_memory": opts.max_memory, "ranks": list(opts.ranks),
+              "rounds": opts.rounds, "max_memory": opts.max_memory, "allocator": opts.allocator,
+              "malloc_mmap_threshold": job_environment_threshold(opts), "ranks": list(opts.ranks),
               "runs": runs, "summary": summarize(runs)}
     if failure is not None:
         record.update(complete=False, failure=failure)
@@ -260,6 +285,9 @@ def format_summary(record: Dict[str, Any]) -> str:
     height, width = record["image"]
     model = record["model"] + (f" x{record['scale']}" if record["scale"] else "")
     budget = f"; --max-memory {format_size(record['max_memory'])} per rank" if record["max_memory"] else ""
+    threshold = record.get("malloc_mmap_threshold")
+    budget += (f"; malloc maps blocks from {format_size(int(threshold))}" if threshold and threshold.isdigit()
+               else "; glibc's default malloc")
     head = (f"# spatial: {model}, {height}x{width} input, batch {record['batch_size']}, {record['threads']} thread(s) "
             f"per rank{', checkpointed blocks' if record['checkpoint'] else ''}{budget}; medians of "
             f"{record['rounds']} alternating rounds of {record['steps']} step(s) against the no-communication bound "
