@@ -93,7 +93,7 @@ def test_tuner_warms_up_tries_horovods_start_points_then_keeps_the_best(tmp_path
     for (params, score) in tuner.samples:  # each sample's score is its bytes over its time
         assert score == pytest.approx(score_of(params), rel=1e-6)
     _run_samples(tuner, clock, 3, 3, score_of)
-    assert not tuner.active and len(tuner.samples) == 7  # max_samples proposals after the first
+    assert not tuner.active and len(tuner.samples) == 7  # max_samples + 1, the start points included
     best_params, best_score = max(tuner.samples, key=lambda s: s[1])
     assert tuner.parameters() == best_params and decode(tuner.word())[1] == best_params["cycle_time_ms"]
     _run_samples(tuner, clock, 1, 3, score_of)  # done: nothing changes any more
@@ -118,6 +118,36 @@ def test_a_sample_is_scored_by_the_median_of_its_sub_samples():
         tuner.observe(["a"], 1_000_000)
     assert len(tuner.samples) == 1
     assert tuner.samples[0][1] == pytest.approx(1.0)  # 1 MB per second: 1 byte per microsecond
+
+
+@pytest.mark.parametrize("max_samples, proposals", [(20, 17), (4, 1), (3, 0), (1, 0)])
+def test_max_samples_counts_the_start_points_as_horovods(max_samples, proposals):
+    # Horovod's IsDoneTuning: iteration > max_samples, the iteration counting every sample tuned.
+    clock = _Clock()
+    tuner = Autotuner(128 * MIB, 1.0, warmup_samples=0, steps_per_sample=1, max_samples=max_samples, clock=clock)
+    _run_samples(tuner, clock, max_samples + 3, 1, lambda params: 200.0 - params["cycle_time_ms"])
+    tried = [(p["fusion_threshold"], p["cycle_time_ms"]) for p, _ in tuner.samples]
+    starts = min(len(START_POINTS), max_samples + 1)
+    assert not tuner.active and len(tried) == max_samples + 1
+    assert tried[:starts] == list(START_POINTS[:starts]) and len(tried) - starts == proposals
+
+
+def test_the_docs_say_what_max_samples_counts(capsys):
+    from pathlib import Path
+
+    from hpdl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    api = " ".join((root / "docs" / "api.md").read_text().split())
+    assert "Tuning ends after `HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES` + 1 samples, the start points included" in api
+    assert "the default 20 tries the 4 start points and 17 proposals, and 3 or fewer tries start points only" in api
+    readme = (root / "README.md").read_text()
+    assert "tuning ends after this many samples plus one, Horovod's 4 start points included (20: 4 start " \
+           "points and 17 proposals)" in readme
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "tuning ends after N + 1 samples, Horovod's 4 start points included" in help_text, help_text
 
 
 def test_knobs_the_user_set_stay_fixed(tmp_path):

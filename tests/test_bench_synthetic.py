@@ -40,7 +40,8 @@ def test_edsr_workloads(name, params, hr):
 
 
 @pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"model": "vgg16"}, {"scale": 5}, {"compare": ("nccl",)}, {"compare": ("ddp", "ddp")},
-                                    {"num_warmup": -1}, {"repeats": 0}])
+                                    {"num_warmup": -1}, {"repeats": 0}, {"device": "gpu"}, {"amp": "half"},
+                                    {"amp": "fp16", "overlap_forward": True}])
 def test_option_errors(kwargs):
     with pytest.raises(ValueError):
         SyntheticOptions(**kwargs)
@@ -50,6 +51,21 @@ def test_cli_error_is_one_line(capsys):
     assert main(["bench", "synthetic", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hpdl: error: batch-size must be at least 1, got 0"]
+
+
+def test_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "synthetic", *TINY, "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hpdl: error: --device: cuda requested but CUDA is not available"]
+
+
+@pytest.mark.parametrize("amp,breakdown", [("bf16", []), ("fp16", ["--breakdown"])])
+def test_mixed_precision_runs_through_the_benchmark(amp, breakdown, capsys):
+    assert main(["bench", "synthetic", *TINY, "--amp", amp, "--device", "cpu", *breakdown, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["amp"] == amp and record["device"] == "cpu" and record["total_img_sec"] > 0
+    assert ("phases_ms" in record) == bool(breakdown)
 
 
 @pytest.mark.multirank

@@ -83,3 +83,63 @@ def test_report_lists_launchers_beside_the_interpreter_when_path_lacks_them():
         pytest.skip("no mpiexec beside this interpreter (pip install 'hpdl[mpi]')")
     text = "\n".join(check_report(env={"PATH": "/nowhere"}))
     assert f"; {beside})" in text
+
+
+def test_java_versions_are_read_as_java_prints_them():
+    assert detect.java_version_from_text('openjdk version "17.0.15" 2025-04-15\nOpenJDK Runtime ...') == "17.0.15"
+    assert detect.java_version_from_text('java version "1.8.0_392"\n') == "1.8.0_392"
+    assert detect.java_version_from_text("bash: java: command not found") == ""
+    assert (detect.java_major("17.0.15"), detect.java_major("1.8.0_392"), detect.java_major("21")) == (17, 8, 21)
+
+
+def _fake_java(tmp_path, version_line):
+    home = tmp_path / "jdk"
+    (home / "bin").mkdir(parents=True)
+    java = home / "bin" / "java"
+    java.write_text(f"#!/bin/sh\necho '{version_line}' >&2\n")
+    java.chmod(0o755)
+    return home, java
+
+
+def test_report_says_whether_pyspark_and_its_java_are_usable(tmp_path):
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'hpdl[spark]')")
+    from hpdl.spark.environment import java_needed, pyspark_version
+
+    version = pyspark_version()
+    needed = java_needed(version)
+    home, java = _fake_java(tmp_path, f'openjdk version "{needed}.0.2" 2024-01-16')
+    text = "\n".join(check_report(env={"JAVA_HOME": str(home)}, info=FAKE))
+    assert f"Spark (hpdl.spark.run):\n    [X] pyspark {version}\n    [X] Java {needed}.0.2 ({java})" in text
+    old_home, old_java = _fake_java(tmp_path / "old", 'java version "1.7.0_80"')
+    text = "\n".join(check_report(env={"JAVA_HOME": str(old_home)}, info=FAKE))
+    assert f"    [ ] Java 1.7.0_80 ({old_java}; pyspark {version} needs Java {needed} or later)" in text
+    text = "\n".join(check_report(env={"JAVA_HOME": str(tmp_path / "none")}, info=FAKE))
+    assert f"    [ ] Java (no $JAVA_HOME/bin/java; Spark {version} needs Java {needed} or later)" in text
+
+
+def test_report_without_pyspark_says_how_to_install_it():
+    code = ("import sys; sys.modules['pyspark'] = None; import importlib.util as u; f = u.find_spec; "
+            "u.find_spec = lambda n, *a: None if n == 'pyspark' else f(n, *a); "
+            "from hpdl.cli import main; sys.exit(main(['check']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "    [ ] pyspark (not installed: pip install 'hpdl[spark]')" in done.stdout
+
+
+def test_mpi4py_without_an_mpi_library_leaves_hpdl_usable():
+    # mpi4py 4's wheels load the MPI library when MPI is imported and raise RuntimeError where
+    # none is installed (machines that train over nccl alone): hpdl imports, runs a one-rank job
+    # over gloo, and `hpdl check` names the reason.
+    pytest.importorskip("mpi4py._mpiabi", reason="an mpi4py that loads its MPI library through _mpiabi (4.x)")
+    code = ("import sys, mpi4py._mpiabi as abi; abi.LIBMPI_PATH = ['/nonexistent']; "
+            "abi._dlopen_rpath = lambda: ['/nonexistent']\n"
+            "import torch, hpdl.torch as hvd\n"
+            "hvd.init(); assert hvd.allreduce(torch.ones(2), name='x').tolist() == [1.0, 1.0]; "
+            "print('backend', hvd.mpi_enabled(), hvd.gloo_enabled()); hvd.shutdown()\n"
+            "from hpdl.cli import main; sys.exit(main(['check']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("HPDL_")})
+    assert done.returncode == 0, done.stderr
+    assert "backend False True" in done.stdout
+    assert "[ ] MPI (mpi4py is installed but found no MPI library (cannot load MPI library): pip install mpich)" \
+        in done.stdout, done.stdout

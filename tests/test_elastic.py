@@ -1,5 +1,7 @@
 """hvd.elastic: Horovod's elastic scripts on a job whose ranks stay the same."""
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,51 @@ def test_a_lost_rank_ends_the_function_with_the_committed_state_restored():
         # Batch 3 was committed; the failure came in batch 5 or 6 (the one rank 1 never joined).
         assert f"rank {rank} caught: batch=3 " in out, out
         assert "rank 1" in out, out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_lr_scheduler_of_a_distributed_optimizer_is_kept_by_its_state_dict(n):
+    result = run_ranks("elastic_handlers.py", n, args=["scheduler"], timeout=120)
+    for rank in range(n):
+        assert f"OK elastic scheduler: rank={rank}" in result.stdout, result.stdout
+
+
+def test_an_lr_scheduler_has_a_handler_of_its_own():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedulers = torch.optim.lr_scheduler
+    for scheduler in (schedulers.StepLR(opt, step_size=1), schedulers.ReduceLROnPlateau(opt),
+                      schedulers.LambdaLR(opt, lambda epoch: 0.5 ** epoch)):
+        state = elastic.TorchState(model, opt, scheduler=scheduler)
+        assert isinstance(state._handlers["scheduler"], elastic_state.LRSchedulerStateHandler), type(scheduler)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_object_that_does_not_pickle_is_named_with_the_handler_registry_that_keeps_it(n):
+    result = run_ranks("elastic_handlers.py", n, args=["unpicklable"], timeout=120)
+    for rank in range(n):
+        assert f"OK elastic unpicklable: rank={rank}" in result.stdout, result.stdout
+
+
+def test_a_refusal_names_the_objects_this_rank_cannot_pickle_either():
+    # Rank 1's view: the broadcast only says rank 0 could not serialize; the rank names its own.
+    import threading
+
+    def bcast_from_failed_root(value):
+        raise ValueError("broadcast_object 'dict': root rank 0 could not serialize its object (its own error says why)")
+
+    state = elastic.ObjectState(bcast_object=bcast_from_failed_root, get_rank=lambda: 1, lock=threading.Lock(),
+                                epoch=3)
+    with pytest.raises(ValueError, match=r"^ObjectState cannot send its objects from rank 0 to the other ranks: "
+                                         r"lock: cannot serialize lock object: TypeError: .*; give the state what "
+                                         r"can be pickled instead"):
+        state.sync()
+    plain = elastic.ObjectState(bcast_object=bcast_from_failed_root, get_rank=lambda: 1, epoch=3)
+    with pytest.raises(ValueError, match=r"root rank 0 could not serialize its object \(its own error says why\); "
+                                         r"give the state"):
+        plain.sync()
 
 
 def _one_rank(monkeypatch, rank=0, size=1):
@@ -111,6 +158,58 @@ def test_run_restarts_after_hosts_updated_and_restores_on_a_failure():
     assert state.value == 1  # the committed value, not the half-done one
 
 
+# One rank that is sent SIGTERM in batch 5, after committing batch 3 (argv[1]: "own" sets a
+# SIGTERM handler of its own first).
+_SIGTERMED = """\
+import os, signal, sys
+import torch
+import hpdl.torch as hvd
+
+hvd.init()
+got = []
+own = sys.argv[1:] == ["own"]
+if own:
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+state = hvd.elastic.ObjectState(batch=0)
+
+@hvd.elastic.run
+def train(state):
+    for state.batch in range(1, 40 if own else 10**9):  # without a handler, only the failure ends it
+        hvd.allreduce(torch.ones(1), name=f"batch.{state.batch}")
+        if state.batch == 3:
+            state.commit()
+        if state.batch == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return "done"
+
+try:
+    print("returned", train(state), state.batch, got, flush=True)
+except hvd.HorovodInternalError as error:
+    print("caught", state.batch, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, error, flush=True)
+"""
+
+
+@pytest.mark.parametrize("own_handler", [False, True], ids=["default", "script-handler"])
+def test_sigterm_during_run_fails_the_collectives_unless_the_script_handles_it(own_handler):
+    # As torchrun, srun and Open MPI end the survivors of a lost rank: SIGTERM, SIGKILL later.
+    import subprocess
+    import sys
+
+    from ranks import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "PMI_", "OMPI_", "SLURM_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", _SIGTERMED, *(["own"] if own_handler else [])], env=env,
+                          capture_output=True, text=True, timeout=120)
+    if own_handler:  # the script's handler is the script's business: training goes on
+        assert done.returncode == 0 and done.stdout == "returned done 39 [15]\n", done.stdout + done.stderr
+        return
+    assert done.stdout.startswith("caught 3 True hpdl engine failed on rank 0: the launcher is ending the job "
+                                  "(SIGTERM)"), done.stdout + done.stderr
+    # Then the job ends as a failed one does (the abort's exit code), nothing raised after the handler.
+    assert done.returncode == 1 and "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_an_object_that_cannot_be_copied_is_kept_as_it_is():
     import threading
 
@@ -139,7 +238,8 @@ def test_a_handler_registered_as_in_horovod_keeps_a_scheduler(monkeypatch):
 
     registry = list(elastic_state.get_handler_registry())
     monkeypatch.setattr(elastic_state, "_handler_registry", registry)
-    elastic_state.set_handler_registry(registry + [(torch.optim.lr_scheduler.LRScheduler, SchedulerHandler)])
+    # Ahead of the registry's own scheduler handler: the first match is used.
+    elastic_state.set_handler_registry([(torch.optim.lr_scheduler.LRScheduler, SchedulerHandler)] + registry)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

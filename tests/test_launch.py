@@ -317,6 +317,17 @@ def test_torch_backend_on_several_hosts_starts_through_mpiexec():
         run(hosts=parse_hosts("n1:2,n2:2"), backend="gloo", launchers=info(mpiexec=None))
 
 
+def test_ranks_per_gpu_reaches_every_rank_and_keeps_nccl_out():
+    argv, env = run(np=4, ranks_per_gpu=2, launchers=info(mpiexec=None))
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "4"] and env["HPDL_RANKS_PER_GPU"] == "2"
+    argv, env = run(np=4, ranks_per_gpu=4)
+    assert argv[:5] == ["mpiexec", "-genv", "HPDL_RANKS_PER_GPU", "4", "-n"]
+    for given in ({"backend": "nccl"}, {"env": {"HPDL_BACKEND": "nccl"}}):
+        with pytest.raises(LaunchError, match="NCCL refuses two ranks on one GPU"):
+            run(np=2, ranks_per_gpu=2, **given)
+    assert run(np=2, ranks_per_gpu=1, backend="nccl")[1]["HPDL_RANKS_PER_GPU"] == "1"
+
+
 def test_backend_from_environment_picks_the_launcher():
     argv, env = run(np=2, env={"HPDL_BACKEND": "gloo"})
     assert argv[0] == "torchrun" and env["HPDL_BACKEND"] == "gloo"
@@ -443,8 +454,13 @@ def test_np_defaults_and_limits():
 
 
 def test_settings_are_validated_before_launch():
-    with pytest.raises(LaunchError, match="HPDL_CYCLE_TIME must be >= 0"):
+    # An option is named as given, in its unit; a variable already set, as the variable.
+    with pytest.raises(LaunchError, match="--cycle-time-ms must be >= 0 ms, got -1$"):
         run(cycle_time_ms=-1.0)
+    with pytest.raises(LaunchError, match="--fusion-threshold-mb must be >= 0 MB, got -1$"):
+        run(fusion_threshold_mb=-1.0)
+    with pytest.raises(LaunchError, match="HPDL_CYCLE_TIME must be >= 0 ms, got -1$"):
+        run(env={"HPDL_CYCLE_TIME": "-1"})
     with pytest.raises(LaunchError, match="unknown setting HPDL_FUSION_TRESHOLD"):
         run(env={"HPDL_FUSION_TRESHOLD": "1"})
     with pytest.raises(LaunchError, match="unknown backend"):

@@ -287,7 +287,8 @@ def test_straggler_is_named_with_its_lateness():
     assert arrival.ranks[1].last == 3 and arrival.ranks[1].mean_late_us == pytest.approx(8000.0)
     assert arrival.median_spread_us == pytest.approx(8000.0)
     text = " ".join(findings(a))
-    assert "rank 1 is 8.0 ms behind the first rank to arrive at a collective on average, 100% of all ranks' time" in text
+    assert "rank 1 arrives 8.0 ms after the first rank on average over all 3 collectives matched across ranks, 100% " \
+           "of all ranks' time behind" in text, text
 
 
 def test_straggler_is_weighed_by_time_behind_not_by_how_often_last():
@@ -303,7 +304,7 @@ def test_straggler_is_weighed_by_time_behind_not_by_how_often_last():
     ranks = a.arrival.ranks
     assert ranks[0].last == 3 and ranks[1].last == 2 and ranks[1].mean_late_us > 10 * ranks[0].mean_late_us
     text = " ".join(findings(a))
-    assert "rank 1 is 12.0 ms behind" in text and "last at 40% of collectives" in text, text
+    assert "rank 1 arrives 12.0 ms after" in text and "the last to arrive at 40% of them" in text, text
 
 
 def test_negotiation_finding_tells_slow_rounds_from_late_ranks():
@@ -316,8 +317,8 @@ def test_negotiation_finding_tells_slow_rounds_from_late_ranks():
     # Rank 1 submits 40 ms late and rank 0 waits for it; rank 1's own round is quick.
     a = Analysis(make_profile(backend_us=10_000.0, round_us=100.0, late_rank1=40_000.0))
     text = " ".join(findings(a))
-    assert "100% of it is ranks waiting for the last to join. Rank 1 joins last at 100% of collectives, 40.0 ms " \
-           "behind the first on average: it submits them late" in text, text
+    assert "100% of it is ranks waiting for the last to join" in text and "Rank 1 joins last at 100% of collectives, " \
+           "and at those it joins 40.0 ms after the first on average: it submits them late" in text, text
     assert "the rounds are slow" not in text
 
 
@@ -330,8 +331,8 @@ def test_negotiation_finding_weighs_by_time_and_names_a_late_engine_thread():
     assert a.arrival.ranks[1].mean_late_us == 0  # by submission, no one is late
     assert a.waits.ranks[1].late_queue_us == pytest.approx(80_000.0)
     text = " ".join(findings(a))
-    assert "ranks waiting for the last to join. Rank 1 joins last" in text, text
-    assert "40.0 ms behind the first on average, 100% of that in its queue: rank 1's engine thread is late to " \
+    assert "ranks waiting for the last to join" in text and "Rank 1 joins last" in text, text
+    assert "40.0 ms after the first on average, 100% of that in its queue: rank 1's engine thread is late to " \
            "take requests from its queue" in text, text
     assert "the rounds are slow" not in text
 
@@ -349,7 +350,8 @@ def test_exposed_communication_finding_suggests_fp16():
     a = Analysis(make_profile(blocked=18_200.0))  # steps of 101 ms, 18.2 ms of them blocked
     assert a.steps.exposed_us == 18_200 and a.steps.exposed_share == pytest.approx(18_200 / a.steps.step_us)
     text = " ".join(findings(a))
-    assert re.search(r"exposed communication is 18% of the step .*try `--fp16-allreduce`", text), text
+    assert re.search(r"exposed communication is 18% of the step .*try fp16 gradients, half the bytes "
+                     r"\(`compression=hvd.Compression.fp16`", text), text
 
 
 def test_size_finding_compares_with_the_bench_curve():

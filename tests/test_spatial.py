@@ -189,6 +189,19 @@ def test_spatial_parallel_equals_one_process_in_float64(launcher, n, grid, cases
         assert f"OK spatial {model} {size} {grid}" + (" checkpoint" if flags else "") in result.stdout, result.stdout
 
 
+@pytest.mark.gpu
+@pytest.mark.multirank
+@pytest.mark.parametrize("n,env", [(1, {"HPDL_BACKEND": "nccl"}), (2, {"HPDL_RANKS_PER_GPU": "2"})],
+                         ids=["nccl-1", "gloo-2-on-one-gpu"])
+def test_spatial_parallel_on_cuda_equals_one_process(n, env):
+    cases = ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17:checkpoint"]
+    result = run_ranks("spatial_exactness.py", n, "torchrun", args=["--device", "cuda", f"{n}x1", *cases], env=env,
+                       timeout=300)
+    for case in cases:
+        assert f"OK spatial {case.split(':')[0]} {case.split(':')[1]} {n}x1" in result.stdout, result.stdout
+    assert "on cuda" in result.stdout
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_resnet50_and_edsr_split_equal_one_process():

@@ -71,6 +71,7 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     # NumPy seeds within 32 bits, and rank r seeds with seed + r.
     ("seed=-1", "seed"), ("seed=4294967296", "seed"), ("seed=4294967295", "seed"),
     ("data=", "data"),  # the current directory, else
+    ("amp=half", "amp"), ("amp=fp16 overlap_forward=true", "overlap_forward"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^command line: {key}: "):
@@ -241,6 +242,18 @@ def tiny_run(data, out, *extra):
     """Run a tiny training through the command line, in a process of its own."""
     return subprocess.run([sys.executable, "-m", "hpdl", *tiny_run_argv(data, out, *extra)], capture_output=True,
                           text=True, timeout=120)
+
+
+def test_on_bad_image_skip_skips_validation_images_too_small_to_score(tmp_path):
+    data = tiny_data(tmp_path)
+    Image.fromarray(photo(30, 8, 1)).save(data / "val" / "strip.png")
+    proc = tiny_run(data, tmp_path / "run", "total_updates=2", "on_bad_image=skip", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["val_images"] == 2
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("hpdl: warning:")]
+    assert warned == [f"hpdl: warning: skipping {data / 'val' / 'strip.png'}: image of 8x30 is too small to measure "
+                      "at x2 on Y: 2 px shaved from each border must leave the 11x11 SSIM window, so each side needs "
+                      "at least 15 px"], proc.stderr
 
 
 def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):

@@ -93,6 +93,7 @@ def test_errors_are_one_line_on_rank_0_and_silent_elsewhere(tmp_path, data):
         assert rank1[case]["code"] == 2 and rank1[case]["stderr"] == "", (case, rank1[case])
     skipped = rank0["corrupt_image_skipped"]
     assert skipped["code"] == 0 and "broken.png" in skipped["stderr"], skipped
+    assert "broken.png" not in rank1["corrupt_image_skipped"]["stderr"], rank1["corrupt_image_skipped"]  # rank 0 warns
 
 
 def test_overlap_forward_trains_the_same_model(tmp_path, data):

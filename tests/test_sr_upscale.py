@@ -138,3 +138,19 @@ def test_progress_bar_over_tiles_appears_only_for_long_upscales(monkeypatch, cap
     assert ("upscale" in err and "16/16" in err) == shown, err
     upscale_image(small_baseline(2), img, tile=5)  # progress off: never a bar
     assert capsys.readouterr().err == ""
+
+
+def test_the_help_and_the_docs_say_what_exact_tiles_mean(capsys):
+    from pathlib import Path
+
+    from hpdl.cli import main
+
+    for argv in (["sr", "upscale", "--help"], ["sr", "eval", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert "float rounding" in text and "few 8-bit values by one level" in text, text
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "sr.md").read_text().split())
+    assert "so every output pixel is computed from exactly the input pixels, zero padding included, that a " \
+           "whole-image pass uses for it" in docs
+    assert "It is not bit-identical" in docs

@@ -1,10 +1,13 @@
 """Rank discovery from each launcher's variables, and backend choice."""
 
+import os
+import socket
+
 import pytest
 
 from hpdl.comm import (
     CommError, WorldSizeError, announced_world_size, check_world_size, choose_backend, discover_topology,
-    topology_from_ranks,
+    host_identity, topology_from_ranks,
 )
 
 
@@ -137,3 +140,10 @@ def test_check_world_size_names_both_sizes_the_variable_and_the_cause(env, fragm
     assert isinstance(caught.value, ValueError)
     for fragment in fragments:
         assert fragment in str(caught.value)
+
+
+def test_host_identity_is_the_host_name_and_the_network_namespace():
+    identity = host_identity()
+    assert identity.split("/")[0] == socket.gethostname()
+    if os.path.exists("/proc/self/ns/net"):
+        assert identity == f"{socket.gethostname()}/{os.readlink('/proc/self/ns/net')}"

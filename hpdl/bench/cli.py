@@ -151,6 +151,7 @@ def _register_synthetic(sub) -> None:
             "  mpiexec -n 2 hpdl bench synthetic --model edsr --batch-size 1 --patch 24 --compare ddp,ceiling,lockstep"
         ),
     )
+    from hpdl.sr.config import AMP_MODES
     from hpdl.sr.registry import describe_scales, model_names  # the SR models, without importing torch for --help
 
     models = [name.replace("_", "-") for name in model_names()] + ["resnet50"]
@@ -165,6 +166,12 @@ def _register_synthetic(sub) -> None:
     p.add_argument("--num-warmup", "--num-warmup-batches", dest="num_warmup", type=int, default=10,
                    help="untimed warm-up batches (default 10)")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to float16 for the allreduce")
+    p.add_argument("--device", default="auto",
+                   help="auto (this rank's GPU if CUDA is available, else cpu), cpu, cuda or cuda:N; a rank's GPU "
+                        "follows its local rank, K ranks per GPU with hpdl run --ranks-per-gpu K (default auto)")
+    p.add_argument("--amp", choices=AMP_MODES, default="none",
+                   help="mixed precision: the forward under autocast in bfloat16, or in float16 with loss "
+                        "scaling (the weights and the allreduced gradients stay float32) (default none)")
     p.add_argument("--overlap-forward", action="store_true",
                    help="hpdl: let the gradients' exchange overlap the next forward "
                         "(DistributedOptimizer(overlap_forward=model); --breakdown counts its wait in forward)")
@@ -189,8 +196,9 @@ def _register_synthetic(sub) -> None:
 def _run_synthetic(args) -> int:
     from hpdl.bench.memory import out_of_memory
     from hpdl.bench.models import benchmark_models, sr_models
-    from hpdl.bench.synthetic import SyntheticOptions, run_synthetic
+    from hpdl.bench.synthetic import SyntheticOptions, device_of, run_synthetic
     from hpdl.cli import CliError
+    from hpdl.torch.mixed_precision import MixedPrecision
 
     # Only the values given: SyntheticOptions holds the SR models' defaults (x2, 48 px patches).
     sr_sizes = {name: value for name, value in (("scale", args.scale), ("patch", args.patch)) if value is not None}
@@ -205,8 +213,10 @@ def _run_synthetic(args) -> int:
             fp16_allreduce=args.fp16_allreduce, overlap_forward=args.overlap_forward, optimizer=args.optimizer,
             threads=args.threads,
             compare=tuple(c.strip() for c in args.compare.split(",") if c.strip()), repeats=args.repeats,
-            breakdown=args.breakdown,
+            breakdown=args.breakdown, device=args.device, amp=args.amp,
         )
+        # The device exists and takes the precision: checked before any rank meets the others.
+        MixedPrecision(opts.amp, device_of(opts))
     except ValueError as err:
         raise CliError(str(err)) from None
     try:
@@ -263,7 +273,7 @@ def _register_scaling(sub) -> None:
     for flag, kind, default in (("--model", str, "edsr-baseline"), ("--batch-size", int, None), ("--patch", int, None),
                                 ("--scale", int, None), ("--num-warmup", int, None), ("--num-iters", int, None),
                                 ("--num-batches-per-iter", int, None), ("--threads", int, None),
-                                ("--optimizer", str, None)):
+                                ("--optimizer", str, None), ("--device", str, None), ("--amp", str, None)):
         synthetic.add_argument(flag, type=kind, default=default, help="(default: the synthetic benchmark's)"
                                if default is None else f"(default {default})")
     p.set_defaults(func=_run_scaling)
@@ -281,7 +291,7 @@ def _run_scaling(args) -> int:
         raise CliError(f"--ranks takes comma-separated integers, got {args.ranks!r}") from None
     synthetic = []
     for name in ("model", "batch_size", "patch", "scale", "num_warmup", "num_iters", "num_batches_per_iter",
-                 "threads", "optimizer"):
+                 "threads", "optimizer", "device", "amp"):
         value = getattr(args, name)
         if value is not None:
             synthetic += [f"--{name.replace('_', '-')}", str(value)]

@@ -43,9 +43,11 @@ import torch
 from hpdl.bench.cputime import GROUPS, CpuSnapshot
 from hpdl.bench.models import benchmark_models, build_workload, count_parameters, sr_models
 from hpdl.bench.stats import format_table, median, spread
+from hpdl.sr.config import AMP_MODES, DEVICE_NAMES, is_device_name
 from hpdl.sr.registry import known_scales, scales_of
+from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON, MixedPrecision
 
-__all__ = ["COMPARE", "SyntheticOptions", "run_synthetic"]
+__all__ = ["COMPARE", "SyntheticOptions", "device_of", "run_synthetic"]
 
 COMPARE = ("ddp", "ceiling", "lockstep", "profiled")
 # The most --threads per rank: torch's OpenMP pool of 100,000,000 threads ends the process
@@ -102,6 +104,8 @@ class SyntheticOptions:
     compare: Tuple[str, ...] = ()  # baselines among COMPARE
     repeats: int = 5
     breakdown: bool = False  # time the phases of every timed batch
+    device: str = "auto"  # auto (this rank's GPU if CUDA is available, else cpu), cpu, cuda or cuda:N
+    amp: str = "none"  # mixed precision: none, bf16 or fp16 (hpdl/torch/mixed_precision.py)
 
     def __post_init__(self) -> None:
         if self.model not in benchmark_models():
@@ -120,6 +124,12 @@ class SyntheticOptions:
             raise ValueError(f"scale{of} must be one of {', '.join(map(str, scales))}, got {self.scale}")
         if self.optimizer not in (None, "sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, got {self.optimizer!r}")
+        if not is_device_name(self.device):
+            raise ValueError(f"device must be {DEVICE_NAMES}, got {self.device!r}")
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"amp must be {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.amp == "fp16" and self.overlap_forward:
+            raise ValueError(f"overlap-forward does not go with amp fp16: {FP16_OVERLAP_REASON}")
         unknown = [c for c in self.compare if c not in COMPARE]
         if unknown or len(set(self.compare)) != len(self.compare):
             raise ValueError(f"compare takes distinct baselines among {', '.join(COMPARE)}, got {','.join(self.compare)}")
@@ -150,11 +160,12 @@ def _rate(value: float) -> str:
 
 
 def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str], None],
-           trace: Optional[BatchTrace] = None) -> List[float]:
+           trace: Optional[BatchTrace] = None, sync: Callable[[], None] = lambda: None) -> List[float]:
     """Run warm-up then the timed iterations; return img/s per iteration on this rank.
 
     ``trace`` (whose ``phases`` the step appends to) keeps the timed batches only, and their
-    CPU time by thread.
+    CPU time by thread. ``sync`` waits for the device (a GPU runs the batches after the host
+    has queued them): each iteration is timed from an idle device to an idle device.
     """
     log("Running warmup...")
     for _ in range(opts.num_warmup):
@@ -165,9 +176,11 @@ def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str]
     log("Running benchmark...")
     rates = []
     for i in range(opts.num_iters):
+        sync()
         start = time.perf_counter()
         for _ in range(opts.num_batches_per_iter):
             step()
+        sync()
         rate = opts.batch_size * opts.num_batches_per_iter / (time.perf_counter() - start)
         log(f"Iter #{i}: {_rate(rate)} img/sec per rank")
         rates.append(rate)
@@ -178,21 +191,32 @@ def _timed(opts: SyntheticOptions, step: Callable[[], None], log: Callable[[str]
 
 
 def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] = None,
-                synchronize: bool = False, barrier: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+                synchronize: bool = False, barrier: Optional[Callable[[], None]] = None,
+                precision: Optional[MixedPrecision] = None, sync: Callable[[], None] = lambda: None
+                ) -> Callable[[], None]:
     """One training batch; with ``phases``, timed phase by phase.
 
     Args:
         synchronize: the optimizer is hpdl's: time its wait for the gradients apart, with
-            ``synchronize()`` then ``step()`` under ``skip_synchronize()`` (what ``step()`` does).
+            ``synchronize()`` then the update under ``skip_synchronize()`` (what ``step()`` does).
         barrier: wait for every rank between backward and the update (the lockstep baseline).
+        precision: mixed precision (autocast, and loss scaling for float16); default none.
+        sync: wait for the device, at each phase's end when timing phases on a GPU.
     """
+    precision = precision or MixedPrecision("none", torch.device("cpu"))
+
+    def forward() -> torch.Tensor:
+        optimizer.zero_grad()
+        with precision.autocast():
+            out = model(workload.inputs)
+        return workload.loss(out.float(), workload.targets)
+
     if phases is None:
         def step() -> None:
-            optimizer.zero_grad()
-            workload.loss(model(workload.inputs), workload.targets).backward()
+            precision.backward(forward())
             if barrier is not None:
                 barrier()
-            optimizer.step()
+            precision.step(optimizer)
 
         return step
 
@@ -200,32 +224,64 @@ def _train_loop(model, optimizer, workload, phases: Optional[List[PhaseTimes]] =
 
     def timed_step() -> None:
         start = clock()
-        optimizer.zero_grad()
-        loss = workload.loss(model(workload.inputs), workload.targets)
+        loss = forward()
+        sync()
         forward_end = clock()
-        loss.backward()
+        precision.backward(loss)
+        sync()
         backward_end = update_start = clock()
         wait = None
         wait_for_ranks = optimizer.synchronize if synchronize else barrier
         if wait_for_ranks is not None:
             wait_for_ranks()
+            sync()
             update_start = clock()
             wait = update_start - backward_end
-        if synchronize:
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        else:
-            optimizer.step()
+        precision.step(optimizer, synchronized=synchronize)
+        sync()
         phases.append((forward_end - start, backward_end - forward_end, wait, clock() - update_start))
 
     return timed_step
+
+
+def device_of(opts: SyntheticOptions) -> torch.device:
+    """This rank's device: ``--device``, where auto and cuda name the local rank's GPU
+    (hpdl/comm/devices.py, with HPDL_RANKS_PER_GPU ranks per GPU)."""
+    from hpdl.comm import discover_topology
+    from hpdl.comm.devices import check_gpu_index
+    from hpdl.config import Settings
+    from hpdl.sr.config import resolve_device
+
+    local_rank, per_gpu = discover_topology().local_rank, Settings.from_env().ranks_per_gpu
+    device = resolve_device(opts.device, "--device",
+                            lambda: check_gpu_index(local_rank, per_gpu, torch.cuda.device_count()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # as Horovod's benchmark: the fastest kernels for the fixed shapes
+    return device
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    """A wait for ``device`` to finish what it was given (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _workload(opts: SyntheticOptions, device: torch.device):
+    """The model and its random batch, on ``device``."""
+    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    workload.model.to(device)
+    workload.inputs, workload.targets = workload.inputs.to(device), workload.targets.to(device)
+    return workload
 
 
 def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
               trace: Optional[BatchTrace] = None) -> List[float]:
     import hpdl.torch as hvd
 
-    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    device = device_of(opts)
+    workload = _workload(opts, device)
     model = workload.model
     optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
     compression = hvd.Compression.fp16 if opts.fp16_allreduce else hvd.Compression.none
@@ -237,8 +293,9 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
     # With overlap_forward the wait for the gradients falls in the next forward (the updates
     # wait there): synchronizing apart would undo the overlap.
     loop = _train_loop(model, optimizer, workload, trace.phases if trace else None,
-                       synchronize=not opts.overlap_forward)
-    return _timed(opts, loop, log, trace)
+                       synchronize=not opts.overlap_forward, precision=MixedPrecision(opts.amp, device),
+                       sync=_sync(device))
+    return _timed(opts, loop, log, trace, _sync(device))
 
 
 def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
@@ -246,26 +303,32 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    device = device_of(opts)
+    workload = _workload(opts, device)
     # As hpdl: no per-forward buffer broadcast (BatchNorm statistics stay local, as in Horovod).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # newer torch renames broadcast_buffers
-        model = DistributedDataParallel(workload.model, broadcast_buffers=False, process_group=group)
+        model = DistributedDataParallel(workload.model, device_ids=[device] if device.type == "cuda" else None,
+                                        broadcast_buffers=False, process_group=group)
     if opts.fp16_allreduce:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
-    return _timed(opts, _train_loop(model, optimizer, workload, trace.phases if trace else None), log, trace)
+    loop = _train_loop(model, optimizer, workload, trace.phases if trace else None,
+                       precision=MixedPrecision(opts.amp, device), sync=_sync(device))
+    return _timed(opts, loop, log, trace, _sync(device))
 
 
 def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
                  trace: Optional[BatchTrace] = None,
                  barrier: Optional[Callable[[], None]] = None) -> List[float]:
-    workload = build_workload(opts.model, opts.batch_size, opts.scale, opts.patch)
+    device = device_of(opts)
+    workload = _workload(opts, device)
     optimizer = make_optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
-    loop = _train_loop(workload.model, optimizer, workload, trace.phases if trace else None, barrier=barrier)
-    return _timed(opts, loop, log, trace)
+    loop = _train_loop(workload.model, optimizer, workload, trace.phases if trace else None, barrier=barrier,
+                       precision=MixedPrecision(opts.amp, device), sync=_sync(device))
+    return _timed(opts, loop, log, trace, _sync(device))
 
 
 def _run_profiled(opts: SyntheticOptions, log: Callable[[str], None],
@@ -367,7 +430,14 @@ def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
         f"{'fp16' if opts.fp16_allreduce else 'no'} compression"
         + ("; hpdl overlaps the next forward" if opts.overlap_forward else ""),
         f"Number of ranks: {size} ({backend}), {opts.threads} thread(s) per rank",
+        f"Device: {_describe_device(device_of(opts))}; {'no mixed precision' if opts.amp == 'none' else 'amp ' + opts.amp}",
     ]
+
+
+def _describe_device(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
 def _summary(rates: List[float]) -> Dict[str, float]:
@@ -380,6 +450,10 @@ def _base_record(opts: SyntheticOptions, size: int, backend: str) -> Dict[str, A
     record = {"benchmark": "synthetic", "ranks": size, "backend": backend, "unit": "img/sec per rank"}
     record.update(dataclasses.asdict(opts))
     record["optimizer"] = _optimizer_kind(opts)
+    device = device_of(opts)
+    record["device"] = str(device)  # where it ran, "auto" resolved
+    if device.type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(device)
     return record
 
 

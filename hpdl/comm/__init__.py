@@ -10,7 +10,8 @@ _WHERE = {
     "CommError": "base", "Communicator": "base", "InFlight": "base", "ReduceOp": "base", "even_split": "base",
     "choose_backend": "select", "create_world": "select",
     "Topology": "topology", "WorldSizeError": "topology", "announced_world_size": "topology",
-    "check_world_size": "topology", "discover_topology": "topology", "topology_from_ranks": "topology",
+    "check_world_size": "topology", "discover_topology": "topology", "host_identity": "topology",
+    "topology_from_ranks": "topology",
 }
 
 __all__ = sorted(_WHERE)

@@ -13,7 +13,6 @@ import abc
 import enum
 import os
 import pickle
-import socket
 from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
@@ -174,8 +173,10 @@ class Communicator(abc.ABC):
         """
 
     def host_names(self) -> List[str]:
-        """Return every rank's host name, in rank order."""
-        return self.allgather_object(socket.gethostname())
+        """Return every rank's node (``topology.host_identity``: host name and network namespace), in rank order."""
+        from hpdl.comm.topology import host_identity
+
+        return self.allgather_object(host_identity())
 
     def node_layout(self) -> Tuple[int, int, int, int]:
         """Return (local_rank, local_size, cross_rank, cross_size) as Horovod defines them."""

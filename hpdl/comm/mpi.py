@@ -21,15 +21,29 @@ import torch
 
 from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
+NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
 try:  # mpi4py is an optional dependency (extra "mpi").
     from mpi4py import MPI
+    _MISSING = NOT_INSTALLED
 except ImportError:  # pragma: no cover - exercised where mpi4py is absent
     MPI = None
+    _MISSING = NOT_INSTALLED
+except RuntimeError as _err:
+    # mpi4py 4's wheels load the MPI library when MPI is imported, and raise this where none is
+    # installed (mpi4py without an MPI runtime, as on machines that train with nccl alone):
+    # hpdl then runs without MPI, as if mpi4py were absent.
+    MPI = None
+    _MISSING = f"mpi4py is installed but found no MPI library ({str(_err).splitlines()[0]}): pip install mpich"
 
 
 def mpi_available() -> bool:
     """Return whether mpi4py imports (and so an MPI library was found)."""
     return MPI is not None
+
+
+def mpi_missing_reason() -> Optional[str]:
+    """Why MPI cannot be used here (mpi4py absent, or without an MPI library), or None when it can."""
+    return None if MPI is not None else _MISSING
 
 
 def mpi_library_version() -> str:
@@ -226,7 +240,7 @@ class MPICommunicator(Communicator):
         self._size = self._comm.Get_size()
         self._types = _mpi_types()
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else cuda_aware
-        self._pinned: Dict[Tuple[torch.dtype, int], torch.Tensor] = {}
+        self._pinned: Dict[torch.dtype, torch.Tensor] = {}  # host staging for CUDA tensors (_pinned_buffer)
         # For the liveness check after a failure: a communicator of its own (collective to
         # create, so made now), where no half-finished collective of the engine's is pending.
         self._probe = self._comm.Dup()
@@ -269,25 +283,37 @@ class MPICommunicator(Communicator):
         if mpitype is None:
             raise CommError(f"dtype {tensor.dtype} is not supported by the MPI backend")
         n = tensor.numel() if count is None else count
-        if tensor.is_cuda:
-            return [tensor, n, mpitype]
         if tensor.numel() == 0:
             return [np.empty(0, dtype=np.uint8), 0, mpitype]
-        return [tensor.reshape(-1).view(torch.uint8).numpy(), n, mpitype]
+        return [self._raw(tensor), n, mpitype]
 
     def _host_staging(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        """For a CUDA tensor and an MPI that is not CUDA-aware, a pinned host copy (else None)."""
+        """For a CUDA tensor and an MPI that is not CUDA-aware, a pinned host copy (else None).
+
+        The copy waits for the tensor on the engine's stream (a device-to-host copy into
+        pinned memory returns once done); a CUDA-aware MPI reads device memory outside any
+        stream, so the stream is waited for first.
+        """
         if not tensor.is_cuda or self.cuda_aware:
             if tensor.is_cuda:
                 torch.cuda.current_stream(tensor.device).synchronize()
             return None
-        key = (tensor.dtype, tensor.numel())
-        host = self._pinned.get(key)
-        if host is None:
-            host = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-            self._pinned[key] = host
+        host = self._pinned_buffer(tensor.dtype, tensor.numel())
         host.copy_(tensor.reshape(-1))
         return host
+
+    def _pinned_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """``numel`` elements of the pinned host buffer of ``dtype``, grown to the largest asked for.
+
+        One buffer per dtype, not one per size: fused batches take many sizes, and page-locked
+        memory kept for each would grow without bound.
+        """
+        buffer = self._pinned.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 2 * (buffer.numel() if buffer is not None else 0)), dtype=dtype,
+                                 pin_memory=True)
+            self._pinned[dtype] = buffer
+        return buffer[:numel]
 
     def _staged_send_and_output(self, tensor: torch.Tensor, out_shape: Tuple[int, ...]):
         """For a collective with a new output: the buffer to send (``tensor``, or its pinned host
@@ -482,11 +508,13 @@ class MPICommunicator(Communicator):
     # -- helpers ---------------------------------------------------------------------------
 
     def _raw(self, tensor: torch.Tensor):
-        if tensor.is_cuda:
-            return tensor
+        """The tensor's bytes for mpi4py: a NumPy view of host memory, or a CUDA tensor of bytes
+        (through ``__cuda_array_interface__``, which torch refuses for bfloat16 and for tensors
+        that require grad; the MPI datatype passed beside it says what the bytes hold)."""
         if tensor.numel() == 0:
             return np.empty(0, dtype=np.uint8)
-        return tensor.reshape(-1).view(torch.uint8).numpy()
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        return raw if tensor.is_cuda else raw.numpy()
 
     def _exchange_ints(self, values: List[int]) -> List[int]:
         sent = np.array(values, dtype=np.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hpdl.comm.base import CommError, Communicator
+from hpdl.comm.devices import nccl_refusal
 from hpdl.comm.topology import Topology
 from hpdl.config import SettingsError
 
@@ -17,6 +18,17 @@ class BackendUnavailableError(CommError, SettingsError):
     """
 
 
+def cuda_unavailable_reason() -> Optional[str]:
+    """Why this PyTorch cannot compute on a GPU here, or None when it can."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this PyTorch {torch.__version__} is a CPU-only build"
+    if not torch.cuda.is_available():
+        return f"this PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+    return None
+
+
 def nccl_unavailable_reason() -> Optional[str]:
     """Why this PyTorch cannot run the nccl backend here, or None when it can."""
     import torch
@@ -25,9 +37,7 @@ def nccl_unavailable_reason() -> Optional[str]:
     if not dist.is_available() or not dist.is_nccl_available():
         build = " (a CPU-only build)" if torch.version.cuda is None else ""
         return f"this PyTorch {torch.__version__} has no NCCL{build}"
-    if not torch.cuda.is_available():
-        return f"this PyTorch {torch.__version__} sees no CUDA device"
-    return None
+    return cuda_unavailable_reason()
 
 
 def check_nccl_available() -> None:
@@ -41,7 +51,8 @@ def check_nccl_available() -> None:
         raise BackendUnavailableError(f"backend nccl: {reason}, use gloo or mpi")
 
 
-def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: bool = False) -> str:
+def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: bool = False,
+                   shared_gpus: bool = False) -> str:
     """Return "mpi", "gloo" or "nccl" for a job launched as ``topology`` describes.
 
     Args:
@@ -50,26 +61,35 @@ def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: 
         topology: how the job was launched.
         mpi_present: whether mpi4py imports.
         cuda: whether this job trains on CUDA devices (picks nccl over gloo for "torch").
+        shared_gpus: whether ranks of a node share a GPU (hpdl/comm/devices.py): NCCL refuses
+            two ranks of one communicator on one GPU, so gloo stands in for it.
     """
+    nccl_or_gloo = "nccl" if cuda and not shared_gpus else "gloo"
     if requested == "torch":
-        return "nccl" if cuda else "gloo"
+        return nccl_or_gloo
+    refusal = nccl_refusal(requested, shared_gpus)
+    if refusal is not None:
+        raise BackendUnavailableError(refusal)
     if requested in ("mpi", "gloo", "nccl"):
         if requested == "mpi" and not mpi_present:
-            raise BackendUnavailableError(
-                "backend 'mpi' requested but mpi4py is not installed (pip install 'hpdl[mpi]')")
+            from hpdl.comm.mpi import NOT_INSTALLED, mpi_missing_reason
+
+            raise BackendUnavailableError(f"backend 'mpi' requested but {mpi_missing_reason() or NOT_INSTALLED}")
         if requested == "nccl":
             check_nccl_available()
         return requested
     if requested != "auto":
         raise CommError(f"unknown backend {requested!r}; use auto, mpi, gloo, nccl or torch")
     if topology.launcher == "torchrun":
-        return "nccl" if cuda else "gloo"
+        return nccl_or_gloo
     if topology.is_mpi_launch and mpi_present:
         return "mpi"
     if topology.launcher == "single":
-        # A single process needs no transport; MPI (if present) starts as a singleton.
-        return "mpi" if mpi_present else "gloo"
-    return "nccl" if cuda else "gloo"
+        # A single process needs no transport; MPI (if present) starts as a singleton. With a
+        # GPU, nccl: its allreduce of one rank stays on the device, where MPI's and gloo's copy
+        # every gradient through host memory and back.
+        return "nccl" if cuda else "mpi" if mpi_present else "gloo"
+    return nccl_or_gloo
 
 
 def create_world(backend: str, topology: Topology, timeout_s: float = 1800.0, mpi_comm=None,

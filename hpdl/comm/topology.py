@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 
@@ -187,6 +188,22 @@ def check_world_size(size: int, env: Mapping[str, str]) -> None:
         f"this process is in a world of {size} rank{'s' if size != 1 else ''}, but the launcher announced {expected} "
         f"({name}={env[name]}); likely cause: {_LIKELY_CAUSES.get(name, _MPI_MISMATCH)}"
     )
+
+
+def host_identity() -> str:
+    """Return the node this process runs on, as ranks are grouped into nodes.
+
+    The host name plus, where Linux shows it, the network namespace (as Horovod's host hash):
+    two containers of one machine that share its host name but each have a network of their
+    own reach each other only over the network, not through loopback or shared memory, so
+    they are two nodes.
+    """
+    name = socket.gethostname()
+    try:
+        namespace = os.readlink("/proc/self/ns/net")  # "net:[4026531840]"
+    except OSError:  # not Linux, or /proc not mounted
+        return name
+    return f"{name}/{namespace}"
 
 
 def topology_from_ranks(rank: int, hosts: Sequence[str], launcher: str) -> Topology:

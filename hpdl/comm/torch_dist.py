@@ -1,7 +1,20 @@
 """The torch.distributed backend: gloo on CPU tensors, nccl on CUDA tensors.
 
 Control messages (the engine's negotiation, object exchange) always travel over a gloo group on
-the CPU, so an nccl job never puts tiny host-side messages through CUDA.
+the CPU, so an nccl job never puts tiny host-side messages through CUDA. Under nccl, CPU
+tensors (a metric, an optimizer's step count) travel over a gloo group of their own beside it,
+since NCCL moves device memory only; gloo carries CUDA tensors too (through host memory), as
+ranks that share one GPU need.
+
+CUDA streams: the engine thread issues everything on the default stream of each device (it
+never sets another), where hpdl.torch has ordered the callers' work before it (mpi_ops).
+torch.distributed's collectives wait for the issuing thread's current stream when they are
+started, and ``work.wait()`` makes that stream wait for the collective, on the GPU, without
+blocking the host. An nccl allreduce is therefore finished, for the engine, once it is
+started: what follows it (scaling, copying out of the fusion buffer) is queued behind it on the
+same stream. Waiting on the host until the GPU is done (``work.is_completed()``) would cost a
+poll per collective, and NCCL's future reports completion when the work is queued, not done,
+so nothing would wake the engine when it is.
 """
 
 from __future__ import annotations
@@ -31,9 +44,9 @@ _BOOL_OPS = {
     ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
     ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN,
 }
-# gloo has no int16 at all: reduce it widened (wrap-around on narrowing matches int16
+# Neither gloo nor NCCL has int16: reduce it widened (wrap-around on narrowing matches int16
 # arithmetic) and move it as bytes.
-_GLOO_WIDEN = {torch.int16: torch.int32}
+_WIDEN = {torch.int16: torch.int32}
 
 
 def _as_rows_of_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,13 +112,13 @@ def _free_port() -> int:
 
 
 def _rendezvous_through_mpi(rank: int) -> Tuple[str, int]:
-    try:
-        from mpi4py import MPI
-    except ImportError:
+    from hpdl.comm.mpi import MPI
+
+    if MPI is None:  # mpi4py absent, or without an MPI library
         raise CommError(
             "torch.distributed needs MASTER_ADDR and MASTER_PORT (torchrun sets them); "
             "set them or launch with torchrun"
-        ) from None
+        )
     import socket
 
     info = (socket.gethostname(), _free_port()) if rank == 0 else None
@@ -133,7 +146,7 @@ class _WorkInFlight(InFlight):
 class TorchCommunicator(Communicator):
     """A communicator over a torch.distributed process group."""
 
-    def __init__(self, backend: str = "gloo", group=None, control_group=None):
+    def __init__(self, backend: str = "gloo", group=None, control_group=None, cpu_group=None):
         if not dist.is_initialized():
             raise CommError("torch.distributed is not initialised")
         self.name = backend
@@ -144,6 +157,10 @@ class TorchCommunicator(Communicator):
             # must not queue behind the data collectives running in the background.
             control_group = dist.new_group(backend="gloo")
         self._control = control_group if control_group is not None else self._group
+        if cpu_group is None and self._is_world and backend == "nccl":
+            cpu_group = dist.new_group(backend="gloo")  # NCCL moves device memory only
+        # Where CPU tensors' collectives run: the data group itself, but gloo's beside nccl.
+        self._cpu = cpu_group if cpu_group is not None else self._group
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
         self._probes = 0
@@ -164,8 +181,12 @@ class TorchCommunicator(Communicator):
     def _global(self, group_rank: int) -> int:
         return group_rank if self._is_world else dist.get_global_rank(self._group, group_rank)
 
+    def _data_group(self, tensor: torch.Tensor):
+        """The group that carries ``tensor``'s data collectives: gloo's for CPU tensors under nccl."""
+        return self._cpu if tensor.device.type == "cpu" else self._group
+
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        self._allreduce(tensor, op, self._group)
+        self._allreduce(tensor, op, self._data_group(tensor))
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         self._allreduce(tensor, op, self._control)
@@ -178,8 +199,8 @@ class TorchCommunicator(Communicator):
             return
         if op in (ReduceOp.BAND, ReduceOp.BOR) and tensor.dtype.is_floating_point:
             raise CommError(f"bitwise reduction {op.value} is not defined for {tensor.dtype}")
-        if self.name == "gloo" and tensor.dtype in _GLOO_WIDEN:
-            wide = tensor.to(_GLOO_WIDEN[tensor.dtype])
+        if tensor.dtype in _WIDEN:
+            wide = tensor.to(_WIDEN[tensor.dtype])
             dist.all_reduce(wide, op=_OPS[op], group=group)
             tensor.copy_(wide)
             return
@@ -189,14 +210,22 @@ class TorchCommunicator(Communicator):
 
     def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
         """Start the allreduce on the backend's own threads (gloo's workers, nccl's stream);
-        the conversions of :meth:`_allreduce` (bool, gloo's missing types) run blocking."""
+        the conversions of :meth:`_allreduce` (bool, int16) run blocking."""
         if (tensor.dtype == torch.bool or op in (ReduceOp.BAND, ReduceOp.BOR)
-                or (self.name == "gloo" and tensor.dtype in _GLOO_WIDEN)):
+                or tensor.dtype in _WIDEN):
             return super().allreduce_start(tensor, op)
-        return _WorkInFlight(dist.all_reduce(tensor, op=_OPS[op], group=self._group, async_op=True))
+        if not self._gloo_for(tensor):
+            # nccl: started and waited for on the engine's stream, which queues what follows
+            # behind it on the GPU; the host does not wait (see the module docstring).
+            return super().allreduce_start(tensor, op)
+        return _WorkInFlight(dist.all_reduce(tensor, op=_OPS[op], group=self._data_group(tensor), async_op=True))
+
+    def _gloo_for(self, tensor: torch.Tensor) -> bool:
+        """Whether gloo carries ``tensor``: every tensor under gloo, CPU tensors under nccl."""
+        return self.name == "gloo" or tensor.device.type == "cpu"
 
     def _movable(self, tensor: torch.Tensor) -> bool:
-        return not (self.name == "gloo" and tensor.dtype in _GLOO_WIDEN)
+        return tensor.dtype not in _WIDEN
 
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
         if tensor.dim() == 0:
@@ -240,7 +269,7 @@ class TorchCommunicator(Communicator):
             out, _ = self.alltoall(_as_rows_of_bytes(tensor), splits, recv_splits)
             return _from_rows_of_bytes(out, tensor, sum(recv_splits)), recv_splits
         out = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_to_all_single(out, tensor, recv_splits, splits, group=self._group)
+        dist.all_to_all_single(out, tensor, recv_splits, splits, group=self._data_group(tensor))
         return out, recv_splits
 
     def reduce_scatter(
@@ -248,24 +277,28 @@ class TorchCommunicator(Communicator):
     ) -> torch.Tensor:
         counts = list(counts) if counts is not None else even_split(tensor.shape[0], self._size)
         start = sum(counts[: self._rank])
-        if self.name == "nccl":
+        if not self._gloo_for(tensor) and tensor.dtype != torch.bool and tensor.dtype not in _WIDEN:
             inputs = list(torch.split(tensor, counts))
             out = torch.empty_like(inputs[self._rank])
             dist.reduce_scatter(out, [t.contiguous() for t in inputs], op=_OPS[op], group=self._group)
             return out
-        # gloo has no reduce-scatter: reduce everything, keep this rank's block.
+        # gloo has no reduce-scatter (nor NCCL one of bool and int16, which _allreduce converts):
+        # reduce everything, keep this rank's block.
         reduced = tensor.clone()
-        self._allreduce(reduced, op, self._group)
+        self._allreduce(reduced, op, self._data_group(tensor))
         return reduced[start : start + counts[self._rank]].clone()
 
     def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]],
                  receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
-        # gloo moves host memory only: device tensors travel through host copies.
+        # gloo moves host memory only: device tensors travel through host copies. Under nccl,
+        # CPU tensors go over the gloo group beside it (one batch takes one group).
         staged = self.name == "gloo"
+        tensors = [t for _, t in list(sends) + list(receives)]
+        group = self._data_group(tensors[0]) if tensors else self._group
         landing = [(peer, t, t.cpu() if staged and t.is_cuda else t) for peer, t in receives]
-        ops = [dist.P2POp(dist.irecv, buf, self._global(peer), group=self._group) for peer, _t, buf in landing]
+        ops = [dist.P2POp(dist.irecv, buf, self._global(peer), group=group) for peer, _t, buf in landing]
         ops += [dist.P2POp(dist.isend, (t.cpu() if staged and t.is_cuda else t).contiguous(), self._global(peer),
-                           group=self._group) for peer, t in sends]
+                           group=group) for peer, t in sends]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -285,9 +318,10 @@ class TorchCommunicator(Communicator):
         global_members = [self._global(r) for r in members]
         group = dist.new_group(global_members, backend=self.name)
         control = dist.new_group(global_members, backend="gloo")
+        cpu = dist.new_group(global_members, backend="gloo") if self.name == "nccl" else None
         if self._rank not in members:
             return None
-        return TorchCommunicator(self.name, group=group, control_group=control)
+        return TorchCommunicator(self.name, group=group, control_group=control, cpu_group=cpu)
 
     def unanswering(self, wait_s: float) -> Optional[List[int]]:
         # The process group is broken after a failure; the rendezvous store (on the first host)
@@ -312,7 +346,7 @@ class TorchCommunicator(Communicator):
         # The default group outlives this communicator (init_process_group); the groups made
         # for it, the world's control group included, end with it: each holds sockets and
         # threads, which every init()/shutdown() cycle would otherwise add to.
-        groups = (self._group, self._control)
+        groups = (self._group, self._control, self._cpu)
         for group in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
             try:
                 dist.destroy_process_group(group)
@@ -324,7 +358,7 @@ class TorchCommunicator(Communicator):
         # finalization lets a worker release its last collective's tensors there: that needs
         # the GIL, which a finalizing interpreter no longer grants (the thread is ended, and
         # C++ aborts: "terminate called without an active exception").
-        self._group = self._control = None
+        self._group = self._control = self._cpu = None
 
     def abort(self, code: int) -> NoReturn:
         if self.name == "nccl":

@@ -11,8 +11,11 @@ Rank 0 measures and decides; every rank applies its decision at the same round:
   caches warming). Then each sample's parameters and score go to a Bayesian optimisation
   (bayes_opt.py) over the fusion threshold in [0, 64] MiB and the cycle time in [1, 100] ms,
   which proposes the next parameters to try; Horovod's four starting points come first
-  ((4 MiB, 5 ms), (32, 50), (16, 25), (8, 10)). After ``HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES``
-  proposals the parameters of the best score are kept for the rest of the job.
+  ((4 MiB, 5 ms), (32, 50), (16, 25), (8, 10)). Tuning ends after
+  ``HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` + 1 samples, the start points included, as in
+  Horovod (its ``IsDoneTuning``: iteration > max_samples): 20 tries the four start points and
+  17 proposals; 3 or fewer tries only start points (max + 1 of them). The parameters of the
+  best score are then kept for the rest of the job.
 - **Fixed knobs.** A knob the user set (``HPDL_FUSION_THRESHOLD``, ``HPDL_CYCLE_TIME``, their
   Horovod names, or ``hpdl run``'s options) is not tuned. Horovod's other tunables are not
   tuned here: hierarchical allreduce needs its node-local groups built at ``init()``, and
@@ -34,6 +37,8 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from hpdl.atomic_file import make_directories
+from hpdl.config import default
 from hpdl.engine.bayes_opt import BayesianOptimization
 
 log = logging.getLogger("hpdl.autotune")
@@ -81,8 +86,11 @@ class Autotuner:
     """Rank 0's tuning state: the sample being measured, the optimisation, the log."""
 
     def __init__(self, fusion_threshold: int, cycle_time_ms: float, fixed: Collection[str] = (),
-                 warmup_samples: int = 3, steps_per_sample: int = 10, max_samples: int = 20,
-                 noise: float = 0.8, log_path: str = "", hierarchical_allreduce: bool = False,
+                 warmup_samples: int = default("autotune_warmup_samples"),
+                 steps_per_sample: int = default("autotune_steps_per_sample"),
+                 max_samples: int = default("autotune_bayes_opt_max_samples"),
+                 noise: float = default("autotune_gaussian_process_noise"), log_path: str = "",
+                 hierarchical_allreduce: bool = False,
                  cache_enabled: bool = True, clock: Callable[[], float] = time.monotonic):
         """
         Args:
@@ -212,8 +220,7 @@ class Autotuner:
 def _open_log(path: str):
     """Open the autotune log for writing, line by line (a killed job keeps its rows)."""
     try:
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
+        make_directories(os.path.dirname(os.path.abspath(path)))
         out = open(path, "w", buffering=1, encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot write the autotune log {path} (HPDL_AUTOTUNE_LOG): "

@@ -144,6 +144,8 @@ class Engine(EngineFailures):
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
+        self._end_requested: Optional[str] = None  # why the job is being ended (request_end)
+        self._watch_wake = threading.Event()  # the watch thread's pause ends early: stopped, or request_end
         self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
         self._main_thread_id = threading.main_thread().ident
         self.cycles = 0
@@ -390,6 +392,7 @@ class Engine(EngineFailures):
             self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
+            self._watch_wake.set()
             self._fail_queued()  # submitted after the last drain: no engine will run them
 
     def _gather_until(self) -> Optional[float]:
@@ -477,6 +480,8 @@ class Engine(EngineFailures):
                     del ps.failed_groups[request.group]
                 request.handle.set_error(HorovodInternalError(message))
                 continue
+            if request.kind is RequestKind.JOIN:
+                self.executor.join_device = request.root  # where this rank's zeros go on a GPU
             ps.pending[request.name] = request
         return count
 

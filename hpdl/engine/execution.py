@@ -42,6 +42,15 @@ _ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMO
                  RequestKind.SPLIT_COMMUNICATOR)
 
 
+def zeros_device(device_type: str, join_device: int) -> torch.device:
+    """Where a joined rank makes the zeros it contributes to a tensor on ``device_type`` (the
+    agreed signature's): its own GPU, the one ``hvd.join`` recorded (``join_device``; -1: the
+    engine thread's current device, GPU 0 unless set), not whichever GPU is current here."""
+    if device_type == "cuda" and join_device >= 0:
+        return torch.device("cuda", join_device)
+    return torch.device(device_type)
+
+
 def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> None:
     """Multiply in place by ``factor / divisor`` (an Average's divisor is the number of ranks);
     integers are scaled in float64 and truncated toward zero."""
@@ -102,6 +111,7 @@ class Executor:
         # them in order, so a collective's own time starts there, not when it was queued.
         self._backend_free_us: Dict[int, float] = {}
         self.buffers = FusionBuffers()
+        self.join_device = -1  # the GPU of the zeros this rank contributes once joined (hvd.join)
         self._view_cache: Dict[tuple, List[torch.Tensor]] = {}
         self.backend_calls = 0
         self.fused_calls = 0  # backend allreduces that carried more than one tensor
@@ -307,7 +317,8 @@ class Executor:
             request = requests.get(response.name)
             members.append(request)
             if request is None:  # this rank has joined: contribute zeros of the agreed shape
-                zeros = torch.zeros(response.signature[SIG_SHAPE], dtype=dtype, device=response.signature[SIG_DEVICE])
+                zeros = torch.zeros(response.signature[SIG_SHAPE], dtype=dtype,
+                                    device=zeros_device(response.signature[SIG_DEVICE], self.join_device))
                 inputs.append(zeros)
                 outputs.append(zeros)
             else:

@@ -41,7 +41,7 @@ def _mpi_line() -> List[str]:
     except ImportError as err:
         return [f"    [ ] MPI (cannot import: {err})"]
     if not mpi.mpi_available():
-        return ["    [ ] MPI (mpi4py is not installed: pip install 'hpdl[mpi]')"]
+        return [f"    [ ] MPI ({mpi.mpi_missing_reason()})"]
     aware = "CUDA-aware" if mpi.mpi_cuda_aware() else "not CUDA-aware"
     return [f"    [X] MPI ({mpi.mpi_flavour()}: {mpi.mpi_library_version()}; {aware})"]
 
@@ -89,6 +89,12 @@ def _topology_lines(env: Optional[Mapping[str, str]]) -> List[str]:
     ]
 
 
+def _spark_lines(env: Optional[Mapping[str, str]]) -> List[str]:
+    from hpdl.spark.environment import spark_status
+
+    return [f"    {_box(ok)} {text}" for ok, text in spark_status(env)]
+
+
 def settings_error(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why the ``HPDL_*`` variables of ``env`` (default ``os.environ``) are not valid settings, or None."""
     from hpdl.config import Settings, SettingsError
@@ -120,6 +126,7 @@ def check_report(env: Optional[Mapping[str, str]] = None, info: Optional[Launche
         ("Available backends:", _guard(_mpi_line, "MPI") + _guard(_torch_backend_lines, "Gloo / NCCL")),
         ("Available launchers:", _guard(lambda: _launcher_lines(info or detect_launchers(env)), "launchers")),
         ("Topology of this process:", _guard(lambda: _topology_lines(env), "topology")),
+        ("Spark (hpdl.spark.run):", _guard(lambda: _spark_lines(env), "pyspark and Java")),
         ("Settings:", _guard(lambda: _settings_lines(env), "HPDL_* settings")),
     ]
     lines = [f"hpdl v{__version__} (Python {sys.version.split()[0]}):", ""]

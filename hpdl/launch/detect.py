@@ -1,4 +1,4 @@
-"""Which launchers this machine has, and which MPI an ``mpiexec`` belongs to.
+"""Which launchers this machine has, which MPI an ``mpiexec`` belongs to, and which Java Spark would use.
 
 The MPI flavour decides the syntax of every option we pass (``-n`` or ``-np``, ``-genv K V``
 or ``-x K=V``), so it is read from ``mpiexec --version``, as accelerate does, rather than
@@ -7,7 +7,8 @@ Inside a Slurm allocation (or when srun is asked for by name) srun is asked whic
 plugins it has and which one the site made the default, since srun's own default ("none" on
 a stock install) starts MPICH tasks as worlds of one. The parsers of these outputs are pure;
 :func:`detect_launchers` is the one function that looks at PATH and runs programs, and the
-builders take its result as an argument.
+builders take its result as an argument. :func:`detect_java` likewise finds and asks the
+``java`` that pyspark would start (``$JAVA_HOME/bin/java``, else ``java`` on PATH).
 """
 
 from __future__ import annotations
@@ -106,6 +107,21 @@ def ranks_path(path: str, python_bin: str) -> str:
     if os.path.normpath(python_bin) in entries:
         return path
     return os.pathsep.join([python_bin, path]) if path else python_bin
+
+
+def program_problem(program: str, path: str, cwd: str) -> Optional[str]:
+    """Why ``program`` could not be started, looked for as execvp looks for it (a name with a
+    "/" is a path from ``cwd``, any other a name on ``path``), or None when it could."""
+    if os.sep not in program:
+        return None if shutil.which(program, path=path) else f"{program}: no such program on PATH"
+    where = os.path.join(cwd, program)
+    if not os.path.exists(where):
+        return f"{program}: no such file"
+    if os.path.isdir(where):
+        return f"{program}: is a directory"
+    if not os.access(where, os.X_OK):
+        return f"{program}: not executable (make it so with chmod +x, or run it through its interpreter)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,3 +231,32 @@ def detect_launchers(env: Optional[Mapping[str, str]] = None, probe_srun: bool =
         cwd=os.getcwd(),
         python_bin=python_bin,
     )
+
+
+def java_version_from_text(text: str) -> str:
+    """Return the version ``java -version`` printed (``"17.0.15"``, ``"1.8.0_392"``), or "" if none."""
+    match = re.search(r'version "([^"]+)"', text)
+    return match.group(1) if match else ""
+
+
+def java_major(version: str) -> int:
+    """Return Java's major version of a version string: 17 for "17.0.15", 8 for "1.8.0_392"; 0 if unknown."""
+    parts = re.findall(r"\d+", version)
+    if not parts:
+        return 0
+    return int(parts[1]) if parts[0] == "1" and len(parts) > 1 else int(parts[0])
+
+
+def detect_java(env: Optional[Mapping[str, str]] = None) -> Tuple[str, str]:
+    """Find the ``java`` pyspark starts and ask its version: ``(path or "", version or "")``.
+
+    As pyspark's launcher does: ``$JAVA_HOME/bin/java`` when JAVA_HOME is set, else ``java`` on PATH.
+    """
+    env = os.environ if env is None else env
+    if env.get("JAVA_HOME"):
+        path = os.path.join(env["JAVA_HOME"], "bin", "java")
+        if not os.access(path, os.X_OK):
+            return "", ""
+    else:
+        path = shutil.which("java", path=env.get("PATH", os.defpath)) or ""
+    return path, java_version_from_text(_output([path, "-version"])) if path else ""

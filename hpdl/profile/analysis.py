@@ -192,6 +192,15 @@ class Fusion:
     max_fill: Optional[float]
     reuse: Optional[float]  # fusion-buffer hits / requests
     threshold: int
+    # Autotuned: ``threshold`` is the one in force when the recording ended; messages fused
+    # under the thresholds tried before it are measured against it too.
+    autotuned: bool = False
+
+    @property
+    def buffer(self) -> str:
+        """The fusion buffer the fill figures are measured against, in words."""
+        text = f"the {format_size(self.threshold)} fusion buffer"
+        return text + (" (autotuned: the threshold at the end of the recording)" if self.autotuned else "")
 
 
 class Analysis:
@@ -372,7 +381,8 @@ class Analysis:
         return Waits(len(matched), total, rounds, [ranks[r] for r in sorted(ranks)])
 
     def _fusion(self) -> Fusion:
-        threshold = int(self.job.get("settings", {}).get("fusion_threshold", 0))
+        settings = self.job.get("settings", {})
+        threshold = int(settings.get("fusion_threshold", 0))
         per_step, tensors, fused_bytes, count = [], [], [], 0
         for rank in self.ranks:
             per_step += [s["messages"] for s in self.steady(list(schema.records(rank, "steps")))]
@@ -389,7 +399,8 @@ class Analysis:
             tensors_per_message=statistics.fmean(tensors) if tensors else 0.0,
             fused_share=len(fused_bytes) / count if count else 0.0,
             fill=fill, max_fill=max(fused_bytes) / threshold if fused_bytes and threshold else None,
-            reuse=hits / (hits + misses) if hits + misses else None, threshold=threshold)
+            reuse=hits / (hits + misses) if hits + misses else None, threshold=threshold,
+            autotuned=bool(settings.get("autotune")))
 
     def latency_points(self) -> List[Tuple[int, float, Optional[float], str]]:
         """(bytes, mean backend latency µs, bus bandwidth GB/s, kind) per distinct message, for plots."""

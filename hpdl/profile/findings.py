@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Dict, List, Optional, Tuple
 
 from hpdl.engine.events import HALO
@@ -47,6 +48,29 @@ def _ms(us: float) -> str:
     return f"{us / 1e3:.1f} ms"
 
 
+_HALF_DTYPES = ("float16", "bfloat16")
+
+
+def _fp16_spelling(a: Analysis) -> Optional[str]:
+    """How the profiled job itself asks for fp16 gradients (half the bytes), in its own
+    command's spelling; None where its allreduces are half precision already.
+
+    ``--fp16-allreduce`` is only ``hpdl bench synthetic``'s: a training script needs the
+    optimizer's argument, ``hpdl sr train`` its config key.
+    """
+    allreduces = [m for ms in a.messages for m in ms if m["kind"] == "allreduce"]
+    if allreduces and all(m["dtype"] in _HALF_DTYPES for m in allreduces):
+        return None
+    command = [str(word) for word in a.job.get("command") or []]
+    program = os.path.basename(command[0]) if command else ""
+    if program in ("hpdl", "__main__.py"):
+        if command[1:3] == ["bench", "synthetic"]:
+            return "`--fp16-allreduce`"
+        if command[1:3] == ["sr", "train"]:
+            return "`compression=fp16`"
+    return "`compression=hvd.Compression.fp16` in `hvd.DistributedOptimizer`, `compression=fp16` in `hpdl sr train`"
+
+
 def _size_class(a: Analysis, bench: Optional[BenchCurve]) -> Optional[str]:
     top = max(a.classes, key=lambda r: r.time_us, default=None)
     if top is None or not top.time_us:
@@ -67,8 +91,10 @@ def _size_class(a: Analysis, bench: Optional[BenchCurve]) -> Optional[str]:
         return text + (f": the backend alone moves such messages {bench_bw / bw:.1f}x faster; in training they "
                        "compete with compute for cores and memory bandwidth, or wait for a late rank (see arrival).")
     if bw >= 0.8 * bench_bw:
-        return text + (": these messages already run at the backend's speed here; only fewer bytes "
-                       "(`--fp16-allreduce`) or a faster backend (an MPI tuned for large messages) make them faster.")
+        fp16 = _fp16_spelling(a)
+        return text + (": these messages already run at the backend's speed here; only "
+                       + (f"fewer bytes (fp16 gradients: {fp16}) or " if fp16 else "")
+                       + "a faster backend (an MPI tuned for large messages) makes them faster.")
     return text + ": some of the backend's speed is lost to contention with compute."
 
 
@@ -79,9 +105,16 @@ def _exposed(a: Analysis) -> Optional[str]:
     head = (f"exposed communication is {s.exposed_share:.0%} of the step ({_ms(s.exposed_us)} of "
             f"{_ms(s.step_us)}, median over {s.steps} steps)")
     if s.exposed_share >= 0.1:
-        return head + (": backward does not hide it; try `--fp16-allreduce` (half the bytes), or a smaller "
-                       f"HPDL_FUSION_THRESHOLD so reductions start earlier in backward (efficiency estimate "
-                       f"{s.efficiency:.0%}).")
+        if a.size < 2:
+            # Nothing crosses a link: fewer bytes or earlier exchanges would not shorten the wait.
+            return head + (": with one rank nothing is exchanged, so this is the engine's own work on the "
+                           "gradients (queue, rounds, copies); profile at the rank count the job runs with to "
+                           f"see what exchanging them costs (efficiency estimate {s.efficiency:.0%}).")
+        fp16 = _fp16_spelling(a)
+        return head + (": backward does not hide it; try " + (f"fp16 gradients, half the bytes ({fp16}), or "
+                                                               if fp16 else "")
+                       + "a smaller HPDL_FUSION_THRESHOLD so reductions start earlier in backward (efficiency "
+                       f"estimate {s.efficiency:.0%}).")
     if s.spatial_us >= 0.1 * s.step_us:
         return head + (": backward hides the engine's communication; the spatial communication (halo exchanges, "
                        f"group collectives) is the rest of the step that is not compute (efficiency estimate "
@@ -144,10 +177,11 @@ def _straggler(a: Analysis) -> Optional[str]:
     share = worst.mean_late_us / behind if behind else 0.0
     threshold = max(1000.0, 0.05 * steps.step_us) if steps else 1000.0
     if share >= 0.6 and worst.mean_late_us >= threshold:
-        return (f"rank {worst.rank} is {_ms(worst.mean_late_us)} behind the first rank to arrive at a collective on "
-                f"average, {share:.0%} of all ranks' time behind (last at {worst.last / arrival.collectives:.0%} of "
-                f"collectives; median spread {_ms(arrival.median_spread_us)}): it computes slower (a busy core, "
-                "uneven data) and every other rank waits for it.")
+        return (f"rank {worst.rank} arrives {_ms(worst.mean_late_us)} after the first rank on average over all "
+                f"{arrival.collectives} collectives matched across ranks, {share:.0%} of all ranks' time behind (the "
+                f"last to arrive at {worst.last / arrival.collectives:.0%} of them; median spread "
+                f"{_ms(arrival.median_spread_us)}): it computes slower (a busy core, uneven data) and every other "
+                "rank waits for it.")
     return (f"no rank straggles: the median spread of arrival at a collective is {_ms(arrival.median_spread_us)} "
             f"(90th percentile {_ms(arrival.p90_spread_us)}).")
 
@@ -184,9 +218,12 @@ def _negotiation(a: Analysis) -> Optional[str]:
         return text + (f"{1 - w.waiting_share:.0%} of it is what even the last rank to join a collective waits "
                        f"for its round, so the rounds are slow, not the ranks: {slow_rounds}")
     worst = max(w.ranks, key=lambda r: r.late_us)
-    text += (f"{w.waiting_share:.0%} of it is ranks waiting for the last to join. Rank {worst.rank} joins last at "
-             f"{worst.last / w.collectives:.0%} of collectives, {_ms(worst.late_us / max(worst.last, 1))} behind the "
-             "first on average")
+    # Averaged over the collectives this rank joined last, not over all of them as the arrival
+    # finding is, and by joining (submission plus queue wait), not by submission alone.
+    text += (f"{w.waiting_share:.0%} of it is ranks waiting for the last to join (a rank joins when its engine "
+             f"thread takes the request: its submission plus its queue wait). Rank {worst.rank} joins last at "
+             f"{worst.last / w.collectives:.0%} of collectives, and at those it joins "
+             f"{_ms(worst.late_us / max(worst.last, 1))} after the first on average")
     if worst.late_us > 0 and worst.late_queue_us >= 0.5 * worst.late_us:
         return text + (f", {worst.late_queue_us / worst.late_us:.0%} of that in its queue: rank {worst.rank}'s "
                        f"engine thread is late to take requests from its queue ({_ms(worst.queue_us)} of queue wait "
@@ -198,11 +235,11 @@ def _negotiation(a: Analysis) -> Optional[str]:
 def _fill(a: Analysis) -> Optional[str]:
     f = a.fusion
     if f.max_fill is not None and f.max_fill >= 0.95:
-        return (f"fused messages reach the {format_size(f.threshold)} fusion threshold: the gradients are split "
-                "over several messages; a larger HPDL_FUSION_THRESHOLD sends fewer.")
+        return (f"fused messages reach {f.buffer}: the gradients are split over several messages; a larger "
+                "HPDL_FUSION_THRESHOLD sends fewer.")
     if f.fill is not None and f.fill < 0.25:
-        return (f"fused messages fill {f.fill:.0%} of the {format_size(f.threshold)} fusion buffer on average "
-                f"({f.tensors_per_message:.1f} tensors per message): the buffer is larger than what is ready at once.")
+        return (f"fused messages fill {f.fill:.0%} of {f.buffer} on average ({f.tensors_per_message:.1f} tensors "
+                "per message): the buffer is larger than what is ready at once.")
     return None
 
 

@@ -16,7 +16,7 @@ from hpdl.engine.events import HALO, SPATIAL
 from hpdl.profile import schema
 from hpdl.profile.analysis import Analysis, format_size
 from hpdl.profile.findings import BenchCurve, bench_points
-from hpdl.profile.report import Table, job_line, tables
+from hpdl.profile.report import NOTHING_RECORDED, Table, job_line, tables
 from hpdl.profile.spatial_comm import time_by_step
 
 _MAX_RANK_PLOTS = 4
@@ -163,8 +163,12 @@ def _table(t: Table) -> str:
 
 def render_html(a: Analysis, path: str, found: List[str], bench: Optional[BenchCurve] = None) -> str:
     """The whole page."""
-    parts: List[str] = [f"<h1>hpdl communication profile</h1><p>{html.escape(job_line(a, path))}</p>",
-                        "<h2>Findings</h2><ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>"]
+    parts: List[str] = [f"<h1>hpdl communication profile</h1><p>{html.escape(job_line(a, path))}</p>"]
+    if a.empty:  # as the text report: no tables of zeros, no plots of nothing
+        parts.append(f"<p>{html.escape(NOTHING_RECORDED)}</p>")
+        return _page(path, parts)
+    if found:
+        parts.append("<h2>Findings</h2><ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>")
     plots = {"classes": lambda: _classes_plot(a) + _size_plot(a, bench), "steps": lambda: _steps_plot(a),
              "arrival": lambda: _skew_plot(a), "layers": lambda: _layers_plot(a)}
     for t in tables(a):
@@ -172,6 +176,10 @@ def render_html(a: Analysis, path: str, found: List[str], bench: Optional[BenchC
     if bench:
         parts.append(f'<p class="note">bench curve: {len(bench)} sizes from {format_size(min(bench))} to '
                      f'{format_size(max(bench))}</p>')
+    return _page(path, parts)
+
+
+def _page(path: str, parts: List[str]) -> str:
     body = "\n".join(parts)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>hpdl profile: '
             f"{html.escape(path)}</title><style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n")

@@ -108,7 +108,7 @@ def tables(a: Analysis) -> List[Table]:
         ["messages per step (median)", f"{f.messages_per_step:.1f}" if a.steps is not None else "-"],
         ["tensors per message (mean)", f"{f.tensors_per_message:.1f}"],
         ["messages carrying several tensors", _pct(f.fused_share)],
-        [f"fill of the {format_size(f.threshold)} fusion buffer (mean, max)", f"{_pct(f.fill)}, {_pct(f.max_fill)}"],
+        [f"fill of {f.buffer} (mean, max)", f"{_pct(f.fill)}, {_pct(f.max_fill)}"],
         ["fusion buffer reuse (hits / requests)", _pct(f.reuse)],
     ], key="fusion"))
     return out
@@ -138,11 +138,14 @@ def spatial_tables(a: Analysis) -> List[Table]:
     return [kinds, layers]
 
 
+NOTHING_RECORDED = "nothing recorded: no collectives and no steps between the start of the recording and its end"
+
+
 def render(a: Analysis, path: str, found: List[str]) -> str:
     """The terminal report."""
     parts = [job_line(a, path)]
     if a.empty:
-        parts.append("nothing recorded: no collectives and no steps between the start of the recording and its end")
+        parts.append(NOTHING_RECORDED)
         return "\n".join(parts)
     for t in tables(a):
         parts += ["", t.title, format_table(t.header, t.rows)] + ([t.note] if t.note else [])
@@ -212,6 +215,21 @@ def _compare_spatial(a: Analysis, b: Analysis) -> List[Table]:
     return [Table(f"Spatial communication ({per}, medians)", ["figure", "A", "B", "change"], rows)]
 
 
+# The settings an autotuned recording holds as they were at its end, not for the whole run.
+_AUTOTUNED = ("fusion_threshold", "cycle_time_ms")
+
+
+def _setting(settings: dict, key: str) -> str:
+    """A recorded setting in words: switches on or off (a recording without autotuning has no
+    ``autotune`` key), autotuned ones marked as the values at the end."""
+    value = settings.get(key, False if key == "autotune" else None)
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value} (autotuned, at the end)" if key in _AUTOTUNED and settings.get("autotune") else str(value)
+
+
 def render_compare(a: Analysis, path_a: str, b: Analysis, path_b: str) -> str:
     """The terminal comparison of run A (before) and run B (after)."""
     parts = [f"A: {job_line(a, path_a)}", f"B: {job_line(b, path_b)}"]
@@ -222,8 +240,8 @@ def render_compare(a: Analysis, path_a: str, b: Analysis, path_b: str) -> str:
     parts.append(f"job changed: {', '.join(differ)}" if differ else
                  f"job: the same ({_ranks(a.size)}, {a.job.get('backend', '?')}, {hosts_a} host(s))")
     sa, sb = a.job.get("settings", {}), b.job.get("settings", {})
-    changed = [f"{key} {sa.get(key, '-')} -> {sb.get(key, '-')}" for key in sorted({*sa, *sb})
-               if sa.get(key) != sb.get(key)]
+    changed = [f"{key} {_setting(sa, key)} -> {_setting(sb, key)}" for key in sorted({*sa, *sb})
+               if _setting(sa, key) != _setting(sb, key)]
     parts.append(f"settings changed: {', '.join(changed)}" if changed else "settings: the same")
     for t in compare_tables(a, b):
         parts += ["", t.title, format_table(t.header, t.rows)]

@@ -12,7 +12,9 @@ from typing import Any, Dict
 # public name -> submodule that defines it
 _EXPORTS: Dict[str, str] = {
     "SRDataError": "errors",
+    "BadImageError": "errors",
     "CorruptImageError": "errors",
+    "ImageTooSmallError": "errors",
     "CheckpointError": "errors",
     "ModelMismatchError": "errors",
     "EDSR": "edsr",

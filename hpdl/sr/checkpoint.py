@@ -334,8 +334,13 @@ def refuse_nonfinite(path: PathLike, state: Dict[str, Any]) -> None:
                               "that diverged?")
 
 
-def capture_rng_state() -> Dict[str, Any]:
-    """Return the Python, NumPy and torch RNG states in checkpoint-safe form."""
+def capture_rng_state(cuda_device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """Return the Python, NumPy and torch RNG states in checkpoint-safe form, with the CUDA
+    generator's of ``cuda_device`` (the rank's GPU) when it trains on one.
+
+    One GPU's, not every GPU's: reading another device's generator creates a CUDA context on
+    it, hundreds of MB of that GPU's memory for every rank of the node.
+    """
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: Dict[str, Any] = {
         "python": random.getstate(),
@@ -343,17 +348,23 @@ def capture_rng_state() -> Dict[str, Any]:
                   "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda_device is not None and cuda_device.type == "cuda":
+        state["cuda_device"] = torch.cuda.get_rng_state(cuda_device)
     return state
 
 
-def restore_rng_state(state: Dict[str, Any]) -> None:
-    """Restore RNG states captured by ``capture_rng_state``."""
+def restore_rng_state(state: Dict[str, Any], cuda_device: Optional[torch.device] = None) -> None:
+    """Restore RNG states captured by ``capture_rng_state``; the CUDA generator's into ``cuda_device``."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if cuda_device is None or cuda_device.type != "cuda":
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], cuda_device)
+    elif "cuda" in state:  # checkpoints of earlier versions: every GPU's generator, in device order
+        index = cuda_device.index if cuda_device.index is not None else torch.cuda.current_device()
+        if index < len(state["cuda"]):
+            torch.cuda.set_rng_state(state["cuda"][index], cuda_device)

@@ -41,8 +41,9 @@ def register(subparsers: Any) -> None:
 
 
 @contextlib.contextmanager
-def _warnings_in_one_line() -> Any:
-    """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each.
+def _warnings_in_one_line(visible: bool = True) -> Any:
+    """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each, or
+    none where not ``visible`` (the ranks of a training other than rank 0, which warns the same).
 
     Python's format adds the file and line of the code that warned, which tells a user nothing.
     Other packages' warnings keep Python's format.
@@ -50,19 +51,37 @@ def _warnings_in_one_line() -> Any:
     import warnings
 
     package = os.path.dirname(os.path.abspath(__file__))
-    shown = warnings.showwarning
+    previous = warnings.showwarning
 
     def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         if os.path.abspath(filename).startswith(package + os.sep):
-            print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
+            if visible:
+                print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
         else:
-            shown(message, category, filename, lineno, file, line)
+            previous(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
     try:
         yield
     finally:
-        warnings.showwarning = shown
+        warnings.showwarning = previous
+
+
+# The packages of the sr extra (pyproject.toml) that a command cannot do without, by module.
+_SR_EXTRA = {"tqdm": "tqdm", "PIL": "pillow", "yaml": "pyyaml"}
+
+
+def _require_sr_extra(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a command whose modules of the sr extra (``args.sr_modules``)
+    are not installed: one line, not a ModuleNotFoundError traceback minutes later. (The others
+    are optional: TensorBoard and matplotlib, whose absence training notes; scikit-image, which
+    only the embedded photos need and whose absence that dataset reports.)"""
+    import importlib.util
+
+    for module in args.sr_modules:
+        if importlib.util.find_spec(module) is None:
+            raise CliError(f"hpdl sr {args.sr_command} needs {_SR_EXTRA[module]} (module {module}), which the "
+                           "sr extra installs: pip install 'hpdl[sr]'")
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:
@@ -91,7 +110,7 @@ def _register_train(sr_sub: Any) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings that replace the config's")
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; 'auto': OUT_DIR/last.pt if present")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    p.set_defaults(func=_run_train)
+    p.set_defaults(func=_run_train, sr_modules=("yaml", "tqdm", "PIL"))
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -104,11 +123,17 @@ def _run_train(args: argparse.Namespace) -> int:
 
     reporter = discover_topology().rank == 0
     try:
+        _require_sr_extra(args)
+    except CliError:  # every rank misses the same module: rank 0 says so
+        if not reporter:
+            raise SystemExit(2) from None
+        raise
+    try:
         overrides = list(args.overrides) + ([f"resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
         # With --json, stdout carries the summary alone: progress notes go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
-                _warnings_in_one_line():
+                _warnings_in_one_line(visible=reporter):
             summary = train(cfg)
     except (ConfigError, TrainError, SRDataError, CheckpointError, ModelMismatchError) as err:
         if not reporter:
@@ -149,10 +174,13 @@ def _register_eval(sr_sub: Any) -> None:
                    help="how LR is made where a dataset has none: matlab (imresize, as the published "
                    "benchmarks; default) or torch (antialiased bicubic)")
     p.add_argument("--self-ensemble", action="store_true", help="average the 8 flips/transposes (EDSR+)")
-    p.add_argument("--tile", type=int, help="run the model in exact tiles of TILE LR pixels (bounds memory; default: whole images)")
+    p.add_argument("--tile", type=int, help="run the model in tiles of TILE LR pixels, each seeing all the input its "
+                   "output needs (bounds memory; float rounding may still move a few 8-bit values by one level "
+                   "against whole images: docs/sr.md; default: whole images)")
     p.add_argument("--range", dest="index_range", help="DIV2K image numbers, e.g. 801-900 (DIV2K sets only)")
     p.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
-                   help="on an undecodable image: fail (default) or skip it with a warning")
+                   help="on an image that cannot be decoded, or is too small for the scale or to measure: fail "
+                   "(default) or skip it with a warning")
     p.add_argument("--cache-dir", help="decode cache and embedded photos (default $XDG_CACHE_HOME/hpdl/sr, else "
                    "~/.cache/hpdl/sr)")
     p.add_argument("--save-results", metavar="DIR",
@@ -167,14 +195,17 @@ def _register_eval(sr_sub: Any) -> None:
     _add_device(p)
     _add_res_scale(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
-    p.set_defaults(func=_guarded(_run_eval))
+    _add_no_progress(p, "images")
+    p.set_defaults(func=_guarded(_run_eval), sr_modules=("tqdm", "PIL"))
 
 
 def _register_upscale(sr_sub: Any) -> None:
     p = sr_sub.add_parser(
         "upscale",
         help="super-resolve one image of any size",
-        description="Super-resolve an image with a checkpoint, in exact overlapping tiles.",
+        description="Super-resolve an image with a checkpoint, in overlapping tiles that each see all the input "
+        "their output needs, so that seams do not show; float rounding (the convolution kernels add in another "
+        "order for other extents) may still move a few 8-bit values by one level against --tile 0 (docs/sr.md).",
     )
     p.add_argument("input", help="input (LR) image")
     p.add_argument("output", help="output image (.png recommended)")
@@ -185,7 +216,8 @@ def _register_upscale(sr_sub: Any) -> None:
     _add_max_pixels(p, "refuse an input image of more pixels than this")
     _add_device(p)
     _add_res_scale(p)
-    p.set_defaults(func=_guarded(_run_upscale))
+    _add_no_progress(p, "tiles")
+    p.set_defaults(func=_guarded(_run_upscale), sr_modules=("tqdm", "PIL"))
 
 
 def _register_export(sr_sub: Any) -> None:
@@ -201,7 +233,7 @@ def _register_export(sr_sub: Any) -> None:
     p.add_argument("--to", required=True, choices=("basicsr", "edsr-pytorch"), help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the checkpoint)")
     _add_res_scale(p)
-    p.set_defaults(func=_guarded(_run_export))
+    p.set_defaults(func=_guarded(_run_export), sr_modules=())
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -231,6 +263,14 @@ def _run_export(args: argparse.Namespace) -> int:
 def _add_max_pixels(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
                    help=f"{what} (default {DEFAULT_MAX_PIXELS:,})")
+
+
+def _add_no_progress(p: argparse.ArgumentParser, over: str) -> None:
+    from hpdl.sr.progress import LOG_INTERVAL
+
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help=f"no progress bar over the {over} (where stderr is not a terminal the bar appears only "
+                   f"after {LOG_INTERVAL:.0f} s and redraws every {LOG_INTERVAL:.0f} s)")
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -266,6 +306,7 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         # (one table, one writer of each output) and the others end at once, successfully.
         if discover_topology().rank != 0:
             return 0
+        _require_sr_extra(args)
         try:
             with _warnings_in_one_line():
                 return handler(args)
@@ -317,7 +358,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import check_measurable, evaluate, format_sets_table, format_table
+    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table, keep_measurable
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
@@ -326,8 +367,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
         max_pixels=args.max_pixels, downscaler=args.downscaler)) for name, data in sets]
     spaces = [args.space or ("rgb" if pairs.layout == "div2k" else "y") for _, _, pairs in opened]
-    for (_, _, pairs), space in zip(opened, spaces):
-        check_measurable(pairs, model.scale, space)
+    opened = [(name, data, keep_measurable(pairs, model.scale, space, args.on_bad_image))
+              for (name, data, pairs), space in zip(opened, spaces)]
     grid_images = _grid_images(args, opened) if args.grid else []
     # Now that the sets are open, their image files are inputs the outputs must not replace either.
     guard = _OutputGuard([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
@@ -337,7 +378,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     for (name, data, pairs), space in zip(opened, spaces):
         saver = _result_saver(args, name, model.scale, guard) if args.save_results else None
         result = evaluate(model, pairs, model.scale, space, self_ensemble=args.self_ensemble, tile=args.tile,
-                          progress=True, on_output=saver)
+                          progress=args.progress, on_output=saver)
         scored.append((name, data, pairs, result))
     if args.grid:
         _write_grid(args, model, grid_images, guard)
@@ -453,7 +494,11 @@ def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_Out
 
     samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
     write_image(args.grid, sample_grid(samples), check_target=guard.for_writer(args.grid))
-    print(f"wrote {args.grid}: {len(samples)} crops of {args.grid_crop} px", file=sys.stderr)
+    # The crops as drawn: --grid-crop rounded down to whole LR pixels and cut to each image.
+    sizes = list(dict.fromkeys(f"{s.hr.shape[1]}x{s.hr.shape[0]}" for s in samples))
+    asked = f"{args.grid_crop}x{args.grid_crop}"
+    cut = "" if sizes == [asked] else f" (--grid-crop {args.grid_crop} cut to whole LR pixels and to the images)"
+    print(f"wrote {args.grid}: {len(samples)} crops of {', '.join(sizes)} px{cut}", file=sys.stderr)
 
 
 def _run_upscale(args: argparse.Namespace) -> int:
@@ -477,7 +522,8 @@ def _run_upscale(args: argparse.Namespace) -> int:
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
-    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble, progress=True)
+    out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
+                        progress=args.progress)
     if picture.gray:
         from PIL import Image
 
@@ -572,10 +618,8 @@ class _OutputGuard:
 
 def _refuse_blocked_directory(directory: str, output: str) -> None:
     """Refuse, before any work, an output whose directory cannot be made: a file is in the way."""
-    from pathlib import Path
+    from hpdl.atomic_file import blocking_file, not_a_directory
 
-    for ancestor in (Path(directory), *Path(directory).parents):
-        if os.path.exists(ancestor):
-            if not os.path.isdir(ancestor):
-                raise CliError(f"{output}: {ancestor} is not a directory")
-            return
+    blocker = blocking_file(directory)
+    if blocker is not None:
+        raise CliError(f"{output}: {not_a_directory(blocker)}")

@@ -14,7 +14,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +24,7 @@ __all__ = ["DEVICE_NAMES", "ConfigError", "TrainConfig", "config_names", "is_dev
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 COMPRESSIONS = ("none", "fp16", "bf16")
+AMP_MODES = ("none", "bf16", "fp16")  # hpdl.torch.mixed_precision.AMP_MODES, without importing torch here
 METRIC_SPACES = ("y", "rgb")
 BAD_IMAGE_POLICIES = ("fail", "skip")
 DOWNSCALERS = ("matlab", "torch")  # hpdl.sr.images.DOWNSCALERS, without importing numpy here
@@ -64,7 +65,7 @@ class TrainConfig:
     augment: bool = True  # random flips and transposes (the 8 dihedral transforms)
     workers: int = 2  # DataLoader worker processes per rank (0: load in the training process)
     cache_dir: Optional[str] = None  # decode cache (default ~/.cache/hpdl/sr)
-    on_bad_image: str = "fail"  # fail, or skip undecodable images with a warning
+    on_bad_image: str = "fail"  # fail, or skip with a warning images undecodable or too small
     downscaler: str = "matlab"  # LR made from HR (folders, embedded): matlab (imresize, as the benchmarks) or torch
     max_pixels: int = DEFAULT_MAX_PIXELS  # refuse training/validation image files of more pixels (checked in the header)
 
@@ -78,6 +79,9 @@ class TrainConfig:
     warmup_updates: int = 0  # linear ramp of lr from 0 over this many updates
     scale_lr_with_world: bool = False  # lr *= number of ranks (with per-rank batches)
     compression: str = "none"  # gradient allreduce compression: none, fp16, bf16
+    # Mixed precision: none, bf16 (autocast) or fp16 (autocast and loss scaling, CUDA only), as
+    # EDSR-PyTorch's --precision half; weights and the optimizer stay float32 (hpdl/torch/mixed_precision.py).
+    amp: str = "none"
     # Let the gradients' exchange overlap the next forward (DistributedOptimizer's
     # overlap_forward): for networks slower than the compute, e.g. across nodes over TCP.
     overlap_forward: bool = False
@@ -87,11 +91,11 @@ class TrainConfig:
     val_every: int = 0  # validate every this many updates (0: only at the end)
     val_at_end: bool = True  # validate the final weights for the summary (else only val_every's multiples)
     val_sharded: bool = True  # split the validation images over the ranks
-    val_tile: int = 0  # run validation in exact tiles of this many LR pixels (0: whole images)
+    val_tile: int = 0  # run validation in exact tiles (up to float rounding) of this many LR pixels (0: whole images)
     val_space: str = "y"  # PSNR on Y (shave scale) or rgb (shave scale + 6, DIV2K in the paper)
     ckpt_every: int = 1000  # write out_dir/last.pt every this many updates (0: only at the end)
     log_every: int = 100  # log loss, lr and img/s every this many updates
-    progress: bool = True  # progress bar on rank 0
+    progress: bool = True  # progress bar on rank 0 (hpdl.sr.progress: rarely where stderr is not a terminal)
     out_dir: str = "runs/sr"
     resume: Optional[str] = None  # checkpoint to continue from, or 'auto' (out_dir/last.pt if any)
     overwrite: bool = False  # start over in an out_dir holding an earlier run (without it: refused)
@@ -99,7 +103,9 @@ class TrainConfig:
     # -- machine --
     seed: int = 0
     threads: int = 0  # torch threads per rank (0: this node's cores / ranks on it)
-    device: str = "auto"  # auto (cuda:<local rank> if available, else cpu), cpu, cuda (cuda:<local rank>) or cuda:N
+    # auto (this rank's GPU if CUDA is available, else cpu), cpu, cuda (this rank's GPU) or cuda:N; this
+    # rank's GPU is cuda:<local rank>, or cuda:<local rank // K> with K ranks per GPU (HPDL_RANKS_PER_GPU)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         for key, expected in _field_types().items():
@@ -158,6 +164,11 @@ def _check_ranges(c: TrainConfig) -> None:
     need(0 < c.gamma <= 1, "gamma", "in (0, 1]")
     need(0 <= c.ema_decay < 1, "ema_decay", "in [0, 1)")
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
+    need(c.amp in AMP_MODES, "amp", " or ".join(AMP_MODES))
+    if c.amp == "fp16" and c.overlap_forward:  # overlap_forward leaves each update to the next forward
+        from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON
+
+        need(False, "overlap_forward", f"false with amp=fp16 ({FP16_OVERLAP_REASON})")
     need(c.val_space in METRIC_SPACES, "val_space", "y or rgb")
     need(c.on_bad_image in BAD_IMAGE_POLICIES, "on_bad_image", "fail or skip")
     need(c.downscaler in DOWNSCALERS, "downscaler", " or ".join(DOWNSCALERS))
@@ -189,22 +200,25 @@ def is_device_name(text: str) -> bool:
     return re.fullmatch(r"auto|cpu|cuda(:\d+)?", text) is not None
 
 
-def resolve_device(name: str, setting: str, local_rank: int = 0) -> "torch.device":
+def resolve_device(name: str, setting: str, local_gpu: Callable[[], int] = lambda: 0) -> "torch.device":
     """Return the torch device ``name`` stands for; ``ConfigError`` naming ``setting`` if unusable.
 
-    ``auto`` is CUDA when available, else the CPU; ``cuda`` alone is this rank's GPU on its node.
+    ``auto`` is CUDA when available, else the CPU; ``cuda`` alone is this rank's GPU on its node,
+    ``local_gpu()`` (``hvd.local_gpu``: the local rank's, hpdl/comm/devices.py).
     """
     if not is_device_name(name):
         raise ConfigError(f"{setting}: must be {DEVICE_NAMES}, got {name!r}")
     import torch
 
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError(f"{setting}: {name} requested but CUDA is not available")
-    index = int(name.partition(":")[2] or local_rank)
+    index_text = name.partition(":")[2]
+    try:
+        index = int(index_text) if index_text else local_gpu()
+    except ValueError as err:  # this rank's GPU is not on this node (hpdl.comm.devices.DeviceError)
+        raise ConfigError(f"{setting}={name}: {err}") from None
     if index >= torch.cuda.device_count():
         raise ConfigError(f"{setting}: {name} requested but this node has {torch.cuda.device_count()} GPU(s)")
     return torch.device("cuda", index)

@@ -26,6 +26,7 @@ main process, so bad files fail early with their name instead of inside a DataLo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import warnings
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hpdl.sr.errors import CorruptImageError, SRDataError
+from hpdl.sr.errors import BadImageError, ImageTooSmallError, SRDataError
 from hpdl.sr.images import (
     IMAGE_EXTENSIONS,
     ImageCache,
@@ -389,28 +390,28 @@ class ImagePairs(Dataset):
         cache = cache or ImageCache()
         self._pairs: List[_Pair] = []
         for source in sources:
-            pair = self._load(source, cache, skip_corrupt=on_bad_image == "skip")
+            pair = self._load(source, cache, skip_bad=on_bad_image == "skip")
             if pair is not None:
                 self._pairs.append(pair)
         if not self._pairs:
             where = sources[0].hr.parent if sources else "dataset"
             raise SRDataError(f"{where}: no usable images")
 
-    def _load(self, source: PairSource, cache: ImageCache, skip_corrupt: bool) -> Optional[_Pair]:
+    def _load(self, source: PairSource, cache: ImageCache, skip_bad: bool) -> Optional[_Pair]:
         s = self.scale
         try:
             hr = cache.image(source.hr)
             if source.lr is None:
                 if hr.shape[0] < s or hr.shape[1] < s:
-                    raise SRDataError(
+                    raise ImageTooSmallError(
                         f"{source.hr}: image of {hr.shape[1]}x{hr.shape[0]} is smaller than scale {s}"
                     )
                 lr = cache.derived(source.hr, f"bicubic-{self.downscaler}-x{s}",
                                    lambda: bicubic_downscale(hr, s, self.downscaler))
             else:
                 lr = cache.image(source.lr)
-        except CorruptImageError as err:
-            if not skip_corrupt:
+        except BadImageError as err:
+            if not skip_bad:
                 raise
             warnings.warn(f"skipping {err}", RuntimeWarning, stacklevel=3)
             return None
@@ -424,6 +425,12 @@ class ImagePairs(Dataset):
 
     def __len__(self) -> int:
         return len(self._pairs)
+
+    def subset(self, indices: Sequence[int]) -> "ImagePairs":
+        """Return the pairs at ``indices``, in that order, as a set of the same scale and layout."""
+        kept = copy.copy(self)
+        kept._pairs = [self._pairs[i] for i in indices]
+        return kept
 
     @property
     def names(self) -> List[str]:
@@ -572,7 +579,8 @@ def open_pairs(
         cache_dir: root of the decode cache and of the embedded PNGs (default
             ``default_cache_dir()``).
         index_range: DIV2K image numbers, inclusive (default 1-800 train, 801-900 val).
-        on_bad_image: ``"fail"`` on an undecodable file, or ``"skip"`` it with a warning.
+        on_bad_image: ``"fail"`` on an undecodable file or an image smaller than the scale, or
+            ``"skip"`` it with a warning.
         max_pixels: refuse image files of more pixels than this (None: Pillow's limit).
         downscaler: how LR is made where the dataset has none (plain folders, embedded):
             ``matlab`` (as the benchmark sets were made) or ``torch``.

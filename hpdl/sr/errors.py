@@ -5,15 +5,24 @@ The command line turns these into ``hpdl.cli.CliError`` so users see one line, n
 
 from __future__ import annotations
 
-__all__ = ["SRDataError", "CorruptImageError", "CheckpointError", "ModelMismatchError"]
+__all__ = ["SRDataError", "BadImageError", "CorruptImageError", "ImageTooSmallError", "CheckpointError",
+           "ModelMismatchError"]
 
 
 class SRDataError(ValueError):
     """An image or dataset cannot be used: unreadable, missing its pair, wrong size, or empty."""
 
 
-class CorruptImageError(SRDataError):
+class BadImageError(SRDataError):
+    """One image of a set cannot be used; ``on_bad_image="skip"`` skips it with a warning."""
+
+
+class CorruptImageError(BadImageError):
     """An image file exists but cannot be decoded (corrupt, truncated, not an image)."""
+
+
+class ImageTooSmallError(BadImageError):
+    """An image is smaller than the scale, or too small to be measured at it."""
 
 
 class CheckpointError(ValueError):

@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from hpdl.sr.errors import SRDataError
+from hpdl.sr.errors import ImageTooSmallError, SRDataError
 from hpdl.sr.metrics import SSIM_WINDOW, bicubic_upscale, default_shave, min_measurable_side, psnr, ssim
 from hpdl.sr.upscale import upscale
 
-__all__ = ["EvalResult", "ImageRecord", "check_measurable", "evaluate", "format_sets_table", "format_table"]
+__all__ = ["EvalResult", "ImageRecord", "evaluate", "format_sets_table", "format_table", "keep_measurable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +57,31 @@ class EvalResult:
         return out
 
 
-def check_measurable(pairs: Any, scale: int, metric_space: str) -> None:
-    """Refuse, before any is scored, an image of ``pairs`` (e.g. ``ImagePairs``) too small to measure.
+def keep_measurable(pairs: Any, scale: int, metric_space: str, on_bad_image: str = "fail") -> Any:
+    """Return ``pairs`` (``ImagePairs``) once every image is large enough to measure, before any is scored.
 
-    PSNR and SSIM shave a border and then need the SSIM window inside it; ``SRDataError`` names
-    the first image that is smaller, with the size of its file.
+    PSNR and SSIM shave a border and then need the SSIM window inside it. An image that is
+    smaller is refused (``ImageTooSmallError`` names the first, with the size of its file), or
+    with ``on_bad_image="skip"`` skipped with a warning: the pairs without it are returned.
     """
     need, shave = min_measurable_side(scale, metric_space), default_shave(scale, metric_space)
+    kept = []
     for i in range(len(pairs)):
         lh, lw = pairs.lr_size(i)
-        if min(lh, lw) * scale < need:
-            height, width = pairs.hr_size(i)
-            raise SRDataError(
-                f"{pairs.source(i)}: image of {width}x{height} is too small to measure at x{scale} on "
-                f"{'Y' if metric_space == 'y' else 'RGB'}: {shave} px shaved from each border must leave the "
-                f"{SSIM_WINDOW}x{SSIM_WINDOW} SSIM window, so each side needs at least {need} px")
+        if min(lh, lw) * scale >= need:
+            kept.append(i)
+            continue
+        height, width = pairs.hr_size(i)
+        err = ImageTooSmallError(
+            f"{pairs.source(i)}: image of {width}x{height} is too small to measure at x{scale} on "
+            f"{'Y' if metric_space == 'y' else 'RGB'}: {shave} px shaved from each border must leave the "
+            f"{SSIM_WINDOW}x{SSIM_WINDOW} SSIM window, so each side needs at least {need} px")
+        if on_bad_image != "skip":
+            raise err
+        warnings.warn(f"skipping {err}", RuntimeWarning, stacklevel=2)
+    if not kept:
+        raise SRDataError(f"{pairs.source(0).parent}: no usable images (every one is too small to measure)")
+    return pairs if len(kept) == len(pairs) else pairs.subset(kept)
 
 
 @torch.no_grad()
@@ -90,8 +101,10 @@ def evaluate(
         scale: upscaling factor; must match the model's and the dataset's when they have one.
         metric_space: ``"y"`` (benchmarks; shave ``scale``) or ``"rgb"`` (DIV2K; ``scale + 6``).
         self_ensemble: average over the 8 flips/transposes (EDSR+).
-        tile: run the model in tiles of this many LR pixels (exact; bounds memory).
-        progress: show a progress bar over images.
+        tile: run the model in tiles of this many LR pixels (exact up to float rounding, as
+            ``hpdl.sr.upscale`` says; bounds memory).
+        progress: show a progress bar over images (``hpdl.sr.progress``'s rule: rarely where
+            stderr is not a terminal).
         on_output: called with each image's name and model output ``(3, H, W)`` (e.g. to save it).
     """
     shave = default_shave(scale, metric_space)  # also validates metric_space
@@ -102,9 +115,9 @@ def evaluate(
     names: List[str] = list(getattr(dataset, "names", [str(i) for i in range(len(dataset))]))
     indices = range(len(dataset))
     if progress:
-        from tqdm import tqdm
+        from hpdl.sr.progress import progress_bar
 
-        indices = tqdm(indices, desc="eval", unit="img")
+        indices = progress_bar(indices, desc="eval", unit="img")
     was_training = model.training
     model.eval()
     records = []

@@ -1,8 +1,8 @@
 """What a person looks at rather than reads: sample grids (LR / bicubic / SR / HR) and training curves.
 
 A sample is a centre crop of a validation image. The model runs on the LR crop extended by its
-receptive-field radius and only the inner part is kept, so the SR crop is exactly the crop of a
-whole-image pass, at the cost of the crop alone.
+receptive-field radius and only the inner part is kept, so the SR crop is the crop of a
+whole-image pass (up to float rounding, as ``hpdl.sr.upscale`` says), at the cost of the crop alone.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def receptive_field_radius(model: nn.Module) -> int:
     The radius is the sum along the longest path, rounded up. This assumes (true for every
     registered network) that modules are registered in forward order and every conv lies on that
     path: skip connections, and SRResNet's bilinear path (one pixel), only give shorter paths.
-    An overlap of this many LR pixels makes tiled inference exact.
+    An overlap of this many LR pixels makes tiled inference exact (up to float rounding).
     """
     radius = Fraction(0)
     upscale = 1

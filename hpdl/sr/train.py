@@ -30,15 +30,16 @@ import hpdl.torch as hvd
 from hpdl.atomic_file import atomic_write
 from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpoint, refuse_nonfinite,
                                 restore_rng_state, save_checkpoint)
-from hpdl.sr.config import TrainConfig, resolve_device
+from hpdl.sr.config import ConfigError, TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.evaluate import check_measurable
+from hpdl.sr.evaluate import keep_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
 from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.train_state import EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say, validate
+from hpdl.torch.mixed_precision import MixedPrecision
 
 T = TypeVar("T")
 
@@ -57,7 +58,7 @@ SAMPLER_KEYS = ("data", "train_range", "repeat", "on_bad_image", "seed")
 # same run, so it is pointed out; total_updates, val_every, out_dir and the like may change.
 TRAJECTORY_KEYS = ("model", "scale", "n_resblocks", "n_feats", "data", "train_range", "patch_size", "batch_size",
                    "global_batch_size", "repeat", "augment", "lr", "betas", "eps", "lr_decay_steps", "gamma",
-                   "warmup_updates", "scale_lr_with_world", "compression", "ema_decay", "seed", "downscaler")
+                   "warmup_updates", "scale_lr_with_world", "compression", "ema_decay", "seed", "downscaler", "amp")
 
 
 def train(cfg: TrainConfig) -> Dict[str, Any]:
@@ -72,7 +73,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         world = _join(cfg, lock)
         data = _open_data(cfg, world)
         model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
-        progress = _start_or_resume(cfg, world, model, optimizer, ema, data.sampler, lock)
+        precision = agreed("amp", lambda: _mixed_precision(cfg.amp, world.device))
+        progress = _start_or_resume(cfg, world, model, optimizer, ema, precision, data.sampler, lock)
         if progress.resumed and progress.update >= cfg.total_updates:
             # Finishing again would validate again (a second row for the same weights) and
             # replace the summary's throughput with that of a run of no updates.
@@ -81,7 +83,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                 say(f"note: the run in out_dir={cfg.out_dir} ended at update {progress.update} and "
                     f"total_updates={cfg.total_updates}: nothing to train (raise total_updates to continue it)")
                 return finished
-        run = _Run(cfg, world, data, model, optimizer, ema, base_lr, progress)
+        run = _Run(cfg, world, data, model, optimizer, ema, precision, base_lr, progress)
         say(run.describe())
 
         # The training loop: one update per batch, until total_updates.
@@ -94,10 +96,12 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             lr = lr_at(progress.update, base_lr, cfg.warmup_updates, cfg.lr_decay_steps, cfg.gamma)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss = F.l1_loss(model(lr_img), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
+            with precision.autocast():  # amp: the forward in 16 bits, the weights stay float32
+                sr_img = model(lr_img)
+            loss = F.l1_loss(sr_img.float(), hr_img)  # L1, as EDSR: sharper than L2 and better PSNR
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # the gradient allreduces start in here
-            optimizer.step()  # waits for them, then Adam (with overlap_forward: the next forward does)
+            precision.backward(loss)  # the gradient allreduces start in here
+            precision.step(optimizer)  # waits for them, then Adam (with overlap_forward: the next forward does)
             if ema is not None:
                 optimizer.apply_pending_updates()  # the average needs this step's weights
                 ema.update(model)
@@ -165,7 +169,11 @@ def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
     """
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_rank()))
+    device = agreed("device", lambda: resolve_device(cfg.device, "device", hvd.local_gpu))
+    if device.type == "cuda":
+        # This rank's GPU is the current one from now on: allocations that name no index, and
+        # the copies of pinned DataLoader batches, go there.
+        torch.cuda.set_device(device)
     # Before any work, so that nothing of an earlier run is lost by mistake. Rank 0 owns out_dir
     # and decides; every rank raises its verdict alike. An out_dir that does not exist yet is
     # locked when it is made (prepare_out_dir): making it now would leave it behind after an error.
@@ -254,7 +262,8 @@ def _model_and_optimizer(cfg: TrainConfig, world: _World) -> Tuple[torch.nn.Modu
 
 
 def _start_or_resume(cfg: TrainConfig, world: _World, model: torch.nn.Module, optimizer: Any,
-                     ema: Optional[EMA], sampler: ShardSampler, lock: "OutDirLock") -> _Progress:
+                     ema: Optional[EMA], precision: MixedPrecision, sampler: ShardSampler,
+                     lock: "OutDirLock") -> _Progress:
     """Start from scratch or from pretrained weights, or resume; leave every rank with rank 0's state."""
     out_dir = Path(cfg.out_dir)
     refusal = _from_rank0("out_dir.prepare", lambda: _agreed_refusal(lambda: prepare_out_dir(out_dir, cfg, lock)))
@@ -262,7 +271,7 @@ def _start_or_resume(cfg: TrainConfig, world: _World, model: torch.nn.Module, op
         raise TrainError(refusal)
     resume_path = _from_rank0("resume_path", lambda: _resume_path(cfg, out_dir))
     if resume_path is not None:
-        return _resume(resume_path, cfg, world, model, optimizer, ema, sampler)
+        return _resume(resume_path, cfg, world, model, optimizer, ema, precision, sampler)
     if cfg.pretrained:
         report = _on_rank0("pretrained", lambda: _load_pretrained(cfg.pretrained, model))
         say(f"started from {cfg.pretrained}: {report}")
@@ -275,8 +284,8 @@ def _start_or_resume(cfg: TrainConfig, world: _World, model: torch.nn.Module, op
 
 
 def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, optimizer: Any,
-            ema: Optional[EMA], sampler: ShardSampler) -> _Progress:
-    """Continue the run of checkpoint ``path``: weights, optimizer, EMA, data order and RNG streams.
+            ema: Optional[EMA], precision: MixedPrecision, sampler: ShardSampler) -> _Progress:
+    """Continue the run of checkpoint ``path``: weights, optimizer, EMA, loss scale, data order and RNG streams.
 
     Rank 0 reads the checkpoint (only it needs the file) and sends the weights, the optimizer
     state and the small rest to the others.
@@ -287,6 +296,7 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     if ema is not None:
         hvd.broadcast_parameters([(f"ema.{k}", v) for k, v in ema.model.state_dict().items()], root_rank=0)
+    precision.load_state_dict(state["scaler"])  # None from a run without loss scaling: a fresh scale
     try:
         sampler.load_state_dict(state["sampler"])
     except ValueError as err:  # e.g. another `repeat` or another set of images
@@ -296,7 +306,7 @@ def _resume(path: str, cfg: TrainConfig, world: _World, model: torch.nn.Module, 
                          f"{', '.join(SAMPLER_KEYS)} and the images found"
                          + (f" (changed: {', '.join(changed)})" if changed else "")) from None
     if world.rank < len(state["rng"]):
-        restore_rng_state(state["rng"][world.rank])
+        restore_rng_state(state["rng"][world.rank], world.device)
     now = cfg.to_dict()
     changed = ", ".join(f"{k} ({state['config'].get(k)!r} -> {now[k]!r})"
                         for k in TRAJECTORY_KEYS if state["config"].get(k) != now[k])
@@ -320,9 +330,10 @@ class _Run:
     """The bookkeeping around the loop: counters, the log, validation, checkpoints and the end."""
 
     def __init__(self, cfg: TrainConfig, world: _World, data: _Data, model: torch.nn.Module, optimizer: Any,
-                 ema: Optional[EMA], base_lr: float, progress: _Progress) -> None:
+                 ema: Optional[EMA], precision: MixedPrecision, base_lr: float, progress: _Progress) -> None:
         self.cfg, self.world, self.data, self.progress = cfg, world, data, progress
         self.model, self.optimizer, self.ema, self.base_lr = model, optimizer, ema, base_lr
+        self.precision = precision
         self.out_dir = Path(cfg.out_dir)
         self.start_update = progress.update
         # Resumed at its end (killed before its summary was written): finish() validates again, so
@@ -355,7 +366,8 @@ class _Run:
         w, cfg = self.world, self.cfg
         return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {w.size} rank(s) x "
                 f"batch {w.batch_size} of {cfg.patch_size}px patches; {len(self.data.train_set)} patches per epoch; "
-                f"{torch.get_num_threads()} thread(s) per rank on {w.device}")
+                f"{torch.get_num_threads()} thread(s) per rank on {w.device}"
+                + (f", amp {cfg.amp}" if self.precision.enabled else ""))
 
     def count_update(self, loss: torch.Tensor, lr: float, epoch: int, seconds: float) -> None:
         """Count a finished update; every log_every updates, log the mean loss over ranks and img/s."""
@@ -444,12 +456,13 @@ class _Run:
     def checkpoint(self, step_in_pass: int) -> None:
         """Write out_dir/last.pt with everything a resumed run needs (on rank 0; all ranks take part)."""
         # Every rank's RNG states go into the checkpoint, so every rank can continue its streams.
-        rng = hvd.allgather_object(capture_rng_state(), name="train.rng")
+        rng = hvd.allgather_object(capture_rng_state(self.world.device), name="train.rng")
         # The losses since the last train_log row, which a resumed run's next row averages too.
         window = {"since": self.logged_at, "loss_sum": hvd.allreduce(self.loss_sum, name="train.loss_window").item()}
         p = self.progress
         _on_rank0("checkpoint", lambda: save_checkpoint(self.out_dir / "last.pt", make_checkpoint(
             self.model, optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict() if self.ema else None,
+            scaler=self.precision.state_dict(),
             # DataLoader workers fetch ahead of training: count what was trained on.
             sampler=self.data.sampler.state_dict(consumed=step_in_pass * self.world.batch_size), rng=rng,
             schedule={"update": p.update, "base_lr": self.base_lr}, update=p.update,
@@ -474,7 +487,7 @@ class _Run:
             "patch_size": cfg.patch_size, "train_seconds": p.train_seconds,
             "wall_seconds": time.perf_counter() - wall_start,
             **_throughput(self.step_seconds, w.global_batch),
-            "threads_per_rank": torch.get_num_threads(), "val_space": cfg.val_space,
+            "threads_per_rank": torch.get_num_threads(), "amp": cfg.amp, "val_space": cfg.val_space,
             "psnr": scores["psnr"] if scores else None, "bicubic_psnr": scores["bicubic_psnr"] if scores else None,
             "val_images": scores["images"] if scores else 0, "val_held_out": self.data.val_held_out,
             "out_dir": str(self.out_dir),
@@ -539,9 +552,16 @@ def _thread_oversubscription(threads: int) -> Optional[str]:
 
 
 def _measurable(val_set: Any, cfg: TrainConfig) -> Any:
-    """``val_set``, once every image is known to be large enough to score: now, not after training."""
-    check_measurable(val_set, cfg.scale, cfg.val_space)
-    return val_set
+    """``val_set``, once every image is known to be large enough to score (or, with
+    on_bad_image=skip, without those that are not): now, not after training."""
+    return keep_measurable(val_set, cfg.scale, cfg.val_space, cfg.on_bad_image)
+
+
+def _mixed_precision(amp: str, device: torch.device) -> MixedPrecision:
+    try:
+        return MixedPrecision(amp, device)
+    except ValueError as err:  # amp=fp16 on the CPU, bf16 on a GPU without it: a setting that cannot be met
+        raise ConfigError(str(err)) from None
 
 
 def _range(text: Optional[str]) -> Optional[Tuple[int, int]]:
@@ -604,7 +624,8 @@ def _restore(path: str, cfg: TrainConfig, model: torch.nn.Module, optimizer: Any
     except (KeyError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{path}: training state does not fit this run: {str(err).splitlines()[0]}") from None
     return {**{k: ckpt[k] for k in ("update", "sampler", "rng", "train_seconds", "config")},
-            "log_window": ckpt.get("log_window")}  # None in checkpoints of earlier versions
+            # None in checkpoints of earlier versions, and "scaler" of runs without loss scaling
+            "log_window": ckpt.get("log_window"), "scaler": ckpt.get("scaler")}
 
 
 def _load_pretrained(path: str, model: torch.nn.Module) -> str:
@@ -651,12 +672,9 @@ def _batches(loader: DataLoader, sampler: ShardSampler, dataset: Any) -> Iterato
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    from tqdm import tqdm
+    from hpdl.sr.progress import progress_bar
 
-    interactive = sys.stderr.isatty()
-    # Without a terminal every refresh is a new line in the log: refresh rarely.
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="upd", dynamic_ncols=True,
-                mininterval=0.5 if interactive else 30.0, desc="train")
+    return progress_bar(total=total, initial=initial, enabled=enabled, desc="train", unit="upd")
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:

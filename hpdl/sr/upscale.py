@@ -5,8 +5,14 @@ receptive field (36 LR px for EDSR-baseline), so its stitched output differs fro
 pass near the seams. Here each tile is extended on every side by at least the receptive-field
 radius (``models.receptive_field_radius``) and only its inner part is kept: every kept output
 pixel then sees exactly the input it would see in a whole-image pass, zero padding included
-(a tile's margin stops at the image border, where the whole image is padded too). The result
-equals the whole-image pass up to float rounding, with memory bounded by the tile size.
+(a tile's margin stops at the image border, where the whole image is padded too). That is what
+"exact" means here, with memory bounded by the tile size; it is not bit-identical. The
+convolution kernels (oneDNN on CPU, cuDNN on CUDA) choose their loop blocking by the extent of
+their input, so a tile's sums are added in another order than the whole image's: float32
+outputs differ by rounding (about 1e-4 of a level at most), and after rounding to 8 bits a
+value that close to a rounding boundary comes out one level apart. PyTorch's own convolution
+(im2col and a matrix product) gave bit-identical tiles at every extent tried, at about three
+times the time (docs/perf.md, "Tiled upscaling and float rounding"), so the fast kernels stay.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ __all__ = ["DEFAULT_TILE", "PROGRESS_DELAY", "forward_tiled", "self_ensemble", "
 DEFAULT_TILE = 256
 # LR pixels on each side that the bicubic kernel (a = -0.5, 4 taps) reaches when enlarging, plus one.
 BICUBIC_MARGIN = 3
-PROGRESS_DELAY = 3.0  # seconds of upscaling before its progress bar appears: short runs stay quiet
+PROGRESS_DELAY = 3.0  # seconds of upscaling before its bar appears on a terminal: short runs stay quiet
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 Box = Tuple[int, int, int, int]  # y0, y1, x0, x1
@@ -72,8 +78,8 @@ def forward_tiled(
     Args:
         tile: side of the part of each tile that is kept, in LR pixels; the model sees up to
             ``tile + 2 * overlap`` pixels a side, which bounds memory.
-        overlap: margin around each tile; default (and minimum for an exact result) is the
-            model's receptive-field radius.
+        overlap: margin around each tile; default (and minimum for an exact result, up to
+            float rounding) is the model's receptive-field radius.
     """
     if tile < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
@@ -140,7 +146,8 @@ def upscale_image(
     The output is assembled tile by tile in uint8, and only one tile at a time is in float, so
     memory is about the output's uint8 size whatever the image. The self-ensemble runs per
     tile, which is as exact as tiling itself (a flip or transpose maps the image border onto
-    the border). ``progress`` shows a bar over the tiles once ``PROGRESS_DELAY`` has passed.
+    the border). ``progress`` shows a bar over the tiles once ``PROGRESS_DELAY`` has passed
+    (``hpdl.sr.progress``'s rule: later and rarely where stderr is not a terminal).
     """
     h, w = image.shape[:2]
     lr = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)  # a uint8 view
@@ -177,6 +184,6 @@ def upscale_alpha(alpha: np.ndarray, scale: int, *, tile: Optional[int] = DEFAUL
 def _progress(items: Iterable, total: int, enabled: bool) -> Iterable:
     if not enabled:
         return items
-    from tqdm import tqdm
+    from hpdl.sr.progress import progress_bar
 
-    return tqdm(items, total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY)
+    return progress_bar(items, total=total, desc="upscale", unit="tile", delay=PROGRESS_DELAY)

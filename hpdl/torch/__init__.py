@@ -17,7 +17,7 @@ from hpdl.torch.mpi_ops import (
 from hpdl.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hpdl.torch.runtime import (
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
-    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+    is_initialized, local_gpu, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
     profile_step, rank, rocm_built, shutdown, size, start_profile, start_timeline, stop_profile, stop_timeline,
 )
 from hpdl.torch.optimizer import DistributedOptimizer
@@ -35,7 +35,7 @@ __all__ = [
     "ddl_built", "elastic", "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
-    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
+    "local_gpu", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
     "profile_step", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
     "sparse_allreduce_async", "start_profile", "start_timeline", "stop_profile", "stop_timeline", "SyncBatchNorm",

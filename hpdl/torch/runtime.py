@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 import torch
 
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
+from hpdl.comm.devices import check_gpu_index, gpu_index, ranks_share_gpus
 from hpdl.comm.topology import WorldSizeError, check_world_size
 from hpdl.comm.mpi import MPI, mpi_available
 from hpdl.config import Settings, horovod_variables_ignored, settings_given
@@ -160,7 +161,7 @@ def _connect(settings: Settings, topology: Topology, mpi_comm: Any = None, check
     ranks (the user's, a benchmark's) never interleave with the ones made on it.
     """
     name = choose_backend("mpi" if mpi_comm is not None else settings.backend, topology, mpi_available(),
-                          cuda=torch.cuda.is_available())
+                          cuda=torch.cuda.is_available(), shared_gpus=_shared_gpus(settings, topology))
     if name == "mpi":
         mpi_comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
     aware = None if settings.mpi_cuda_aware == "auto" else settings.mpi_cuda_aware == "1"
@@ -181,8 +182,15 @@ def job_backend(backend: Optional[str] = None) -> str:
         backend: as for ``init()``; default from HPDL_BACKEND or the launcher.
     """
     topology = discover_topology()
-    return choose_backend(Settings.from_env(backend=backend).backend, topology, mpi_available(),
-                          cuda=torch.cuda.is_available())
+    settings = Settings.from_env(backend=backend)
+    return choose_backend(settings.backend, topology, mpi_available(), cuda=torch.cuda.is_available(),
+                          shared_gpus=_shared_gpus(settings, topology))
+
+
+def _shared_gpus(settings: Settings, topology: Topology) -> bool:
+    """Whether ranks of this node share a GPU (then nccl cannot connect them)."""
+    return torch.cuda.is_available() and ranks_share_gpus(settings.ranks_per_gpu, topology.local_size,
+                                                           torch.cuda.device_count())
 
 
 def job_communicator(backend: Optional[str] = None) -> Communicator:
@@ -276,6 +284,21 @@ def local_size() -> int:
 def local_rank() -> int:
     """This process's rank among those on its node."""
     return _require().topology.local_rank
+
+
+def local_gpu() -> int:
+    """The index of this rank's GPU on its node, for ``torch.cuda.set_device(hvd.local_gpu())``.
+
+    ``local_rank()`` with one rank per GPU (Horovod's ``set_device(hvd.local_rank())``), and
+    ``local_rank() // K`` with K ranks per GPU (``HPDL_RANKS_PER_GPU``, ``hpdl run
+    --ranks-per-gpu K``). Raises ``hpdl.comm.devices.DeviceError`` (a ``ValueError``) when
+    this node has no such GPU.
+    """
+    state = _require()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        return check_gpu_index(state.topology.local_rank, state.settings.ranks_per_gpu, count)
+    return gpu_index(state.topology.local_rank, state.settings.ranks_per_gpu)
 
 
 def cross_size() -> int:

@@ -70,3 +70,29 @@ def run_main(main) -> None:
         sys.stderr.write(f"[rank {rank}] FAILED\n{traceback.format_exc()}")
         sys.stderr.flush()
         os._exit(1)
+
+
+def device_arg(argv: list) -> str:
+    """Take ``--device cpu|cuda`` out of ``argv`` (in place); return it (default cpu)."""
+    if "--device" not in argv:
+        return "cpu"
+    at = argv.index("--device")
+    name = argv[at + 1]
+    del argv[at:at + 2]
+    return name
+
+
+def rank_device(name: str) -> torch.device:
+    """This rank's device after hvd.init(): its GPU (hvd.local_gpu(), made current) for "cuda".
+
+    TF32 off: the checks compare against float32 references computed on other batch splits.
+    """
+    import hpdl.torch as hvd
+
+    if name != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", hvd.local_gpu())
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return device

@@ -5,7 +5,8 @@ float32 tolerance, looser with 16-bit compression) and are bitwise equal across 
 ranks list their parameters and compute the two branches in the other order, so gradients
 reach the engine in a different order than on even ranks.
 
-Usage: optimizer_equivalence.py [scenario ...]  (default: all); prints "OK <scenario>".
+Usage: optimizer_equivalence.py [--device cpu|cuda] [scenario ...]  (default: all); prints
+"OK <scenario>". On cuda every rank trains on its GPU (hvd.local_gpu()), ranks sharing one if so.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from _common import run_main
+from _common import device_arg, rank_device, run_main
 from optimizer_models import assert_close, assert_ranks_equal, batch, loss_fn, make_pair, params_for, shard
 
 import hpdl.torch as hvd
@@ -76,10 +77,14 @@ SCENARIOS: List[Scenario] = [
 ]
 
 
-def run_scenario(sc: Scenario) -> None:
+def run_scenario(sc: Scenario, device: torch.device) -> None:
     rank, size = hvd.rank(), hvd.size()
     reverse = sc.reverse_odd and rank % 2 == 1
     model, reference = make_pair(seed=7, reverse=reverse)
+    model.to(device)
+    reference.to(device)
+    # On a GPU the whole batch and its shards run other kernels: float32 sums in other orders.
+    rtol, atol = (sc.rtol, sc.atol) if device.type == "cpu" else (10 * sc.rtol, 10 * sc.atol)
     summed_over = size if sc.op == hvd.Sum else 1
     groups: Any = None
     if sc.groups == "int":
@@ -102,7 +107,7 @@ def run_scenario(sc: Scenario) -> None:
                   if sc.scheduler else [])
 
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = (t.to(device) for t in batch(step))
         opt.zero_grad()
         xs, ys = shard(x, rank, size), shard(y, rank, size)
         k = sc.backward_passes
@@ -124,16 +129,19 @@ def run_scenario(sc: Scenario) -> None:
             if step < STEPS - 1:
                 continue
             model.state_dict()
-        assert_close(model, reference, what, sc.rtol, sc.atol)
+        assert_close(model, reference, what, rtol, atol)
         assert_ranks_equal(model, f"{sc.name}.{step}")
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    device_name = device_arg(args)
     hvd.init()
-    wanted = sys.argv[1:] or [s.name for s in SCENARIOS]
+    device = rank_device(device_name)
+    wanted = args or [s.name for s in SCENARIOS]
     by_name: Dict[str, Scenario] = {s.name: s for s in SCENARIOS}
     for name in wanted:
-        run_scenario(by_name[name])
+        run_scenario(by_name[name], device)
         if hvd.rank() == 0:
             print(f"OK {name}", flush=True)
     hvd.shutdown()

@@ -10,9 +10,9 @@ a relative 1e-15 change of its weights moves its input gradient by 1e-12 at the 
 by 1e-7 at the third, in one process), so their distance measures the network's conditioning,
 not the split; a wrong halo or statistic is off by far more.
 
-Usage: spatial_exactness.py GRID CASE [CASE ...]; GRID is RxC (its product: the ranks), a CASE
-is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, edsr, srresnet, resnet50,
-resnet-small. Prints "OK spatial MODEL HxW GRID" per case.
+Usage: spatial_exactness.py [--device cpu|cuda] GRID CASE [CASE ...]; GRID is RxC (its product:
+the ranks), a CASE is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, edsr, srresnet,
+resnet50, resnet-small. Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 import torch.nn.functional as F
-from _common import run_main
+from _common import device_arg, rank_device, run_main
 from spatial_models import build, classifies
 
 import hpdl.torch as hvd
@@ -35,6 +35,7 @@ TOL = 1e-10
 TOL_LATER = 1e-6  # outputs and gradients after the first update (see above)
 STEPS = 3
 BATCH = 2
+DEVICE = torch.device("cpu")  # set by main()
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = TOL) -> None:
@@ -56,9 +57,9 @@ def batch(step: int, model: str, height: int, width: int):
     gen = torch.Generator().manual_seed(100 + step)
     if classifies(model):
         x = torch.randn(BATCH, 3, height, width, generator=gen, dtype=torch.float64)
-        return x, torch.randint(0, 10, (BATCH,), generator=gen)
+        return x.to(DEVICE), torch.randint(0, 10, (BATCH,), generator=gen).to(DEVICE)
     x = torch.rand(BATCH, 3, height, width, generator=gen, dtype=torch.float64) * 255
-    return x, torch.rand(BATCH, 3, 2 * height, 2 * width, generator=gen, dtype=torch.float64) * 255
+    return x.to(DEVICE), (torch.rand(BATCH, 3, 2 * height, 2 * width, generator=gen, dtype=torch.float64) * 255).to(DEVICE)
 
 
 def loss_of(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ def loss_of(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 
 def check(model_name: str, height: int, width: int, grid, checkpoint: bool) -> None:
     torch.manual_seed(0)
-    reference = build(model_name).double()
+    reference = build(model_name).double().to(DEVICE)
     model = copy.deepcopy(reference)
     net = spatial.SpatialParallel(model, grid=grid, checkpoint=checkpoint)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9),
@@ -108,12 +109,15 @@ def check(model_name: str, height: int, width: int, grid, checkpoint: bool) -> N
     close(out if classifies(model_name) else net.gather(out), out_ref, f"{what}: eval-mode output")
     if hvd.rank() == 0:
         print(f"OK spatial {model_name} {height}x{width} {grid[0]}x{grid[1]}" + (" checkpoint" if checkpoint else "")
-              + f" (largest relative error {WORST[0]:.1e})", flush=True)
+              + f" on {DEVICE.type} (largest relative error {WORST[0]:.1e})", flush=True)
     WORST[0] = 0.0
 
 
 def main() -> None:
+    global DEVICE
+    device = device_arg(sys.argv)
     hvd.init()
+    DEVICE = rank_device(device)
     grid = tuple(int(v) for v in sys.argv[1].split("x"))
     for case in sys.argv[2:]:
         model_name, size, *flags = case.split(":")

@@ -1,5 +1,8 @@
 """hvd.SyncBatchNorm on several ranks with unequal batches, against one process's BatchNorm
-on the concatenated batch: outputs, gradients, running statistics and eval mode (float64)."""
+on the concatenated batch: outputs, gradients, running statistics and eval mode (float64).
+
+Usage: sync_batch_norm.py [--device cpu|cuda]; on cuda every rank works on its GPU.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-from _common import run_main
+from _common import device_arg, rank_device, run_main
 from torch import nn
 
 import hpdl.torch as hvd
@@ -31,16 +34,20 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
                              f"(shapes {tuple(actual.shape)} and {tuple(expected.shape)})")
 
 
+DEVICE = torch.device("cpu")  # set by main()
+
+
 def batches(step: int, size: int, sample_shape) -> list:
     """Every rank's batch of this step: rank r has r + 2 samples."""
     gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn((r + 2,) + sample_shape, generator=gen, dtype=torch.float64) * 3 + 1 for r in range(size)]
+    return [(torch.randn((r + 2,) + sample_shape, generator=gen, dtype=torch.float64) * 3 + 1).to(DEVICE)
+            for r in range(size)]
 
 
 def check_case(reference_cls, sample_shape, options, rank: int, size: int) -> None:
     torch.manual_seed(0)
-    reference = reference_cls(sample_shape[0], **options).double()
-    sync = hvd.SyncBatchNorm(sample_shape[0], **options).double()
+    reference = reference_cls(sample_shape[0], **options).double().to(DEVICE)
+    sync = hvd.SyncBatchNorm(sample_shape[0], **options).double().to(DEVICE)
     if reference.affine:
         with torch.no_grad():
             reference.weight.copy_(torch.linspace(0.5, 2.0, sample_shape[0]))
@@ -52,7 +59,8 @@ def check_case(reference_cls, sample_shape, options, rank: int, size: int) -> No
         start = sum(p.shape[0] for p in parts[:rank])
         full = torch.cat(parts).requires_grad_()
         out_ref = reference(full)
-        weights = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        weights = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(step),
+                              dtype=torch.float64).to(DEVICE)
         (out_ref * weights).sum().backward()
 
         mine = parts[rank].clone().requires_grad_()
@@ -81,7 +89,10 @@ def check_case(reference_cls, sample_shape, options, rank: int, size: int) -> No
 
 
 def main() -> None:
+    global DEVICE
+    device_name = device_arg(sys.argv)
     hvd.init()
+    DEVICE = rank_device(device_name)
     rank, size = hvd.rank(), hvd.size()
     for reference_cls, sample_shape, options in CASES:
         check_case(reference_cls, sample_shape, options, rank, size)
@@ -93,13 +104,14 @@ def main() -> None:
     if size > 1:  # among a process set: its members' batches only
         pair = hvd.add_process_set([0, 1])
         if pair.included():
-            layer = hvd.SyncBatchNorm(2, process_set=pair).double()
-            x = torch.full((2, 2), float(rank), dtype=torch.float64)
-            assert torch.allclose(layer(x), torch.full((2, 2), 2.0 * rank - 1.0, dtype=torch.float64), atol=1e-3)  # mean 0.5, var 0.25
+            layer = hvd.SyncBatchNorm(2, process_set=pair).double().to(DEVICE)
+            x = torch.full((2, 2), float(rank), dtype=torch.float64, device=DEVICE)
+            assert torch.allclose(layer(x).cpu(), torch.full((2, 2), 2.0 * rank - 1.0, dtype=torch.float64),
+                                  atol=1e-3)  # mean 0.5, var 0.25
         hvd.remove_process_set(pair)
     hvd.shutdown()
     if rank == 0:
-        print(f"OK sync batch norm: size={size}")
+        print(f"OK sync batch norm: size={size} device={DEVICE.type}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, List
 
-from hpdl.torch.functions import broadcast_object
+from hpdl.torch.functions import _serialize, broadcast_object
 from hpdl.torch.runtime import rank
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State"]
@@ -71,6 +71,9 @@ class ObjectState(State):
     changed in place after it (a list appended to) is back as committed after ``restore``.
     """
 
+    # What a script can do about an object that cannot be pickled (TorchState has a better way).
+    unsendable_advice = "give the state what can be pickled instead (the object's state_dict(), say)"
+
     def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
                  **kwargs: Any):
         self._saved_state = kwargs
@@ -86,8 +89,23 @@ class ObjectState(State):
 
     def sync(self) -> None:
         if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
+            try:
+                self._saved_state = self._bcast_object(self._saved_state)
+            except ValueError as err:
+                raise ValueError(self._unsendable(err)) from None
             self._set_attrs()
+
+    def _unsendable(self, err: ValueError) -> str:
+        """The broadcast's error, naming the objects that cannot be pickled and what to do.
+
+        Only rank 0 pickles; the other ranks hold the same kinds of objects (the same script),
+        so each looks at its own to name them.
+        """
+        failures = [why for why in (_serialize(value, attr)[1] for attr, value in self._saved_state.items()) if why]
+        if not failures:
+            return f"{err}; {self.unsendable_advice}"
+        return (f"{type(self).__name__} cannot send its objects from rank 0 to the other ranks: "
+                f"{'; '.join(failures)}; {self.unsendable_advice}")
 
     def _set_attrs(self) -> None:
         for attr, value in self._saved_state.items():

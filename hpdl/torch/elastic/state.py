@@ -1,5 +1,5 @@
-"""Horovod's ``TorchState``: models, optimizers and samplers kept in step by handlers, and the
-registry a script extends to keep other objects (an LR scheduler, say) the same way."""
+"""Horovod's ``TorchState``: models, optimizers, LR schedulers and samplers kept in step by
+handlers, and the registry a script extends to keep other objects the same way."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hpdl.torch.elastic.sampler import ElasticSampler
 from hpdl.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from hpdl.torch.runtime import rank
 
-__all__ = ["ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler", "StateHandler", "TorchState",
-           "get_handler_registry", "set_handler_registry"]
+__all__ = ["LRSchedulerStateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
+           "StateHandler", "TorchState", "get_handler_registry", "set_handler_registry"]
 
 
 class StateHandler:
@@ -58,14 +58,28 @@ class OptimizerStateHandler(ModelStateHandler):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class SamplerStateHandler(ModelStateHandler):
+class _StateDictHandler(ModelStateHandler):
+    """Keeps an object by its ``state_dict()``, sent from rank 0 as a pickled object."""
+
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
 
 
+class LRSchedulerStateHandler(_StateDictHandler):
+    """An LR scheduler, by its ``state_dict()``: that pickles where the scheduler itself may not
+    (it holds its optimizer, and a DistributedOptimizer keeps weak references)."""
+
+
+class SamplerStateHandler(_StateDictHandler):
+    """An ElasticSampler, by its ``state_dict()`` (its position in the epoch)."""
+
+
+# Horovod registers its LRSchedulerStateHandler for torch's _LRScheduler, which the schedulers
+# of PyTorch 2 no longer derive from; LRScheduler is their base (and _LRScheduler's).
 _handler_registry: List[Tuple[type, type]] = [
     (torch.nn.Module, ModelStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
+    (torch.optim.lr_scheduler.LRScheduler, LRSchedulerStateHandler),
     (ElasticSampler, SamplerStateHandler),
 ]
 
@@ -88,12 +102,16 @@ def _handler(value: Any) -> Optional[StateHandler]:
 
 
 class TorchState(ObjectState):
-    """State of a PyTorch training: models, optimizers and ElasticSamplers (by their
-    ``state_dict``), and any other keyword argument as a plain object (``epoch=0``, ``batch=0``).
+    """State of a PyTorch training: models, optimizers, LR schedulers and ElasticSamplers (by
+    their ``state_dict``), and any other keyword argument as a plain object (``epoch=0``).
 
     ``sync`` broadcasts rank 0's parameters, optimizer state, sampler position and objects;
     ``commit`` keeps copies of them in memory; ``restore`` loads the copies back.
     """
+
+    unsendable_advice = ("keep such an object by its state_dict() through a StateHandler, added to "
+                         "hvd.elastic.state.get_handler_registry() as (its type, the handler class) before the "
+                         "TorchState is made (docs/api.md, hvd.elastic)")
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  **kwargs: Any):

@@ -1,0 +1,571 @@
+"""Validate hpdl on a GPU machine in one run (scripts/gpu-check.sh; docs/gpu.md says what it covers).
+
+Steps, in order: the machine (GPU, driver, PyTorch, NCCL), `hpdl check`, the tests marked gpu
+(pytest -m gpu), `hpdl bench synthetic` on the GPU at 1 rank (ResNet-50 at batch 64 and EDSR x2,
+float32 and float16 mixed precision), then EDSR-baseline's total img/s at 1, 2 and 4 ranks per
+GPU (`hpdl run --ranks-per-gpu K`), without NVIDIA MPS and, where `nvidia-cuda-mps-control`
+is installed, with it (the daemon started and stopped here).
+
+Nothing hangs and nothing stops the rest: every step runs in a process group of its own under
+a time limit, its own and what is left of the whole run's budget (``--budget``, under 8
+minutes), and a step that fails, times out or cannot run is recorded with the reason while
+the next one starts. The log (every step's output) and a JSON summary (each step's status, time
+and figures) are rewritten after every step in ``$OUT`` (else gpu-check-out/), so even a run
+that is killed leaves them. Without a CUDA device it prints one line and exits 0, running
+nothing; otherwise it exits 1 if any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = "hpdl.gpu-check/1"
+BUDGET_S = 440.0  # the whole run; with the ends of its last steps, under the 8 minutes a check may take
+MIN_STEP_S = 10.0  # a step with less time left than this is not started
+MPS_STOP_RESERVE_S = 20.0  # kept back for stopping the MPS daemon, once started
+RANKS_PER_GPU = (1, 2, 4)
+STEP_MARK = "GPU_CHECK_STEP"  # in every step's environment: what it leaves running is found by it
+# The seeds' single-V100 figure: what the ResNet-50 float32 number is read against.
+V100_RESNET50_IMG_S = 334.0
+# Short benchmark runs: the figures settle within a few batches on a GPU (docs/gpu.md).
+BENCH_ARGS = ["--num-warmup", "3", "--num-iters", "3", "--num-batches-per-iter", "5", "--json"]
+SYNTHETIC = {
+    "resnet50": ["--model", "resnet50", "--batch-size", "64"],
+    "edsr-x2": ["--model", "edsr", "--scale", "2", "--batch-size", "16", "--patch", "48"],
+}
+RANKS_MODEL = ["--model", "edsr-baseline", "--scale", "2", "--batch-size", "16", "--patch", "48"]
+
+
+@dataclasses.dataclass
+class Step:
+    """One command of the check, what limits it and what its output means."""
+
+    name: str
+    argv: List[str]
+    cap_s: float  # its own time limit; what is left of the budget may cut it shorter
+    kind: str = "command"  # how its output is read: command, environment, tests, bench, mps-start, mps-servers
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    stdin: Optional[str] = None
+    meta: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    needs: Optional[str] = None  # a step whose success this one needs (else skipped, naming it)
+    cannot: Optional[str] = None  # why it cannot run here (skipped with this reason)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one step did: "passed", "failed", "timed out" or "skipped"."""
+
+    status: str
+    seconds: float = 0.0
+    returncode: Optional[int] = None
+    reason: Optional[str] = None
+    output: str = ""
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+
+def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytest_found: bool,
+         pytest_timeout_found: bool, mps_dir: str) -> List[Step]:
+    """The steps of a check, in order (a pure function of what this machine has)."""
+    hpdl = [python, "-m", "hpdl"]
+    steps = [
+        Step("environment", [python, "-c", ENVIRONMENT_PROBE], 60, kind="environment"),
+        Step("hpdl-check", hpdl + ["check"], 60),
+    ]
+    # A test module that fails to import here (a package this machine lacks) must not stop the rest.
+    tests = [python, "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
+             "--continue-on-collection-errors"]
+    if pytest_timeout_found:
+        tests.append("--timeout=150")  # one hung test must not take the others' time
+    steps.append(Step("gpu-tests", tests + ["tests"], 240, kind="tests",
+                      cannot=None if pytest_found else "pytest is not installed here (pip install pytest)"))
+    for model, args in SYNTHETIC.items():
+        for precision in ("fp32", "fp16"):
+            amp = ["--amp", "fp16"] if precision == "fp16" else []
+            steps.append(Step(f"synthetic-{model}-{precision}",
+                              hpdl + ["bench", "synthetic", "--device", "cuda", *args, *amp, *BENCH_ARGS], 75,
+                              kind="bench", meta={"figure": f"{model}-{precision}"}))
+    mps_env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(mps_dir, "pipe"),
+               "CUDA_MPS_LOG_DIRECTORY": os.path.join(mps_dir, "log")}
+    for mps in (False, True):
+        if mps and mps_control is None:
+            steps.append(Step("mps", [], 0, cannot="nvidia-cuda-mps-control is not installed here: no MPS runs"))
+            break
+        if mps:
+            steps.append(Step("mps-start", [mps_control, "-d"], 20, kind="mps-start", env=mps_env))
+        for ranks in RANKS_PER_GPU:
+            name = f"ranks-per-gpu-{ranks}" + ("-mps" if mps else "")
+            steps.append(Step(name, _ranks_argv(python, torchrun, ranks), 90, kind="bench",
+                              env={**(mps_env if mps else {}), "HPDL_RANKS_PER_GPU": str(ranks)},
+                              meta={"ranks": ranks, "mps": mps}, needs="mps-start" if mps else None))
+        if mps:
+            steps.append(Step("mps-servers", [mps_control], 15, kind="mps-servers", env=mps_env,
+                              stdin="get_server_list\n", needs="mps-start"))
+            steps.append(Step("mps-stop", [mps_control], 20, env=mps_env, stdin="quit\n", needs="mps-start",
+                              meta={"reserved": True}))
+    return steps
+
+
+def select_steps(steps: List[Step], wanted: Sequence[str]) -> List[Step]:
+    """The steps whose names start with one of ``wanted``, in the plan's order, with the MPS
+    daemon's steps around the MPS runs chosen; ValueError for a name that matches none."""
+    unknown = [w for w in wanted if not any(s.name.startswith(w) for s in steps)]
+    if unknown:
+        raise ValueError(f"no step named {unknown[0]!r}")
+    chosen = [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+    if any(s.needs == "mps-start" for s in chosen):
+        chosen = [s for s in steps if s in chosen or s.name in ("mps-start", "mps-servers", "mps-stop")]
+    return chosen
+
+
+def _ranks_argv(python: str, torchrun: Optional[str], ranks: int) -> List[str]:
+    """K ranks of EDSR-baseline on the one GPU: through `hpdl run --ranks-per-gpu K` (torchrun,
+    as the machine has no mpiexec), or torch's own launcher module where no torchrun is found."""
+    bench = ["bench", "synthetic", *RANKS_MODEL, "--device", "cuda", *BENCH_ARGS]
+    if torchrun is not None:
+        return [python, "-m", "hpdl", "run", "-np", str(ranks), "--ranks-per-gpu", str(ranks), "--launcher",
+                "torchrun", "--", python, "-m", "hpdl", *bench]
+    return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone",
+            "-m", "hpdl", *bench]
+
+
+ENVIRONMENT_PROBE = """\
+import json, platform, torch
+out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "cudnn": torch.backends.cudnn.version(), "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+       "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "gpus": []}
+try:
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception as err:
+    out["nccl"] = f"unavailable: {err}"
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    out["gpus"].append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                        "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
+                        "bf16": torch.cuda.is_bf16_supported()})
+print(json.dumps(out))
+"""
+
+
+def shown(argv: Sequence[str]) -> str:
+    """``argv`` as one line for the log, the list and the summary (a script given with -c as its name)."""
+    words = ["<environment probe>" if word == ENVIRONMENT_PROBE else shlex.quote(word) for word in argv]
+    return " ".join(words) or "-"
+
+
+# -- running a step ------------------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (torchrun's workers may sit in sessions of their own)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End ``proc`` and everything it started: SIGTERM, then SIGKILL 5 s later."""
+    victims = _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [proc.pid] + victims:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        try:
+            proc.wait(timeout=5)
+            if not any(_alive(pid) for pid in victims):
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        victims += [p for p in _descendants(proc.pid) if p not in victims]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def end_leftovers(mark: str) -> List[int]:
+    """End the live processes whose environment holds ``mark`` (``NAME=value``, set on one step's
+    command): what it started in sessions of its own and left running (a test's ranks after its
+    timeout) would hold the GPU through the next steps. Returns their pids."""
+    needle = mark.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0") and _alive(int(entry)):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in found:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in found) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return found
+
+
+def run_command(argv: Sequence[str], timeout_s: float, env: Dict[str, str], log: Callable[[str], None],
+                stdin: Optional[str] = None) -> Outcome:
+    """Run ``argv`` in a session of its own, its output (stdout and stderr) into ``log`` line by
+    line; end it with all it started after ``timeout_s``."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", env=env, cwd=ROOT, start_new_session=True,
+                                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL)
+    except OSError as err:
+        return Outcome("failed", reason=f"cannot start {argv[0]}: {err.strerror or err}")
+    lines: List[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            log(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    if stdin is not None:
+        try:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _end(proc)
+        timed_out = True
+    reader.join(5)
+    seconds = time.monotonic() - start
+    output = "".join(lines)
+    if timed_out:
+        return Outcome("timed out", seconds, proc.returncode, f"ended after {timeout_s:.0f} s", output)
+    if proc.returncode != 0:
+        return Outcome("failed", seconds, proc.returncode, _last_error(output, proc.returncode), output)
+    return Outcome("passed", seconds, 0, None, output)
+
+
+def _last_error(output: str, returncode: int) -> str:
+    """The line that says why a command failed: its last error line, else its exit status."""
+    for line in reversed(output.splitlines()):
+        text = line.strip()
+        if re.match(r"(hpdl: error:|\w*Error\b|\w+Exception\b|FAILED |ERROR |error:)", text):
+            return text[:300]
+    return f"exited {returncode}"
+
+
+# -- reading what the steps printed --------------------------------------------------------------
+
+
+def json_record(output: str) -> Optional[Dict[str, Any]]:
+    """The JSON object a command printed (a benchmark's --json record), among other lines."""
+    for match in re.finditer(r"^\{", output, re.M):
+        try:
+            record, _ = json.JSONDecoder().raw_decode(output[match.start():])
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            return record
+    return None
+
+
+_TEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+_TEST_REASON = re.compile(r"^(FAILED|ERROR) (\S+::\S+) - (.*)$", re.M)
+_SKIP_REASON = re.compile(r"^SKIPPED \[\d+\] \S+: (.*)$", re.M)
+
+
+def read_test_results(output: str) -> Dict[str, Any]:
+    """Per test, its result (from pytest -v, as each ends, so a run cut short keeps those done),
+    the counts, why each failed, and why tests were skipped."""
+    results: Dict[str, str] = {}
+    for name, result in _TEST_LINE.findall(output):
+        results[name] = result
+    counts: Dict[str, int] = {}
+    for result in results.values():
+        counts[result.lower()] = counts.get(result.lower(), 0) + 1
+    failures = {name: reason[:300] for _, name, reason in _TEST_REASON.findall(output)}
+    return {"counts": counts, "results": results, "failures": failures,
+            "skip_reasons": sorted(set(_SKIP_REASON.findall(output)))}
+
+
+def bench_figures(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The figures of a synthetic benchmark record."""
+    keys = ("model", "batch_size", "amp", "ranks", "backend", "device", "gpu", "img_sec_per_rank",
+            "img_sec_per_rank_conf", "total_img_sec", "total_img_sec_conf")
+    return {key: record[key] for key in keys if key in record}
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+class Check:
+    """Runs the plan under the budget, keeps the log and rewrites the summary after every step."""
+
+    def __init__(self, steps: List[Step], out_dir: Path, budget_s: float, env: Dict[str, str],
+                 echo: Callable[[str], None] = print):
+        self.steps, self.out_dir, self.budget_s, self.env, self.echo = steps, out_dir, budget_s, env, echo
+        self.start = time.monotonic()
+        self.deadline = self.start + budget_s
+        self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.outcomes: Dict[str, Outcome] = {}
+        self.records: List[Dict[str, Any]] = []
+        self.environment: Dict[str, Any] = {}
+        self.tests: Optional[Dict[str, Any]] = None
+        self.figures: Dict[str, Any] = {"synthetic": {}, "ranks_per_gpu": {}}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = out_dir / "gpu-check.log"
+        self.summary_path = out_dir / "gpu-check.json"
+        self._log = open(self.log_path, "w", encoding="utf-8")
+
+    def log(self, text: str) -> None:
+        self._log.write(text)
+        self._log.flush()
+
+    def run(self) -> int:
+        try:
+            for index, step in enumerate(self.steps, 1):
+                outcome = self._run_step(step)
+                self.outcomes[step.name] = outcome
+                self._read(step, outcome)
+                self.records.append(self._record(step, outcome))
+                self.write_summary(finished=False)
+                where = f"[{index}/{len(self.steps)}] {step.name}"
+                why = f": {outcome.reason}" if outcome.reason and outcome.status != "passed" else ""
+                self.echo(f"gpu-check: {where} {outcome.status} ({outcome.seconds:.1f} s){why}")
+        finally:
+            self.write_summary(finished=True)
+            self._log.close()
+        for line in self.figure_lines():
+            self.echo(line)
+        self.echo(f"gpu-check: log {self.log_path}, summary {self.summary_path}")
+        return 0 if self.ok else 1
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status in ("passed", "skipped") for o in self.outcomes.values())
+
+    def _run_step(self, step: Step) -> Outcome:
+        self.log(f"\n=== {step.name}: {shown(step.argv)}\n")
+        if step.cannot is not None:
+            return self._skipped(step.cannot)
+        if step.needs is not None and self.outcomes.get(step.needs, Outcome("skipped")).status != "passed":
+            return self._skipped(f"{step.needs} did not pass")
+        left = self.deadline - time.monotonic()
+        if not step.meta.get("reserved"):
+            left -= self._reserve()
+        if left < MIN_STEP_S and not step.meta.get("reserved"):
+            return self._skipped(f"out of time: {max(left, 0):.0f} s of the {self.budget_s:.0f} s budget left")
+        timeout = max(min(step.cap_s, left), MIN_STEP_S)
+        mark = f"{STEP_MARK}={os.getpid()}.{step.name}"
+        outcome = run_command(step.argv, timeout, {**self.env, **step.env, STEP_MARK: mark.split("=", 1)[1]},
+                              self.log, step.stdin)
+        if step.kind != "mps-start":  # the MPS daemon is meant to outlive its start
+            left_over = end_leftovers(mark)
+            if left_over:
+                self.log(f"--- ended {len(left_over)} process(es) it left running: {left_over}\n")
+        self.log(f"--- {step.name}: {outcome.status} in {outcome.seconds:.1f} s"
+                 + (f" ({outcome.reason})" if outcome.reason else "") + "\n")
+        return outcome
+
+    def _skipped(self, reason: str) -> Outcome:
+        self.log(f"--- skipped: {reason}\n")
+        return Outcome("skipped", reason=reason)
+
+    def _reserve(self) -> float:
+        """Time kept for the MPS daemon's stop while it runs."""
+        started = self.outcomes.get("mps-start")
+        stopped = "mps-stop" in self.outcomes
+        return MPS_STOP_RESERVE_S if started is not None and started.status == "passed" and not stopped else 0.0
+
+    def _read(self, step: Step, outcome: Outcome) -> None:
+        """Take the step's figures from its output into the summary."""
+        if step.kind == "tests" and outcome.status != "skipped":
+            self.tests = read_test_results(outcome.output)
+            if outcome.status == "passed" and not self.tests["counts"].get("passed"):
+                # On a machine with a GPU every one skipping means a check is wrong somewhere.
+                skips = "; ".join(self.tests["skip_reasons"]) or "none ran"
+                outcome.status, outcome.reason = "failed", f"no test marked gpu passed ({skips})"
+        elif step.kind == "environment" and outcome.status == "passed":
+            self.environment = json_record(outcome.output) or {}
+        elif step.kind == "bench" and outcome.status == "passed":
+            record = json_record(outcome.output)
+            if record is None:
+                outcome.status, outcome.reason = "failed", "no JSON record in its output"
+                return
+            figures = bench_figures(record)
+            if "figure" in step.meta:
+                self.figures["synthetic"][step.meta["figure"]] = figures
+            else:
+                mode = "with MPS" if step.meta["mps"] else "without MPS"
+                self.figures["ranks_per_gpu"].setdefault(mode, {})[str(step.meta["ranks"])] = figures
+        elif step.kind == "mps-servers" and outcome.status == "passed":
+            # Whether the ranks went through MPS: the servers the daemon runs, and its log's
+            # lines about servers and clients (a server may end once its clients have).
+            log = Path(step.env["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
+            try:
+                lines = log.read_text(errors="replace").splitlines()
+            except OSError as err:
+                lines = [f"({log}: {err.strerror})"]
+            self.figures["mps"] = {
+                "servers": [line.strip() for line in outcome.output.splitlines() if line.strip().isdigit()],
+                "control_log": [line for line in lines if re.search(r"client|server", line, re.I)][-20:]}
+
+    def _record(self, step: Step, outcome: Outcome) -> Dict[str, Any]:
+        return {"name": step.name, "command": shown(step.argv), "status": outcome.status,
+                "seconds": round(outcome.seconds, 1), "returncode": outcome.returncode, "reason": outcome.reason,
+                **({"env": step.env} if step.env else {})}
+
+    def write_summary(self, finished: bool) -> None:
+        summary = {
+            "schema": SCHEMA, "started": self.started_at, "finished": finished,
+            "seconds": round(time.monotonic() - self.start, 1), "budget_s": self.budget_s,
+            "host": socket.gethostname(), "ok": self.ok, "environment": self.environment,
+            "steps": self.records, "tests": self.tests, "figures": self._figures(),
+        }
+        text = json.dumps(summary, indent=1) + "\n"
+        tmp = self.summary_path.with_name(f".{self.summary_path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.summary_path)  # a reader, or a kill, never sees half a summary
+
+    def _figures(self) -> Dict[str, Any]:
+        figures = dict(self.figures)
+        resnet = figures["synthetic"].get("resnet50-fp32")
+        if resnet and "img_sec_per_rank" in resnet:
+            figures["resnet50_fp32_vs_v100_reference"] = {
+                "reference_img_s": V100_RESNET50_IMG_S, "ratio": round(resnet["img_sec_per_rank"] / V100_RESNET50_IMG_S, 2)}
+        for mode, by_ranks in self.figures["ranks_per_gpu"].items():
+            one = by_ranks.get("1", {}).get("total_img_sec")
+            if one:
+                figures.setdefault("ranks_per_gpu_gain", {})[mode] = {
+                    k: round(v["total_img_sec"] / one, 2) for k, v in by_ranks.items() if "total_img_sec" in v}
+        return figures
+
+    def figure_lines(self) -> List[str]:
+        lines = []
+        for name, f in self.figures["synthetic"].items():
+            lines.append(f"gpu-check: {name}: {f['img_sec_per_rank']:.1f} img/s (+-{f['img_sec_per_rank_conf']:.1f})")
+        for mode, by_ranks in self.figures["ranks_per_gpu"].items():
+            cells = ", ".join(f"{k} ranks {v['total_img_sec']:.1f}" for k, v in by_ranks.items())
+            lines.append(f"gpu-check: EDSR-baseline total img/s per GPU {mode}: {cells}")
+        return lines
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def _mps_control() -> Optional[str]:
+    """NVIDIA MPS's control program: on PATH, or beside a driver mounted at /usr/local/nvidia."""
+    return shutil.which("nvidia-cuda-mps-control") or shutil.which("nvidia-cuda-mps-control",
+                                                                   path="/usr/local/nvidia/bin:/usr/bin")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, not argparse's usage and error."""
+        self.exit(2, f"gpu-check: error: {message}\n")
+
+
+def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[], Optional[str]]] = None) -> int:
+    """Run the check; return the exit status.
+
+    Args:
+        cuda_reason: why CUDA cannot be used here (None: it can); default: hpdl's own probe.
+    """
+    parser = _Parser(prog="scripts/gpu-check.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="folder of the log and summary (default: $OUT, else gpu-check-out)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help=f"seconds the whole run may take (default {BUDGET_S:.0f})")
+    parser.add_argument("--steps", default=None,
+                        help="comma-separated step names or prefixes to run (default: all); --list shows them")
+    parser.add_argument("--list", action="store_true", help="print the steps and their commands, run nothing")
+    args = parser.parse_args(argv)
+    if not 0 < args.budget <= 3600:
+        parser.error(f"--budget must be in (0, 3600] seconds, got {args.budget:g}")
+
+    if str(ROOT) not in sys.path:  # the checkout's hpdl, however this file was started
+        sys.path.insert(0, str(ROOT))
+    from hpdl.launch.detect import detect_launchers
+
+    python = sys.executable
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    mps_dir = os.path.join(tempfile.gettempdir(), f"hpdl-gpu-check-mps-{os.getpid()}")
+    steps = plan(python, detect_launchers(env).torchrun, _mps_control(),
+                 importlib.util.find_spec("pytest") is not None,
+                 importlib.util.find_spec("pytest_timeout") is not None, mps_dir)
+    if args.steps:
+        try:
+            steps = select_steps(steps, [w.strip() for w in args.steps.split(",") if w.strip()])
+        except ValueError as err:
+            parser.error(f"--steps: {err}; --list shows them")
+    if args.list:
+        for step in steps:
+            print(f"{step.name}: {shown(step.argv)}" + (f" (skipped: {step.cannot})" if step.cannot else ""))
+        return 0
+
+    if cuda_reason is None:
+        try:
+            from hpdl.comm.select import cuda_unavailable_reason as cuda_reason
+        except ImportError as err:  # no torch: nothing here can use a GPU
+            print(f"gpu-check: cannot import PyTorch ({err}); nothing run", flush=True)
+            return 1
+    reason = cuda_reason()
+    if reason is not None:
+        print(f"gpu-check: no CUDA device here ({reason}); nothing run", flush=True)
+        return 0
+    for sub in ("pipe", "log"):  # the MPS daemon's folders, out of $OUT (whose files all come back)
+        os.makedirs(os.path.join(mps_dir, sub), exist_ok=True)
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-check-out")
+    return Check(steps, out_dir, args.budget, env).run()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `--list | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
