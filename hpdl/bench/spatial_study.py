@@ -334,7 +334,10 @@ def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = 
         ax.set_xlabel("ranks")
         ax.set_ylabel(label)
         ax.set_xticks(every)
-        ax.set_ylim(bottom=0)
+        # From zero, with room above the highest point (the autoscaled top is the point itself
+        # once the range is stretched down to zero, and its marker is cut in half).
+        highest = max((y for line in ax.get_lines() for y in line.get_ydata()), default=0)
+        ax.set_ylim(0, highest * 1.1 if highest > 0 else 1)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     height, width = record["image"]
