@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -128,6 +129,9 @@ def test_a_tiny_study_at_1_and_2_ranks_writes_its_table_json_and_plot(tmp_path):
     for run in (one, two):
         assert run["status"] == "ok" and len(run["step_s"]["real"]) == len(run["step_s"]["bound"]) == 2
         assert run["img_sec"] > 0 and run["bound_img_sec"] > 0 and 0.2 < run["efficiency"] < 2
+        cpu = run["cpu_s"]  # each round's CPU seconds per step, real and bound
+        assert len(cpu["real"]) == len(cpu["bound"]) == 2 and min(cpu["real"] + cpu["bound"]) > 0
+        assert run["cpu_ratio"] == pytest.approx(statistics.median(cpu["real"]) / statistics.median(cpu["bound"]))
         assert run["memory"] > 0 and len(run["memory_per_rank"]) == run["ranks"]
         assert run["peak_resident"] > run["memory"]  # the job's memory is above what each rank held at its start
     assert one["per_step"]["halo"]["calls"] == 0  # one band: nothing to exchange

@@ -14,7 +14,9 @@ progress lines on stderr (jobs.PROGRESS).
 - Rounds of ``steps`` steps each alternate the order (real then bound, bound then real, ...),
   each from a barrier, so that a drifting machine hits both alike; the figures are medians over
   the rounds, and the efficiency is the bound's step time over the real one (also as the median
-  of the rounds' own ratios, steadier on a drifting machine).
+  of the rounds' own ratios, steadier on a drifting machine). The ranks' CPU time per step,
+  real over bound, says what the communication adds to the work (copies, polling, the
+  gradients' allreduce) apart from waiting, however busy the machine is.
 - Memory, per rank: what is resident at the start (imports, hvd.init), and the most resident
   during the real steps (the kernel's high-water mark, reset before each real round); the
   job's memory is the difference: model, optimizer state, activations, the allocator's caches.
@@ -117,19 +119,21 @@ def _bound_step(net, step: Callable[[], None]) -> Callable[[], None]:
     return alone
 
 
-def _round(hvd, step: Callable[[], None], steps: int, peaks: List[int]) -> float:
-    """``steps`` steps from a barrier; return the slowest rank's seconds per step. The rank's
-    peak resident memory over them is added to ``peaks``."""
+def _round(hvd, step: Callable[[], None], steps: int, peaks: List[int]) -> Tuple[float, float]:
+    """``steps`` steps from a barrier; return the slowest rank's seconds per step, and the CPU
+    seconds per step the ranks' processes used (all their threads; the mean over ranks). The
+    rank's peak resident memory over them is added to ``peaks``."""
     hvd.barrier()
     memory.reset_peak()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = memory.peak_resident()
     if peak is not None:
         peaks.append(peak)
-    return max(hvd.allgather_object(elapsed, name="bench.spatial.round")) / steps
+    ranks = hvd.allgather_object((elapsed, cpu), name="bench.spatial.round")
+    return max(wall for wall, _ in ranks) / steps, statistics.fmean(c for _, c in ranks) / steps
 
 
 def measure(opts: JobOptions) -> Optional[Dict[str, Any]]:
@@ -167,11 +171,14 @@ def measure(opts: JobOptions) -> Optional[Dict[str, Any]]:
             steps["bound"]()
         _progress(rank, f"warm-up: {opts.warmup} real and bound step(s) in {time.perf_counter() - warm:.1f} s")
         times: Dict[str, List[float]] = {"real": [], "bound": []}
+        cpu: Dict[str, List[float]] = {"real": [], "bound": []}
         peaks: Dict[str, List[int]] = {"real": [], "bound": []}
         for r in range(opts.rounds):
             for mode in (("real", "bound") if r % 2 == 0 else ("bound", "real")):
                 traffic.on = mode == "real"
-                times[mode].append(_round(hvd, steps[mode], opts.steps, peaks[mode]))
+                wall, cpu_s = _round(hvd, steps[mode], opts.steps, peaks[mode])
+                times[mode].append(wall)
+                cpu[mode].append(cpu_s)
                 traffic.on = False
             _progress(rank, f"round {r + 1}/{opts.rounds}: {times['real'][-1]:.2f} s per step, bound "
                             f"{times['bound'][-1]:.2f} s")
@@ -185,10 +192,11 @@ def measure(opts: JobOptions) -> Optional[Dict[str, Any]]:
     ranks = hvd.allgather_object(mine, name="bench.spatial.ranks")
     if rank != 0:
         return None
-    return _record(opts, size, times, ranks)
+    return _record(opts, size, times, cpu, ranks)
 
 
-def _record(opts: JobOptions, size: int, times: Dict[str, List[float]], ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _record(opts: JobOptions, size: int, times: Dict[str, List[float]], cpu: Dict[str, List[float]],
+            ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     real, bound = median(times["real"]), median(times["bound"])
     memories = [r["peak_resident"] - r["start_resident"] for r in ranks
                 if r["peak_resident"] is not None and r["start_resident"] is not None]
@@ -200,6 +208,9 @@ def _record(opts: JobOptions, size: int, times: Dict[str, List[float]], ranks: L
         "img_sec": opts.batch_size / real, "bound_img_sec": opts.batch_size / bound,
         "efficiency": bound / real,
         "paired_efficiency": median([b / r for r, b in zip(times["real"], times["bound"])]),
+        # CPU seconds per step of a rank's process, however busy the machine: what the
+        # communication adds to the work (copies, polling, the engine), apart from waiting.
+        "cpu_s": cpu, "cpu_ratio": median(cpu["real"]) / median(cpu["bound"]) if median(cpu["bound"]) else None,
         # Per rank, and the most any rank needed: the image fits when its hungriest band does.
         "memory_per_rank": memories, "memory": max(memories) if memories else None,
         "peak_resident": max((r["peak_resident"] for r in ranks if r["peak_resident"] is not None), default=None),

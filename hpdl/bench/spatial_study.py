@@ -256,7 +256,7 @@ def summarize(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if run["status"] == "ok":
             halo, group = run["per_step"]["halo"], run["per_step"]["spatial"]
             row.update(img_sec=run["img_sec"], bound_img_sec=run["bound_img_sec"], efficiency=run["efficiency"],
-                       paired_efficiency=run["paired_efficiency"], memory=run["memory"],
+                       paired_efficiency=run["paired_efficiency"], cpu_ratio=run["cpu_ratio"], memory=run["memory"],
                        memory_vs_1_rank=run["memory"] / one if one and run["memory"] is not None else None,
                        peak_resident=run["peak_resident"], halo_calls=halo["calls"], halo_bytes=halo["bytes"],
                        halo_ms=halo["time_us"] / 1e3, group_ms=group["time_us"] / 1e3)
@@ -275,10 +275,11 @@ def format_summary(record: Dict[str, Any]) -> str:
     for s in record["summary"]:
         grid = f"{s['grid'][0]}x{s['grid'][1]}"
         if s["status"] != "ok":
-            rows.append([s["ranks"], grid, "does not fit"] + ["-"] * 9)
+            rows.append([s["ranks"], grid, "does not fit"] + ["-"] * 10)
             continue
         rows.append([s["ranks"], grid, f"{s['img_sec']:.3g}", f"{s['bound_img_sec']:.3g}", pct(s["efficiency"]),
-                     pct(s["paired_efficiency"]), _mib(s["memory"]),
+                     pct(s["paired_efficiency"]), "-" if s["cpu_ratio"] is None else f"{s['cpu_ratio']:.2f}",
+                     _mib(s["memory"]),
                      "-" if s["memory_vs_1_rank"] is None else f"{s['memory_vs_1_rank']:.2f}",
                      _mib(s["peak_resident"]), format_size(s["halo_bytes"]), f"{s['halo_ms']:.1f}",
                      f"{s['group_ms']:.1f}"])
@@ -291,10 +292,11 @@ def format_summary(record: Dict[str, Any]) -> str:
     head = (f"# spatial: {model}, {height}x{width} input, batch {record['batch_size']}, {record['threads']} thread(s) "
             f"per rank{', checkpointed blocks' if record['checkpoint'] else ''}{budget}; medians of "
             f"{record['rounds']} alternating rounds of {record['steps']} step(s) against the no-communication bound "
-            "in the same job (efficiency: bound's step time / real step time; paired: the rounds' own ratios); "
+            "in the same job (efficiency: bound's step time / real step time; paired: the rounds' own ratios; cpu: "
+            "a rank's CPU time per real step / per bound step, apart from waiting); "
             "memory per rank: the most any rank held above its start during the real steps; halo: bytes sent and "
             "received, and time, per step and rank")
-    header = ["ranks", "grid", "img/s", "bound img/s", "efficiency", "paired", "MiB/rank", "vs 1 rank",
+    header = ["ranks", "grid", "img/s", "bound img/s", "efficiency", "paired", "cpu", "MiB/rank", "vs 1 rank",
               "peak RSS MiB", "halo/step", "halo ms", "group ms"]
     lines = [head, format_table(header, rows)]
     lines += [f"{s['ranks']} rank(s), {s['grid'][0]}x{s['grid'][1]}: does not fit: {s['reason']}"
