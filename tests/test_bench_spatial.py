@@ -48,7 +48,7 @@ def no_jobs(monkeypatch, tmp_path):
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     (["--timeout", "0"], "--timeout takes seconds above 0"),
-    (["--allocator", "tcmalloc"], "--allocator takes release or default, got 'tcmalloc'"),
+    (["--allocator", "tcmalloc"], "--allocator takes release, keep, default, got 'tcmalloc'"),
     (["--json", "no/such/dir/s.json"], "--json: cannot write no/such/dir/s.json: its directory does not exist"),
     (["--plot", "s.xyz"], "--plot s.xyz: matplotlib writes no .xyz files"),
     (["--json", "s.json", "--plot", "s.json"], "--json and --plot name the same file, s.json"),
@@ -80,6 +80,40 @@ def test_points_run_each_rank_count_in_row_bands_unless_a_grid_is_given():
     assert argv[argv.index("run"):argv.index("--")] == ["run", "-np", "4"]
     job = json.loads(argv[-1])
     assert (job["image"], job["grid"], job["checkpoint"], job["model"]) == ([64, 32], [2, 2], True, "edsr-baseline")
+
+
+_FREED = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+def resident():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) << 10
+block = libc.malloc(64 << 20)
+ctypes.memset(block, 1, 64 << 20)
+held = resident()
+libc.free(ctypes.c_void_p(block))
+print(held - resident())
+"""
+
+
+@pytest.mark.parametrize("allocator,returned", [("release", True), ("keep", False)])
+def test_each_allocator_sets_glibcs_variables_and_frees_as_it_says(monkeypatch, allocator, returned):
+    for name in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    env = spatial_study.job_environment(SpatialStudyOptions(allocator=allocator))
+    malloc = {k: v for k, v in env.items() if k.startswith("MALLOC_")}
+    assert malloc == spatial_study.ALLOCATOR_ENVIRONMENT[allocator]
+    # A freed 64 MiB block: returned to the system at once (release), kept in the heap (keep).
+    freed = int(subprocess.run([sys.executable, "-c", _FREED], env=env, capture_output=True, text=True,
+                               check=True).stdout)
+    assert (freed > 60 << 20) if returned else (freed < 4 << 20), freed
+
+
+def test_malloc_variables_set_already_win(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert spatial_study.job_environment(SpatialStudyOptions(allocator="release"))["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    default = spatial_study.job_environment(SpatialStudyOptions(allocator="default"))
+    assert {k: v for k, v in default.items() if k.startswith("MALLOC_")} == {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 # -- the bound's mode ------------------------------------------------------------------------

@@ -389,10 +389,13 @@ def _register_spatial(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of real and bound steps (default 3)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="memory each rank may allocate beyond what it held at its start, e.g. 1.5G (enforced)")
-    p.add_argument("--allocator", default="release", metavar="release|default",
+    p.add_argument("--allocator", default="release", metavar="release|keep|default",
                    help="release (default): the jobs' malloc maps every block of 1 MiB or more on its own and "
-                        "returns it when freed (MALLOC_MMAP_THRESHOLD_=1048576, unless set), so that feature maps "
-                        "freed out of order do not leave its heap fragmented; default: glibc's own threshold")
+                        "returns it when freed (MALLOC_MMAP_THRESHOLD_=1048576), so that feature maps freed out of "
+                        "order do not leave its heap fragmented: the memory a step needs, at the cost of fresh "
+                        "zeroed pages for every map; keep: every block from the heap, never given back "
+                        "(MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_): the fastest step, fragmentation included "
+                        "in the memory; default: glibc's own (MALLOC_* variables set already win)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the record as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="write img/s and memory per rank against ranks, PNG unless the extension names another format")

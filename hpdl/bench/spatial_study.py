@@ -10,13 +10,21 @@ that one rank count's memory is not another's, and a memory budget (``max_memory
 enforced on each rank of each job. A point whose job runs out of that budget is recorded as
 not fitting, and the study goes on.
 
-The jobs' allocator (``allocator="release"``, unless MALLOC_MMAP_THRESHOLD_ is set already):
-glibc's malloc serves every block of 1 MiB or more with a mapping of its own, returned to the
-system when it is freed. By default glibc raises that threshold, up to 32 MiB, as it sees large
-blocks freed, and keeps smaller ones in its heap, where the feature maps of one step, freed in
-another order than they were made, leave it fragmented: a rank then holds far more than its
-step needs, the more so the smaller its band's maps (docs/spatial.md has the figures, and the
-step's small cost in time). ``allocator="default"`` measures glibc's own behaviour.
+The jobs' allocator, glibc's malloc set by its environment variables (each unless set already):
+
+- ``"release"`` (the default): every block of 1 MiB or more is a mapping of its own, returned
+  to the system when it is freed (MALLOC_MMAP_THRESHOLD_), so that a rank's peak is what its
+  step holds. By default glibc raises that threshold, up to 32 MiB, as it sees large blocks
+  freed, and keeps smaller ones in its heap, where the feature maps of one step, freed in
+  another order than they were made, leave it fragmented: a rank then holds more than its
+  step needs, the more so the smaller its band's maps. The price is time: the kernel hands
+  out zeroed pages for each new mapping, every feature map of every step.
+- ``"keep"``: every block comes from the heap, which is never given back (MALLOC_MMAP_MAX_=0,
+  MALLOC_TRIM_THRESHOLD_): no page is zeroed twice, the fastest step; the fragmentation shows
+  in the memory.
+- ``"default"``: glibc's own behaviour.
+
+docs/spatial.md has the figures of each.
 
 The jobs' fusion threshold (unless HPDL_FUSION_THRESHOLD or Horovod's name sets one) is the
 model's gradient bytes, rounded up to a MiB: every model here has fewer than the default 128
@@ -58,9 +66,13 @@ class SpatialStudyStopped(Stopped):
     points measured before."""
 
 
-ALLOCATORS = ("release", "default")
-# glibc's mmap threshold in the jobs' environment with allocator="release".
-RELEASE_THRESHOLD = 1 << 20
+# The jobs' malloc settings per allocator (see the module's docstring).
+ALLOCATOR_ENVIRONMENT: Dict[str, Dict[str, str]] = {
+    "release": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+    "default": {},
+}
+ALLOCATORS = tuple(ALLOCATOR_ENVIRONMENT)
 
 
 def default_image(model: str) -> Grid:
@@ -84,7 +96,7 @@ class SpatialStudyOptions:
     steps: int = 1
     rounds: int = 3
     max_memory: Optional[int] = None
-    allocator: str = "release"  # or "default": see the module's docstring
+    allocator: str = "release"  # or "keep", "default": see the module's docstring
     timeout_s: float = 3600.0  # per job
 
     def __post_init__(self) -> None:
@@ -113,7 +125,7 @@ class SpatialStudyOptions:
             raise ValueError(f"--scale of {self.model} must be one of {', '.join(map(str, scales_of(self.model)))}, "
                              f"got {self.scale}")
         if self.allocator not in ALLOCATORS:
-            raise ValueError(f"--allocator takes {' or '.join(ALLOCATORS)}, got {self.allocator!r}")
+            raise ValueError(f"--allocator takes {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         if self.max_memory is not None and self.max_memory < 1:
             raise ValueError(f"--max-memory must be above 0, got {self.max_memory}")
         check_timeout(self.timeout_s)
@@ -163,17 +175,19 @@ def job_environment(opts: SpatialStudyOptions) -> Dict[str, str]:
 
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(opts.threads)
-    if opts.allocator == "release":
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(RELEASE_THRESHOLD))
+    env.update(malloc_environment(opts))
     if "HPDL_FUSION_THRESHOLD" not in env and "HOROVOD_FUSION_THRESHOLD" not in env:
         _, gradient_bytes = count_parameters(build_workload(opts.model, 1, opts.scale, image=(1, 1)).model)
         env["HPDL_FUSION_THRESHOLD"] = str(max(1, -(-gradient_bytes // 2**20)) * 2**20)
     return env
 
 
-def job_environment_threshold(opts: SpatialStudyOptions) -> Optional[str]:
-    """The MALLOC_MMAP_THRESHOLD_ the jobs run with (None: glibc's dynamic default)."""
-    return os.environ.get("MALLOC_MMAP_THRESHOLD_", str(RELEASE_THRESHOLD) if opts.allocator == "release" else None)
+def malloc_environment(opts: SpatialStudyOptions) -> Dict[str, str]:
+    """glibc's MALLOC_* variables the jobs run with: the allocator's, and any set here already
+    (which win)."""
+    env = dict(ALLOCATOR_ENVIRONMENT[opts.allocator])
+    env.update((k, v) for k, v in os.environ.items() if k.startswith("MALLOC_"))
+    return env
 
 
 def job_argv(opts: SpatialStudyOptions, ranks: int, grid: Grid) -> List[str]:
@@ -240,7 +254,7 @@ def _record(opts: SpatialStudyOptions, runs: List[Dict[str, Any]], failure: Opti
               "scale": opts.scale if opts.model in sr_models() else None, "batch_size": opts.batch_size,
               "checkpoint": opts.checkpoint, "threads": opts.threads, "warmup": opts.warmup, "steps": opts.steps,
               "rounds": opts.rounds, "max_memory": opts.max_memory, "allocator": opts.allocator,
-              "malloc_mmap_threshold": job_environment_threshold(opts), "ranks": list(opts.ranks),
+              "malloc_environment": malloc_environment(opts), "ranks": list(opts.ranks),
               "runs": runs, "summary": summarize(runs)}
     if failure is not None:
         record.update(complete=False, failure=failure)
@@ -286,9 +300,8 @@ def format_summary(record: Dict[str, Any]) -> str:
     height, width = record["image"]
     model = record["model"] + (f" x{record['scale']}" if record["scale"] else "")
     budget = f"; --max-memory {format_size(record['max_memory'])} per rank" if record["max_memory"] else ""
-    threshold = record.get("malloc_mmap_threshold")
-    budget += (f"; malloc maps blocks from {format_size(int(threshold))}" if threshold and threshold.isdigit()
-               else "; glibc's default malloc")
+    settings = " ".join(f"{k}={v}" for k, v in sorted(record["malloc_environment"].items()))
+    budget += f"; malloc: {record['allocator']}" + (f" ({settings})" if settings else "")
     head = (f"# spatial: {model}, {height}x{width} input, batch {record['batch_size']}, {record['threads']} thread(s) "
             f"per rank{', checkpointed blocks' if record['checkpoint'] else ''}{budget}; medians of "
             f"{record['rounds']} alternating rounds of {record['steps']} step(s) against the no-communication bound "
