@@ -1,11 +1,13 @@
-"""`hpdl bench spatial`: its options and refusals (before any job), the no-communication mode its
-bound runs in, a tiny real study at 1 and 2 ranks with its record and plot, and --max-memory
-enforced for real (one process does not fit where two ranks do)."""
+"""`hpdl bench spatial`: its options and refusals (before any job), the jobs' allocators, the
+no-communication mode its bound runs in, its summary and plot, and a real study at 1 and 2 ranks
+with --max-memory enforced for real (one process does not fit where two ranks do)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -119,7 +121,7 @@ def test_malloc_variables_set_already_win(monkeypatch):
 # -- the bound's mode ------------------------------------------------------------------------
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # two border bands and one between them
 def test_no_communication_computes_each_band_alone_and_sends_nothing(n):
     result = run_ranks("spatial_alone.py", n, "mpiexec", timeout=180)
     for rank in range(n):
@@ -150,43 +152,59 @@ def _halo_bytes_per_step(model: nn.Module, shape) -> int:
 
 
 @pytest.mark.multirank
-def test_a_tiny_study_at_1_and_2_ranks_writes_its_table_json_and_plot(tmp_path):
+def test_a_study_where_one_process_does_not_fit_max_memory_and_two_ranks_do(tmp_path):
+    # EDSR-baseline x2 on 128 x 128 (the jobs' malloc returning freed blocks at once): one process
+    # allocates 300-340 MiB beyond its start, each of two ranks 200-230 MiB (measured with budgets).
     from hpdl.sr.models import build_model
 
-    done = _study(tmp_path, "--model", "edsr-baseline", "--image", "32", "--ranks", "1,2", "--rounds", "2",
-                  "--json", "s.json", "--plot", "s.png")
+    done = _study(tmp_path, "--model", "edsr-baseline", "--image", "128", "--ranks", "1,2", "--rounds", "2",
+                  "--warmup", "0", "--max-memory", "265M", "--json", "s.json", "--plot", "s.png")
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "s.json").read_text())
-    assert record["benchmark"] == "spatial" and record["image"] == [32, 32] and record.get("complete") is None
+    assert record["benchmark"] == "spatial" and record["image"] == [128, 128] and record.get("complete") is None
+    assert record["malloc_environment"] == {"MALLOC_MMAP_THRESHOLD_": "1048576"}
     one, two = record["runs"]
     assert (one["ranks"], one["grid"], two["ranks"], two["grid"]) == (1, [1, 1], 2, [2, 1])
-    for run in (one, two):
-        assert run["status"] == "ok" and len(run["step_s"]["real"]) == len(run["step_s"]["bound"]) == 2
-        assert run["img_sec"] > 0 and run["bound_img_sec"] > 0 and 0.2 < run["efficiency"] < 2
-        cpu = run["cpu_s"]  # each round's CPU seconds per step, real and bound
-        assert len(cpu["real"]) == len(cpu["bound"]) == 2 and min(cpu["real"] + cpu["bound"]) > 0
-        assert run["cpu_ratio"] == pytest.approx(statistics.median(cpu["real"]) / statistics.median(cpu["bound"]))
-        assert run["memory"] > 0 and len(run["memory_per_rank"]) == run["ranks"]
-        assert run["peak_resident"] > run["memory"]  # the job's memory is above what each rank held at its start
-    assert one["per_step"]["halo"]["calls"] == 0  # one band: nothing to exchange
-    expected = _halo_bytes_per_step(build_model("edsr-baseline", 2), (1, 3, 32, 32))
+    assert one["status"] == "does not fit" and "beyond the 265 MiB of --max-memory" in one["reason"], one
+    assert "1 rank(s), 1x1: does not fit: rank 0 could not allocate" in done.stdout
+    assert two["status"] == "ok" and len(two["step_s"]["real"]) == len(two["step_s"]["bound"]) == 2
+    assert two["img_sec"] > 0 and two["bound_img_sec"] > 0 and 0.2 < two["efficiency"] < 2
+    cpu = two["cpu_s"]  # each round's CPU seconds per step, real and bound
+    assert len(cpu["real"]) == len(cpu["bound"]) == 2 and min(cpu["real"] + cpu["bound"]) > 0
+    assert two["cpu_ratio"] == pytest.approx(statistics.median(cpu["real"]) / statistics.median(cpu["bound"]))
+    assert 0 < two["memory"] < 265 * 2**20 and len(two["memory_per_rank"]) == 2
+    assert two["peak_resident"] > two["memory"]  # the job's memory is above what each rank held at its start
+    expected = _halo_bytes_per_step(build_model("edsr-baseline", 2), (1, 3, 128, 128))
     assert two["per_step"]["halo"]["bytes"] == expected and two["per_step"]["halo"]["time_us"] > 0
-    assert [s["memory_vs_1_rank"] for s in record["summary"]][0] == 1.0
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:2] in (["1", "1x1"], ["2", "2x1"])]
-    assert len(rows) == 2, done.stdout
+    rows = {tuple(line.split()[:3]) for line in done.stdout.splitlines()}
+    assert ("1", "1x1", "does") in rows and any(row[:2] == ("2", "2x1") for row in rows), done.stdout
     assert "wrote s.json and s.png" in done.stdout
     assert "2 rank(s), 2x1: round 2/2:" in done.stdout  # progress from inside the job
 
 
-@pytest.mark.multirank
-def test_max_memory_is_enforced_one_process_does_not_fit_where_two_ranks_do(tmp_path):
-    # EDSR-baseline x2 on 128 x 128 (the jobs' malloc returning freed blocks at once): one process
-    # allocates 300-340 MiB beyond its start, each of two ranks 200-230 MiB (measured with budgets).
-    done = _study(tmp_path, "--model", "edsr-baseline", "--image", "128", "--ranks", "1,2", "--rounds", "1",
-                  "--warmup", "0", "--max-memory", "265M", "--json", "s.json")
-    assert done.returncode == 0, done.stderr
-    one, two = json.loads((tmp_path / "s.json").read_text())["runs"]
-    assert one["status"] == "does not fit" and "beyond the 265 MiB of --max-memory" in one["reason"], one
-    assert two["status"] == "ok" and two["memory"] < 265 * 2**20
-    assert "1 rank(s), 1x1: does not fit: rank 0 could not allocate" in done.stdout
+def _run(ranks: int, memory: int, halo_calls: float) -> dict:
+    """A point's record as spatial.py writes it, with made-up figures."""
+    traffic = {"calls": halo_calls, "bytes": 1000.0 * halo_calls, "time_us": 2000.0}
+    return {"ranks": ranks, "grid": [ranks, 1], "status": "ok", "img_sec": 1.0 * ranks, "bound_img_sec": 1.1 * ranks,
+            "efficiency": 0.9, "paired_efficiency": 0.91, "cpu_ratio": 1.01, "memory": memory,
+            "peak_resident": memory + 100 * 2**20, "per_step": {"halo": traffic, "spatial": dict(traffic, calls=0)}}
+
+
+def test_the_summary_compares_memory_with_one_rank_and_shows_points_that_do_not_fit():
+    runs = [_run(1, 400 * 2**20, 0), _run(2, 200 * 2**20, 10),
+            {"ranks": 4, "grid": [4, 1], "status": "does not fit", "reason": "rank 3 could not allocate 64 MiB"}]
+    summary = spatial_study.summarize(runs)
+    assert [s.get("memory_vs_1_rank") for s in summary] == [1.0, 0.5, None]
+    record = {"model": "edsr-baseline", "image": [64, 64], "scale": 2, "batch_size": 1, "threads": 1, "checkpoint": False,
+              "rounds": 3, "steps": 1, "max_memory": 300 * 2**20, "allocator": "release",
+              "malloc_environment": {"MALLOC_MMAP_THRESHOLD_": "1048576"}, "summary": summary}
+    text = spatial_study.format_summary(record)
+    assert "--max-memory 300 MiB per rank; malloc: release (MALLOC_MMAP_THRESHOLD_=1048576)" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if re.match(r"\d+ +\d+x\d+ ", line)}
+    assert rows["1"][2:9] == ["1", "1.1", "90%", "91%", "1.01", "400", "1.00"]
+    assert rows["2"][8] == "0.50" and rows["4"][2:5] == ["does", "not", "fit"]
+    assert "4 rank(s), 4x1: does not fit: rank 3 could not allocate 64 MiB" in text
+    out = io.BytesIO()
+    spatial_study.plot(record, out)
+    assert out.getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
