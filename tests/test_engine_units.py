@@ -93,6 +93,23 @@ def test_validation_names_tensor_field_and_ranks():
     assert validate("g", {0: gather(1), 1: gather(5)}) is None  # first dims may differ
 
 
+def test_a_signature_is_read_by_name_and_hashable():
+    from hpdl.engine.negotiation import _FIELD_TEXT
+    from hpdl.engine.request import Signature, signature_of
+
+    sig = Request(RequestKind.ALLREDUCE, "w", tensor=torch.zeros(2, 3), op=Op.AVERAGE, prescale=0.5,
+                  priority=4).signature()
+    assert isinstance(sig, Signature)
+    assert (sig.kind, sig.dtype, sig.shape, sig.device, sig.op, sig.root, sig.scales, sig.splits, sig.group,
+            sig.priority) == ("allreduce", "float32", (2, 3), "cpu", "average", None, (0.5, 1.0), None, None, 4)
+    # as it travels in a full exchange (a plain tuple) and comes back: equal, same hash, same key
+    again = signature_of(tuple(sig))
+    assert again == sig and hash(again) == hash(sig) and {sig: 1}[again] == 1 and again.shape == (2, 3)
+    barrier = Request(RequestKind.BARRIER, "b").signature()
+    assert barrier.kind == "barrier" and barrier.dtype is None and barrier.root == 0
+    assert list(_FIELD_TEXT) and set(_FIELD_TEXT) == set(Signature._fields)  # every field has its words
+
+
 def test_handle_result_error_and_callbacks():
     h = Handle("x")
     seen = []

@@ -78,7 +78,7 @@ from hpdl.engine.failure import EngineFailures
 from hpdl.engine.handle import Handle
 from hpdl.engine.negotiation import FLAG_SHUTDOWN, ROOM_UNITS, TUNING_NONE, Controller, CycleResult, ranks_text
 from hpdl.engine.process_set import ProcessSet
-from hpdl.engine.request import SIG_ROOT, SIG_SPLITS, Request, RequestKind, Response
+from hpdl.engine.request import Request, RequestKind, Response
 
 log = logging.getLogger("hpdl.engine")
 
@@ -632,7 +632,7 @@ class Engine(EngineFailures):
             if handle is not None:
                 handle.set_result(response.last_joined)
         elif response.kind == RequestKind.ADD_PROCESS_SET:
-            ranks = list(response.signature[SIG_SPLITS])
+            ranks = list(response.signature.splits)
             sub = self.comm.split(ranks)  # collective over every rank, in the agreed order
             set_id = self._next_set_id
             self._next_set_id += 1
@@ -643,13 +643,13 @@ class Engine(EngineFailures):
             if handle is not None:
                 handle.set_result(set_id)
         elif response.kind == RequestKind.SPLIT_COMMUNICATOR:
-            sub = self.comm.split(list(response.signature[SIG_SPLITS]))  # collective, in the agreed order
+            sub = self.comm.split(list(response.signature.splits))  # collective, in the agreed order
             if handle is not None:
                 handle.set_result(sub)
             elif sub is not None:
                 sub.close()
         elif response.kind == RequestKind.REMOVE_PROCESS_SET:
-            set_id = response.signature[SIG_ROOT]
+            set_id = response.signature.root
             ps = self._sets.pop(set_id, None)
             if ps is not None:
                 self._fail_set(ps, f"process set {set_id} was removed")

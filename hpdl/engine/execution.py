@@ -27,7 +27,7 @@ from hpdl.engine import events as ev
 from hpdl.engine.adasum import adasum_
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.fusion import FusionBuffers, dtype_of, plan_fusion
-from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
+from hpdl.engine.request import Op, Request, RequestKind, Response
 
 _BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.MIN.value: ReduceOp.MIN,
                 Op.MAX.value: ReduceOp.MAX, Op.PRODUCT.value: ReduceOp.PRODUCT}
@@ -307,8 +307,8 @@ class Executor:
                    cycle: int) -> None:
         first = batch[0].signature
         dtype = dtype_of(batch[0])
-        op_name = first[SIG_OP]
-        prescale, postscale = first[SIG_SCALES]
+        op_name = first.op
+        prescale, postscale = first.scales
         divisor = comm.size if op_name == _AVERAGE else 1
         outputs: List[torch.Tensor] = []
         inputs: List[torch.Tensor] = []
@@ -317,8 +317,8 @@ class Executor:
             request = requests.get(response.name)
             members.append(request)
             if request is None:  # this rank has joined: contribute zeros of the agreed shape
-                zeros = torch.zeros(response.signature[SIG_SHAPE], dtype=dtype,
-                                    device=zeros_device(response.signature[SIG_DEVICE], self.join_device))
+                zeros = torch.zeros(response.signature.shape, dtype=dtype,
+                                    device=zeros_device(response.signature.device, self.join_device))
                 inputs.append(zeros)
                 outputs.append(zeros)
             else:
@@ -329,7 +329,7 @@ class Executor:
         names = tuple(r.name for r in batch)
         op_label = f"{comm.name.upper()}_ALLREDUCE"
         # What observers alone need (the profiler's tensor sizes), built only when observed.
-        described = {"sizes": tuple(r.nbytes for r in batch), "dtype": first[SIG_DTYPE],
+        described = {"sizes": tuple(r.nbytes for r in batch), "dtype": first.dtype,
                      "backend": comm.name} if bus.active else {}
         if op_name == _ADASUM:
             # Adasum combines tensor by tensor where they lie: no fusion buffer.
@@ -411,12 +411,12 @@ class Executor:
         copying 3 MB, so they are made once. The key holds the buffer's address and every
         member's name and shape, so a changed layout never reuses stale views.
         """
-        key = (buffer.data_ptr(), names, tuple(r.signature[SIG_SHAPE] for r in batch))
+        key = (buffer.data_ptr(), names, tuple(r.signature.shape for r in batch))
         views = self._view_cache.get(key)
         if views is None:
             views, offset = [], 0
             for response in batch:
-                views.append(buffer[offset:offset + response.numel].view(response.signature[SIG_SHAPE]))
+                views.append(buffer[offset:offset + response.numel].view(response.signature.shape))
                 offset += response.numel
             if len(self._view_cache) >= _VIEW_CACHE_SIZE:
                 self._view_cache.pop(next(iter(self._view_cache)))
@@ -428,33 +428,33 @@ class Executor:
         tensor = request.tensor
         nbytes = request.nbytes
         label = f"{comm.name.upper()}_{kind.value.upper()}"
-        described = {"sizes": (nbytes,), "dtype": response.signature[SIG_DTYPE] or "",
+        described = {"sizes": (nbytes,), "dtype": response.signature.dtype or "",
                      "backend": comm.name} if self.bus.active else {}
         span = ev.Span(self.bus, phase=ev.COLLECTIVE, kind=kind.value, names=(response.name,), nbytes=nbytes,
                        op=label, rank=self.rank, process_set_id=ps, cycle=cycle, **described)
         result = None
         with span:
             if kind == RequestKind.ALLGATHER:
-                first_dims = [sig[SIG_SHAPE][0] for sig in response.signatures]
+                first_dims = [sig.shape[0] for sig in response.signatures]
                 result = comm.allgather(tensor, first_dims=first_dims)
             elif kind == RequestKind.BROADCAST:
                 out = request.output if request.output is not None else tensor
                 if out is not tensor:
                     out.copy_(tensor)
-                comm.broadcast(out, response.signature[SIG_ROOT])
+                comm.broadcast(out, response.signature.root)
                 result = out
             elif kind == RequestKind.ALLTOALL:
                 def splits_of(sig):
-                    splits = sig[SIG_SPLITS]
-                    return list(splits) if splits is not None else even_split(sig[SIG_SHAPE][0], comm.size)
+                    splits = sig.splits
+                    return list(splits) if splits is not None else even_split(sig.shape[0], comm.size)
 
                 mine = splits_of(response.signatures[comm.rank])
                 received = [splits_of(sig)[comm.rank] for sig in response.signatures]
                 out, recv = comm.alltoall(tensor, mine, received)
                 result = (out, torch.tensor(recv, dtype=torch.int32))
             elif kind == RequestKind.REDUCESCATTER:
-                prescale, postscale = response.signature[SIG_SCALES]
-                op_name = response.signature[SIG_OP]
+                prescale, postscale = response.signature.scales
+                op_name = response.signature.op
                 divisor = comm.size if op_name == _AVERAGE else 1
                 source = tensor
                 if prescale != 1.0:

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from hpdl.engine.request import SIG_DTYPE, Response
+from hpdl.engine.request import Response
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -25,7 +25,7 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in (
 
 
 def dtype_of(response: Response) -> torch.dtype:
-    return _DTYPES[response.signature[SIG_DTYPE]]
+    return _DTYPES[response.signature.dtype]
 
 
 def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: int = 0) -> List[List[Response]]:
