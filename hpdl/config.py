@@ -124,11 +124,11 @@ class Settings:
     )
     # Bytes of prioritized allreduces (DistributedOptimizer(overlap_forward=...)) a rank keeps
     # in flight or queued to start (over MPI, half of it at most in flight); the rest wait,
-    # agreed, to start in priority order (see engine.py, Priorities).
+    # agreed, to start in priority order (see engine/scheduling.py, Priorities).
     priority_window: int = dataclasses.field(default=8 * 1024 * 1024, metadata={"env": "HPDL_PRIORITY_WINDOW"})
     # A round for allreduces no caller waits for yet waits until this many bytes of them are
     # pending or the oldest has waited HPDL_GATHER_TIME ms, so that a round agrees, and one
-    # call moves, a fused message worth its cost (see engine.py, Gathering); 0: a round as
+    # call moves, a fused message worth its cost (see engine/scheduling.py, Gathering); 0: a round as
     # soon as anything is pending.
     gather_bytes: int = dataclasses.field(default=1024 * 1024, metadata={"env": "HPDL_GATHER_BYTES"})
     gather_time_ms: float = dataclasses.field(default=50.0, metadata={"env": "HPDL_GATHER_TIME"})
@@ -162,7 +162,7 @@ class Settings:
     # ranks on one GPU): the ranks talk over gloo or MPI.
     ranks_per_gpu: int = dataclasses.field(default=1, metadata={"env": "HPDL_RANKS_PER_GPU"})
     # How much lower than the compute the engine thread runs (a nice increment, 0-19); auto:
-    # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine.py, Pacing).
+    # 19 when this node's ranks compute on CPU cores they fill, else 0 (see engine/engine.py).
     engine_nice: str = dataclasses.field(default="auto", metadata={"env": "HPDL_ENGINE_NICE"})
     # Tune the fusion threshold and the cycle time while the job runs (hpdl/engine/autotune.py):
     # the samples to discard first, the training steps per sub-sample, the samples to tune

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from hpdl.comm import Communicator, InFlight, ReduceOp, even_split
 from hpdl.engine import events as ev
 from hpdl.engine.adasum import adasum_
+from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.fusion import FusionBuffers, dtype_of, plan_fusion
 from hpdl.engine.request import Op, Request, RequestKind, Response
@@ -72,7 +72,8 @@ class _Flight:
     # ``finish`` completes the handles and tells observers (DONE).
 
     def __init__(self, flight: InFlight, span: ev.Span, finish: Callable[[], None], batch: List[Response],
-                 requests: Dict[str, Request], process_set_id: int, cycle: int, buffer_key: Optional[tuple]):
+                 requests: Dict[str, Request], process_set_id: int, cycle: int, buffer_key: Optional[tuple],
+                 started: float):
         self.flight = flight
         self.span = span
         self.finish = finish
@@ -81,7 +82,7 @@ class _Flight:
         self.process_set_id = process_set_id
         self.cycle = cycle
         self.buffer_key = buffer_key  # the fusion buffer it occupies, if any
-        self.started = time.monotonic()
+        self.started = started  # clock time (the engine's watch compares it)
         self.nbytes = sum(r.nbytes for r in batch)
         self.done_us: Optional[float] = None  # when the backend finished it (its thread's clock)
 
@@ -90,13 +91,15 @@ class Executor:
     """Carries out responses for one engine; owns the fusion buffers and the counters."""
 
     def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int, inplace_threshold: int = 0,
-                 background: bool = True, on_done: Optional[Callable[[], None]] = None):
+                 background: bool = True, on_done: Optional[Callable[[], None]] = None,
+                 clock: Clock = SYSTEM_CLOCK):
         """
         Args:
             background: keep allreduces in flight where the backend runs them in the
                 background (HPDL_BACKGROUND_COLLECTIVES); else every call blocks.
             on_done: called from the backend's thread when a collective in flight is done
                 (the engine wakes to finish it).
+            clock: when collectives in flight started is read from it (the engine's clock).
         """
         self.bus = bus
         self.rank = rank
@@ -104,6 +107,7 @@ class Executor:
         self.inplace_threshold = inplace_threshold
         self.background = background
         self._on_done = on_done
+        self._clock = clock
         self.in_flight: "collections.deque[_Flight]" = collections.deque()
         self._in_flight_lock = threading.Lock()  # the watch thread may fail them meanwhile
         self.in_flight_bytes = 0
@@ -244,7 +248,7 @@ class Executor:
         head.flight.done()
 
     def oldest_in_flight(self) -> Optional[float]:
-        """When the oldest collective still in flight started (time.monotonic), if any."""
+        """When the oldest collective still in flight started (clock time), if any."""
         in_flight = self.in_flight
         return in_flight[0].started if in_flight else None
 
@@ -272,7 +276,7 @@ class Executor:
         if flight is None:
             comm.allreduce(tensor, op)
         elif not flight.done():
-            entry = _Flight(flight, span, finish, batch, requests, ps, cycle, buffer_key)
+            entry = _Flight(flight, span, finish, batch, requests, ps, cycle, buffer_key, self._clock.monotonic())
             with self._in_flight_lock:
                 self.in_flight.append(entry)
                 self.in_flight_bytes += entry.nbytes

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -27,6 +26,7 @@ import torch
 
 from hpdl.comm import Communicator, ReduceOp
 from hpdl.engine.cache import ResponseCache
+from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.request import Request, RequestKind, Response, Signature, signature_of
 
 log = logging.getLogger("hpdl.engine")
@@ -121,8 +121,10 @@ class Controller:
     """Negotiation state of one process set on this rank (one per set the rank belongs to)."""
 
     def __init__(self, comm: Communicator, process_set_id: int, cache_capacity: int,
-                 stall_warning_s: float, stall_timeout_s: float, global_ranks: Sequence[int]):
+                 stall_warning_s: float, stall_timeout_s: float, global_ranks: Sequence[int],
+                 clock: Clock = SYSTEM_CLOCK):
         self.comm = comm
+        self.clock = clock  # requests' arrival times and stall checks are on it
         self.process_set_id = process_set_id
         self.rank = comm.rank
         self.size = comm.size
@@ -151,7 +153,7 @@ class Controller:
             room: this rank's room for prioritized allreduces, 0 .. ROOM_UNITS units.
             tuning: on the set's rank 0, the autotuner's word; elsewhere TUNING_NONE.
         """
-        now = time.monotonic()
+        now = self.clock.monotonic()
         positions: List[int] = []
         lookup = self.cache.lookup
         join = RequestKind.JOIN

@@ -90,11 +90,11 @@ class Request:
     allreduce and broadcast (it may be ``tensor`` itself); other kinds allocate their output.
     ``group`` = (group name, member count) asks that all members be negotiated and fused
     together. ``priority`` (an allreduce's; lower runs sooner) holds it back once agreed, to
-    start in priority order as the backend has room (see engine.py, Priorities).
+    start in priority order as the backend has room (see scheduling.py, Priorities).
     ``bytes_to_come`` (an allreduce's, optional) is how many bytes the caller will submit right
     after it in the same burst (DistributedOptimizer: the step's gradients not yet made); it
     ends a gathering early, so that the last gradients are not held back together (see
-    engine.py, Gathering). It is a local hint, not part of the signature. A plain class with
+    scheduling.py, Gathering). It is a local hint, not part of the signature. A plain class with
     slots: one is made per tensor per training step.
     """
 
@@ -120,7 +120,7 @@ class Request:
         self.priority = priority
         self.bytes_to_come = bytes_to_come
         self.handle = None  # set by the engine at submission
-        self.arrival = 0.0  # time.monotonic() when the engine thread took it from the queue
+        self.arrival = 0.0  # when the engine thread took it from the queue (the engine clock's time)
         self._signature: Optional[Signature] = None
 
     def signature(self) -> Signature:

@@ -208,7 +208,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     ``overlap_forward`` uses it so that the first layers' gradients travel first).
     ``bytes_to_come`` (hpdl's own, a hint): how many bytes of allreduces this caller will submit
     right after this one (DistributedOptimizer: the step's gradients not yet made), so that
-    the engine does not hold the last ones back to gather them (engine.py, Gathering).
+    the engine does not hold the last ones back to gather them (engine/scheduling.py, Gathering).
     """
     op = _resolve_op(average, op)
     # This runs once per gradient per step: the common case (contiguous) is kept short.

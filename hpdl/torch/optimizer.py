@@ -100,7 +100,7 @@ class _DistributedOptimizerMixin(OverlapForwardMixin):
         self._ref = weakref.ref(self)
         self._init_overlap_state()
         # The bytes of gradient one step reduces, and those not submitted yet this step: each
-        # allreduce tells the engine how many are still to come (engine.py, Gathering).
+        # allreduce tells the engine how many are still to come (engine/scheduling.py, Gathering).
         self._step_bytes = self._bytes_left = 0
         if self._included:
             for group in self.param_groups:
