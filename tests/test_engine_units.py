@@ -280,6 +280,17 @@ def test_fused_batches_take_a_second_buffer_then_wait_for_the_oldest():
         torch.testing.assert_close(third[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
 
 
+def test_a_joined_rank_contributes_zeros_of_the_agreed_shape():
+    from hpdl.engine.allreduce import InPlace
+
+    _, responses = _average_requests(1, 6)  # this rank has joined: none of the batch's requests is its own
+    alone = InPlace(responses, {}, comm=_DoublingComm(), join_device=-1, bus=ev.EventBus(), rank=0,
+                    process_set_id=0, cycle=0)
+    assert alone.members == [None] and alone.inputs[0] is alone.outputs[0]
+    torch.testing.assert_close(alone.begin(), torch.zeros(6))
+    assert alone.divisor == 2  # an average over both ranks, the joined one's zeros included
+
+
 def test_collectives_in_flight_fail_with_the_engine():
     from hpdl.engine.execution import Executor
 
