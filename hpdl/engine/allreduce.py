@@ -157,7 +157,7 @@ class Fused(Allreduce):
         inputs = self.inputs
         with self.span(ev.MEMCPY_IN):
             if all(t.dim() == 1 for t in inputs):
-                torch.cat(inputs, out=self.buffer)  # one kernel: three times faster than 200 copies
+                torch.cat(inputs, out=self.buffer)  # one kernel, not a copy per tensor
             else:
                 torch._foreach_copy_(self.views, inputs)
         scale_(self.buffer, self.prescale)
