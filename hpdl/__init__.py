@@ -4,5 +4,9 @@ Layers (imports point downwards): launch, spark, sr, bench, profile -> torch -> 
 Import ``hpdl.torch`` (as ``hvd``) for the training API.
 """
 
+from hpdl import rank_exit as _rank_exit
+
 __version__ = "0.1.0"
 __all__ = ["__version__"]
+
+_rank_exit.install()  # under `hpdl run`: a rank's own exit is noted for its parent (rank_exit.py)

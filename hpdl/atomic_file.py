@@ -148,10 +148,48 @@ def _alive(pid: int) -> bool:
 
 def _make_parent(path: Path) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        # Some ancestor is a file; name the target the caller asked for, and that ancestor.
-        blocker = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), path.parent)
-        raise NotADirectoryError(errno.ENOTDIR, f"{blocker} is not a directory", str(path)) from None
-    except OSError as err:
+        make_directories(path.parent)
+    except OSError as err:  # named by the target the caller asked for
         raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+def make_directories(directory: Union[str, os.PathLike]) -> None:
+    """Create ``directory`` and its missing parents, for outputs (nothing when it exists).
+
+    Raises:
+        NotADirectoryError: when a file is where a directory must be, naming it:
+            ``<file> is a file, not a directory`` (the system says "File exists" or "Not a
+            directory", naming neither).
+        OSError: the system's other refusals (permissions, a read-only file system).
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = blocking_file(directory)
+        if blocker is None:
+            raise
+        raise NotADirectoryError(errno.ENOTDIR, not_a_directory(blocker), str(directory)) from None
+
+
+def file_in_the_way(path: Union[str, os.PathLike]) -> Optional[str]:
+    """The nearest existing ancestor directory of ``path`` when it is not a directory (a file
+    where a directory must be, so ``path`` can never be written), else None."""
+    return blocking_file(os.path.dirname(os.path.abspath(path)))
+
+
+def blocking_file(directory: Union[str, os.PathLike]) -> Optional[str]:
+    """The nearest existing one of ``directory`` and its ancestors when it is not a directory
+    (so ``directory`` can never be made), else None."""
+    directory = os.path.abspath(directory)
+    while True:
+        if os.path.exists(directory):
+            return None if os.path.isdir(directory) else directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+
+
+def not_a_directory(blocker: Union[str, os.PathLike]) -> str:
+    """How every error says that ``blocker``, a file, stands where a directory must be."""
+    return f"{blocker} is a file, not a directory"

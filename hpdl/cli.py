@@ -14,6 +14,7 @@ import sys
 from typing import IO, Any, Callable, NoReturn, Optional, Sequence
 
 from hpdl import __version__
+from hpdl.atomic_file import file_in_the_way, not_a_directory
 from hpdl.config import SettingsError
 
 
@@ -40,7 +41,7 @@ def check_output(option: str, path: str, inputs: Sequence[str] = (), overwrite: 
     directory = os.path.dirname(os.path.abspath(path))
     blocker = file_in_the_way(path)
     if blocker is not None:
-        raise CliError(f"{option}: cannot write {path}: {blocker} is not a directory")
+        raise CliError(f"{option}: cannot write {path}: {not_a_directory(blocker)}")
     if not os.path.isdir(directory):
         raise CliError(f"{option}: cannot write {path}: its directory does not exist")
     if os.path.isdir(path):
@@ -59,19 +60,6 @@ def check_output(option: str, path: str, inputs: Sequence[str] = (), overwrite: 
             raise CliError(f"{where}: is the input {source}; write to another file")
     if not overwrite and os.path.lexists(path):
         raise CliError(f"{where}: already exists; pass --overwrite to replace it")
-
-
-def file_in_the_way(path: str) -> Optional[str]:
-    """The nearest existing ancestor directory of ``path`` when it is not a directory (a regular
-    file where a directory must be, so ``path`` can never be written), else None."""
-    directory = os.path.dirname(os.path.abspath(path))
-    while True:
-        if os.path.exists(directory):
-            return None if os.path.isdir(directory) else directory
-        parent = os.path.dirname(directory)
-        if parent == directory:
-            return None
-        directory = parent
 
 
 def write_output(path: str, write: Callable[[IO], None], binary: bool = False,

@@ -321,7 +321,8 @@ def test_run_takes_horovodrun_single_dash_hostfile(tmp_path):
     hostfile.write_text("localhost slots=2\n")
     result = hpdl("run", "-hostfile", str(hostfile), "--backend", "gloo", "--dry-run", "--", "python", "train.py")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.rstrip().endswith("torchrun --nproc-per-node 2 --standalone --no-python python train.py")
+    assert result.stdout.rstrip().endswith("torchrun --nproc-per-node 2 --standalone --no-python "
+                                           f"{sys.executable} -m hpdl.launch.rank_watch -- python train.py")
     bad = tmp_path / "bad"
     bad.write_text("node1 = 2\n")
     assert_one_line_error(hpdl("run", "-hostfile", str(bad), "--", "python", "x.py"), f"{bad}:1: cannot parse")
@@ -735,8 +736,8 @@ def test_sr_unwritable_output_is_named(tmp_path, sr_files, output):
 
 
 @pytest.mark.parametrize("args,fragments", [
-    (["--grid", "{tmp}/afile/g.png"], ["{tmp}/afile/g.png: {tmp}/afile is not a directory"]),
-    (["--save-results", "{tmp}/afile/res"], ["{tmp}/afile/res: {tmp}/afile is not a directory"]),
+    (["--grid", "{tmp}/afile/g.png"], ["{tmp}/afile/g.png: {tmp}/afile is a file, not a directory"]),
+    (["--save-results", "{tmp}/afile/res"], ["{tmp}/afile/res: {tmp}/afile is a file, not a directory"]),
 ], ids=["grid", "save-results"])
 def test_sr_eval_output_under_a_file_is_refused_before_the_evaluation(tmp_path, sr_files, args, fragments):
     _, photo = sr_files

@@ -1,5 +1,7 @@
 """hvd.elastic: Horovod's elastic scripts on a job whose ranks stay the same."""
 
+import os
+
 import pytest
 import torch
 
@@ -154,6 +156,58 @@ def test_run_restarts_after_hosts_updated_and_restores_on_a_failure():
     with pytest.raises(hvd.HorovodInternalError, match="rank 1"):
         failing(state)
     assert state.value == 1  # the committed value, not the half-done one
+
+
+# One rank that is sent SIGTERM in batch 5, after committing batch 3 (argv[1]: "own" sets a
+# SIGTERM handler of its own first).
+_SIGTERMED = """\
+import os, signal, sys
+import torch
+import hpdl.torch as hvd
+
+hvd.init()
+got = []
+own = sys.argv[1:] == ["own"]
+if own:
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+state = hvd.elastic.ObjectState(batch=0)
+
+@hvd.elastic.run
+def train(state):
+    for state.batch in range(1, 40 if own else 10**9):  # without a handler, only the failure ends it
+        hvd.allreduce(torch.ones(1), name=f"batch.{state.batch}")
+        if state.batch == 3:
+            state.commit()
+        if state.batch == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return "done"
+
+try:
+    print("returned", train(state), state.batch, got, flush=True)
+except hvd.HorovodInternalError as error:
+    print("caught", state.batch, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, error, flush=True)
+"""
+
+
+@pytest.mark.parametrize("own_handler", [False, True], ids=["default", "script-handler"])
+def test_sigterm_during_run_fails_the_collectives_unless_the_script_handles_it(own_handler):
+    # As torchrun, srun and Open MPI end the survivors of a lost rank: SIGTERM, SIGKILL later.
+    import subprocess
+    import sys
+
+    from ranks import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "PMI_", "OMPI_", "SLURM_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", _SIGTERMED, *(["own"] if own_handler else [])], env=env,
+                          capture_output=True, text=True, timeout=120)
+    if own_handler:  # the script's handler is the script's business: training goes on
+        assert done.returncode == 0 and done.stdout == "returned done 39 [15]\n", done.stdout + done.stderr
+        return
+    assert done.stdout.startswith("caught 3 True hpdl engine failed on rank 0: the launcher is ending the job "
+                                  "(SIGTERM)"), done.stdout + done.stderr
+    # Then the job ends as a failed one does (the abort's exit code), nothing raised after the handler.
+    assert done.returncode == 1 and "Exception ignored" not in done.stderr, done.stderr
 
 
 def test_an_object_that_cannot_be_copied_is_kept_as_it_is():

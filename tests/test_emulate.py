@@ -8,9 +8,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+import hpdl
 from hpdl.launch.emulate import ClusterSpec, EmulatedCluster, EmulateError, leftovers
 
 pytestmark = pytest.mark.skipif(
@@ -114,13 +117,26 @@ def test_bad_requests_are_one_line(args, message):
     assert leftovers(proc.pid) == []
 
 
-def test_without_root_it_refuses_in_one_line(tmp_path):
+def test_without_root_it_refuses_in_one_line():
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to drop root")
-    env = dict(os.environ, HOME=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
-    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-                           "hpdl", "emulate", "--nodes", "2", "--", "true"], capture_output=True, text=True, env=env,
-                          cwd=str(tmp_path))
+    # The checkout may lie where the unprivileged user cannot read it (a clone under
+    # `mktemp -d`), so the command runs from a copy of the package in a directory it can read,
+    # found before the installed one (the current directory comes first on sys.path).
+    readable = Path(tempfile.mkdtemp(prefix="hpdl-nobody-"))
+    try:
+        shutil.copytree(Path(hpdl.__file__).parent, readable / "hpdl", ignore=shutil.ignore_patterns("__pycache__"))
+        for path in [readable, *readable.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": str(readable), "PYTHONDONTWRITEBYTECODE": "1"}
+        drop_root = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
+        started = subprocess.run([*drop_root, "-c", "pass"], capture_output=True, text=True, env=env, cwd=readable)
+        if started.returncode != 0:
+            pytest.skip(f"the unprivileged user cannot start {sys.executable}: {started.stderr.strip()}")
+        done = subprocess.run([*drop_root, "-m", "hpdl", "emulate", "--nodes", "2", "--", "true"],
+                              capture_output=True, text=True, env=env, cwd=readable)
+    finally:
+        shutil.rmtree(readable)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == ("hpdl: error: hpdl emulate needs root to create network namespaces "
                                    "(run it as root, e.g. with sudo)")

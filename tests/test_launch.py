@@ -454,8 +454,13 @@ def test_np_defaults_and_limits():
 
 
 def test_settings_are_validated_before_launch():
-    with pytest.raises(LaunchError, match="HPDL_CYCLE_TIME must be >= 0"):
+    # An option is named as given, in its unit; a variable already set, as the variable.
+    with pytest.raises(LaunchError, match="--cycle-time-ms must be >= 0 ms, got -1$"):
         run(cycle_time_ms=-1.0)
+    with pytest.raises(LaunchError, match="--fusion-threshold-mb must be >= 0 MB, got -1$"):
+        run(fusion_threshold_mb=-1.0)
+    with pytest.raises(LaunchError, match="HPDL_CYCLE_TIME must be >= 0 ms, got -1$"):
+        run(env={"HPDL_CYCLE_TIME": "-1"})
     with pytest.raises(LaunchError, match="unknown setting HPDL_FUSION_TRESHOLD"):
         run(env={"HPDL_FUSION_TRESHOLD": "1"})
     with pytest.raises(LaunchError, match="unknown backend"):

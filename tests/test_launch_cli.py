@@ -1,6 +1,7 @@
 """Tests of `hpdl run`'s command line: one-line errors, --dry-run, horovodrun's spellings, and
 runs end to end under mpiexec, torchrun and Open MPI."""
 
+import argparse
 import os
 import random
 import shutil
@@ -15,6 +16,8 @@ from hpdl.launch import detect, detect_launchers
 from launch_texts import INTEL_TEXT, MPICH_TEXT, OPENMPI4_TEXT, info, run
 
 ROOT = Path(__file__).resolve().parents[1]
+# What the ranks of `hpdl run ... -- python train.py` run: the command under its watching parent.
+TRAIN = f"{sys.executable} -m hpdl.launch.rank_watch -- python train.py"
 
 # --- the command line ---------------------------------------------------------------------
 
@@ -37,7 +40,7 @@ def _one_line_error(capsys, fragment):
     (["run", "-np", "5", "-H", "a:2,b:2", "--", "python", "x.py"], "-np 5 is more than the 4 slots"),
     (["run", "-H", "a:0", "--", "python", "x.py"], "slot count must be at least 1"),
     (["run", "--mpi-args", "'unclosed", "--", "python"], "--mpi-args"),
-    (["run", "--cycle-time-ms", "-3", "--", "python"], "HPDL_CYCLE_TIME"),
+    (["run", "--cycle-time-ms", "-3", "--", "python"], "--cycle-time-ms must be >= 0 ms, got -3"),
 ])
 def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
     assert main(args) == 2
@@ -60,13 +63,48 @@ def test_cli_errors_are_one_line(args, fragment, capsys, clean_env):
     (["-np", "1" + "0" * 23], "-np must be at most 2147483647 ranks, got 1.000e+23"),
     (["-H", "a:1,b:1", "--ssh-port", "99999"], "--ssh-port must be at most 65535, got 99999"),
     (["-H", "a:1,b:1", "--ssh-port", "0"], "--ssh-port must be >= 1, got 0"),
-    (["--ranks-per-gpu", "0"], "--ranks-per-gpu must be >= 1 ranks, got 0"),
+    (["--ranks-per-gpu", "0"], "--ranks-per-gpu must be >= 1 rank, got 0"),
     (["--ranks-per-gpu", "2", "--backend", "nccl"], "NCCL refuses two ranks on one GPU; use gloo or mpi"),
 ])
 def test_cli_numbers_that_are_not_finite_or_absurd_are_one_line(args, fragment, monkeypatch, capsys, clean_env):
     monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
     assert main(["run", *args, "--dry-run", "--", "true"]) == 2
     _one_line_error(capsys, fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    # The option and the value typed, in the option's unit: not the variable it would set.
+    (["--fusion-threshold-mb", "-1"], "--fusion-threshold-mb must be >= 0 MB, got -1"),
+    (["--fusion-threshold-mb", "-0.5"], "--fusion-threshold-mb must be >= 0 MB, got -0.5"),
+    (["--cycle-time-ms", "-1"], "--cycle-time-ms must be >= 0 ms, got -1"),
+    (["--cache-capacity", "-3"], "--cache-capacity must be >= 0 entries, got -3"),
+    (["--stall-warning-s", "0"], "--stall-warning-s must be > 0 seconds, got 0"),
+    (["--stall-check-warning-time-seconds", "-2"], "--stall-warning-s must be > 0 seconds, got -2"),
+    (["--stall-timeout-s", "-5"], "--stall-timeout-s must be > 0 seconds, got -5"),
+    (["--stall-check-shutdown-time-seconds", "-1"], "--stall-check-shutdown-time-seconds must be >= 0 seconds, got -1"),
+    (["--autotune-warmup-samples", "-1"], "--autotune-warmup-samples must be >= 0 samples, got -1"),
+    (["--autotune-steps-per-sample", "0"], "--autotune-steps-per-sample must be >= 1 step, got 0"),
+    (["--autotune-bayes-opt-max-samples", "-4"], "--autotune-bayes-opt-max-samples must be >= 0 samples, got -4"),
+    (["--autotune-gaussian-process-noise", "-0.1"], "--autotune-gaussian-process-noise must be >= 0, got -0.1"),
+    (["-np", "0"], "-np must be >= 1 rank, got 0"),
+    (["--num-nccl-streams", "0"], "--num-nccl-streams must be >= 1 stream, got 0"),
+])
+def test_cli_numbers_below_their_range_name_the_option_and_the_value_typed(args, fragment, monkeypatch, capsys,
+                                                                             clean_env):
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
+    assert main(["run", *args, "--dry-run", "--", "true"]) == 2
+    _one_line_error(capsys, fragment)
+    assert "HPDL_" not in capsys.readouterr().err
+
+
+def test_every_numeric_option_of_run_is_range_checked():
+    from hpdl.cli import build_parser
+    from hpdl.launch.limits import numeric_options
+
+    parser = build_parser()
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    numeric = {action.dest for action in run._actions if action.type in (int, float)}
+    assert numeric == set(numeric_options()), numeric ^ set(numeric_options())
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -77,7 +115,11 @@ def test_cli_numbers_that_are_not_finite_or_absurd_are_one_line(args, fragment, 
     ("params:\n  cache_capacity: " + "9" * 5000 + "\n", "unreadable value: Exceeds the limit (4300 digits)"),
     ("stall_check:\n  warning_time_seconds: 1.0e+12\n", "stall_check.warning_time_seconds must be at most 31536000"),
     ("stall_check:\n  shutdown_time_seconds: .inf\n", "stall_check.shutdown_time_seconds must be a finite number"),
-], ids=["inf", "nan", "huge-float", "huge-int", "too-many-digits", "huge-warning", "inf-timeout"])
+    ("params:\n  fusion_threshold_mb: -1\n", "params.fusion_threshold_mb must be >= 0 MB, got -1"),
+    ("params:\n  cache_capacity: -3\n", "params.cache_capacity must be >= 0 entries, got -3"),
+    ("stall_check:\n  shutdown_time_seconds: -1\n", "stall_check.shutdown_time_seconds must be >= 0 seconds, got -1"),
+], ids=["inf", "nan", "huge-float", "huge-int", "too-many-digits", "huge-warning", "inf-timeout", "negative-fusion",
+        "negative-cache", "negative-timeout"])
 def test_config_file_numbers_that_are_not_finite_or_absurd_name_file_and_key(text, fragment, capsys, clean_env,
                                                                              tmp_path):
     config = tmp_path / "horovod.yaml"
@@ -103,7 +145,7 @@ def test_profile_and_timeline_files_rank_0_could_never_write_are_refused_before_
     assert main(["run", "-np", "2", option, str(tmp_path / "dir"), "--dry-run", "--", "true"]) == 2
     _one_line_error(capsys, f"{option} {tmp_path / 'dir'}: is a directory")
     assert main(["run", "-np", "2", option, str(tmp_path / "file" / "p.json"), "--dry-run", "--", "true"]) == 2
-    _one_line_error(capsys, f"{option} {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is not a directory")
+    _one_line_error(capsys, f"{option} {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is a file, not a directory")
 
 
 def test_profile_and_timeline_on_one_file_are_refused_before_the_job(tmp_path, capsys, clean_env):
@@ -157,6 +199,39 @@ def test_cli_missing_launcher_is_named(monkeypatch, capsys, clean_env):
     _one_line_error(capsys, "launcher torchrun was not found on PATH")
 
 
+@pytest.mark.parametrize("program, fragment", [
+    ("nosuchprog", "nosuchprog: no such program on PATH"),
+    ("./nosuch.sh", "./nosuch.sh: no such file"),
+    ("./plain.sh", "./plain.sh: not executable"),
+    ("./adir", "./adir: is a directory"),
+    ("{tmp}/plain.sh", "{tmp}/plain.sh: not executable"),
+])
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_program_that_cannot_start_here_is_refused_before_the_launcher(program, fragment, launcher, monkeypatch,
+                                                                         capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain.sh").write_text("echo hi\n")
+    (tmp_path / "adir").mkdir()
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: pytest.fail(f"started {' '.join(argv)}"))
+    assert main(["run", "-np", "2", "--launcher", launcher, "--", program.format(tmp=tmp_path), "arg"]) == 2
+    _one_line_error(capsys, fragment.format(tmp=tmp_path))
+
+
+def test_a_program_found_as_execvp_finds_it_is_started(monkeypatch, capsys, clean_env, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "job.sh").chmod(0o755)
+    started = []
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: started.append(argv))
+    for program in ("./job.sh", str(tmp_path / "job.sh"), "true"):
+        main(["run", "-np", "2", "--", program])
+        assert started and started[-1][-1] == program, capsys.readouterr().err
+    # On other hosts it may be installed where this host lacks it: a warning, and the job starts.
+    main(["run", "-np", "2", "-H", "localhost:1,elsewhere:1", "--", "nosuchprog"])
+    assert started[-1][-1] == "nosuchprog"
+    assert capsys.readouterr().err == "hpdl run: warning: nosuchprog: no such program on PATH on this host\n"
+
+
 def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(os.path.abspath(sys.executable)), "/usr/bin"]))
@@ -169,7 +244,7 @@ def test_cli_dry_run_prints_the_command(monkeypatch, capsys, clean_env, tmp_path
     timeline = os.path.join(str(tmp_path), "t.json")
     assert out == (
         f"HPDL_TIMELINE={timeline} mpiexec --allow-run-as-root --tag-output -np 2 -H a:1,b:1 --bind-to none "
-        f"-x HPDL_TIMELINE={timeline} -x PATH --oversubscribe python train.py --lr 0.1"
+        f"-x HPDL_TIMELINE={timeline} -x PATH --oversubscribe {TRAIN} --lr 0.1"
     )
 
 
@@ -196,7 +271,7 @@ def test_cli_profile_sets_an_absolute_hpdl_profile_for_every_rank(monkeypatch, c
     assert main(["run", "-np", "2", "--profile", "out/p.json", "--dry-run", "--", "python", "train.py"]) == 0
     profile = os.path.join(str(tmp_path), "out", "p.json")
     assert capsys.readouterr().out.strip() == (
-        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 python train.py")
+        f"HPDL_PROFILE={profile} mpiexec -genv HPDL_PROFILE {profile} -n 2 {TRAIN}")
 
 
 # --- horovodrun's spellings ---------------------------------------------------------------
@@ -228,22 +303,22 @@ def test_horovodrun_spellings_mean_the_same(horovodrun, own, monkeypatch, capsys
 
 def test_start_timeout_and_verbose(monkeypatch, capsys, clean_env):
     out, _ = _dry_run(monkeypatch, capsys, "-np", "2", "--start-timeout", "30")
-    assert out == "HPDL_START_TIMEOUT=30.0 mpiexec -genv HPDL_START_TIMEOUT 30.0 -n 2 python train.py"
+    assert out == f"HPDL_START_TIMEOUT=30 mpiexec -genv HPDL_START_TIMEOUT 30 -n 2 {TRAIN}"
     monkeypatch.setattr(os, "execvpe", lambda *a: (_ for _ in ()).throw(OSError(2, "stopped here")))
     assert main(["run", "-np", "2", "--verbose", "--", "python", "train.py"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines()[0] == "mpiexec -n 2 python train.py", err
+    assert out == "" and err.splitlines()[0] == f"mpiexec -n 2 {TRAIN}", err
 
 
 @pytest.mark.parametrize("version_text, expected", [
     (MPICH_TEXT, "GLOO_SOCKET_IFNAME=eth1 HYDRA_IFACE=eth1 HYDRA_LAUNCHER_EXTRA_ARGS='-p 2222 -i {key}' "
-                 "NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -hosts a:1,b:1 python train.py"),
+                 f"NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -hosts a:1,b:1 {TRAIN}"),
     (INTEL_TEXT, "GLOO_SOCKET_IFNAME=eth1 I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS='-p 2222 -i {key}' "
-                 "I_MPI_HYDRA_IFACE=eth1 NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -ppn 1 -hosts a,b python train.py"),
+                 f"I_MPI_HYDRA_IFACE=eth1 NCCL_SOCKET_IFNAME=eth1 mpiexec -n 2 -ppn 1 -hosts a,b {TRAIN}"),
     (OPENMPI4_TEXT, "GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 OMPI_MCA_btl_tcp_if_include=eth1 "
                     "OMPI_MCA_oob_tcp_if_include=eth1 OMPI_MCA_plm_rsh_args='-p 2222 -i {key}' mpiexec "
                     "--allow-run-as-root --tag-output -x GLOO_SOCKET_IFNAME -x NCCL_SOCKET_IFNAME -np 2 "
-                    "-H a:1,b:1 --bind-to none -x PATH python train.py"),
+                    f"-H a:1,b:1 --bind-to none -x PATH {TRAIN}"),
 ], ids=["mpich", "intel", "openmpi"])
 def test_ssh_and_network_options_reach_each_mpi(version_text, expected, monkeypatch, capsys, clean_env, tmp_path):
     key = tmp_path / "id_test"
@@ -347,11 +422,11 @@ def test_config_file_settings_that_ask_for_what_hpdl_does_are_silent(monkeypatch
 
 
 @pytest.mark.parametrize("horovodrun, expected", [
-    (["--disable-cache"], "mpiexec -n 2 python train.py"),  # horovodrun's cache of launcher checks; hpdl has none
-    (["--tcp"], "NCCL_IB_DISABLE=1 mpiexec -n 2 python train.py"),
+    (["--disable-cache"], f"mpiexec -n 2 {TRAIN}"),  # horovodrun's cache of launcher checks; hpdl has none
+    (["--tcp"], f"NCCL_IB_DISABLE=1 mpiexec -n 2 {TRAIN}"),
     (["--timeline-mark-cycles"],
-     "HPDL_TIMELINE_MARK_CYCLES=1 mpiexec -genv HPDL_TIMELINE_MARK_CYCLES 1 -n 2 python train.py"),
-    (["--timeline-filename", "DYNAMIC"], "mpiexec -n 2 python train.py"),  # Horovod's: none until start_timeline()
+     f"HPDL_TIMELINE_MARK_CYCLES=1 mpiexec -genv HPDL_TIMELINE_MARK_CYCLES 1 -n 2 {TRAIN}"),
+    (["--timeline-filename", "DYNAMIC"], f"mpiexec -n 2 {TRAIN}"),  # Horovod's: none until start_timeline()
 ])
 def test_horovodrun_options_that_hpdl_honours(horovodrun, expected, monkeypatch, capsys, clean_env, tmp_path):
     monkeypatch.chdir(tmp_path)
@@ -362,7 +437,7 @@ def test_horovodrun_options_that_hpdl_honours(horovodrun, expected, monkeypatch,
                                     ["--num-nccl-streams", "2"], ["--log-level", "debug"]])
 def test_horovodrun_options_hpdl_has_no_counterpart_for_warn_once(option, monkeypatch, capsys, clean_env):
     out, err = _dry_run(monkeypatch, capsys, "-np", "2", *option)
-    assert out == "mpiexec -n 2 python train.py"
+    assert out == f"mpiexec -n 2 {TRAIN}"
     assert err == f"hpdl run: warning: {option[0]} is not honoured by hpdl; ignoring it\n"
 
 
@@ -370,9 +445,9 @@ def test_binding_and_timestamps_reach_open_mpi_and_warn_elsewhere(monkeypatch, c
     args = ("-np", "2", "--binding-args=--bind-to core", "--prefix-output-with-timestamp")
     out, err = _dry_run(monkeypatch, capsys, *args, version_text=OPENMPI4_TEXT)
     assert out == ("mpiexec --allow-run-as-root --tag-output --timestamp-output -np 2 -H localhost:2 --bind-to core "
-                   "python train.py") and err == ""
+                   f"{TRAIN}") and err == ""
     out, err = _dry_run(monkeypatch, capsys, *args)
-    assert out == "mpiexec -n 2 python train.py"
+    assert out == f"mpiexec -n 2 {TRAIN}"
     assert err.splitlines() == [
         f"hpdl run: warning: {option} is not honoured under the mpiexec of MPICH (Hydra); ignoring it"
         for option in ("--binding-args", "--prefix-output-with-timestamp")]
@@ -380,7 +455,7 @@ def test_binding_and_timestamps_reach_open_mpi_and_warn_elsewhere(monkeypatch, c
 
 def test_open_mpi_gets_a_slot_per_rank_on_this_host(monkeypatch, capsys, clean_env):
     out, _ = _dry_run(monkeypatch, capsys, "-np", "3", version_text=OPENMPI4_TEXT)
-    assert out == "mpiexec --allow-run-as-root --tag-output -np 3 -H localhost:3 --bind-to none python train.py"
+    assert out == f"mpiexec --allow-run-as-root --tag-output -np 3 -H localhost:3 --bind-to none {TRAIN}"
 
 
 def test_ssh_options_are_ignored_with_a_note_when_every_rank_is_here(monkeypatch, capsys, clean_env, tmp_path):

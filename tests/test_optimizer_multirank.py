@@ -17,6 +17,7 @@ BEHAVIOUR = [
     "isinstance-state-dict", "zero-grad-pending", "duplicate-names", "unused-parameter", "unfrozen-parameter",
     "skip-synchronize",
     "broadcast-state", "broadcast-state-keeps-gradients", "broadcast-state-weight-decay",
+    "broadcast-state-zero-gradients",
     "load-state-dict-mid-step", "overlap-forward-rollback", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
     "sparse-first-step-unused",
 ]

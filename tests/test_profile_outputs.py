@@ -74,7 +74,7 @@ def test_profile_outputs_replace_an_existing_file_only_with_overwrite(tmp_path, 
 
 @pytest.mark.parametrize("output, fragment", [
     ("{dir}", "is a directory"),
-    ("{file}/t.json", "is not a directory"),
+    ("{file}/t.json", "is a file, not a directory"),
     ("{tmp}/missing/t.json", "its directory does not exist"),
 ], ids=["directory", "under-a-file", "missing-directory"])
 @pytest.mark.parametrize("command", [["report", "{p}", "--html"], ["timeline", "{p}", "-o"]], ids=["report", "timeline"])
@@ -108,7 +108,7 @@ def test_unwritable_profile_paths_are_named_before_any_recording(tmp_path):
     (tmp_path / "f").write_text("x")
     assert sess._unwritable(str(tmp_path / "d")) == f"cannot write the profile to {tmp_path / 'd'}: it is a directory; name a file"
     assert sess._unwritable(str(tmp_path / "f" / "p.json")) == (
-        f"cannot write the profile to {tmp_path / 'f' / 'p.json'}: {tmp_path / 'f'} is not a directory")
+        f"cannot write the profile to {tmp_path / 'f' / 'p.json'}: {tmp_path / 'f'} is a file, not a directory")
     assert sess._unwritable(str(tmp_path / "new" / "p.json")) is None
     assert [p.name for p in (tmp_path / "new").iterdir()] == []  # the directory is made, the probe removed
 

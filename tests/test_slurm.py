@@ -24,7 +24,7 @@ from typing import Iterator, List, Optional
 
 import pytest
 
-from ranks import ROOT, kill_tree, processes_with_env
+from ranks import ROOT, SCRIPTS, kill_tree, processes_with_env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -211,7 +211,8 @@ def _ranks(stdout: str) -> List[str]:
 def test_dry_run_passes_srun_the_mpi_plugin(cluster, job):
     result = salloc_run(cluster, job, "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert f"srun --ntasks 2 --kill-on-bad-exit=1 --mpi=pmi2 python {job}" in result.stdout
+    assert (f"srun --ntasks 2 --kill-on-bad-exit=1 --mpi=pmi2 {sys.executable} -m hpdl.launch.rank_watch -- "
+            f"python {job}") in result.stdout
 
 
 @pytest.mark.parametrize("run_args", [(), ("--backend", "gloo")], ids=["mpi", "gloo"])
@@ -263,3 +264,17 @@ def test_a_task_that_dies_ends_the_job(cluster, tmp_path):
     result = salloc_run(cluster, job, timeout=60)
     assert result.returncode != 0, result.stderr
     assert time.monotonic() - started < 45, result.stderr
+    # The task lost is named, once: the other one srun ended is not.
+    reports = [line for line in result.stderr.splitlines() if line.startswith("hpdl run: rank ")]
+    assert reports == [f"hpdl run: rank 1 (host {socket.gethostname()}) was killed by signal 9 (SIGKILL)"], \
+        result.stderr
+
+
+def test_the_elastic_handler_of_a_survivor_sees_the_committed_state(cluster, tmp_path):
+    # srun ends the survivors of a failed task with SIGTERM, and with SIGKILL only KillWait later:
+    # during hvd.elastic.run, SIGTERM fails their collectives as a lost peer would.
+    job = tmp_path / "elastic_lost.py"
+    job.write_text(f"import sys\nsys.path.insert(0, {str(SCRIPTS)!r})\nimport elastic_api\nelastic_api.lost_mode()\n")
+    result = salloc_run(cluster, job, timeout=120)
+    assert result.returncode != 0
+    assert "rank 0 caught: batch=3 " in result.stdout, result.stdout + result.stderr[-3000:]

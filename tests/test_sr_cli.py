@@ -416,7 +416,7 @@ def test_eval_names_an_empty_data_value_and_an_unusable_cache_dir(tmp_path, fold
     (tmp_path / "file").write_text("not a directory")
     assert main(["sr", "eval", "--ckpt", str(ckpt), "--data", str(folder), "--cache-dir", str(tmp_path / "file")]) == 2
     assert error_line(capsys) == (f"hpdl: error: {tmp_path / 'file' / 'decoded'}: cannot write the decode cache there "
-                                  f"({tmp_path / 'file'} is not a directory); give a writable cache directory "
+                                  f"({tmp_path / 'file'} is a file, not a directory); give a writable cache directory "
                                   "(cache_dir= / --cache-dir)")
 
 

@@ -29,6 +29,7 @@ import time
 import traceback
 from typing import Callable, List, Optional
 
+from hpdl import rank_exit
 from hpdl.comm import Communicator
 
 ABORT_GRACE_S = 3.0  # from the failure to the end of the job, at most (documented in README)
@@ -138,6 +139,7 @@ def _watchdog(armed: _Armed, rank: int) -> None:
 
 def _abort(armed: _Armed) -> None:
     _flush()
+    rank_exit.note()  # the error is printed: this end is no loss for `hpdl run` to report
     armed.comm.abort(EXIT_CODE)
 
 

@@ -37,6 +37,8 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from hpdl.atomic_file import make_directories
+from hpdl.config import default
 from hpdl.engine.bayes_opt import BayesianOptimization
 
 log = logging.getLogger("hpdl.autotune")
@@ -84,8 +86,11 @@ class Autotuner:
     """Rank 0's tuning state: the sample being measured, the optimisation, the log."""
 
     def __init__(self, fusion_threshold: int, cycle_time_ms: float, fixed: Collection[str] = (),
-                 warmup_samples: int = 3, steps_per_sample: int = 10, max_samples: int = 20,
-                 noise: float = 0.8, log_path: str = "", hierarchical_allreduce: bool = False,
+                 warmup_samples: int = default("autotune_warmup_samples"),
+                 steps_per_sample: int = default("autotune_steps_per_sample"),
+                 max_samples: int = default("autotune_bayes_opt_max_samples"),
+                 noise: float = default("autotune_gaussian_process_noise"), log_path: str = "",
+                 hierarchical_allreduce: bool = False,
                  cache_enabled: bool = True, clock: Callable[[], float] = time.monotonic):
         """
         Args:
@@ -215,8 +220,7 @@ class Autotuner:
 def _open_log(path: str):
     """Open the autotune log for writing, line by line (a killed job keeps its rows)."""
     try:
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
+        make_directories(os.path.dirname(os.path.abspath(path)))
         out = open(path, "w", buffering=1, encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot write the autotune log {path} (HPDL_AUTOTUNE_LOG): "

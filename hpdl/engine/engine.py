@@ -91,6 +91,8 @@ class Engine(EngineFailures):
         self._shutdown_requested = False
         self._stopped = threading.Event()
         self._failure: Optional[str] = None
+        self._end_requested: Optional[str] = None  # why the job is being ended (request_end)
+        self._watch_wake = threading.Event()  # the watch thread's pause ends early: stopped, or request_end
         self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
         self._main_thread_id = threading.main_thread().ident
         self.cycles = 0
@@ -289,6 +291,7 @@ class Engine(EngineFailures):
             self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
         finally:
             self._stopped.set()
+            self._watch_wake.set()
             self._fail_queued()  # submitted after the last drain: no engine will run them
 
     def _pause(self, until: float) -> None:

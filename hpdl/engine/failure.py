@@ -53,7 +53,14 @@ class EngineFailures:
         thread cannot notice, being the one stuck, so this thread does.
         """
         limit = self.settings.stall_timeout_s
-        while not self._stopped.wait(min(1.0, limit / 4)):
+        while True:
+            self._watch_wake.wait(min(1.0, limit / 4))
+            self._watch_wake.clear()
+            if self._stopped.is_set():
+                return
+            if self._end_requested is not None and self._failure is None:
+                self._fail(f"hpdl engine failed on rank {self.rank}: {self._end_requested}", ended=True)
+                return
             started = self._round_started
             oldest = self.executor.oldest_in_flight()
             now = self.clock.monotonic()
@@ -68,6 +75,20 @@ class EngineFailures:
             if err is not None:
                 self._fail(f"hpdl engine failed on rank {self.rank}: {err}{self._lost(err)}", err)
                 return
+
+    def request_end(self, reason: str) -> bool:
+        """Fail the engine as a lost peer would, because the job is being ended (``reason``);
+        return False when it has stopped already.
+
+        Safe in a signal handler, whatever the interrupted code holds: it records the reason
+        and wakes the watch thread (through an event no other code waits on or sets while
+        holding its lock), which fails the engine: Open MPI sends SIGKILL 1 s after SIGTERM.
+        """
+        if self._stopped.is_set():
+            return False
+        self._end_requested = reason
+        self._watch_wake.set()
+        return True
 
     def _lost(self, err: BaseException) -> str:
         """After a backend failure, the ranks that no longer answer, as words for the message."""
@@ -109,8 +130,15 @@ class EngineFailures:
         for ps in self._sets.values():
             self._fail_set(ps, message)
 
-    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True) -> None:
-        """Enter the failed state: every pending and future request raises ``message``."""
+    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True,
+              ended: bool = False) -> None:
+        """Enter the failed state: every pending and future request raises ``message``.
+
+        ``ended``: the job is being ended from outside (:meth:`request_end`), not stalled here:
+        a caller computing meets the error at its next collective (the job ends within the
+        abort's grace period all the same); raised in the main thread meanwhile, it could land
+        after that caller has met it, in its handler or in the end of the job itself.
+        """
         if self._failure is not None:  # failed already (the watch thread was first)
             return
         self._failure = message
@@ -120,7 +148,7 @@ class EngineFailures:
         # Armed before the waiting callers wake: one that raises and exits at once must find
         # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
         # one that stopped submitting when it had nothing pending.
-        self._end_job(message, stalled=not waiting and cause is None)
+        self._end_job(message, stalled=not waiting and cause is None and not ended)
         self._fail_pending(message)
 
     def _end_job(self, message: str, stalled: bool) -> None:

@@ -19,6 +19,7 @@ import os
 import threading
 from typing import Dict, List
 
+from hpdl.atomic_file import make_directories
 from hpdl.engine import events as ev
 
 
@@ -32,8 +33,7 @@ class Timeline:
         self.path = path
         self.mark_cycles = mark_cycles
         try:
-            directory = os.path.dirname(os.path.abspath(path))
-            os.makedirs(directory, exist_ok=True)
+            make_directories(os.path.dirname(os.path.abspath(path)))
             self._file = open(path, "wb", buffering=0)
         except OSError as err:
             raise ValueError(f"cannot write the timeline to {os.path.abspath(path)}: {err.strerror or err}") from None

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hpdl.comm.devices import nccl_refusal
 from hpdl.config import BACKENDS, Settings, SettingsError
@@ -43,6 +43,7 @@ from hpdl.launch.detect import (
     FLAVOUR_NAMES, HYDRA_FLAVOURS, INTELMPI, MPICH, MVAPICH2, OPENMPI, UNKNOWN, LauncherInfo, ranks_path,
 )
 from hpdl.launch.hosts import HostList, LaunchError
+from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, run_spec, setting_text, setting_variable
 
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
 _TORCH_BACKENDS = ("gloo", "nccl", "torch")
@@ -70,70 +71,47 @@ class RunOptions:
     command: Tuple[str, ...]
     np: Optional[int] = None
     hosts: Optional[HostList] = None
-    backend: Optional[str] = None
     launcher: str = "auto"
     mpi_args: Tuple[str, ...] = ()
-    timeline: Optional[str] = None
-    profile: Optional[str] = None
-    fusion_threshold_mb: Optional[float] = None
-    cycle_time_ms: Optional[float] = None
-    cache_capacity: Optional[int] = None
-    stall_warning_s: Optional[float] = None
-    stall_timeout_s: Optional[float] = None
-    hierarchical_allreduce: bool = False
-    autotune: bool = False
-    autotune_log: Optional[str] = None
-    autotune_warmup_samples: Optional[int] = None
-    autotune_steps_per_sample: Optional[int] = None
-    autotune_bayes_opt_max_samples: Optional[int] = None
-    autotune_gaussian_process_noise: Optional[float] = None
+    # The options that set settings, by their names in RUN_SETTINGS (hpdl/launch/limits.py, from
+    # the declarations in hpdl/config.py), in their own units: {"fusion_threshold_mb": 64, ...}.
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     remote_shell: Optional[str] = None  # how to reach other hosts (default: ssh)
     binding_args: Tuple[str, ...] = ()  # Open MPI's process binding, in place of --bind-to none
     rendezvous_port: int = 29400  # torchrun's static rendezvous on the first host, across hosts
-    ranks_per_gpu: Optional[int] = None  # ranks sharing each GPU (hpdl/comm/devices.py)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.settings) - set(RUN_SETTINGS))
+        if unknown:
+            raise ValueError(f"RunOptions.settings: no `hpdl run` option sets {', '.join(unknown)}")
+
+    @property
+    def backend(self) -> Optional[str]:
+        """The backend asked for (``--backend``), or None."""
+        return self.settings.get("backend")
 
 
 def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[str, str]:
-    """Return the ``HPDL_*`` variables every rank gets: those already set, then the options.
+    """Return the ``HPDL_*`` variables every rank gets: those already set, then the options'.
 
     Raises:
-        LaunchError: when the result is not a valid :class:`~hpdl.config.Settings`.
+        LaunchError: naming the option and the value given when an option is out of its
+            range, or the variable when the result is not a valid :class:`~hpdl.config.Settings`.
     """
     out = {k: v for k, v in env.items() if k.startswith("HPDL_")}
-    given = {
-        "HPDL_BACKEND": options.backend,
-        "HPDL_TIMELINE": os.path.join(cwd, options.timeline) if options.timeline else None,
-        "HPDL_PROFILE": os.path.join(cwd, options.profile) if options.profile else None,
-        "HPDL_FUSION_THRESHOLD": (
-            None if options.fusion_threshold_mb is None
-            else str(int(round(options.fusion_threshold_mb * 1024 * 1024)))
-        ),
-        "HPDL_CYCLE_TIME": _num(options.cycle_time_ms),
-        "HPDL_CACHE_CAPACITY": _num(options.cache_capacity),
-        "HPDL_STALL_WARNING": _num(options.stall_warning_s),
-        "HPDL_STALL_TIMEOUT": _num(options.stall_timeout_s),
-        "HPDL_HIERARCHICAL_ALLREDUCE": "1" if options.hierarchical_allreduce else None,
-        "HPDL_AUTOTUNE": "1" if options.autotune else None,
-        "HPDL_AUTOTUNE_LOG": os.path.join(cwd, options.autotune_log) if options.autotune_log else None,
-        "HPDL_AUTOTUNE_WARMUP_SAMPLES": _num(options.autotune_warmup_samples),
-        "HPDL_AUTOTUNE_STEPS_PER_SAMPLE": _num(options.autotune_steps_per_sample),
-        "HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": _num(options.autotune_bayes_opt_max_samples),
-        "HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": _num(options.autotune_gaussian_process_noise),
-        "HPDL_RANKS_PER_GPU": _num(options.ranks_per_gpu),
-    }
-    out.update({k: v for k, v in given.items() if v is not None})
+    for option in RUN_SETTINGS:
+        value = options.settings.get(option)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            check_number(flag(option), option, value)
+        text = setting_text(option, value)
+        if text is not None:
+            out[setting_variable(option)] = os.path.join(cwd, text) if run_spec(option).path else text
     try:
         # Validate here, once, so a bad value fails before any rank starts.
         Settings.from_env(out)
     except SettingsError as err:
         raise LaunchError(str(err)) from None
     return out
-
-
-def _num(value) -> Optional[str]:
-    if value is None:
-        return None
-    return repr(value) if isinstance(value, float) and not value.is_integer() else str(int(value))
 
 
 def _is_single_host(hosts: Optional[HostList], info: LauncherInfo) -> bool:

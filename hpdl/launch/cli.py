@@ -2,7 +2,8 @@
 
 The handlers turn the namespace into :class:`RunOptions`, call the pure builder, and then
 either print the command (``--dry-run``) or ``os.execvpe`` it, so the launcher replaces this
-process and owns signals, exit codes and output from then on. The one exception is torchrun on
+process and owns signals, exit codes and output from then on; each rank's command runs under
+:mod:`hpdl.launch.rank_watch`, which names a rank that dies hard. The one exception is torchrun on
 several hosts: one torchrun per host, started over the remote shell and waited for here.
 """
 
@@ -19,17 +20,22 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from hpdl.cli import CliError, file_in_the_way
-from hpdl.config import BACKENDS, Settings, SettingsError
+from hpdl.atomic_file import file_in_the_way, not_a_directory
+from hpdl.cli import CliError
+from hpdl.config import Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
-from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers
+from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers, program_problem
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
-from hpdl.launch.limits import LIMITS, check_number
+from hpdl.launch.limits import RUN_SETTINGS, add_setting_options, check_number, flag, numeric_options
+from hpdl.launch.rank_watch import watched
 
 _RUN_DESCRIPTION = """\
 Start COMMAND as N ranks of an hpdl job through mpiexec, srun or torchrun, then get out of
-the way: hpdl builds the launcher's command line and replaces itself with it.
+the way: hpdl builds the launcher's command line and replaces itself with it. Each rank's
+COMMAND runs under a small parent that passes signals on to it and, when the rank dies hard
+(a signal, os._exit, a crash in C code), prints one line naming the rank, its host and how it
+ended. COMMAND's program must exist here (on PATH or as a path) when every rank runs here.
 
 Launcher choice (unless --launcher says otherwise):
   inside a Slurm allocation (SLURM_JOB_ID set), backend auto or mpi   -> srun
@@ -114,13 +120,6 @@ def register(subparsers) -> None:
         "-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
         help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS inside a Slurm allocation, else 1)",
     )
-    where.add_argument(
-        "--ranks-per-gpu", type=int, metavar="K",
-        help="ranks sharing each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1, ... "
-        "(HPDL_RANKS_PER_GPU; hvd.local_gpu() names a rank's GPU, hvd.local_rank() still the process); "
-        "above 1 the ranks talk over gloo or MPI, as NCCL refuses two ranks on one GPU; run NVIDIA MPS "
-        "so that their kernels share the GPU at once (docs/gpu.md) (default 1)",
-    )
     hosts = where.add_mutually_exclusive_group()
     hosts.add_argument(
         "-H", "--hosts", dest="hosts", metavar="HOST[:SLOTS],...",
@@ -141,15 +140,6 @@ def register(subparsers) -> None:
     )
     how = run.add_argument_group("launcher")
     backend = how.add_mutually_exclusive_group()
-    backend.add_argument(
-        "--backend", choices=BACKENDS, default=None,
-        help="collective backend of the ranks (HPDL_BACKEND); gloo/nccl/torch start through "
-        "torchrun on one host (default: HPDL_BACKEND if set, else auto)",
-    )
-    backend.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
-                         help="horovodrun's spelling of --backend gloo")
-    backend.add_argument("--mpi", dest="backend", action="store_const", const="mpi",
-                         help="horovodrun's spelling of --backend mpi")
     how.add_argument(
         "--launcher", choices=LAUNCHERS, default="auto",
         help="force the launcher instead of choosing one as described above (default: auto)",
@@ -167,17 +157,11 @@ def register(subparsers) -> None:
     how.add_argument("--verbose", action="store_true",
                      help="print the command (with the variables it sets) to stderr, then run it")
     how.add_argument("--config-file", metavar="FILE",
-                     help="horovodrun's YAML config file: controller (gloo or mpi), sections params "
-                          "(fusion_threshold_mb, cycle_time_ms, cache_capacity, hierarchical_allreduce), timeline "
-                          "(filename, mark_cycles), "
-                          "stall_check (enabled, warning_time_seconds, shutdown_time_seconds), autotune (enabled, "
-                          "log_file, warmup_samples, steps_per_sample, bayes_opt_max_samples, gaussian_process_noise); "
-                          "its other settings (elastic, ...) get a warning each; options on the command line win")
+                     help=f"horovodrun's YAML config file: controller (gloo or mpi), sections "
+                          f"{horovodrun.config_sections_text()}; its other settings (elastic, ...) get a warning "
+                          "each; options on the command line win")
     how.add_argument("--output-filename", metavar="DIR",
                      help="write each rank's output to DIR/rank.<rank>/stdout and stderr instead of the terminal")
-    how.add_argument("--start-timeout", type=float, metavar="S",
-                     help="a rank whose hvd.init() has not met every other rank within S seconds exits with an "
-                          "error (default 0: no bound of hpdl's own; HPDL_START_TIMEOUT)")
     remote = run.add_argument_group("remote hosts")
     remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
                         help="port of the ssh that starts remote ranks (mpiexec's, or the one that starts "
@@ -188,52 +172,22 @@ def register(subparsers) -> None:
                         help="network interfaces for the ranks' traffic, e.g. eth0,ib0 (gloo, NCCL, and the "
                              "MPI's TCP transport)")
     knobs = run.add_argument_group("settings passed to every rank")
-    knobs.add_argument("--timeline", "--timeline-filename", metavar="FILE",
-                       help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute); "
-                            "DYNAMIC: none until hvd.start_timeline(), as Horovod")
-    knobs.add_argument("--timeline-mark-cycles", action="store_true", default=None,
-                       help="mark the engine's cycles in the timeline (HPDL_TIMELINE_MARK_CYCLES=1)")
-    knobs.add_argument("--profile", metavar="FILE",
-                       help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
-                            "read it with `hpdl profile report FILE` (HPDL_PROFILE; made absolute)")
-    knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
-                       help="fuse tensors into buffers of up to MB mebibytes (default 128, as Horovod; HPDL_FUSION_THRESHOLD; 0 disables)")
-    knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
-                       help="engine cycle time in milliseconds (default 1; HPDL_CYCLE_TIME)")
-    knobs.add_argument("--cache-capacity", type=int, metavar="N",
-                       help="entries of the negotiation response cache (default 1024; HPDL_CACHE_CAPACITY; 0 disables)")
-    knobs.add_argument("--stall-warning-s", "--stall-check-warning-time-seconds", type=float, metavar="S",
-                       help="warn when a collective waits for some ranks longer than S seconds (default 60; "
-                            "HPDL_STALL_WARNING)")
+    stall_timeout = knobs.add_mutually_exclusive_group()
+    tune = run.add_argument_group(
+        "autotuning", "the fusion threshold and cycle time tuned as the job runs; one set explicitly stays fixed")
+    # Every option that sets a setting, as its setting declares it (hpdl/config.py).
+    add_setting_options({group.title: group for group in (where, how, knobs, tune)},
+                        placed={"backend": backend, "stall_timeout_s": stall_timeout})
+    backend.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
+                         help="horovodrun's spelling of --backend gloo")
+    backend.add_argument("--mpi", dest="backend", action="store_const", const="mpi",
+                         help="horovodrun's spelling of --backend mpi")
     knobs.add_argument("--no-stall-check", action="store_true", default=None,
                        help="no stall warning before the stall timeout ends the job, even with a warning time "
                             "given (horovodrun's)")
-    stall_timeout = knobs.add_mutually_exclusive_group()
-    stall_timeout.add_argument("--stall-timeout-s", type=float, metavar="S",
-                               help="abort the job when a collective stalls longer than S seconds "
-                                    "(default 1800; HPDL_STALL_TIMEOUT)")
     stall_timeout.add_argument("--stall-check-shutdown-time-seconds", dest="stall_shutdown_s", type=float,
                                metavar="S", help="horovodrun's spelling of --stall-timeout-s, where 0 (never) "
                                                  "keeps hpdl's timeout")
-    knobs.add_argument("--hierarchical-allreduce", action="store_true", default=None,
-                       help="allreduce within each node, then across nodes (HPDL_HIERARCHICAL_ALLREDUCE=1)")
-    tune = run.add_argument_group(
-        "autotuning", "the fusion threshold and cycle time tuned as the job runs; one set explicitly stays fixed")
-    tune.add_argument("--autotune", action="store_true", default=None, help="autotune (HPDL_AUTOTUNE=1)")
-    tune.add_argument("--autotune-log-file", metavar="FILE",
-                      help="rank 0 writes a CSV row per sample tried, the best as the last row (HPDL_AUTOTUNE_LOG; "
-                           "made absolute)")
-    tune.add_argument("--autotune-warmup-samples", type=int, metavar="N",
-                      help="samples discarded before tuning starts (default 3; HPDL_AUTOTUNE_WARMUP_SAMPLES)")
-    tune.add_argument("--autotune-steps-per-sample", type=int, metavar="N",
-                      help="training steps per sub-sample; a sample is scored by the median of 5 "
-                           "(default 10; HPDL_AUTOTUNE_STEPS_PER_SAMPLE)")
-    tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
-                      help="tuning ends after N + 1 samples, Horovod's 4 start points included, and keeps "
-                           "the best (default 20: 4 start points and 17 proposals of the Bayesian "
-                           "optimisation; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
-    tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
-                      help="noise assumed in the scores, 0 to 1 (default 0.8; HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE)")
     horovod = run.add_argument_group("horovodrun's options", "so that horovodrun command lines run unchanged")
     horovod.add_argument("-cb", "--check-build", action="store_true",
                          help="print `hpdl check`'s report of what is available here, and exit")
@@ -297,31 +251,19 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         host_list = read_hostfile(args.hostfile or os.environ["HPDL_HOSTFILE"])
     else:
         host_list = None
+    settings = {option: getattr(args, option) for option in RUN_SETTINGS}
+    if args.timeline == DYNAMIC_TIMELINE:
+        settings["timeline"] = None
     return RunOptions(
         command=tuple(command),
         np=args.np,
         hosts=host_list,
-        backend=args.backend,
         launcher=args.launcher,
         mpi_args=mpi_args,
-        timeline=None if args.timeline == DYNAMIC_TIMELINE else args.timeline,
-        profile=args.profile,
-        fusion_threshold_mb=args.fusion_threshold_mb,
-        cycle_time_ms=args.cycle_time_ms,
-        cache_capacity=args.cache_capacity,
-        stall_warning_s=args.stall_warning_s,
-        stall_timeout_s=args.stall_timeout_s,
-        hierarchical_allreduce=bool(args.hierarchical_allreduce),
-        autotune=bool(args.autotune),
-        autotune_log=args.autotune_log_file,
-        autotune_warmup_samples=args.autotune_warmup_samples,
-        autotune_steps_per_sample=args.autotune_steps_per_sample,
-        autotune_bayes_opt_max_samples=args.autotune_bayes_opt_max_samples,
-        autotune_gaussian_process_noise=args.autotune_gaussian_process_noise,
+        settings=settings,
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
         binding_args=binding_args,
-        ranks_per_gpu=args.ranks_per_gpu,
     )
 
 
@@ -332,8 +274,9 @@ def apply_config_file(args: argparse.Namespace) -> None:
     values, ignored = horovodrun.read_config_file(args.config_file)
     for line in ignored:
         sys.stderr.write(f"hpdl run: warning: {args.config_file}: {line}; ignoring it\n")
-    if values.get("stall_timeout_s") == 0:
-        del values["stall_timeout_s"]  # horovodrun's 0: never; hpdl keeps its timeout
+    shutdown_s = values.pop("stall_shutdown_s", None)
+    if shutdown_s:  # horovodrun's 0: never; hpdl keeps its timeout
+        values["stall_timeout_s"] = shutdown_s
     if values.pop("stall_check", True) is False:
         # As Horovod: the check off makes the file's warning time moot; a warning time on the
         # command line still wins over the file.
@@ -352,23 +295,26 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         start_env = dict(os.environ)
         apply_config_file(args)
-        if args.timeline_mark_cycles:
-            start_env["HPDL_TIMELINE_MARK_CYCLES"] = "1"
         if args.tcp:
             start_env["NCCL_IB_DISABLE"] = "1"
         start_env.update(horovodrun.interface_env(args.network_interfaces))
         check_numbers(args)
         check_written_files(args)
-        if args.start_timeout is not None:
-            start_env["HPDL_START_TIMEOUT"] = str(args.start_timeout)
         options = options_from_args(args)
+        program = options.command[0]
         if args.no_stall_check:
-            options = dataclasses.replace(options, stall_warning_s=_stall_timeout(options, start_env))
+            options = dataclasses.replace(options, settings={**options.settings,
+                                                             "stall_warning_s": _stall_timeout(options, start_env)})
         if args.output_filename:
             options = dataclasses.replace(options, command=tuple(
                 horovodrun.output_wrapper(args.output_filename, options.command)))
+        # Every rank runs under a parent that names it when it dies on its own (rank_watch.py).
+        options = dataclasses.replace(options, command=tuple(watched(options.command)))
         info = detect_launchers(start_env, probe_srun=options.launcher == "srun")
         commands, env = build_run(options, start_env, info)
+        missing = None if args.dry_run else program_problem(program, env.get("PATH", os.defpath), info.cwd)
+        if missing is not None and _every_rank_here(options, start_env, info):
+            raise LaunchError(missing)
         if env.get("HPDL_BACKEND") == "nccl" and _every_rank_here(options, start_env, info):
             _check_nccl_here()
         ssh_port, ssh_identity_file = args.ssh_port, args.ssh_identity_file
@@ -381,6 +327,8 @@ def run_command(args: argparse.Namespace) -> int:
     except LaunchError as err:
         raise CliError(str(err)) from None
     env.update(remote)
+    if missing is not None:  # other hosts start it: it may be installed there only
+        sys.stderr.write(f"hpdl run: warning: {missing} on this host\n")
     openmpi = info.mpi_flavour == OPENMPI and commands[0][0] == info.mpiexec
     for line in _not_honoured(args, None if openmpi else _launcher_name(commands, info)):
         sys.stderr.write(f"hpdl run: warning: {line}; ignoring it\n")
@@ -407,9 +355,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse a numeric option out of its range (:mod:`hpdl.launch.limits`), before anything starts."""
-    flags = {"np": "-np", "ssh_port": "--ssh-port", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
-    for option in LIMITS:
-        check_number(flags.get(option, "--" + option.replace("_", "-")), option, getattr(args, option))
+    for option in numeric_options():
+        check_number(flag(option), option, getattr(args, option))
 
 
 def check_written_files(args: argparse.Namespace) -> None:
@@ -429,7 +376,7 @@ def check_written_files(args: argparse.Namespace) -> None:
             raise LaunchError(f"{option} {path}: is a directory; name a file to write")
         blocker = file_in_the_way(path)
         if blocker is not None:
-            raise LaunchError(f"{option} {path}: {blocker} is not a directory")
+            raise LaunchError(f"{option} {path}: {not_a_directory(blocker)}")
         written[option] = path
     if "--profile" in written and "--timeline" in written and _same_file(written["--profile"], written["--timeline"]):
         # The profile, written at the end, would replace the whole timeline.
@@ -448,8 +395,8 @@ def _same_file(a: str, b: str) -> bool:
 
 def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:
     """The stall timeout the ranks will have: the stall check off puts the warning there."""
-    if options.stall_timeout_s:
-        return options.stall_timeout_s
+    if options.settings.get("stall_timeout_s"):
+        return options.settings["stall_timeout_s"]
     try:
         return Settings.from_env(env).stall_timeout_s
     except SettingsError:

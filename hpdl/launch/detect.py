@@ -109,6 +109,21 @@ def ranks_path(path: str, python_bin: str) -> str:
     return os.pathsep.join([python_bin, path]) if path else python_bin
 
 
+def program_problem(program: str, path: str, cwd: str) -> Optional[str]:
+    """Why ``program`` could not be started, looked for as execvp looks for it (a name with a
+    "/" is a path from ``cwd``, any other a name on ``path``), or None when it could."""
+    if os.sep not in program:
+        return None if shutil.which(program, path=path) else f"{program}: no such program on PATH"
+    where = os.path.join(cwd, program)
+    if not os.path.exists(where):
+        return f"{program}: no such file"
+    if os.path.isdir(where):
+        return f"{program}: is a directory"
+    if not os.access(where, os.X_OK):
+        return f"{program}: not executable (make it so with chmod +x, or run it through its interpreter)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LauncherInfo:
     """The launchers found on this machine, as the builders need them.

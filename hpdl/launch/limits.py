@@ -1,53 +1,99 @@
-"""The ranges of `hpdl run`'s numeric options and of the numbers in horovodrun's config file.
+"""`hpdl run`'s options that set settings, and the ranges of its numeric options.
+
+The options that set settings are not written here: each is declared with its setting
+(:class:`hpdl.config.RunOptionSpec` on the :class:`~hpdl.config.Settings` field), and this
+module derives from the declarations what `hpdl run` needs: the options themselves, in the
+groups of its help, with their variable, default and range added to their help
+(:func:`add_setting_options`); the ``HPDL_*`` text each value becomes (:func:`setting_text`,
+which :func:`hpdl.launch.builders.settings_env` uses); and their ranges, their setting's in the
+option's unit, so that a value out of range is refused naming the option and the value typed
+(``--fusion-threshold-mb must be >= 0 MB, got -1``), not the variable it would have become.
+The numeric options that set no setting have their ranges in :data:`LIMITS`.
 
 A value out of range is refused before anything starts, with one line naming the option (or
-the file's key) and the value. The lower bounds of the settings are :class:`hpdl.config.Settings`'
-(it checks them, naming the variable); the upper bounds, the settings' own in the options'
-units, keep values that parse but mean nothing (``1e300`` MB would become a 300-digit HPDL_FUSION_THRESHOLD) or that the
-runtime's timers cannot wait for (Python's lock timeouts end near 292 years, ``timedelta``
-near 2.7 million years), and ``inf`` / ``nan``, which the conversions to integers reject
-with a traceback.
+the config file's key) and the value. The upper bounds keep out values that parse but mean
+nothing (``1e300`` MB would become a 300-digit HPDL_FUSION_THRESHOLD), and ``inf`` / ``nan``,
+which the conversions to integers reject with a traceback.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Dict, NamedTuple, Optional
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional
 
-from hpdl.config import C_INT_MAX, MAX_BYTES, YEAR_S
+from hpdl.config import (
+    C_INT_MAX, SPECS, YEAR_S, Bound, RunOptionSpec, Settings, default, number_text, out_of_range, range_text,
+    value_problem,
+)
 from hpdl.launch.hosts import LaunchError
 
+# `hpdl run` option that sets a setting (its RunOptions.settings key and argparse dest) -> the
+# Settings field it sets.
+RUN_SETTINGS: Dict[str, str] = {spec.run.dest: name for name, spec in SPECS.items() if spec.run is not None}
 
-class Limit(NamedTuple):
-    """The range of one option: ``lowest`` (None: Settings checks it) up to ``highest``, in ``unit``."""
-
-    lowest: Optional[float]
-    highest: float
-    unit: str
-    highest_means: str = ""  # what the upper bound is in words, when its number says little
-
-
-# `hpdl run` option (the namespace's name) -> its range.
-LIMITS: Dict[str, Limit] = {
-    "np": Limit(None, C_INT_MAX, "ranks"),  # at least 1: checked where the rank count is settled
-    "fusion_threshold_mb": Limit(None, MAX_BYTES >> 20, "MB", "1 TiB"),
-    "cycle_time_ms": Limit(None, YEAR_S * 1000, "ms", "a year"),
-    "cache_capacity": Limit(None, C_INT_MAX, "entries"),
-    "stall_warning_s": Limit(None, YEAR_S, "seconds", "a year"),
-    "stall_timeout_s": Limit(None, YEAR_S, "seconds", "a year"),
-    "stall_shutdown_s": Limit(None, YEAR_S, "seconds", "a year"),
-    "start_timeout": Limit(0, YEAR_S, "seconds", "a year"),
-    "ssh_port": Limit(1, 65535, ""),
-    "ranks_per_gpu": Limit(1, C_INT_MAX, "ranks"),
-    "autotune_warmup_samples": Limit(0, C_INT_MAX, "samples"),
-    "autotune_steps_per_sample": Limit(1, C_INT_MAX, "steps"),
-    "autotune_bayes_opt_max_samples": Limit(0, C_INT_MAX, "samples"),
-    "autotune_gaussian_process_noise": Limit(0, 1, ""),
+# The numeric options that set no setting -> their ranges.
+LIMITS: Dict[str, Bound] = {
+    "np": Bound(1, C_INT_MAX, "ranks"),
+    # horovodrun's spelling of --stall-timeout-s, where 0 (never) keeps hpdl's timeout.
+    "stall_shutdown_s": Bound(0, YEAR_S, "seconds", "a year"),
+    "ssh_port": Bound(1, 65535),
+    "num_nccl_streams": Bound(1, C_INT_MAX, "streams"),
 }
+
+# Options whose command-line name is not "--" and the field name with dashes.
+_FLAGS = {"np": "-np", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
+
+# Settings field -> its type (the annotations are text: config.py has postponed evaluation).
+_FIELD_TYPES: Dict[str, type] = {field.name: {"bool": bool, "int": int, "float": float, "str": str}[str(field.type)]
+                                 for field in dataclasses.fields(Settings)}
+
+
+def run_spec(option: str) -> RunOptionSpec:
+    """The declaration of the option ``option`` that sets a setting."""
+    return SPECS[RUN_SETTINGS[option]].run
+
+
+def option_type(option: str) -> type:
+    """The type of ``option``'s value: its setting's, or float for a setting in other units (MB)."""
+    return float if run_spec(option).scale != 1 else _FIELD_TYPES[RUN_SETTINGS[option]]
+
+
+def numeric_options() -> List[str]:
+    """The `hpdl run` options whose values are numbers (checked by :func:`check_number`)."""
+    return list(LIMITS) + [option for option in RUN_SETTINGS if option_type(option) in (int, float)]
+
+
+def flag(option: str) -> str:
+    """How the command line spells ``option``: ``--cycle-time-ms``."""
+    if option in RUN_SETTINGS:
+        return run_spec(option).flags[0]
+    return _FLAGS.get(option, "--" + option.replace("_", "-"))
+
+
+def setting_variable(option: str) -> str:
+    """The ``HPDL_*`` variable that ``option`` sets."""
+    return SPECS[RUN_SETTINGS[option]].env
+
+
+def setting_text(option: str, value: Any) -> Optional[str]:
+    """``value`` of ``option`` as its setting's variable holds it, or None when not given.
+
+    A flag that is off, like an option not given, leaves the setting to the environment.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "1"
+    if isinstance(value, str):
+        return value
+    value = value * run_spec(option).scale
+    if _FIELD_TYPES[RUN_SETTINGS[option]] is int or float(value).is_integer():
+        return str(int(round(value)))
+    return repr(float(value))
 
 
 def check_number(name: str, option: str, value: Optional[float]) -> None:
-    """Refuse ``value`` of ``option`` (a key of :data:`LIMITS`) out of its range; None is "not given".
+    """Refuse ``value`` of ``option`` out of its range; None is "not given".
 
     Args:
         name: how the error names the value: the flag (``--cycle-time-ms``) or the file and key.
@@ -57,21 +103,50 @@ def check_number(name: str, option: str, value: Optional[float]) -> None:
     """
     if value is None:
         return
-    limit = LIMITS[option]
-    unit = f" {limit.unit}" if limit.unit else ""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise LaunchError(f"{name} must be a finite number, got {value}")
-    if limit.lowest is not None and value < limit.lowest:
-        raise LaunchError(f"{name} must be >= {_text(limit.lowest)}{unit}, got {_text(value)}")
-    if value > limit.highest:
-        means = f" ({limit.highest_means})" if limit.highest_means else ""
-        raise LaunchError(f"{name} must be at most {_text(limit.highest)}{unit}{means}, got {_text(value)}")
+    if option in LIMITS:
+        problem = out_of_range(name, value, LIMITS[option])
+    else:
+        spec = run_spec(option)
+        problem = value_problem(SPECS[RUN_SETTINGS[option]], value, name, spec.scale, spec.unit)
+    if problem is not None:
+        raise LaunchError(problem)
 
 
-def _text(value: float) -> str:
-    """A number as written: 2147483647 and 0.5 in full, 1e+300 rather than its 301 digits."""
-    if isinstance(value, int):  # may be too large for a float
-        digits = str(abs(value))
-        sign = "-" if value < 0 else ""
-        return sign + digits if len(digits) <= 15 else f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
-    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
+def option_help(option: str) -> str:
+    """``option``'s help: what it does, then its variable, its default and its range, from its declaration."""
+    name = RUN_SETTINGS[option]
+    setting, spec = SPECS[name], run_spec(option)
+    kind = option_type(option)
+    notes = [f"{setting.env}=1" if kind is bool else setting.env]
+    value = default(name)
+    if kind is not bool and value != "":
+        notes.append(f"default {number_text(value / spec.scale) if kind in (int, float) else value}")
+    if setting.bound is not None:
+        notes.append(range_text(setting.bound, spec.scale, spec.unit))
+    if spec.path:
+        notes.append("made absolute")
+    return f"{spec.help} ({'; '.join(notes)})".replace("%", "%%")  # argparse formats help with %
+
+
+def add_setting_options(groups: Mapping[str, Any], placed: Optional[Mapping[str, Any]] = None) -> None:
+    """Add to `hpdl run`'s parser every option that sets a setting, each in its declared group.
+
+    Args:
+        groups: the argument groups of `hpdl run`, by title.
+        placed: the group to hold an option in place of its declared one, by option: a group of
+            options that exclude one another (--backend and --gloo).
+    """
+    placed = placed or {}
+    for option in RUN_SETTINGS:
+        spec, kind = run_spec(option), option_type(option)
+        group = placed.get(option, groups[spec.group])
+        arguments: Dict[str, Any] = {"dest": option, "help": option_help(option), "default": None}
+        if kind is bool:
+            arguments["action"] = "store_true"
+        else:
+            arguments.update(metavar=spec.metavar, type=None if kind is str else kind)
+            choices = SPECS[RUN_SETTINGS[option]].choices
+            if choices:
+                arguments.update(choices=choices, metavar=None)
+        group.add_argument(*spec.flags, **arguments)
+

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import List, Optional
 
+from hpdl.atomic_file import make_directories
 from hpdl.comm.topology import discover_topology
 
 
@@ -48,13 +49,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         topology = discover_topology()
         target = rank_directory(directory, topology.rank, topology.size)
-        os.makedirs(target, exist_ok=True)
+        make_directories(target)
         for fd, name in ((1, "stdout"), (2, "stderr")):
             out = os.open(os.path.join(target, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, fd)
             os.close(out)
     except (OSError, ValueError) as err:
-        sys.stderr.write(f"hpdl: error: --output-filename {directory}: {err}\n")
+        sys.stderr.write(f"hpdl: error: --output-filename {directory}: {getattr(err, 'strerror', None) or err}\n")
         return 2
     try:
         os.execvp(command[0], command)

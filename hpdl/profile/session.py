@@ -29,7 +29,6 @@ it, and then adds its part to that file where it can see it.
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import logging
 import os
@@ -38,11 +37,10 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hpdl import __version__
-from hpdl.atomic_file import atomic_write
+from hpdl.atomic_file import atomic_write, make_directories
 from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
@@ -270,15 +268,11 @@ def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
         return (f"cannot write the profile to {target}: the timeline (HPDL_TIMELINE) is written there; "
                 "give them different files")
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        make_directories(os.path.dirname(target))
         with tempfile.NamedTemporaryFile(dir=os.path.dirname(target), prefix=".hpdl-profile-probe."):
             pass  # removed on closing
     except OSError as err:
-        reason = err.strerror or str(err)
-        if err.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory must be
-            blocker = next((p for p in Path(target).parents if p.exists() and not p.is_dir()), None)
-            reason = f"{blocker} is not a directory" if blocker else reason
-        return f"cannot write the profile to {target}: {reason}"
+        return f"cannot write the profile to {target}: {err.strerror or err}"
     return None
 
 

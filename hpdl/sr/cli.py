@@ -618,10 +618,8 @@ class _OutputGuard:
 
 def _refuse_blocked_directory(directory: str, output: str) -> None:
     """Refuse, before any work, an output whose directory cannot be made: a file is in the way."""
-    from pathlib import Path
+    from hpdl.atomic_file import blocking_file, not_a_directory
 
-    for ancestor in (Path(directory), *Path(directory).parents):
-        if os.path.exists(ancestor):
-            if not os.path.isdir(ancestor):
-                raise CliError(f"{output}: {ancestor} is not a directory")
-            return
+    blocker = blocking_file(directory)
+    if blocker is not None:
+        raise CliError(f"{output}: {not_a_directory(blocker)}")

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hpdl.atomic_file import atomic_write
+from hpdl.atomic_file import atomic_write, make_directories
 from hpdl.sr.config import TrainConfig
 from hpdl.sr.train_state import say
 
@@ -67,7 +67,10 @@ def prepare_out_dir(out_dir: Path, cfg: TrainConfig, lock: "OutDirLock") -> Opti
     filled since ``_join`` looked) it now holds an earlier run. The check under the lock is the
     one that counts: two runs started at once in a missing out_dir both passed the first one.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        make_directories(out_dir)
+    except NotADirectoryError as err:
+        return f"out_dir={out_dir}: {err.strerror}"
     refusal = lock.refusal(existing_only=False) or earlier_run_refusal(out_dir, cfg)
     if refusal is not None:
         return refusal

@@ -157,11 +157,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     """Make every rank's optimizer state (tensors in place, scalars and options as objects) equal root's.
 
     A fresh optimizer has no state yet: it is created first by a step with zero gradients (on
-    the wrapped optimizer, without allreduce, for a DistributedOptimizer), as Horovod does.
-    That step changes nothing else here: the parameters' values are put back afterwards
+    the wrapped optimizer, without allreduce, for a DistributedOptimizer), as Horovod does,
+    and every parameter that requires a gradient is left with one: the gradient it had (which
+    differs between ranks), or else the zeros of that step, as Horovod leaves them (a script
+    may broadcast or read them next). The parameters' values are put back after the step
     (weight decay moves them even with zero gradients, and only the ranks with a fresh
-    optimizer take the step, so the parameters broadcast before would differ), and so are
-    the gradients they had (which differ between ranks).
+    optimizer take the step, so the parameters broadcast before would differ).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
@@ -185,7 +186,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                 for p, value in values.items():
                     p.copy_(value)
             for p, grad in kept.items():
-                p.grad = grad
+                if grad is not None:
+                    p.grad = grad
         state_dict = optimizer.state_dict()
 
     tensors: List[Tuple[str, torch.Tensor]] = []

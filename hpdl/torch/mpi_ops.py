@@ -80,10 +80,14 @@ def check_adasum_ranks(process_set: ProcessSet) -> None:
         raise NotImplementedError(f"Adasum needs a power-of-two number of ranks; the process set has {members}")
 
 
-def _check_adasum(tensor: torch.Tensor, process_set: ProcessSet) -> None:
+def _check_adasum(tensor: torch.Tensor, name: str, process_set: ProcessSet) -> None:
     check_adasum_ranks(process_set)
     if not tensor.dtype.is_floating_point:
-        raise ValueError(f"Adasum reduces floating-point tensors only, got {tensor.dtype}")
+        # Horovod fails such a tensor in its Adasum operation ("Unsupported data type"), and
+        # synchronize() raises that as HorovodInternalError; here it is refused before anything
+        # is negotiated, with the same type.
+        raise HorovodInternalError(f"allreduce of tensor {name!r}: Adasum reduces floating-point tensors only, "
+                                   f"got {str(tensor.dtype).replace('torch.', '')}")
 
 
 def _submit(request: Request) -> Handle:
@@ -179,7 +183,7 @@ def synchronize(handle: AsyncHandle) -> Any:
 def _allreduce_request(tensor, output, name, op, prescale, postscale, process_set, group=None,
                        priority=None, bytes_to_come=None) -> Request:
     if op is Adasum:
-        _check_adasum(tensor, process_set)
+        _check_adasum(tensor, name, process_set)
     return Request(RequestKind.ALLREDUCE, name, tensor=tensor, output=output, op=op, prescale=float(prescale),
                    postscale=float(postscale), process_set_id=_set_id(process_set), group=group, priority=priority,
                    bytes_to_come=bytes_to_come)
@@ -218,7 +222,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     if bytes_to_come is not None:
         bytes_to_come = _byte_count(bytes_to_come, name)
     if op is Adasum:
-        _check_adasum(work, process_set)
+        _check_adasum(work, name, process_set)
     if work.is_contiguous():
         request = Request(RequestKind.ALLREDUCE, name, work, work, op, prescale_factor, postscale_factor, 0, None,
                           _set_id(process_set), priority=priority, bytes_to_come=bytes_to_come)
@@ -268,13 +272,14 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
         raise ValueError("grouped_allreduce needs at least one tensor")
     base = _name("grouped_allreduce", name)
     _check_dtypes(tensors, "grouped_allreduce", base)
-    handles, finishers = [], []
+    requests, finishers = [], []
     hints = [None] * len(tensors)
     if bytes_to_come is not None:  # each member's hint counts the members after it
         after = _byte_count(bytes_to_come, base)
         for i in range(len(tensors) - 1, -1, -1):
             hints[i] = after
             after += tensors[i].numel() * tensors[i].element_size()
+    # Every member is checked before any is submitted: a half-submitted group would hang the peers.
     for i, tensor in enumerate(tensors):
         if in_place:
             work, write_back = _in_place(tensor)
@@ -282,9 +287,10 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
         else:
             work = _contiguous(tensor, "grouped_allreduce")
             output, write_back = torch.empty_like(work), (lambda out: out)
-        handles.append(_submit(_allreduce_request(work, output, f"{base}.{i}", op, prescale, postscale, process_set,
-                                                  group=(base, len(tensors)), bytes_to_come=hints[i])))
+        requests.append(_allreduce_request(work, output, f"{base}.{i}", op, prescale, postscale, process_set,
+                                           group=(base, len(tensors)), bytes_to_come=hints[i]))
         finishers.append(write_back)
+    handles = [_submit(request) for request in requests]
     return AsyncHandle(handles, lambda results: [f(r) for f, r in zip(finishers, results)])
 
 
@@ -508,6 +514,11 @@ def alltoall_async(tensor: torch.Tensor, splits: Union[None, Sequence[int], torc
                              f"number of ranks ({members})")
         split_tuple = None
     else:
+        if isinstance(splits, torch.Tensor) and (splits.dim() != 1 or splits.dtype.is_floating_point
+                                                 or splits.dtype.is_complex or splits.dtype == torch.bool):
+            # As Horovod (a ValueError): a 1-D tensor of integers; the entries of another would be truncated.
+            raise ValueError(f"alltoall splits must be a 1-D tensor of integers, got {splits.dim()}-D "
+                             f"{str(splits.dtype).replace('torch.', '')}")
         split_tuple = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits))
         if len(split_tuple) != members or any(s < 0 for s in split_tuple) or sum(split_tuple) != tensor.shape[0]:
             raise ValueError(f"alltoall splits {list(split_tuple)} must have {members} non-negative entries "
@@ -544,8 +555,8 @@ def alltoall(tensor: torch.Tensor, splits: Union[None, Sequence[int], torch.Tens
 
 def _reducescatter_request(tensor, name, op, prescale, postscale, process_set, group=None) -> Request:
     tensor = _contiguous(tensor, "reducescatter")
-    if tensor.dim() == 0:
-        raise HorovodInternalError(f"reducescatter of tensor {name!r}: scalars (0-d tensors) cannot be scattered")
+    if tensor.dim() == 0:  # a ValueError, as Horovod's ("Reducescatter does not support scalar inputs")
+        raise ValueError(f"reducescatter of tensor {name!r}: scalars (0-d tensors) cannot be scattered")
     return Request(RequestKind.REDUCESCATTER, name, tensor=tensor, op=op, prescale=float(prescale),
                    postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
 
@@ -553,7 +564,9 @@ def _reducescatter_request(tensor, name, op, prescale, postscale, process_set, g
 def _resolve_scatter_op(op: Optional[Op]) -> Op:
     op = _resolve_op(None, op)
     if op is Adasum:
-        raise ValueError("reducescatter does not support the Adasum reduction")
+        # Horovod's enqueue aborts an op other than Average and Sum, which its Python layer
+        # raises as HorovodInternalError: scripts catch it as a RuntimeError.
+        raise HorovodInternalError("reducescatter supports Average, Sum, Min, Max and Product, not Adasum")
     return op
 
 
@@ -604,9 +617,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
     base = _name("grouped_reducescatter", name)
     tensors = list(tensors)
     _check_dtypes(tensors, "grouped_reducescatter", base)
-    handles = [_submit(_reducescatter_request(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
-                                              group=(base, len(tensors)))) for i, t in enumerate(tensors)]
-    return AsyncHandle(handles, lambda results: list(results))
+    # Every member is checked before any is submitted: a half-submitted group would hang the peers.
+    requests = [_reducescatter_request(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
+                                       group=(base, len(tensors))) for i, t in enumerate(tensors)]
+    return AsyncHandle([_submit(request) for request in requests], lambda results: list(results))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,

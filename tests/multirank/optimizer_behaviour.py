@@ -243,8 +243,8 @@ def check_broadcast_state_with_weight_decay() -> None:
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         assert torch.equal(flat_params(model), before), f"{type(opt).__name__}: the parameters moved"
         assert_ranks_equal(model, f"{type(opt).__name__}: broadcast parameters and optimizer state")
-        for p in model.parameters():
-            assert p.grad is None, "a gradient made for the state-creating step was left behind"
+        for p in model.parameters():  # a gradient where the state was made, as Horovod leaves it
+            assert (p.grad is None) if rank == 0 else torch.equal(p.grad, torch.zeros_like(p)), (rank, p.grad)
         for step in range(2):
             _train_step(model, opt, step)
         assert_ranks_equal(model, f"{type(opt).__name__}: trained after the resume")
@@ -332,6 +332,25 @@ def check_broadcast_state_keeps_gradients() -> None:
         assert p.grad is held[n], f"{n}: its gradient was replaced"
         assert torch.equal(p.grad, torch.full_like(p, float(rank + 1))), f"{n}: its gradient changed"
     opt.zero_grad()
+
+
+def check_broadcast_state_leaves_zero_gradients() -> None:
+    """As Horovod: after the step that makes a fresh optimizer's state, every parameter that
+    requires a gradient has one (zeros), so a script may broadcast or read it at once; a
+    frozen parameter keeps None."""
+    model, _ = make_pair(seed=600)
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert frozen.grad is None, "a frozen parameter got a gradient"
+    for name, p in model.named_parameters():
+        if p is not frozen:
+            assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), f"{name}: {p.grad}"
+            assert not p.grad.requires_grad, name
+            hvd.broadcast_(p.grad, root_rank=0, name=f"check.zero_grad.{name}")
+    frozen.requires_grad_(True)
 
 
 def check_sparse() -> None:
@@ -508,6 +527,7 @@ CHECKS = {
     "broadcast-state": check_broadcast_state,
     "broadcast-state-keeps-gradients": check_broadcast_state_keeps_gradients,
     "broadcast-state-weight-decay": check_broadcast_state_with_weight_decay,
+    "broadcast-state-zero-gradients": check_broadcast_state_leaves_zero_gradients,
     "load-state-dict-mid-step": check_load_state_dict_drops_the_step_in_progress,
     "overlap-forward-rollback": check_overlap_forward_rollback,
     "sparse": check_sparse,

@@ -131,11 +131,16 @@ def check_adasum(rank, size):
     for i, out in enumerate(outs):
         expected = adasum_reference([pieces[r][i] for r in range(size)])
         assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12), (i, out, expected)
-    try:
-        hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
-        raise AssertionError("Adasum of integers should raise")
-    except ValueError as err:
-        assert "floating-point" in str(err), err
+    # Refused with Horovod's type (its Adasum fails them in synchronize(): HorovodInternalError),
+    # before any member of a group is submitted (the float one before it must not wait for ever).
+    for call in (lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum),
+                 lambda: hvd.grouped_allreduce([torch.ones(2), torch.ones(2, dtype=torch.int32)], op=hvd.Adasum)):
+        try:
+            call()
+            raise AssertionError("Adasum of integers should raise")
+        except hvd.HorovodInternalError as err:
+            assert isinstance(err, RuntimeError) and "floating-point" in str(err) and "int32" in str(err), err
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Adasum, name="adasum.after"), torch.ones(2))
 
 
 def check_autograd(rank, size):
@@ -259,11 +264,27 @@ def check_allgather_broadcast_alltoall_reducescatter(rank, size):
                          f"reducescatter {dtype}")
             outs = hvd.grouped_reducescatter([full[rank], full[rank]], op=hvd.Sum)
             assert_equal(outs[1], summed[start:start + counts[rank]], f"grouped reducescatter {dtype}")
-    try:
-        hvd.reducescatter(torch.tensor(1.0))
-        raise AssertionError("scalar reducescatter should raise")
-    except hvd.HorovodInternalError:
-        pass
+    # Refusals raise the types Horovod raises, and leave no member of a group in flight.
+    refusals = [
+        (lambda: hvd.reducescatter(torch.tensor(1.0)), ValueError, "scalars"),
+        (lambda: hvd.grouped_reducescatter([torch.ones(size), torch.tensor(1.0)]), ValueError, "scalars"),
+        (lambda: hvd.reducescatter(torch.ones(size), op=hvd.Adasum), hvd.HorovodInternalError, "not Adasum"),
+        (lambda: hvd.alltoall(torch.ones(size), splits=torch.ones(size)), ValueError, "1-D tensor of integers"),
+        (lambda: hvd.alltoall(torch.ones(size), splits=torch.ones(1, size, dtype=torch.int32)), ValueError,
+         "1-D tensor of integers"),
+    ]
+    for call, error, words in refusals:
+        try:
+            call()
+            raise AssertionError(f"should raise {error.__name__}: {words}")
+        except error as err:
+            assert words in str(err), err
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    full = torch.ones(size, 2)
+    outs = hvd.grouped_reducescatter([full, full], op=hvd.Sum, name="reducescatter.after")
+    assert all(torch.equal(out, torch.full((1, 2), float(size))) for out in outs), outs
+    out, received = hvd.alltoall(torch.ones(size), splits=torch.ones(size, dtype=torch.int64))
+    assert torch.equal(out, torch.ones(size)) and received.tolist() == [1] * size, (out, received)
 
 
 def check_objects_and_helpers(rank, size):

