@@ -308,8 +308,8 @@ class Executor:
     def _views(self, buffer: torch.Tensor, batch: List[Response], names: tuple) -> List[torch.Tensor]:
         """Views of the fusion buffer shaped like the batch's tensors, cached per batch layout.
 
-        Training repeats the same batches step after step; making 200 views costs as much as
-        copying 3 MB, so they are made once. The key holds the buffer's address and every
+        Training repeats the same batches step after step, and making a view costs Python
+        time per tensor, on the engine thread, at every step, so they are made once. The key holds the buffer's address and every
         member's name and shape, so a changed layout never reuses stale views.
         """
         key = (buffer.data_ptr(), names, tuple(r.signature.shape for r in batch))
