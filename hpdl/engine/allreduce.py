@@ -86,22 +86,33 @@ class Allreduce:
         self.op = first.op
         self.prescale, self.postscale = first.scales
         self.divisor = comm.size if first.op == AVERAGE else 1
-        self.members: List[Optional[Request]] = []
-        self.inputs: List[torch.Tensor] = []
-        self.outputs: List[torch.Tensor] = []
+        # One pass over the batch: this runs for every batch, a lone gradient's included.
+        members: List[Optional[Request]] = []
+        inputs: List[torch.Tensor] = []
+        outputs: List[torch.Tensor] = []
+        names = []
+        nbytes = 0
         for response in batch:
-            request = requests.get(response.name)
-            self.members.append(request)
+            name = response.name
+            names.append(name)
+            nbytes += response.nbytes
+            request = requests.get(name)
+            members.append(request)
             if request is None:  # this rank has joined: contribute zeros of the agreed shape
                 zeros = torch.zeros(response.signature.shape, dtype=self.dtype,
                                     device=zeros_device(response.signature.device, join_device))
-                self.inputs.append(zeros)
-                self.outputs.append(zeros)
+                inputs.append(zeros)
+                outputs.append(zeros)
             else:
-                self.inputs.append(request.tensor)
-                self.outputs.append(request.output if request.output is not None else request.tensor)
-        self.names = tuple(r.name for r in batch)
-        self.nbytes = sum(r.nbytes for r in batch)
+                tensor = request.tensor
+                inputs.append(tensor)
+                output = request.output
+                outputs.append(output if output is not None else tensor)
+        self.members = members
+        self.inputs = inputs
+        self.outputs = outputs
+        self.names = tuple(names)
+        self.nbytes = nbytes
         self.bus = bus
         self.rank = rank
         self.process_set_id = process_set_id
@@ -116,9 +127,10 @@ class Allreduce:
     def collective_span(self, comm: Communicator, op_label: str) -> ev.Span:
         """The span of the backend call, with what observers alone need (the profiler's tensor
         sizes), described only when someone observes."""
-        described = {"sizes": tuple(r.nbytes for r in self.batch), "dtype": self.batch[0].signature.dtype,
-                     "backend": comm.name} if self.bus.active else {}
-        return self.span(ev.COLLECTIVE, op=op_label, **described)
+        if self.bus.active:
+            return self.span(ev.COLLECTIVE, op=op_label, sizes=tuple(r.nbytes for r in self.batch),
+                             dtype=self.batch[0].signature.dtype, backend=comm.name)
+        return self.span(ev.COLLECTIVE, op=op_label)
 
     def finish(self) -> None:
         """After the backend's reduction (of what ``begin`` returned): leave the results in

@@ -17,14 +17,12 @@ import time
 class Clock:
     """The system's monotonic clock (the one an engine uses unless handed another)."""
 
-    # The builtin itself, not a method that calls it: the engine thread reads the time on every
-    # round and every wake-up.
+    # The functions themselves, not methods that call them: the engine thread reads the time on
+    # every round and every wake-up, and waits in every pause.
     monotonic = staticmethod(time.monotonic)
-
-    @staticmethod
-    def wait(event: threading.Event, timeout: float) -> bool:
-        """Wait until ``event`` is set or ``timeout`` seconds have passed; return whether it is set."""
-        return event.wait(timeout)
+    # wait(event, timeout): wait until ``event`` is set or ``timeout`` seconds have passed;
+    # return whether it is set.
+    wait = staticmethod(threading.Event.wait)
 
 
 SYSTEM_CLOCK = Clock()

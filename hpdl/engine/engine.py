@@ -302,8 +302,10 @@ class Engine(EngineFailures):
         clock = self.clock
         while True:
             self._service()
+            if self._round_wanted:
+                break
             remaining = scheduler.wait_s(until, executor.poll_interval_s())
-            if remaining <= 0 or self._round_wanted:
+            if remaining <= 0:
                 break
             clock.wait(self._wake, remaining)
             self._wake.clear()

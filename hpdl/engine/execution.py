@@ -278,17 +278,16 @@ class Executor:
     def _allreduce(self, comm: Communicator, ps: int, batch: List[Response], requests: Dict[str, Request],
                    cycle: int) -> None:
         """Run one batch of the fusion plan: by Adasum, in place (a lone tensor) or fused."""
-        on = dict(comm=comm, join_device=self.join_device, bus=self.bus, rank=self.rank, process_set_id=ps,
-                  cycle=cycle)
+        on = (comm, self.join_device, self.bus, self.rank, ps, cycle)
         if batch[0].signature.op == ADASUM:
-            adasum = Adasum(batch, requests, **on)
-            adasum.run(comm)
-            self._complete(adasum)
+            allreduce = Adasum(batch, requests, *on)
+            allreduce.run(comm)
+            self._complete(allreduce)
         elif len(batch) == 1:
-            alone = InPlace(batch, requests, **on)
-            self._launch(comm, alone, alone.begin())
+            allreduce = InPlace(batch, requests, *on)
+            self._launch(comm, allreduce, allreduce.begin())
         else:
-            fused = Fused(batch, requests, **on)
+            allreduce = fused = Fused(batch, requests, *on)
             key = self._free_buffer(fused.dtype, fused.inputs[0].device)
             buffer = self.buffers.get(fused.dtype, fused.inputs[0].device, sum(r.numel for r in batch),
                                       self.fusion_threshold, slot=key[2])
@@ -296,7 +295,7 @@ class Executor:
             self._launch(comm, fused, fused.begin(buffer, self._views(buffer, batch, fused.names), key))
         self.backend_calls += 1
         self.tensors_reduced += len(batch)
-        self.bytes_reduced += sum(r.nbytes for r in batch)
+        self.bytes_reduced += allreduce.nbytes
 
     def _complete(self, allreduce: Allreduce) -> None:
         """Hand ``allreduce``'s results to its handles; tell observers it is done."""

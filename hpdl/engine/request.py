@@ -139,7 +139,7 @@ class Request:
             return Signature(kind=kind._value_, dtype=None, shape=None, device=None, op=None, root=self.root,
                              scales=None, splits=self.splits, group=self.group, priority=None)
         reduces = kind is RequestKind.ALLREDUCE or kind is RequestKind.REDUCESCATTER
-        return signature_of((  # in Signature's order
+        return _tuple_new(Signature, (  # signature_of, inlined: in Signature's order
             kind._value_,  # kind
             dtype_name(t.dtype),  # dtype
             tuple(t.shape),  # shape
