@@ -58,12 +58,30 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
          backend: Optional[str] = None) -> None:
     """Start hpdl on this process: discover the job, connect the backend, start the engine.
 
+    Every rank of the job calls it. It reads the settings (``HPDL_*`` variables, Horovod's aliases)
+    once, forms the world from what the launcher announced (``mpiexec``, ``srun``, ``torchrun``,
+    ``hpdl run``), checks its size against the launcher's, and starts the engine thread that
+    negotiates and runs every collective. A second call while initialized does nothing, as in
+    Horovod; after ``shutdown()`` it starts hpdl again.
+
     Args:
         comm: None (every rank of the job), a list of ranks to run on (every process of the job
-            must call init with the same list), or an mpi4py communicator.
+            must call init with the same list; the ranks outside it raise), or an mpi4py
+            communicator (used as it is: its size is not checked against the launcher's).
         process_sets: ProcessSet objects to register now (``"dynamic"`` is accepted: sets can
             always be added later).
-        backend: "mpi", "gloo", "nccl" or "torch"; default from HPDL_BACKEND or the launcher.
+        backend: "mpi", "gloo", "nccl" or "torch" (gloo on CPU, nccl with CUDA); default from
+            ``HPDL_BACKEND`` or the launcher.
+
+    Raises:
+        hpdl.config.SettingsError: an ``HPDL_*`` variable that hpdl does not know, or a value out
+            of its range; or a backend that cannot run with this installation (a ``ValueError``).
+        hpdl.comm.WorldSizeError: the world's size is not the one the launcher announced, as when
+            srun starts MPICH ranks without ``--mpi=pmi2`` (a ``ValueError``, on every rank).
+        ValueError: this rank is not in the list ``comm``, or a process set cannot be registered.
+
+    Where the ranks do not all meet within ``HPDL_START_TIMEOUT`` seconds (when set), the process
+    prints one line saying so and exits with status 1.
     """
     global _state, _atexit_registered
     with _lock:
@@ -253,46 +271,75 @@ def _at_exit() -> None:
 
 
 def is_initialized() -> bool:
-    """Return whether init() has run (and shutdown() has not)."""
+    """Return whether ``init()`` has run on this process (and ``shutdown()`` has not since)."""
     return _state is not None
 
 
 def engine() -> Engine:
-    """The running engine (for the profiler and benchmarks)."""
+    """Return the running engine (for the profiler, the autotuner's parameters and benchmarks).
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().engine
 
 
 def settings() -> Settings:
+    """Return the settings the running hpdl read at ``init()`` (``hpdl.config.Settings``).
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().settings
 
 
 def size() -> int:
-    """Number of ranks in the job."""
+    """Return the number of ranks in the job.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.size
 
 
 def rank() -> int:
-    """This process's rank, 0 .. size() - 1."""
+    """Return this process's rank in the job, 0 to ``size() - 1``.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.rank
 
 
 def local_size() -> int:
-    """Number of ranks on this node."""
+    """Return the number of ranks on this process's node.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.local_size
 
 
 def local_rank() -> int:
-    """This process's rank among those on its node."""
+    """Return this process's rank among the ranks of its node, 0 to ``local_size() - 1``.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.local_rank
 
 
 def local_gpu() -> int:
-    """The index of this rank's GPU on its node, for ``torch.cuda.set_device(hvd.local_gpu())``.
+    """Return the index of this rank's GPU on its node, for ``torch.cuda.set_device(hvd.local_gpu())``.
 
     ``local_rank()`` with one rank per GPU (Horovod's ``set_device(hvd.local_rank())``), and
     ``local_rank() // K`` with K ranks per GPU (``HPDL_RANKS_PER_GPU``, ``hpdl run
-    --ranks-per-gpu K``). Raises ``hpdl.comm.devices.DeviceError`` (a ``ValueError``) when
-    this node has no such GPU.
+    --ranks-per-gpu K``). Without CUDA it is the index the rank would use.
+
+    Raises:
+        ValueError: hpdl is not initialized.
+        hpdl.comm.devices.DeviceError: this node has no such GPU (a ``ValueError``; the message
+            says what to change).
     """
     state = _require()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -302,46 +349,80 @@ def local_gpu() -> int:
 
 
 def cross_size() -> int:
-    """Number of ranks with this process's local rank across nodes (the number of nodes when homogeneous)."""
+    """Return the number of ranks with this process's local rank across the nodes.
+
+    On a homogeneous job (the same number of ranks on every node) it is the number of nodes.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.cross_size
 
 
 def cross_rank() -> int:
-    """This process's rank among the ranks with its local rank (its node's index when homogeneous)."""
+    """Return this process's rank among the ranks with its local rank across the nodes.
+
+    On a homogeneous job it is the index of this process's node.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.cross_rank
 
 
 def is_homogeneous() -> bool:
-    """Return whether every node runs the same number of ranks."""
+    """Return whether every node runs the same number of ranks.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().homogeneous
 
 
 def backend_name() -> str:
-    """"mpi", "gloo" or "nccl": the backend the engine runs on."""
+    """Return the backend the engine runs on: "mpi", "gloo" or "nccl".
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().comm.name
 
 
 # -- build queries, as Horovod's (callables returning bool; nccl_built an int version) ------
 
 def mpi_built() -> bool:
+    """Return whether MPI can be used: mpi4py imports (and so an MPI library was found).
+
+    Answers without ``init()``, as Horovod's; ``mpi_enabled()`` says whether a running job uses it.
+    """
     return mpi_available()
 
 
 def mpi_enabled() -> bool:
-    """Whether the running hpdl talks through MPI (False before init(), as in Horovod)."""
+    """Return whether the running hpdl talks through MPI (False before ``init()``, as in Horovod)."""
     return _state is not None and _state.comm.name == "mpi"
 
 
 def gloo_built() -> bool:
+    """Return whether gloo can be used: torch.distributed with its gloo backend.
+
+    Answers without ``init()``; ``gloo_enabled()`` says whether a running job uses it.
+    """
     return torch.distributed.is_available() and torch.distributed.is_gloo_available()
 
 
 def gloo_enabled() -> bool:
-    """Whether the running hpdl talks through gloo (False before init(), as in Horovod)."""
+    """Return whether the running hpdl talks through gloo (False before ``init()``, as in Horovod)."""
     return _state is not None and _state.comm.name == "gloo"
 
 
 def nccl_built() -> int:
+    """Return NCCL's version as an int (2.18.3 is 21803), 0 when torch has no NCCL, as Horovod's.
+
+    Returns:
+        ``major * 10000 + minor * 100 + patch``; 1 when torch has NCCL but cannot say which
+        version; 0 without it. Answers without ``init()``.
+    """
     if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
         return 0
     try:
@@ -352,32 +433,56 @@ def nccl_built() -> int:
 
 
 def mpi_threads_supported() -> bool:
+    """Return whether MPI was initialized with ``MPI_THREAD_MULTIPLE`` (False without MPI), as Horovod's.
+
+    mpi4py asks for it by default, at its import.
+    """
     return MPI is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def cuda_built() -> bool:
+    """Return whether this torch was built with CUDA (whether or not a GPU is present)."""
     return torch.backends.cuda.is_built() if hasattr(torch.backends, "cuda") else False
 
 
 def rocm_built() -> bool:
+    """Return whether this torch was built with ROCm (HIP)."""
     return getattr(torch.version, "hip", None) is not None
 
 
 def ddl_built() -> bool:
+    """Return False: hpdl has no IBM DDL backend (Horovod's query, kept for scripts that ask)."""
     return False
 
 
 def ccl_built() -> bool:
+    """Return False: hpdl has no oneCCL backend (Horovod's query, kept for scripts that ask)."""
     return False
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Write engine events of rank 0 to ``file_path`` as a Chrome trace until stop_timeline()."""
+    """Write rank 0's engine events to ``file_path`` as a Chrome trace until ``stop_timeline()``.
+
+    Only rank 0 writes: on the other ranks the call does nothing, so every rank may make it.
+    A timeline already running is stopped first. ``HPDL_TIMELINE`` starts one at ``init()``.
+
+    Args:
+        file_path: The trace to write (open it in chrome://tracing or Perfetto); missing
+            directories are made.
+        mark_cycles: Also mark each of the engine's cycles.
+
+    Raises:
+        ValueError: hpdl is not initialized, or rank 0 cannot write the file (naming it and why).
+    """
     _require().engine.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Stop and close the timeline started by start_timeline() or HPDL_TIMELINE."""
+    """Stop the timeline started by ``start_timeline()`` or ``HPDL_TIMELINE`` and close its file.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     _require().engine.stop_timeline()
 
 
@@ -387,6 +492,14 @@ def start_profile(file_path: str) -> None:
     At stop_profile() and at each shutdown() the ranks' records are gathered and rank 0
     writes them to ``file_path``; read it with ``hpdl profile report``. HPDL_PROFILE starts
     the same recording at init().
+
+    Args:
+        file_path: The profile rank 0 writes (JSON); docs/profile.md describes it.
+
+    Raises:
+        ValueError: hpdl is not initialized; a profile is already recording to another file;
+            or rank 0 could not write ``file_path``, or it is the timeline's file (raised on
+            every rank, before recording).
     """
     from hpdl.profile import session
 
