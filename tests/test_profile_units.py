@@ -470,10 +470,11 @@ def test_shutdown_hook_on_the_failure_path_leaves_no_error_of_its_own(monkeypatc
     monkeypatch.setattr(sess, "_session", recording)
     monkeypatch.setattr(runtime, "engine", lambda: Engine())
     monkeypatch.setattr(sess, "write", lambda s: sess._end(s))
-    monkeypatch.setattr(runtime, "_shutdown_hooks", [sess._at_shutdown])
+    monkeypatch.setattr(runtime, "_shutdown_hooks", {stage: [] for stage in runtime.ShutdownStage})
+    runtime.add_shutdown_hook(sess._at_shutdown, runtime.ShutdownStage.WRITE_RECORDS)
     with caplog.at_level(logging.ERROR, logger="hpdl"):
-        runtime._run_shutdown_hooks()
-    assert sess._session is None and not caplog.records, caplog.text
+        failures = runtime._run_shutdown_hooks()
+    assert sess._session is None and not failures and not caplog.records, (failures, caplog.text)
 
 
 def test_an_uncaught_exception_is_noted_and_passed_on_and_the_hooks_are_restored(monkeypatch):

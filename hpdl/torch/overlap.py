@@ -76,14 +76,21 @@ def _wait_for_orphans() -> None:
     _ORPHANED.clear()
 
 
-def _apply_at_shutdown(owner: "weakref.ReferenceType") -> None:
-    # overlap_forward: the last step's updates, before the engines stop. A rank that finished
-    # its loop first would otherwise stop every engine while a slower rank still submits its
-    # last gradients (its step() does not wait for theirs).
-    optimizer = owner()
-    if optimizer is None:
-        return
-    optimizer.apply_pending_updates()
+# overlap_forward: the optimizers whose last updates shutdown() applies, in the order they were
+# made (weakly: neither this list nor the runtime keeps an optimizer alive).
+_LIVE: List["weakref.ReferenceType"] = []
+
+
+def _finish_at_shutdown() -> None:
+    # overlap_forward, before the engines stop: the allreduces of optimizers gone with their
+    # model, then the last step's updates of the others. A rank that finished its loop first
+    # would otherwise stop every engine while a slower rank still submits its last gradients
+    # (its step() does not wait for theirs).
+    _wait_for_orphans()
+    for owner in list(_LIVE):
+        optimizer = owner()
+        if optimizer is not None:
+            optimizer.apply_pending_updates()
 
 
 def _check_overlap_forward(model: Any, backward_passes_per_step: int, groups: Any, op: Op) -> None:
@@ -132,13 +139,9 @@ class OverlapForwardMixin:
         # The same dict for the optimizer's whole life (_defer fills it in place), so that the
         # finalizer sees what is deferred when the optimizer goes.
         weakref.finalize(self, _adopt_orphans, self._deferred).atexit = False
-        shutdown_hooks = runtime._shutdown_hooks
-        shutdown_hooks[:] = [h for h in shutdown_hooks  # drop those of optimizers gone since
-                             if not (isinstance(h, functools.partial) and h.func is _apply_at_shutdown
-                                     and h.args[0]() is None)]
-        shutdown_hooks.insert(0, functools.partial(_apply_at_shutdown, self._ref))  # before the profile's
-        if _wait_for_orphans not in shutdown_hooks:
-            shutdown_hooks.insert(0, _wait_for_orphans)
+        _LIVE[:] = [owner for owner in _LIVE if owner() is not None]  # drop those of optimizers gone since
+        _LIVE.append(self._ref)
+        runtime.add_shutdown_hook(_finish_at_shutdown, runtime.ShutdownStage.FINISH_WORK)
 
     def _apply_before_new_gradient(self, p: torch.Tensor) -> None:
         # p's module never ran its forward since the step that deferred p's update: p was
