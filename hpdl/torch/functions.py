@@ -10,6 +10,7 @@ import torch
 
 from hpdl.torch import runtime
 from hpdl.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
+from hpdl.torch.optimizer_base import local_step
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
 
@@ -178,9 +179,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                     p.grad = torch.zeros_like(p)
                     if isinstance(optimizer, torch.optim.SparseAdam):  # it refuses dense gradients
                         p.grad = p.grad.to_sparse()
-        local_step = getattr(optimizer, "_local_step", None)  # DistributedOptimizer: skip the allreduce
         try:
-            (local_step or optimizer.step)()
+            local_step(optimizer)  # a DistributedOptimizer's without the allreduce
         finally:
             with torch.no_grad():
                 for p, value in values.items():
