@@ -73,8 +73,8 @@ def test_profile_outputs_replace_an_existing_file_only_with_overwrite(tmp_path, 
 
 
 @pytest.mark.parametrize("output, fragment", [
-    ("{dir}", "is a directory"),
-    ("{file}/t.json", "is a file, not a directory"),
+    ("{dir}", "is a directory; name a file"),
+    ("{file}/t.json", "{file} is a file, not a directory"),
     ("{tmp}/missing/t.json", "its directory does not exist"),
 ], ids=["directory", "under-a-file", "missing-directory"])
 @pytest.mark.parametrize("command", [["report", "{p}", "--html"], ["timeline", "{p}", "-o"]], ids=["report", "timeline"])
@@ -86,7 +86,7 @@ def test_profile_outputs_that_cannot_be_files_are_refused_before_reading(tmp_pat
     (tmp_path / "f").write_text("x")
     names = dict(p=profile, dir=tmp_path / "d", file=tmp_path / "f", tmp=tmp_path)
     assert main(["profile", *[a.format(**names) for a in command + [output]]]) == 2
-    _one_line_error(capsys, "cannot write", fragment)
+    _one_line_error(capsys, f"{command[-1]} {output.format(**names)}: {fragment.format(**names)}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "p.json"] and not any((tmp_path / "d").iterdir())
 
 

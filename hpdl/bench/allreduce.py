@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hpdl.bench.stats import doubling_sizes, format_size, format_table, median
+from hpdl.bench.stats import doubling_sizes, median
+from hpdl.formatting import format_size, format_table
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional
 
 from hpdl import __version__
 from hpdl.atomic_file import atomic_write, make_directories
+from hpdl.output_files import same_file
 from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
@@ -256,7 +257,7 @@ def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
     timeline = None if timeline is None else os.path.abspath(timeline)
     if os.path.isdir(target):
         return f"cannot write the profile to {target}: it is a directory; name a file"
-    if timeline is not None and (timeline == target or _same_file(timeline, target)):
+    if timeline is not None and same_file(timeline, target):
         return (f"cannot write the profile to {target}: the timeline (HPDL_TIMELINE) is written there; "
                 "give them different files")
     try:
@@ -266,13 +267,6 @@ def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
     except OSError as err:
         return f"cannot write the profile to {target}: {err.strerror or err}"
     return None
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one does not exist: not the same file
-        return False
 
 
 def stop() -> None:
