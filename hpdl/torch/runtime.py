@@ -283,7 +283,7 @@ def _stop(state: _State) -> None:
     state.comm.close()
     if state.parent is not None:  # else each init(comm=[...]) would hold MPI communicators for good
         state.parent.close()
-    _process_sets._reset()
+    _process_sets.forget_registered()
 
 
 def _run_shutdown_hooks() -> List[str]:
