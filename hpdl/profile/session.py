@@ -360,13 +360,12 @@ def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     and none to the others is one, so no other rank holds every rank's part (an allgather
     would: tens of MB each on a long run).
     """
-    import pickle
-
     import torch
 
     import hpdl.torch as hvd
+    from hpdl.comm import objects
 
-    payload = torch.frombuffer(bytearray(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    payload = objects.to_tensor(part)
     splits = [payload.numel()] + [0] * (hvd.size() - 1)
     handle = hvd.alltoall_async(payload, splits=splits, name="hpdl.profile.gather")
     deadline = time.monotonic() + GATHER_DEADLINE_S
@@ -379,12 +378,7 @@ def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     if hvd.rank() != 0:
         return None
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    data = received.numpy().tobytes()
-    parts, offset = [], 0
-    for count in counts:
-        parts.append(pickle.loads(data[offset:offset + count]))
-        offset += count
-    return parts
+    return objects.objects_in(received, counts)
 
 
 def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:
