@@ -91,7 +91,7 @@ def test_profile_outputs_that_cannot_be_files_are_refused_before_reading(tmp_pat
 
 
 def test_a_failed_profile_write_leaves_no_temp_file_and_names_the_file(tmp_path):
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
 
     target = tmp_path / "p.json"
     target.mkdir()  # the rename cannot replace a directory
@@ -102,7 +102,7 @@ def test_a_failed_profile_write_leaves_no_temp_file_and_names_the_file(tmp_path)
 
 
 def test_unwritable_profile_paths_are_named_before_any_recording(tmp_path):
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
 
     (tmp_path / "d").mkdir()
     (tmp_path / "f").write_text("x")
@@ -114,7 +114,7 @@ def test_unwritable_profile_paths_are_named_before_any_recording(tmp_path):
 
 
 def test_a_profile_write_failing_at_shutdown_says_so_in_one_line(monkeypatch, caplog):
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
     from hpdl.torch import runtime
 
     class Engine:

@@ -457,7 +457,7 @@ def test_html_page_is_self_contained_with_plots():
 
 def test_shutdown_hook_on_the_failure_path_leaves_no_error_of_its_own(monkeypatch, caplog):
     # The gather fails (a peer is gone): write() takes the failure path, which ends the recording.
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
     from hpdl.torch import runtime
 
     class Engine:
@@ -481,7 +481,7 @@ def test_an_uncaught_exception_is_noted_and_passed_on_and_the_hooks_are_restored
     import sys
     import threading
 
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
 
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(("sys", a[0])))

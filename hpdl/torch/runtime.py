@@ -476,7 +476,7 @@ def start_profile(file_path: str) -> None:
     writes them to ``file_path``; read it with ``hpdl profile report``. HPDL_PROFILE starts
     the same recording at init().
     """
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     _require()
     session.start(file_path)
@@ -484,7 +484,7 @@ def start_profile(file_path: str) -> None:
 
 def stop_profile() -> None:
     """Write the profile started by start_profile() or HPDL_PROFILE and stop recording (every rank)."""
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     session.stop()
 

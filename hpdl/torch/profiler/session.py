@@ -40,13 +40,13 @@ from typing import Any, Dict, List, Optional
 
 from hpdl import __version__
 from hpdl.atomic_file import atomic_write, make_directories
-from hpdl.output_files import same_file
 from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
+from hpdl.output_files import same_file
 from hpdl.profile import schema
-from hpdl.profile.clock import JobClock, estimate
 from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
+from hpdl.torch.profiler.clock import JobClock, estimate
 
 _PART_WAIT_S = 2.0  # within abort's allowance for failure hooks
 # Longer than a healthy gather takes (a few MB per rank) and than ranks usually drift apart
