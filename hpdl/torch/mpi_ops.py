@@ -159,7 +159,8 @@ def wait_done(handle: AsyncHandle) -> None:
     """Block until ``handle``'s operation finished, without building its result or raising its error.
 
     Waiting on the last of many handles first, then synchronizing them all, wakes the caller
-    once instead of once per handle (handles complete roughly in submission order).
+    once instead of once per handle (handles complete roughly in submission order). One of
+    the tools beside the engine that docs/api.md documents, for benchmarks and tools.
     """
     for engine_handle in handle.handles:
         engine_handle.wait_done()

@@ -218,6 +218,8 @@ def _connect(settings: Settings, topology: Topology, mpi_comm: Any = None, check
 def job_backend(backend: Optional[str] = None) -> str:
     """Return the backend a job started here would use ("mpi", "gloo", "nccl"), without connecting.
 
+    One of the tools beside the engine that docs/api.md documents, for benchmarks and tools.
+
     Args:
         backend: as for ``init()``; default from HPDL_BACKEND or the launcher.
     """
@@ -236,10 +238,11 @@ def _shared_gpus(settings: Settings, topology: Topology) -> bool:
 def job_communicator(backend: Optional[str] = None) -> Communicator:
     """Return a communicator of every rank of the job, apart from hpdl's engine.
 
-    For benchmarks and tools that time the backend itself or synchronise the ranks around hpdl:
-    its collectives never interleave with the engine's (under torch.distributed it is a group
-    of its own: two threads issuing collectives on one gloo group may pair them differently on
-    each rank). Collective: every rank calls it. Close it when done.
+    A tool beside the engine (docs/api.md), for benchmarks and tools that time the backend
+    itself or synchronise the ranks around hpdl: its collectives never interleave with the
+    engine's (under torch.distributed it is a group of its own: two threads issuing
+    collectives on one gloo group may pair them differently on each rank). Collective: every
+    rank calls it. Close it when done.
 
     Raises:
         WorldSizeError: the world has another size than the launcher announced.
