@@ -2,6 +2,7 @@
 and the fake LauncherInfo and build_run calls built from them."""
 
 from hpdl.launch import LauncherInfo, RunOptions, build_run, srun_mpi_plugins_from_list
+from hpdl.launch.limits import RUN_SETTINGS
 from hpdl.launch import detect
 
 # --- realistic `mpiexec --version` outputs ----------------------------------------------
@@ -70,8 +71,13 @@ def info(flavour=detect.MPICH, mpiexec="mpiexec", torchrun="torchrun", srun=None
 
 
 def run(command=("python", "train.py"), env=None, launchers=None, **options):
-    """``(argv, env)`` of a launch that is one command (every launch but torchrun across hosts)."""
-    commands, out_env = build_run(RunOptions(command=tuple(command), **options), env or {}, launchers or info())
+    """``(argv, env)`` of a launch that is one command (every launch but torchrun across hosts).
+
+    ``options`` are RunOptions' fields and the options that set settings (its ``settings``).
+    """
+    settings = {name: options.pop(name) for name in list(options) if name in RUN_SETTINGS}
+    commands, out_env = build_run(RunOptions(command=tuple(command), settings=settings, **options), env or {},
+                                  launchers or info())
     assert len(commands) == 1, commands
     return commands[0], out_env
 

@@ -29,7 +29,7 @@ def test_unknown_variable_is_rejected_by_name():
 
 @pytest.mark.parametrize("env,match", [
     ({"HPDL_CYCLE_TIME": "fast"}, "HPDL_CYCLE_TIME"),
-    ({"HPDL_BACKEND": "carrier-pigeon"}, "backend"),
+    ({"HPDL_BACKEND": "carrier-pigeon"}, "HPDL_BACKEND must be one of auto, mpi, gloo, nccl, torch, got "),
     ({"HPDL_CACHE_CAPACITY": "-1"}, "HPDL_CACHE_CAPACITY"),
     ({"HPDL_INPLACE_THRESHOLD": "-1"}, "HPDL_INPLACE_THRESHOLD"),
     ({"HPDL_HIERARCHICAL_ALLREDUCE": "maybe"}, "HPDL_HIERARCHICAL_ALLREDUCE"),
@@ -41,6 +41,20 @@ def test_unknown_variable_is_rejected_by_name():
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(SettingsError, match=match):
         Settings.from_env(env)
+
+
+def test_a_bad_argument_is_named_as_the_argument_and_a_bad_variable_as_the_variable():
+    with pytest.raises(SettingsError, match="^backend must be one of auto, mpi, gloo, nccl, torch, got 'x'$"):
+        Settings.from_env({}, backend="x")
+    with pytest.raises(SettingsError, match="^HPDL_BACKEND must be one of auto, mpi, gloo, nccl, torch, got 'x'$"):
+        Settings.from_env({"HPDL_BACKEND": "x"})
+    with pytest.raises(SettingsError, match="^HPDL_MPI_CUDA_AWARE must be one of auto, 0, 1, got '2'$"):
+        Settings.from_env({"HPDL_MPI_CUDA_AWARE": "2"})
+    with pytest.raises(SettingsError, match="^HPDL_ENGINE_NICE must be auto or an integer from 0 to 19, got 'low'$"):
+        Settings.from_env({"HPDL_ENGINE_NICE": "low"})
+    with pytest.raises(SettingsError, match="^HPDL_ENGINE_NICE must be at most 19, got 20$"):
+        Settings.from_env({"HPDL_ENGINE_NICE": "20"})
+    assert Settings.from_env({"HPDL_ENGINE_NICE": "19"}).engine_nice == "19"
 
 
 def test_unknown_override_is_rejected():

@@ -1,6 +1,6 @@
 """The layers hold: imports point down the table (docs/architecture.md shows the same), and no
 module uses another module's _private names. "base" is the modules beside hpdl/cli.py
-(config, atomic_file, output_files, formatting, cli_error, rank_exit, __init__)."""
+(config, atomic_file, output_files, formatting, cli_error, rank_exit, settings_table, __init__)."""
 
 import ast
 from pathlib import Path

@@ -76,6 +76,20 @@ def test_float_images_are_read_in_the_range_their_values_show(tmp_path, top):
     assert out.shape == (5, 6, 3) and all(np.array_equal(out[:, :, c], gray) for c in range(3))
 
 
+@pytest.mark.parametrize("top", [255, 65535, 2 ** 31 - 1])
+def test_32_bit_integer_images_are_read_in_the_range_their_values_show(tmp_path, top):
+    # Mode I holds 8-, 16- or 32-bit levels: each is scaled by its own range, not all as 16-bit.
+    gray = rand_image(5, 6)[:, :, 0].astype(np.int64)
+    gray[0, 0] = 255  # the image reaches the top of its range
+    scale = {255: 1.0, 65535: 257.0, 2 ** 31 - 1: (2.0 ** 31 - 1) / 255}[top]
+    values = np.round(gray * scale).astype(np.int32)
+    Image.fromarray(values, "I").save(tmp_path / "i.tif")
+    with Image.open(tmp_path / "i.tif") as img:
+        assert img.mode == "I"
+    out = read_image(tmp_path / "i.tif")[:, :, 0]
+    assert np.array_equal(out, gray)
+
+
 def test_float_images_outside_every_range_are_refused_naming_the_file(tmp_path):
     below = np.array([[-0.5, 0.25], [0.5, 1.0]], np.float32)  # negative values clip to black
     Image.fromarray(below, "F").save(tmp_path / "below.tif")

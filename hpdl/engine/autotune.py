@@ -38,6 +38,7 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from hpdl.atomic_file import make_directories
+from hpdl.config import default
 from hpdl.engine.bayes_opt import BayesianOptimization
 
 log = logging.getLogger("hpdl.autotune")
@@ -85,8 +86,11 @@ class Autotuner:
     """Rank 0's tuning state: the sample being measured, the optimisation, the log."""
 
     def __init__(self, fusion_threshold: int, cycle_time_ms: float, fixed: Collection[str] = (),
-                 warmup_samples: int = 3, steps_per_sample: int = 10, max_samples: int = 20,
-                 noise: float = 0.8, log_path: str = "", hierarchical_allreduce: bool = False,
+                 warmup_samples: int = default("autotune_warmup_samples"),
+                 steps_per_sample: int = default("autotune_steps_per_sample"),
+                 max_samples: int = default("autotune_bayes_opt_max_samples"),
+                 noise: float = default("autotune_gaussian_process_noise"), log_path: str = "",
+                 hierarchical_allreduce: bool = False,
                  cache_enabled: bool = True, clock: Callable[[], float] = time.monotonic):
         """
         Args:

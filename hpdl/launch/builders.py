@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hpdl.comm.devices import nccl_refusal
 from hpdl.config import BACKENDS, Settings, SettingsError
@@ -43,7 +43,7 @@ from hpdl.launch.detect import (
     FLAVOUR_NAMES, HYDRA_FLAVOURS, INTELMPI, MPICH, MVAPICH2, OPENMPI, UNKNOWN, LauncherInfo, ranks_path,
 )
 from hpdl.launch.hosts import HostList, LaunchError
-from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, setting_text, setting_variable
+from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, run_spec, setting_text, setting_variable
 
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
 _TORCH_BACKENDS = ("gloo", "nccl", "torch")
@@ -71,29 +71,24 @@ class RunOptions:
     command: Tuple[str, ...]
     np: Optional[int] = None
     hosts: Optional[HostList] = None
-    backend: Optional[str] = None
     launcher: str = "auto"
     mpi_args: Tuple[str, ...] = ()
-    # The options that set settings (hpdl/launch/limits.py: RUN_SETTINGS), by their names there.
-    timeline: Optional[str] = None
-    profile: Optional[str] = None
-    fusion_threshold_mb: Optional[float] = None
-    cycle_time_ms: Optional[float] = None
-    cache_capacity: Optional[int] = None
-    stall_warning_s: Optional[float] = None
-    stall_timeout_s: Optional[float] = None
-    start_timeout: Optional[float] = None
-    hierarchical_allreduce: Optional[bool] = None
-    autotune: Optional[bool] = None
-    autotune_log_file: Optional[str] = None
-    autotune_warmup_samples: Optional[int] = None
-    autotune_steps_per_sample: Optional[int] = None
-    autotune_bayes_opt_max_samples: Optional[int] = None
-    autotune_gaussian_process_noise: Optional[float] = None
-    ranks_per_gpu: Optional[int] = None  # ranks sharing each GPU (hpdl/comm/devices.py)
+    # The options that set settings, by their names in RUN_SETTINGS (hpdl/launch/limits.py, from
+    # the declarations in hpdl/config.py), in their own units: {"fusion_threshold_mb": 64, ...}.
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     remote_shell: Optional[str] = None  # how to reach other hosts (default: ssh)
     binding_args: Tuple[str, ...] = ()  # Open MPI's process binding, in place of --bind-to none
     rendezvous_port: int = 29400  # torchrun's static rendezvous on the first host, across hosts
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.settings) - set(RUN_SETTINGS))
+        if unknown:
+            raise ValueError(f"RunOptions.settings: no `hpdl run` option sets {', '.join(unknown)}")
+
+    @property
+    def backend(self) -> Optional[str]:
+        """The backend asked for (``--backend``), or None."""
+        return self.settings.get("backend")
 
 
 def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[str, str]:
@@ -104,13 +99,13 @@ def settings_env(options: RunOptions, env: Mapping[str, str], cwd: str) -> Dict[
             range, or the variable when the result is not a valid :class:`~hpdl.config.Settings`.
     """
     out = {k: v for k, v in env.items() if k.startswith("HPDL_")}
-    for option, setting in RUN_SETTINGS.items():
-        value = getattr(options, option)
+    for option in RUN_SETTINGS:
+        value = options.settings.get(option)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             check_number(flag(option), option, value)
         text = setting_text(option, value)
         if text is not None:
-            out[setting_variable(option)] = os.path.join(cwd, text) if setting.path else text
+            out[setting_variable(option)] = os.path.join(cwd, text) if run_spec(option).path else text
     try:
         # Validate here, once, so a bad value fails before any rank starts.
         Settings.from_env(out)

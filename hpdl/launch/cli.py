@@ -21,12 +21,12 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from hpdl.cli_error import CliError
-from hpdl.config import BACKENDS, Settings, SettingsError
+from hpdl.config import Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
 from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers, program_problem
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
-from hpdl.launch.limits import RUN_SETTINGS, check_number, flag, numeric_options
+from hpdl.launch.limits import RUN_SETTINGS, add_setting_options, check_number, flag, numeric_options
 from hpdl.launch.rank_watch import watched
 from hpdl.output_files import OutputRule, same_file
 
@@ -120,13 +120,6 @@ def register(subparsers) -> None:
         "-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
         help="number of ranks (default: total slots of the hosts, or SLURM_NTASKS inside a Slurm allocation, else 1)",
     )
-    where.add_argument(
-        "--ranks-per-gpu", type=int, metavar="K",
-        help="ranks sharing each GPU of a node: local ranks 0..K-1 use GPU 0, K..2K-1 GPU 1, ... "
-        "(HPDL_RANKS_PER_GPU; hvd.local_gpu() names a rank's GPU, hvd.local_rank() still the process); "
-        "above 1 the ranks talk over gloo or MPI, as NCCL refuses two ranks on one GPU; run NVIDIA MPS "
-        "so that their kernels share the GPU at once (docs/gpu.md) (default 1)",
-    )
     hosts = where.add_mutually_exclusive_group()
     hosts.add_argument(
         "-H", "--hosts", dest="hosts", metavar="HOST[:SLOTS],...",
@@ -147,15 +140,6 @@ def register(subparsers) -> None:
     )
     how = run.add_argument_group("launcher")
     backend = how.add_mutually_exclusive_group()
-    backend.add_argument(
-        "--backend", choices=BACKENDS, default=None,
-        help="collective backend of the ranks (HPDL_BACKEND); gloo/nccl/torch start through "
-        "torchrun on one host (default: HPDL_BACKEND if set, else auto)",
-    )
-    backend.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
-                         help="horovodrun's spelling of --backend gloo")
-    backend.add_argument("--mpi", dest="backend", action="store_const", const="mpi",
-                         help="horovodrun's spelling of --backend mpi")
     how.add_argument(
         "--launcher", choices=LAUNCHERS, default="auto",
         help="force the launcher instead of choosing one as described above (default: auto)",
@@ -173,17 +157,11 @@ def register(subparsers) -> None:
     how.add_argument("--verbose", action="store_true",
                      help="print the command (with the variables it sets) to stderr, then run it")
     how.add_argument("--config-file", metavar="FILE",
-                     help="horovodrun's YAML config file: controller (gloo or mpi), sections params "
-                          "(fusion_threshold_mb, cycle_time_ms, cache_capacity, hierarchical_allreduce), timeline "
-                          "(filename, mark_cycles), "
-                          "stall_check (enabled, warning_time_seconds, shutdown_time_seconds), autotune (enabled, "
-                          "log_file, warmup_samples, steps_per_sample, bayes_opt_max_samples, gaussian_process_noise); "
-                          "its other settings (elastic, ...) get a warning each; options on the command line win")
+                     help=f"horovodrun's YAML config file: controller (gloo or mpi), sections "
+                          f"{horovodrun.config_sections_text()}; its other settings (elastic, ...) get a warning "
+                          "each; options on the command line win")
     how.add_argument("--output-filename", metavar="DIR",
                      help="write each rank's output to DIR/rank.<rank>/stdout and stderr instead of the terminal")
-    how.add_argument("--start-timeout", type=float, metavar="S",
-                     help="a rank whose hvd.init() has not met every other rank within S seconds exits with an "
-                          "error (default 0: no bound of hpdl's own; HPDL_START_TIMEOUT)")
     remote = run.add_argument_group("remote hosts")
     remote.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
                         help="port of the ssh that starts remote ranks (mpiexec's, or the one that starts "
@@ -194,52 +172,22 @@ def register(subparsers) -> None:
                         help="network interfaces for the ranks' traffic, e.g. eth0,ib0 (gloo, NCCL, and the "
                              "MPI's TCP transport)")
     knobs = run.add_argument_group("settings passed to every rank")
-    knobs.add_argument("--timeline", "--timeline-filename", metavar="FILE",
-                       help="write a Chrome-trace timeline of collectives to FILE (HPDL_TIMELINE; made absolute); "
-                            "DYNAMIC: none until hvd.start_timeline(), as Horovod")
-    knobs.add_argument("--timeline-mark-cycles", action="store_true", default=None,
-                       help="mark the engine's cycles in the timeline (HPDL_TIMELINE_MARK_CYCLES=1)")
-    knobs.add_argument("--profile", metavar="FILE",
-                       help="record every rank's collectives and steps; rank 0 writes them to FILE at shutdown, "
-                            "read it with `hpdl profile report FILE` (HPDL_PROFILE; made absolute)")
-    knobs.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
-                       help="fuse tensors into buffers of up to MB mebibytes (default 128, as Horovod; HPDL_FUSION_THRESHOLD; 0 disables)")
-    knobs.add_argument("--cycle-time-ms", type=float, metavar="MS",
-                       help="engine cycle time in milliseconds (default 1; HPDL_CYCLE_TIME)")
-    knobs.add_argument("--cache-capacity", type=int, metavar="N",
-                       help="entries of the negotiation response cache (default 1024; HPDL_CACHE_CAPACITY; 0 disables)")
-    knobs.add_argument("--stall-warning-s", "--stall-check-warning-time-seconds", type=float, metavar="S",
-                       help="warn when a collective waits for some ranks longer than S seconds (default 60; "
-                            "HPDL_STALL_WARNING)")
+    stall_timeout = knobs.add_mutually_exclusive_group()
+    tune = run.add_argument_group(
+        "autotuning", "the fusion threshold and cycle time tuned as the job runs; one set explicitly stays fixed")
+    # Every option that sets a setting, as its setting declares it (hpdl/config.py).
+    add_setting_options({group.title: group for group in (where, how, knobs, tune)},
+                        placed={"backend": backend, "stall_timeout_s": stall_timeout})
+    backend.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
+                         help="horovodrun's spelling of --backend gloo")
+    backend.add_argument("--mpi", dest="backend", action="store_const", const="mpi",
+                         help="horovodrun's spelling of --backend mpi")
     knobs.add_argument("--no-stall-check", action="store_true", default=None,
                        help="no stall warning before the stall timeout ends the job, even with a warning time "
                             "given (horovodrun's)")
-    stall_timeout = knobs.add_mutually_exclusive_group()
-    stall_timeout.add_argument("--stall-timeout-s", type=float, metavar="S",
-                               help="abort the job when a collective stalls longer than S seconds "
-                                    "(default 1800; HPDL_STALL_TIMEOUT)")
     stall_timeout.add_argument("--stall-check-shutdown-time-seconds", dest="stall_shutdown_s", type=float,
                                metavar="S", help="horovodrun's spelling of --stall-timeout-s, where 0 (never) "
                                                  "keeps hpdl's timeout")
-    knobs.add_argument("--hierarchical-allreduce", action="store_true", default=None,
-                       help="allreduce within each node, then across nodes (HPDL_HIERARCHICAL_ALLREDUCE=1)")
-    tune = run.add_argument_group(
-        "autotuning", "the fusion threshold and cycle time tuned as the job runs; one set explicitly stays fixed")
-    tune.add_argument("--autotune", action="store_true", default=None, help="autotune (HPDL_AUTOTUNE=1)")
-    tune.add_argument("--autotune-log-file", metavar="FILE",
-                      help="rank 0 writes a CSV row per sample tried, the best as the last row (HPDL_AUTOTUNE_LOG; "
-                           "made absolute)")
-    tune.add_argument("--autotune-warmup-samples", type=int, metavar="N",
-                      help="samples discarded before tuning starts (default 3; HPDL_AUTOTUNE_WARMUP_SAMPLES)")
-    tune.add_argument("--autotune-steps-per-sample", type=int, metavar="N",
-                      help="training steps per sub-sample; a sample is scored by the median of 5 "
-                           "(default 10; HPDL_AUTOTUNE_STEPS_PER_SAMPLE)")
-    tune.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
-                      help="tuning ends after N + 1 samples, Horovod's 4 start points included, and keeps "
-                           "the best (default 20: 4 start points and 17 proposals of the Bayesian "
-                           "optimisation; HPDL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)")
-    tune.add_argument("--autotune-gaussian-process-noise", type=float, metavar="X",
-                      help="noise assumed in the scores, 0 to 1 (default 0.8; HPDL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE)")
     horovod = run.add_argument_group("horovodrun's options", "so that horovodrun command lines run unchanged")
     horovod.add_argument("-cb", "--check-build", action="store_true",
                          help="print `hpdl check`'s report of what is available here, and exit")
@@ -312,7 +260,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         hosts=host_list,
         launcher=args.launcher,
         mpi_args=mpi_args,
-        **settings,
+        settings=settings,
         remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or None,
         rendezvous_port=random.randint(20000, 29999),
         binding_args=binding_args,
@@ -347,8 +295,6 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         start_env = dict(os.environ)
         apply_config_file(args)
-        if args.timeline_mark_cycles:
-            start_env["HPDL_TIMELINE_MARK_CYCLES"] = "1"
         if args.tcp:
             start_env["NCCL_IB_DISABLE"] = "1"
         start_env.update(horovodrun.interface_env(args.network_interfaces))
@@ -357,7 +303,8 @@ def run_command(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         program = options.command[0]
         if args.no_stall_check:
-            options = dataclasses.replace(options, stall_warning_s=_stall_timeout(options, start_env))
+            options = dataclasses.replace(options, settings={**options.settings,
+                                                             "stall_warning_s": _stall_timeout(options, start_env)})
         if args.output_filename:
             options = dataclasses.replace(options, command=tuple(
                 horovodrun.output_wrapper(args.output_filename, options.command)))
@@ -436,8 +383,8 @@ def check_written_files(args: argparse.Namespace) -> None:
 
 def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:
     """The stall timeout the ranks will have: the stall check off puts the warning there."""
-    if options.stall_timeout_s:
-        return options.stall_timeout_s
+    if options.settings.get("stall_timeout_s"):
+        return options.settings["stall_timeout_s"]
     try:
         return Settings.from_env(env).stall_timeout_s
     except SettingsError:

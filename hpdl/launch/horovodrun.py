@@ -21,25 +21,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hpdl.atomic_file import make_directories
 from hpdl.launch.detect import INTELMPI, MPICH, MVAPICH2, OPENMPI, LauncherInfo
 from hpdl.launch.hosts import LaunchError
-from hpdl.launch.limits import check_number, numeric_options
+from hpdl.launch.limits import RUN_SETTINGS, check_number, numeric_options, option_type, run_spec
 
-# horovodrun config file: (section, key) -> (`hpdl run` option, type).
+# horovodrun config file: (section, key) -> (`hpdl run` option, type): the keys that set settings,
+# as the settings declare them (hpdl/config.py), then the stall check's switch and horovodrun's
+# shutdown time, which set none of their own (hpdl/launch/cli.py: apply_config_file).
 CONFIG_KEYS: Dict[Tuple[str, str], Tuple[str, type]] = {
-    ("params", "fusion_threshold_mb"): ("fusion_threshold_mb", float),
-    ("params", "cycle_time_ms"): ("cycle_time_ms", float),
-    ("params", "cache_capacity"): ("cache_capacity", int),
-    ("params", "hierarchical_allreduce"): ("hierarchical_allreduce", bool),
-    ("timeline", "filename"): ("timeline", str),
-    ("timeline", "mark_cycles"): ("timeline_mark_cycles", bool),
+    **{run_spec(option).config_key: (option, option_type(option))
+       for option in RUN_SETTINGS if run_spec(option).config_key is not None},
     ("stall_check", "enabled"): ("stall_check", bool),
-    ("stall_check", "warning_time_seconds"): ("stall_warning_s", float),
     ("stall_check", "shutdown_time_seconds"): ("stall_shutdown_s", float),
-    ("autotune", "enabled"): ("autotune", bool),
-    ("autotune", "log_file"): ("autotune_log_file", str),
-    ("autotune", "warmup_samples"): ("autotune_warmup_samples", int),
-    ("autotune", "steps_per_sample"): ("autotune_steps_per_sample", int),
-    ("autotune", "bayes_opt_max_samples"): ("autotune_bayes_opt_max_samples", int),
-    ("autotune", "gaussian_process_noise"): ("autotune_gaussian_process_noise", float),
 }
 # horovodrun's one top-level setting that is not a section: the controller, gloo or mpi.
 CONTROLLERS = ("gloo", "mpi")
@@ -59,6 +50,14 @@ _SSH_ARGS_VARIABLE = {OPENMPI: "OMPI_MCA_plm_rsh_args", MPICH: "HYDRA_LAUNCHER_E
 _HYDRA_IFACE_VARIABLE = {MPICH: "HYDRA_IFACE", MVAPICH2: "HYDRA_IFACE", INTELMPI: "I_MPI_HYDRA_IFACE"}
 # Variables the backends read; Open MPI passes them on to remote ranks only when told to.
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def config_sections_text() -> str:
+    """The sections of the config file that hpdl reads, with their keys: "params (fusion_threshold_mb, ...), ..."."""
+    sections: Dict[str, List[str]] = {}
+    for section, key in CONFIG_KEYS:
+        sections.setdefault(section, []).append(key)
+    return ", ".join(f"{section} ({', '.join(keys)})" for section, keys in sections.items())
 
 
 def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:

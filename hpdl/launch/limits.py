@@ -1,8 +1,11 @@
 """`hpdl run`'s options that set settings, and the ranges of its numeric options.
 
-:data:`RUN_SETTINGS` is the one table of which setting each option gives every rank, and in
-what unit: :func:`hpdl.launch.builders.settings_env` makes the ``HPDL_*`` variables from it,
-and a numeric option's range is its setting's (:data:`hpdl.config.SETTING_BOUNDS`) in the
+The options that set settings are not written here: each is declared with its setting
+(:class:`hpdl.config.RunOptionSpec` on the :class:`~hpdl.config.Settings` field), and this
+module derives from the declarations what `hpdl run` needs: the options themselves, in the
+groups of its help, with their variable, default and range added to their help
+(:func:`add_setting_options`); the ``HPDL_*`` text each value becomes (:func:`setting_text`,
+which :func:`hpdl.launch.builders.settings_env` uses); and their ranges, their setting's in the
 option's unit, so that a value out of range is refused naming the option and the value typed
 (``--fusion-threshold-mb must be >= 0 MB, got -1``), not the variable it would have become.
 The numeric options that set no setting have their ranges in :data:`LIMITS`.
@@ -16,41 +19,17 @@ which the conversions to integers reject with a traceback.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
-from hpdl.config import C_INT_MAX, SETTING_BOUNDS, YEAR_S, Bound, Settings, out_of_range
+from hpdl.config import (
+    C_INT_MAX, SPECS, YEAR_S, Bound, RunOptionSpec, Settings, default, number_text, out_of_range, range_text,
+    value_problem,
+)
 from hpdl.launch.hosts import LaunchError
 
-
-class RunSetting(NamedTuple):
-    """The setting an `hpdl run` option gives every rank."""
-
-    field: str  # the Settings field; its HPDL_* variable is the field's
-    scale: float = 1  # the setting's units per unit of the option (MB -> bytes)
-    unit: Optional[str] = None  # the option's unit where it is not the setting's
-    path: bool = False  # a file: made absolute, since the ranks may start elsewhere
-
-
-# `hpdl run` option (its RunOptions field and command-line name) -> the setting it sets.
-RUN_SETTINGS: Dict[str, RunSetting] = {
-    "backend": RunSetting("backend"),
-    "timeline": RunSetting("timeline", path=True),
-    "profile": RunSetting("profile", path=True),
-    "fusion_threshold_mb": RunSetting("fusion_threshold", scale=1 << 20, unit="MB"),
-    "cycle_time_ms": RunSetting("cycle_time_ms"),
-    "cache_capacity": RunSetting("cache_capacity"),
-    "stall_warning_s": RunSetting("stall_warning_s"),
-    "stall_timeout_s": RunSetting("stall_timeout_s"),
-    "start_timeout": RunSetting("start_timeout_s"),
-    "hierarchical_allreduce": RunSetting("hierarchical_allreduce"),
-    "autotune": RunSetting("autotune"),
-    "autotune_log_file": RunSetting("autotune_log", path=True),
-    "autotune_warmup_samples": RunSetting("autotune_warmup_samples"),
-    "autotune_steps_per_sample": RunSetting("autotune_steps_per_sample"),
-    "autotune_bayes_opt_max_samples": RunSetting("autotune_bayes_opt_max_samples"),
-    "autotune_gaussian_process_noise": RunSetting("autotune_gaussian_process_noise"),
-    "ranks_per_gpu": RunSetting("ranks_per_gpu"),
-}
+# `hpdl run` option that sets a setting (its RunOptions.settings key and argparse dest) -> the
+# Settings field it sets.
+RUN_SETTINGS: Dict[str, str] = {spec.run.dest: name for name, spec in SPECS.items() if spec.run is not None}
 
 # The numeric options that set no setting -> their ranges.
 LIMITS: Dict[str, Bound] = {
@@ -64,39 +43,51 @@ LIMITS: Dict[str, Bound] = {
 # Options whose command-line name is not "--" and the field name with dashes.
 _FLAGS = {"np": "-np", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
 
-_FIELDS = {field.name: field for field in dataclasses.fields(Settings)}
+# Settings field -> its type (the annotations are text: config.py has postponed evaluation).
+_FIELD_TYPES: Dict[str, type] = {field.name: {"bool": bool, "int": int, "float": float, "str": str}[str(field.type)]
+                                 for field in dataclasses.fields(Settings)}
+
+
+def run_spec(option: str) -> RunOptionSpec:
+    """The declaration of the option ``option`` that sets a setting."""
+    return SPECS[RUN_SETTINGS[option]].run
+
+
+def option_type(option: str) -> type:
+    """The type of ``option``'s value: its setting's, or float for a setting in other units (MB)."""
+    return float if run_spec(option).scale != 1 else _FIELD_TYPES[RUN_SETTINGS[option]]
 
 
 def numeric_options() -> List[str]:
     """The `hpdl run` options whose values are numbers (checked by :func:`check_number`)."""
-    return list(LIMITS) + [option for option, setting in RUN_SETTINGS.items()
-                           if setting.field in SETTING_BOUNDS]
+    return list(LIMITS) + [option for option in RUN_SETTINGS if option_type(option) in (int, float)]
 
 
 def flag(option: str) -> str:
     """How the command line spells ``option``: ``--cycle-time-ms``."""
+    if option in RUN_SETTINGS:
+        return run_spec(option).flags[0]
     return _FLAGS.get(option, "--" + option.replace("_", "-"))
 
 
 def setting_variable(option: str) -> str:
     """The ``HPDL_*`` variable that ``option`` sets."""
-    return _FIELDS[RUN_SETTINGS[option].field].metadata["env"]
+    return SPECS[RUN_SETTINGS[option]].env
 
 
-def setting_text(option: str, value) -> Optional[str]:
+def setting_text(option: str, value: Any) -> Optional[str]:
     """``value`` of ``option`` as its setting's variable holds it, or None when not given.
 
     A flag that is off, like an option not given, leaves the setting to the environment.
     """
     if value is None or value is False:
         return None
-    setting = RUN_SETTINGS[option]
     if value is True:
         return "1"
     if isinstance(value, str):
         return value
-    value = value * setting.scale
-    if _FIELDS[setting.field].type in ("int", int) or float(value).is_integer():
+    value = value * run_spec(option).scale
+    if _FIELD_TYPES[RUN_SETTINGS[option]] is int or float(value).is_integer():
         return str(int(round(value)))
     return repr(float(value))
 
@@ -115,7 +106,47 @@ def check_number(name: str, option: str, value: Optional[float]) -> None:
     if option in LIMITS:
         problem = out_of_range(name, value, LIMITS[option])
     else:
-        setting = RUN_SETTINGS[option]
-        problem = out_of_range(name, value, SETTING_BOUNDS[setting.field], setting.scale, setting.unit)
+        spec = run_spec(option)
+        problem = value_problem(SPECS[RUN_SETTINGS[option]], value, name, spec.scale, spec.unit)
     if problem is not None:
         raise LaunchError(problem)
+
+
+def option_help(option: str) -> str:
+    """``option``'s help: what it does, then its variable, its default and its range, from its declaration."""
+    name = RUN_SETTINGS[option]
+    setting, spec = SPECS[name], run_spec(option)
+    kind = option_type(option)
+    notes = [f"{setting.env}=1" if kind is bool else setting.env]
+    value = default(name)
+    if kind is not bool and value != "":
+        notes.append(f"default {number_text(value / spec.scale) if kind in (int, float) else value}")
+    if setting.bound is not None:
+        notes.append(range_text(setting.bound, spec.scale, spec.unit))
+    if spec.path:
+        notes.append("made absolute")
+    return f"{spec.help} ({'; '.join(notes)})".replace("%", "%%")  # argparse formats help with %
+
+
+def add_setting_options(groups: Mapping[str, Any], placed: Optional[Mapping[str, Any]] = None) -> None:
+    """Add to `hpdl run`'s parser every option that sets a setting, each in its declared group.
+
+    Args:
+        groups: the argument groups of `hpdl run`, by title.
+        placed: the group to hold an option in place of its declared one, by option: a group of
+            options that exclude one another (--backend and --gloo).
+    """
+    placed = placed or {}
+    for option in RUN_SETTINGS:
+        spec, kind = run_spec(option), option_type(option)
+        group = placed.get(option, groups[spec.group])
+        arguments: Dict[str, Any] = {"dest": option, "help": option_help(option), "default": None}
+        if kind is bool:
+            arguments["action"] = "store_true"
+        else:
+            arguments.update(metavar=spec.metavar, type=None if kind is str else kind)
+            choices = SPECS[RUN_SETTINGS[option]].choices
+            if choices:
+                arguments.update(choices=choices, metavar=None)
+        group.add_argument(*spec.flags, **arguments)
+

@@ -249,34 +249,41 @@ def _opened(path: PathLike, max_pixels: Optional[int]) -> Iterator[Any]:
 
 def _to_rgb(img, path: PathLike = "") -> np.ndarray:
     if img.mode == "F":
-        gray = _float_to_uint8(np.asarray(img, dtype=np.float64), path)
+        gray = _levels_to_uint8(np.asarray(img, dtype=np.float64), FLOAT_RANGES, "float", path)
         return np.repeat(gray[:, :, None], 3, axis=2)
-    if img.mode in ("I", "I;16", "I;16B", "I;16L"):
+    if img.mode in ("I;16", "I;16B", "I;16L"):
         # 16-bit gray: map the 16-bit range to 8 bits instead of clipping at 255.
         wide = np.asarray(img, dtype=np.float64)
         gray = np.clip(np.round(wide / 257.0), 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if img.mode == "I":  # 32-bit integers: 8-, 16- or 32-bit levels, as their largest value shows
+        gray = _levels_to_uint8(np.asarray(img, dtype=np.float64), INTEGER_RANGES, "32-bit integer", path)
         return np.repeat(gray[:, :, None], 3, axis=2)
     # convert("RGB") repeats L, expands palettes, and drops alpha from LA / RGBA / PA.
     return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
 
 
-# The largest value of each range a float image is read in, and what maps it to 255: [0, 1]
-# (the convention of float images), else 8-bit and 16-bit levels stored as floats.
+# The largest value of each range an image is read in, and what maps it to 255. Float images:
+# [0, 1] (their convention), else 8-bit and 16-bit levels stored as floats. 32-bit integer
+# images (Pillow's mode I, e.g. a 32-bit TIFF, or a 16-bit PNG as Pillow before 10.1 opens it):
+# 8-, 16- or 31-bit levels (the positive range of a signed 32-bit integer).
 FLOAT_RANGES = ((1.0, 255.0), (255.0, 1.0), (65535.0, 1.0 / 257.0))
+INTEGER_RANGES = ((255.0, 1.0), (65535.0, 1.0 / 257.0), (2.0 ** 31 - 1, 255.0 / (2.0 ** 31 - 1)))
 
 
-def _float_to_uint8(values: np.ndarray, path: PathLike) -> np.ndarray:
-    """Map a float (mode F) image to 8 bits by the smallest of ``FLOAT_RANGES`` that holds its largest value.
+def _levels_to_uint8(values: np.ndarray, ranges, kind: str, path: PathLike) -> np.ndarray:
+    """Map an image to 8 bits by the smallest of ``ranges`` that holds its largest value.
 
-    Values below 0 become 0. NaN, infinities and values past 65535 fit no range: ``SRDataError``.
+    Values below 0 become 0. NaN, infinities and values past the widest range: ``SRDataError``.
     """
     if not np.isfinite(values).all():
-        raise SRDataError(f"{path}: float image holds NaN or infinite values")
+        raise SRDataError(f"{path}: {kind} image holds NaN or infinite values")
     top = float(values.max()) if values.size else 0.0
-    factor = next((factor for limit, factor in FLOAT_RANGES if top <= limit), None)
+    factor = next((factor for limit, factor in ranges if top <= limit), None)
     if factor is None:
-        raise SRDataError(f"{path}: float image with values up to {top:g}, past 65535: hpdl reads float images "
-                          "in [0, 1], [0, 255] or [0, 65535]")
+        limits = ", ".join(f"[0, {limit:g}]" for limit, _ in ranges)
+        raise SRDataError(f"{path}: {kind} image with values up to {top:g}, past {ranges[-1][0]:g}: hpdl reads "
+                          f"{kind} images in {limits}")
     return np.clip(np.round(values * factor), 0, 255).astype(np.uint8)
 
 
