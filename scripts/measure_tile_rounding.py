@@ -32,7 +32,7 @@ def photo() -> np.ndarray:
 
 def whole_against_tiles(model: torch.nn.Module, image: np.ndarray, tiles) -> None:
     from hpdl.sr.models import receptive_field_radius
-    from hpdl.sr.upscale import _on_device, _tiles
+    from hpdl.sr.inference import _on_device, _tiles
 
     forward = _on_device(model)
     lr = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0).float()

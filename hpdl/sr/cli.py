@@ -359,7 +359,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table, keep_measurable
+    from hpdl.sr.evaluation import evaluate, format_sets_table, format_table, keep_measurable
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
@@ -520,7 +520,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
     import numpy as np
 
     from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.upscale import upscale_alpha, upscale_image
+    from hpdl.sr.inference import upscale_alpha, upscale_image
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
