@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import time
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from hpdl.comm import objects
 from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
 NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
@@ -353,14 +353,14 @@ class MPICommunicator(Communicator):
         self._wait_control(request)
 
     def allgather_object_control(self, obj: Any) -> List[Any]:
-        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        payload = np.frombuffer(objects.dumps(obj), dtype=np.uint8)
         counts = np.zeros(self._size, dtype=np.int64)
         self._wait_control(self._control.Iallgather(np.array([payload.size], dtype=np.int64), counts))
         received = np.empty(int(counts.sum()), dtype=np.uint8)
         sizes = [int(c) for c in counts]
         displs = [sum(sizes[:r]) for r in range(self._size)]
         self._wait_control(self._control.Iallgatherv(payload, [received, sizes, displs, MPI.BYTE]))
-        return [pickle.loads(received[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
+        return [objects.loads(received[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
 
     def _wait_control(self, request) -> None:
         _wait_politely(request, POLL_INTERVAL_S if self.in_flight else _MAX_SLEEP, self.control_wait_hook)

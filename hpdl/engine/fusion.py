@@ -17,15 +17,12 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from hpdl.comm.dtypes import DTYPES
 from hpdl.engine.request import SIG_DTYPE, Response
-
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool)}
 
 
 def dtype_of(response: Response) -> torch.dtype:
-    return _DTYPES[response.signature[SIG_DTYPE]]
+    return DTYPES[response.signature[SIG_DTYPE]]
 
 
 def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: int = 0) -> List[List[Response]]:

@@ -43,10 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hpdl.comm import dtypes
 from hpdl.engine import Handle, HorovodInternalError, Op, Request, RequestKind
 from hpdl.torch import runtime
 from hpdl.torch.compression import Compression
-from hpdl.torch.process_sets import ProcessSet, _set_id, global_process_set
+from hpdl.torch.process_sets import ProcessSet, global_process_set, process_set_id
 from hpdl.torch.streams import after_engine, before_engine
 
 Average, Sum, Adasum, Min, Max, Product = Op.AVERAGE, Op.SUM, Op.ADASUM, Op.MIN, Op.MAX, Op.PRODUCT
@@ -54,10 +55,6 @@ Average, Sum, Adasum, Min, Max, Product = Op.AVERAGE, Op.SUM, Op.ADASUM, Op.MIN,
 # Horovod's ops are the integers of its C++ enum ReduceOp (message.h); scripts that pass those
 # numbers, or keep an op as an int, get the same reduction here.
 _OPS_BY_NUMBER = {0: Average, 1: Sum, 2: Adasum, 3: Min, 4: Max, 5: Product}
-
-# The element types every backend moves and reduces (half types through hpdl's own reductions).
-SUPPORTED_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                              torch.bfloat16, torch.float32, torch.float64, torch.bool})
 
 _counters: Dict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
 
@@ -136,29 +133,27 @@ def _check_adasum(tensor: torch.Tensor, name: str, process_set: ProcessSet) -> N
 
 
 def _submit(request: Request) -> Handle:
-    state = runtime._state
-    if state is None:
-        runtime._require()  # raises the "not initialized" error
+    engine = runtime.engine()  # raises the "not initialized" error
     tensor = request.tensor
     if tensor is not None:
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if tensor.dtype not in dtypes.SUPPORTED:
             _refuse_dtype(tensor, request.kind.value, request.name)
         if tensor.is_cuda:
             before_engine(tensor, request.output)
-    return state.engine.submit(request)
+    return engine.submit(request)
 
 
 def _refuse_dtype(tensor: torch.Tensor, what: str, name: str) -> None:
     # A ValueError on the calling rank, before anything is negotiated (as Horovod).
-    supported = ", ".join(sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES))
-    raise ValueError(f"{what} of tensor {name!r}: dtype {str(tensor.dtype).replace('torch.', '')} is not "
+    supported = ", ".join(sorted(dtypes.DTYPES))
+    raise ValueError(f"{what} of tensor {name!r}: dtype {dtypes.dtype_name(tensor.dtype)} is not "
                      f"supported (supported: {supported})")
 
 
 def _check_dtypes(tensors: Sequence[torch.Tensor], what: str, base: str) -> None:
     """Refuse a group before any of it is submitted (a half-submitted group would hang the peers)."""
     for i, tensor in enumerate(tensors):
-        if isinstance(tensor, torch.Tensor) and tensor.dtype not in SUPPORTED_DTYPES:
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in dtypes.SUPPORTED:
             _refuse_dtype(tensor, what, f"{base}.{i}")
 
 
@@ -217,7 +212,8 @@ def wait_done(handle: AsyncHandle) -> None:
     """Block until ``handle``'s operation finished, without building its result or raising its error.
 
     Waiting on the last of many handles first, then synchronizing them all, wakes the caller
-    once instead of once per handle (handles complete roughly in submission order).
+    once instead of once per handle (handles complete roughly in submission order). One of
+    the tools beside the engine that docs/api.md documents, for benchmarks and tools.
     """
     for engine_handle in handle.handles:
         engine_handle.wait_done()
@@ -251,8 +247,8 @@ def _allreduce_request(tensor, output, name, op, prescale, postscale, process_se
     if op is Adasum:
         _check_adasum(tensor, name, process_set)
     return Request(RequestKind.ALLREDUCE, name, tensor=tensor, output=output, op=op, prescale=float(prescale),
-                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group, priority=priority,
-                   bytes_to_come=bytes_to_come)
+                   postscale=float(postscale), process_set_id=process_set_id(process_set), group=group,
+                   priority=priority, bytes_to_come=bytes_to_come)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -352,7 +348,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         _check_adasum(work, name, process_set)
     if work.is_contiguous():
         request = Request(RequestKind.ALLREDUCE, name, work, work, op, prescale_factor, postscale_factor, 0, None,
-                          _set_id(process_set), priority=priority, bytes_to_come=bytes_to_come)
+                          process_set_id(process_set), priority=priority, bytes_to_come=bytes_to_come)
         return AsyncHandle([_submit(request)], None, tensor)
     work, write_back = _in_place(tensor)
     handle = _submit(_allreduce_request(work, work, name, op, prescale_factor, postscale_factor, process_set,
@@ -704,7 +700,7 @@ def _allgather_request(tensor, name, process_set, group=None) -> Request:
     tensor = _contiguous(tensor, "allgather")
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    return Request(RequestKind.ALLGATHER, name, tensor=tensor, process_set_id=_set_id(process_set), group=group)
+    return Request(RequestKind.ALLGATHER, name, tensor=tensor, process_set_id=process_set_id(process_set), group=group)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -874,7 +870,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     source = _contiguous(tensor, "broadcast")
     output = torch.empty_like(source)
     request = Request(RequestKind.BROADCAST, _name("broadcast", name), tensor=source, output=output,
-                      root=_set_root(root_rank, process_set), process_set_id=_set_id(process_set))
+                      root=_set_root(root_rank, process_set), process_set_id=process_set_id(process_set))
     return AsyncHandle([_submit(request)], _first)
 
 
@@ -901,7 +897,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     """
     work, write_back = _in_place(tensor)
     request = Request(RequestKind.BROADCAST, _name("broadcast", name), tensor=work, output=work,
-                      root=_set_root(root_rank, process_set), process_set_id=_set_id(process_set))
+                      root=_set_root(root_rank, process_set), process_set_id=process_set_id(process_set))
     return AsyncHandle([_submit(request)], lambda results: write_back(results[0]))
 
 
@@ -1022,7 +1018,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Union[None, Sequence[int], torc
             raise ValueError(f"alltoall splits {list(split_tuple)} must have {members} non-negative entries "
                              f"summing to dim 0 of the tensor ({tensor.shape[0]})")
     request = Request(RequestKind.ALLTOALL, _name("alltoall", name), tensor=tensor, splits=split_tuple,
-                      process_set_id=_set_id(process_set))
+                      process_set_id=process_set_id(process_set))
     return AsyncHandle([_submit(request)], _first)
 
 
@@ -1082,7 +1078,7 @@ def _reducescatter_request(tensor, name, op, prescale, postscale, process_set, g
     if tensor.dim() == 0:  # a ValueError, as Horovod's ("Reducescatter does not support scalar inputs")
         raise ValueError(f"reducescatter of tensor {name!r}: scalars (0-d tensors) cannot be scattered")
     return Request(RequestKind.REDUCESCATTER, name, tensor=tensor, op=op, prescale=float(prescale),
-                   postscale=float(postscale), process_set_id=_set_id(process_set), group=group)
+                   postscale=float(postscale), process_set_id=process_set_id(process_set), group=group)
 
 
 def _resolve_scatter_op(op: Optional[Op]) -> Op:
@@ -1315,5 +1311,5 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
             hold this rank.
         HorovodInternalError: a stall past ``HPDL_STALL_TIMEOUT``, a lost rank, or hpdl shut down.
     """
-    set_id = _set_id(process_set)
+    set_id = process_set_id(process_set)
     _submit(Request(RequestKind.BARRIER, _name(f"barrier.{set_id}", None), process_set_id=set_id)).wait()

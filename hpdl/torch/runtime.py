@@ -9,14 +9,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Union
 
 import torch
 
+from hpdl import rank_exit
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
 from hpdl.comm.devices import check_gpu_index, gpu_index, ranks_share_gpus
 from hpdl.comm.topology import WorldSizeError, check_world_size
@@ -44,8 +46,46 @@ class _State:
 _state: Optional[_State] = None
 _lock = threading.Lock()
 _atexit_registered = False
-# Run by shutdown() on every rank while the engine still runs (the profiler gathers then).
-_shutdown_hooks: List[Callable[[], None]] = []
+
+
+class ShutdownStage(enum.IntEnum):
+    """When a shutdown hook runs: every hook of a stage, in the order they were added, before
+    any hook of the next stage; all of them while the engine still runs."""
+
+    # The job's own collectives still in flight, which the peers take part in: overlap_forward's
+    # last updates, the allreduces of optimizers gone with their model.
+    FINISH_WORK = 0
+    # Observers that gather and write what they recorded (the profile): after the job's own
+    # collectives, so that the record holds them and its gather does not wait behind them.
+    WRITE_RECORDS = 1
+
+
+class ShutdownError(RuntimeError):
+    """What a shutdown hook could not do (the profile's last write), raised by shutdown() once
+    hpdl has stopped all the same: the job must fail, naming what was lost.
+
+    A hook raises it with its own message; any other exception of a hook becomes one too.
+    """
+
+
+_shutdown_hooks: Dict[ShutdownStage, List[Callable[[], None]]] = {stage: [] for stage in ShutdownStage}
+
+
+def add_shutdown_hook(hook: Callable[[], None], stage: ShutdownStage) -> None:
+    """Call ``hook()`` at each shutdown() of this process, in ``stage``'s turn, before the engine stops.
+
+    A hook added again keeps its place. Every rank's hooks run at its own shutdown(); a hook
+    that submits collectives must be added on every rank.
+    """
+    if not any(hook in hooks for hooks in _shutdown_hooks.values()):
+        _shutdown_hooks[stage].append(hook)
+
+
+def remove_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Stop calling ``hook`` at shutdown (nothing when it was not added)."""
+    for hooks in _shutdown_hooks.values():
+        if hook in hooks:
+            hooks.remove(hook)
 
 
 def _require() -> _State:
@@ -196,6 +236,8 @@ def _connect(settings: Settings, topology: Topology, mpi_comm: Any = None, check
 def job_backend(backend: Optional[str] = None) -> str:
     """Return the backend a job started here would use ("mpi", "gloo", "nccl"), without connecting.
 
+    One of the tools beside the engine that docs/api.md documents, for benchmarks and tools.
+
     Args:
         backend: as for ``init()``; default from HPDL_BACKEND or the launcher.
     """
@@ -214,10 +256,11 @@ def _shared_gpus(settings: Settings, topology: Topology) -> bool:
 def job_communicator(backend: Optional[str] = None) -> Communicator:
     """Return a communicator of every rank of the job, apart from hpdl's engine.
 
-    For benchmarks and tools that time the backend itself or synchronise the ranks around hpdl:
-    its collectives never interleave with the engine's (under torch.distributed it is a group
-    of its own: two threads issuing collectives on one gloo group may pair them differently on
-    each rank). Collective: every rank calls it. Close it when done.
+    A tool beside the engine (docs/api.md), for benchmarks and tools that time the backend
+    itself or synchronise the ranks around hpdl: its collectives never interleave with the
+    engine's (under torch.distributed it is a group of its own: two threads issuing
+    collectives on one gloo group may pair them differently on each rank). Collective: every
+    rank calls it. Close it when done.
 
     Raises:
         WorldSizeError: the world has another size than the launcher announced.
@@ -231,15 +274,29 @@ def job_communicator(backend: Optional[str] = None) -> Communicator:
 
 
 def shutdown() -> None:
-    """Stop hpdl on this process (and the engines of the others); init() may be called again."""
+    """Stop hpdl on this process (and the engines of the others); init() may be called again.
+
+    Raises:
+        ShutdownError: a shutdown hook failed (the profile could not be written), naming what
+            was lost; hpdl has stopped all the same. After a failure of the engine the hooks'
+            failures are logged instead: the job ends as a failed one anyway.
+    """
     global _state
     if _state is None:
         return
-    _run_shutdown_hooks()
+    failures = _run_shutdown_hooks()
     with _lock:
         state, _state = _state, None
-    if state is None:
-        return
+    if state is not None:
+        _stop(state)
+    if failures:
+        if abort.failed():
+            _log_failures(failures)
+        else:
+            raise ShutdownError("; ".join(failures))
+
+
+def _stop(state: _State) -> None:
     state.engine.shutdown()
     data_comm = state.engine.process_set_data_comm(0)
     if data_comm is not state.comm:
@@ -247,16 +304,30 @@ def shutdown() -> None:
     state.comm.close()
     if state.parent is not None:  # else each init(comm=[...]) would hold MPI communicators for good
         state.parent.close()
-    _process_sets._reset()
+    _process_sets.forget_registered()
 
 
-def _run_shutdown_hooks() -> None:
-    for hook in list(_shutdown_hooks):
-        try:
-            hook()
-        except Exception as err:  # noqa: BLE001 - shutting down must go on
-            log.error("hpdl: %s at shutdown failed: %s: %s", getattr(hook, "__qualname__", hook),
-                      type(err).__name__, err)
+def _run_shutdown_hooks() -> List[str]:
+    """Call every shutdown hook in its stage's turn; return what failed, one message each.
+
+    A failing hook does not stop the others: shutting down must go on.
+    """
+    failures = []
+    for stage in ShutdownStage:
+        for hook in list(_shutdown_hooks[stage]):
+            try:
+                hook()
+            except ShutdownError as err:
+                failures.append(str(err))
+            except Exception as err:  # noqa: BLE001 - every hook runs; the failure is reported after
+                failures.append(f"{getattr(hook, '__qualname__', hook)} at shutdown failed: "
+                                f"{type(err).__name__}: {err}")
+    return failures
+
+
+def _log_failures(failures: List[str]) -> None:
+    for failure in failures:
+        log.error("hpdl: %s", failure)
 
 
 def _at_exit() -> None:
@@ -265,9 +336,29 @@ def _at_exit() -> None:
     # once the hooks (the profiler's last write) have had their turn.
     if abort.failed():
         if _state is not None:
-            _run_shutdown_hooks()
+            _log_failures(_run_shutdown_hooks())
         abort.abort_if_failed()
-    shutdown()
+    try:
+        shutdown()
+    except ShutdownError as err:
+        _exit_failed(str(err))
+
+
+def _exit_failed(message: str) -> NoReturn:
+    """End this process with exit code 1 after ``message``, from an exit handler.
+
+    An exception raised in an atexit handler is printed and the exit code stays 0, which would
+    report a job that lost its profile as a success; so the process ends here, once the error
+    line is printed (and noted for `hpdl run`'s rank watch, as Python's own exit would).
+    """
+    sys.stderr.write(f"hpdl: error: {message}\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
+            pass
+    rank_exit.note()
+    os._exit(1)
 
 
 def is_initialized() -> bool:
@@ -501,7 +592,7 @@ def start_profile(file_path: str) -> None:
             or rank 0 could not write ``file_path``, or it is the timeline's file (raised on
             every rank, before recording).
     """
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     _require()
     session.start(file_path)
@@ -509,7 +600,7 @@ def start_profile(file_path: str) -> None:
 
 def stop_profile() -> None:
     """Write the profile started by start_profile() or HPDL_PROFILE and stop recording (every rank)."""
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     session.stop()
 
