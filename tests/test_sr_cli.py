@@ -390,7 +390,7 @@ def test_an_output_that_is_a_directory_or_empty_is_refused_before_any_work(tmp_p
             "eval": ["--data", str(folder), "--cache-dir", str(tmp_path / "c"), "--grid", str(target)]}[name]
     assert main(["sr", name, *argv, *options, "--ckpt", str(ckpt)]) == 2
     captured = capsys.readouterr()
-    expected = {"a directory": f"{target}: is a directory; give a file name",
+    expected = {"a directory": f"{target}: is a directory; name a file",
                 "empty": "--grid: empty path" if name == "eval" else "empty output path: give a file name"}[output]
     assert captured.err.strip().splitlines() == [f"hpdl: error: {expected}"]  # no progress: refused up front
     assert not target or list(target.iterdir()) == []

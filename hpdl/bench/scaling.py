@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
-from hpdl.bench.stats import format_table, median, spread
+from hpdl.bench.stats import median, spread
+from hpdl.formatting import format_table
 
 __all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot", "plot_format"]
 

@@ -257,6 +257,11 @@ class Engine(EngineFailures):
             self._timeline.close()
             self._timeline = None
 
+    @property
+    def timeline_path(self) -> Optional[str]:
+        """The file this engine writes its timeline to (HPDL_TIMELINE, hvd.start_timeline()), or None."""
+        return None if self._timeline is None else self._timeline.path
+
     # -- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:

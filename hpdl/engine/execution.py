@@ -308,8 +308,9 @@ class Executor:
         """Views of the fusion buffer shaped like the batch's tensors, cached per batch layout.
 
         Training repeats the same batches step after step, and making a view costs Python
-        time per tensor, on the engine thread, at every step, so they are made once. The key holds the buffer's address and every
-        member's name and shape, so a changed layout never reuses stale views.
+        time per tensor, on the engine thread, at every step, so they are made once. The key
+        holds the buffer's address and every member's name and shape, so a changed layout
+        never reuses stale views.
         """
         key = (buffer.data_ptr(), names, tuple(r.signature.shape for r in batch))
         views = self._view_cache.get(key)

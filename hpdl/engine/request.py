@@ -7,6 +7,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from hpdl.comm.dtypes import DTYPES, dtype_name
+
 
 class RequestKind(enum.Enum):
     ALLREDUCE = "allreduce"
@@ -33,17 +35,6 @@ class Op(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
-
-
-_DTYPE_NAMES = {}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32 (cached: it is asked for every request)."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
 
 
 class Signature(NamedTuple):
@@ -201,6 +192,4 @@ class Response:
         return f"Response({self.name!r}, {self.kind.value}, error={self.error!r})"
 
 
-_ITEMSIZE = {dtype_name(d): d.itemsize for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool)}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}

@@ -21,17 +21,16 @@ ready; one that a peer idle for long has not submitted waits for that peer's tim
 Gathering. Each round costs every rank CPU time (the negotiation, then starting the agreed
 collectives), whatever it agrees. Backward makes gradients one layer at a time, milliseconds
 apart; a round per gradient is a round and a backend call per tensor, which on CPU-bound nodes
-comes out of the compute (docs/perf.md, "Fewer rounds: the engine gathers gradients"). So
-while every request pending is an allreduce that no caller waits for yet, the engine gathers
-instead of running a round: until ``HPDL_GATHER_BYTES`` of them are pending (a fused message
-worth a round), the oldest has waited ``HPDL_GATHER_TIME``, a caller starts waiting for one
-(the optimizer's step, a synchronous call), or as many bytes are pending as the latest
-submission says are still to come (``Request.bytes_to_come``), whichever comes first. The last
-rule is for the end of a step: whatever is held when backward ends is transferred while the
-optimizer waits, so the held bytes halve as the step's last gradients arrive (the optimizer
-knows how many bytes are left) and the last round carries about one gradient, as without
-gathering. Every rank gathers by the same rule over the same tensors, so the ranks reach their
-rounds together.
+comes out of the compute (measured: docs/perf-notes/). So while every request pending is an
+allreduce that no caller waits for yet, the engine gathers instead of running a round: until
+``HPDL_GATHER_BYTES`` of them are pending (a fused message worth a round), the oldest has
+waited ``HPDL_GATHER_TIME``, a caller starts waiting for one (the optimizer's step, a
+synchronous call), or as many bytes are pending as the latest submission says are still to
+come (``Request.bytes_to_come``), whichever comes first. The last rule is for the end of a
+step: whatever is held when backward ends is transferred while the optimizer waits, so the
+held bytes halve as the step's last gradients arrive (the optimizer knows how many bytes are
+left) and the last round carries about one gradient, as without gathering. Every rank gathers
+by the same rule over the same tensors, so the ranks reach their rounds together.
 
 Priorities. An allreduce submitted with a priority (DistributedOptimizer does so when the next
 forward overlaps the gradients' exchange: the first layers' gradients are needed first, but

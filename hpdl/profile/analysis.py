@@ -15,7 +15,7 @@ import dataclasses
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hpdl.bench.stats import format_size, parse_size
+from hpdl.formatting import format_size, parse_size
 from hpdl.profile import schema
 
 DEFAULT_EDGES = (128 << 10, 16 << 20, 32 << 20, 64 << 20)
