@@ -64,7 +64,7 @@ def _register_allreduce(sub) -> None:
 def _allreduce_options(args):
     """Build the validated :class:`AllreduceOptions` from the command line (CliError if invalid)."""
     from hpdl.bench.allreduce import AllreduceOptions
-    from hpdl.cli import CliError
+    from hpdl.cli_error import CliError
 
     min_bytes, max_bytes = _size("--min-size", args.min_size), _size("--max-size", args.max_size)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
@@ -81,8 +81,8 @@ def _allreduce_options(args):
 
 
 def _size(flag: str, text: str) -> int:
-    from hpdl.bench.stats import parse_size
-    from hpdl.cli import CliError
+    from hpdl.formatting import parse_size
+    from hpdl.cli_error import CliError
 
     try:
         return parse_size(text)
@@ -93,7 +93,7 @@ def _size(flag: str, text: str) -> int:
 def _run_allreduce(args) -> int:
     from hpdl.bench.allreduce import (MessageMemoryError, bandwidth_ratios, build_paths, format_records,
                                       run_allreduce)
-    from hpdl.cli import CliError
+    from hpdl.cli_error import CliError
 
     from hpdl.comm import CommError
     from hpdl.torch.runtime import job_backend, job_communicator
@@ -197,7 +197,7 @@ def _run_synthetic(args) -> int:
     from hpdl.bench.memory import out_of_memory
     from hpdl.bench.models import benchmark_models, sr_models
     from hpdl.bench.synthetic import SyntheticOptions, device_of, run_synthetic
-    from hpdl.cli import CliError
+    from hpdl.cli_error import CliError
     from hpdl.torch.mixed_precision import MixedPrecision
 
     # Only the values given: SyntheticOptions holds the SR models' defaults (x2, 48 px patches).
@@ -282,8 +282,9 @@ def _register_scaling(sub) -> None:
 def _run_scaling(args) -> int:
     from hpdl.bench.jobs import plot_format
     from hpdl.bench.scaling import ScalingError, ScalingOptions, ScalingStopped, format_summary, plot, run_scaling
-    from hpdl.cli import CliError, check_output, write_output
+    from hpdl.cli_error import CliError
     from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
+    from hpdl.output_files import OutputRule
 
     try:
         ranks = tuple(int(r) for r in args.ranks.split(","))
@@ -302,8 +303,9 @@ def _run_scaling(args) -> int:
                               repeats=args.repeats, hosts=tuple((h.name, h.slots) for h in hosts.hosts) if hosts else None,
                               synthetic_args=tuple(synthetic), timeout_s=args.timeout)
         # Both outputs are checked before the study's minutes of jobs, not after them.
-        check_output("--json", args.json, overwrite=args.overwrite)
-        check_output("--plot", args.plot, overwrite=args.overwrite)
+        outputs = OutputRule(overwrite=args.overwrite, make_directories=False)
+        outputs.refuse(args.json, "--json")
+        outputs.refuse(args.plot, "--plot")
         if os.path.abspath(args.json) == os.path.abspath(args.plot):
             raise CliError(f"--json and --plot name the same file, {args.json}")
         image_format = plot_format(args.plot)
@@ -317,10 +319,8 @@ def _run_scaling(args) -> int:
         raise CliError(f"{stop}{_keep_partial(args, stop.record)}", code=128 + stop.signum) from None
     print(format_summary(record))
     # Checked again right before each rename: a file made there during the study is not replaced either.
-    write_output(args.json, lambda f: json.dump(record, f, indent=1),
-                 check=lambda: check_output("--json", args.json, overwrite=args.overwrite))
-    write_output(args.plot, lambda f: plot(record, f, image_format), binary=True,
-                 check=lambda: check_output("--plot", args.plot, overwrite=args.overwrite))
+    outputs.write(args.json, lambda f: json.dump(record, f, indent=1), option="--json")
+    outputs.write(args.plot, lambda f: plot(record, f, image_format), binary=True, option="--plot")
     print(f"wrote {args.json} and {args.plot}")
     return 0
 
@@ -328,16 +328,16 @@ def _run_scaling(args) -> int:
 def _keep_partial(args, record) -> str:
     """Write the record of a study that ended early to --json (its runs took minutes each);
     return what to add to the error line about it."""
-    from hpdl.cli import CliError, check_output, write_output
+    from hpdl.output_files import OutputError, OutputRule
 
     if record is None or not record["runs"]:
         return "; no job had ended, nothing written"
     if args.json is None:
         return f"; the {len(record['runs'])} run(s) done were not written (no --json)"
     try:
-        write_output(args.json, lambda f: json.dump(record, f, indent=1),
-                     check=lambda: check_output("--json", args.json, overwrite=args.overwrite))
-    except CliError as err:  # a file made there meanwhile: the study's error comes first
+        OutputRule(overwrite=args.overwrite, make_directories=False).write(
+            args.json, lambda f: json.dump(record, f, indent=1), option="--json")
+    except OutputError as err:  # a file made there meanwhile: the study's error comes first
         return f"; the {len(record['runs'])} run(s) done were not written ({err})"
     return f"; wrote the {len(record['runs'])} run(s) done to {args.json} (no plot)"
 
@@ -407,7 +407,7 @@ def _register_spatial(sub) -> None:
 
 def _pair(option: str, text: str, square: bool) -> Tuple[int, int]:
     """``512`` (square only) or ``512x256`` as two integers; CliError naming the option otherwise."""
-    from hpdl.cli import CliError
+    from hpdl.cli_error import CliError
 
     parts = text.lower().split("x")
     try:
@@ -426,7 +426,8 @@ def _run_spatial(args) -> int:
     from hpdl.bench.models import sr_models
     from hpdl.bench.spatial_study import (SpatialStudyError, SpatialStudyOptions, SpatialStudyStopped,
                                           check_layouts, format_summary, plot, run_study)
-    from hpdl.cli import CliError, check_output, write_output
+    from hpdl.cli_error import CliError
+    from hpdl.output_files import OutputRule
 
     try:
         ranks = tuple(int(r) for r in args.ranks.split(","))
@@ -444,8 +445,9 @@ def _run_spatial(args) -> int:
                                    max_memory=max_memory, allocator=args.allocator, timeout_s=args.timeout)
         # Outputs and layouts are checked before the study's minutes of jobs, not after them.
         outputs = [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot)) if path]
+        rule = OutputRule(overwrite=args.overwrite, make_directories=False)
         for flag, path in outputs:
-            check_output(flag, path, overwrite=args.overwrite)
+            rule.refuse(path, flag)
         if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
             raise CliError(f"--json and --plot name the same file, {args.json}")
         image_format = plot_format(args.plot) if args.plot else None
@@ -459,12 +461,11 @@ def _run_spatial(args) -> int:
     except SpatialStudyStopped as stop:
         raise CliError(f"{stop}{_keep_partial(args, stop.record)}", code=128 + stop.signum) from None
     print(format_summary(record))
+    # Checked again right before each rename: a file made there during the study is not replaced either.
     if args.json:
-        write_output(args.json, lambda f: json.dump(record, f, indent=1),
-                     check=lambda: check_output("--json", args.json, overwrite=args.overwrite))
+        rule.write(args.json, lambda f: json.dump(record, f, indent=1), option="--json")
     if args.plot:
-        write_output(args.plot, lambda f: plot(record, f, image_format), binary=True,
-                     check=lambda: check_output("--plot", args.plot, overwrite=args.overwrite))
+        rule.write(args.plot, lambda f: plot(record, f, image_format), binary=True, option="--plot")
     if outputs:
         print(f"wrote {' and '.join(path for _, path in outputs)}")
     return 0
@@ -502,7 +503,7 @@ def _register_pipeline(sub) -> None:
 
 def _run_pipeline(args) -> int:
     from hpdl.bench.memory import out_of_memory
-    from hpdl.cli import CliError
+    from hpdl.cli_error import CliError
     from hpdl.sr.config import ConfigError
     from hpdl.sr.errors import SRDataError
     from hpdl.sr.models import make_config

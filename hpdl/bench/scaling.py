@@ -24,7 +24,8 @@ import sys
 from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
 from hpdl.bench.jobs import JobError, Stopped, Terminated, check_timeout, run_job, signals_stop_the_driver
-from hpdl.bench.stats import format_table, median, spread
+from hpdl.bench.stats import median, spread
+from hpdl.formatting import format_table
 
 __all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot"]
 

@@ -45,7 +45,8 @@ import torch
 from hpdl.bench import memory
 from hpdl.bench.jobs import PROGRESS
 from hpdl.bench.models import build_workload, sr_models
-from hpdl.bench.stats import format_size, median
+from hpdl.bench.stats import median
+from hpdl.formatting import format_size
 from hpdl.bench.synthetic import make_optimizer, usual_optimizer
 from hpdl.engine import events as ev
 

@@ -44,7 +44,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 from hpdl.bench.jobs import JobError, Stopped, Terminated, check_timeout, run_job, signals_stop_the_driver
 from hpdl.bench.models import benchmark_models, sr_models
 from hpdl.bench.spatial import DOES_NOT_FIT, JobOptions
-from hpdl.bench.stats import format_size, format_table
+from hpdl.formatting import format_size, format_table
 from hpdl.bench.synthetic import MAX_THREADS
 from hpdl.sr.registry import scales_of
 

@@ -42,7 +42,8 @@ import torch
 
 from hpdl.bench.cputime import GROUPS, CpuSnapshot
 from hpdl.bench.models import benchmark_models, build_workload, count_parameters, sr_models
-from hpdl.bench.stats import format_table, median, spread
+from hpdl.bench.stats import median, spread
+from hpdl.formatting import format_table
 from hpdl.sr.config import AMP_MODES, DEVICE_NAMES, is_device_name
 from hpdl.sr.registry import known_scales, scales_of
 from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON, MixedPrecision

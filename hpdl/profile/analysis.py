@@ -19,7 +19,7 @@ import dataclasses
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hpdl.bench.stats import format_size, parse_size
+from hpdl.formatting import format_size, parse_size
 from hpdl.profile import schema
 from hpdl.profile.spatial_comm import SpatialCommunication, time_by_step
 

@@ -12,7 +12,8 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 from hpdl.engine.events import HALO
-from hpdl.profile.analysis import Analysis, format_size
+from hpdl.formatting import format_size
+from hpdl.profile.analysis import Analysis
 from hpdl.profile.schema import ProfileError, read_file
 
 # Bench curve: message bytes -> (mean latency µs, bus bandwidth GB/s).

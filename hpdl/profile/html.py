@@ -11,10 +11,10 @@ import io
 import re
 from typing import List, Optional
 
-from hpdl.cli import CliError
 from hpdl.engine.events import HALO, SPATIAL
 from hpdl.profile import schema
-from hpdl.profile.analysis import Analysis, format_size
+from hpdl.formatting import format_size
+from hpdl.profile.analysis import Analysis
 from hpdl.profile.findings import BenchCurve, bench_points
 from hpdl.profile.report import NOTHING_RECORDED, Table, job_line, tables
 from hpdl.profile.spatial_comm import time_by_step
@@ -34,10 +34,7 @@ li { margin: 0.4em 0; } .plot svg { max-width: 100%; height: auto; }
 
 
 def _figure(width: float = 7.5, height: float = 3.2):
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CliError("--html needs matplotlib: pip install 'hpdl[profile]'") from None
+    from matplotlib.figure import Figure  # `hpdl profile report --html` checks that it is installed
     return Figure(figsize=(width, height), layout="constrained")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence
 
-from hpdl.bench.stats import format_table
-from hpdl.profile.analysis import Analysis, Row, format_size
+from hpdl.formatting import format_size, format_table
+from hpdl.profile.analysis import Analysis, Row
 from hpdl.profile.schema import OTHER_LAYERS, OTHER_TENSORS
 
 TOP = 10

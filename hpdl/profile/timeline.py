@@ -27,8 +27,9 @@ import sys
 from typing import Any, Dict, List, TextIO
 
 from hpdl.engine.events import HALO, SPATIAL
+from hpdl.output_files import write_file
 from hpdl.profile import schema
-from hpdl.profile.analysis import format_size
+from hpdl.formatting import format_size
 
 _TRAINING, _BACKEND, _COPIES, _WAITING, _HALO, _GROUP = 1, 2, 3, 4, 5, 6
 _GROUP_TRACKS = {HALO: _HALO, SPATIAL: _GROUP}  # events.GROUP_KINDS: the spatial group's own
@@ -149,14 +150,15 @@ def write_trace(document: Dict[str, Any], path: str) -> int:
     """Write a trace document (:func:`trace`) to ``path`` ("-": stdout); return the number of trace events.
 
     A file is replaced atomically, whatever it held; `hpdl profile timeline` first refuses
-    outputs that are its input or exist (:func:`hpdl.cli.check_output`).
+    outputs that are its input or exist (:mod:`hpdl.output_files`).
+
+    Raises:
+        OSError: naming ``path`` when the file system refuses it.
     """
     if path == "-":
         dump_trace(document, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     else:
-        from hpdl.cli import write_output
-
-        write_output(path, lambda f: dump_trace(document, f))
+        write_file(path, lambda f: dump_trace(document, f))
     return len(document["traceEvents"])

@@ -15,7 +15,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from hpdl.cli import CliError
+from hpdl.cli_error import CliError
+from hpdl.output_files import OutputRule
 from hpdl.sr.config import DEFAULT_MAX_PIXELS
 
 __all__ = ["DEFAULT_MAX_PIXELS", "register"]
@@ -237,8 +238,8 @@ def _register_export(sr_sub: Any) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    guard = _OutputGuard([("checkpoint", args.ckpt)], args.overwrite)
-    guard.refuse_now(args.output)
+    guard = OutputRule([("checkpoint", args.ckpt)], args.overwrite)
+    guard.refuse(args.output)
 
     import torch
 
@@ -252,7 +253,7 @@ def _run_export(args: argparse.Namespace) -> int:
         exported = export_weights(model.state_dict(), model.config, args.to)
     except WeightsError as err:
         raise CliError(f"{args.ckpt}: {err}") from None
-    atomic_write(args.output, lambda f: torch.save(exported, f), check_target=guard.for_writer(args.output))
+    atomic_write(args.output, lambda f: torch.save(exported, f), check_target=guard.check_before_rename(args.output))
     print(f"wrote {args.output}: {model.config.describe()} as {args.to} weights")
     note = res_scale_note(model.config, args.to)
     if note:
@@ -347,10 +348,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     if index_range is not None:
         _refuse_range_outside_div2k(sets)
     if args.grid:
-        _OutputGuard([("checkpoint", args.ckpt)], args.overwrite).refuse_now(args.grid)
+        OutputRule([("checkpoint", args.ckpt)], args.overwrite).refuse(args.grid)
         output_format(args.grid)
     if args.save_results:
-        _refuse_blocked_directory(args.save_results, args.save_results)
+        OutputRule().refuse_directory(args.save_results)
         _refuse_results_in_sets(args.save_results, sets, args.cache_dir)
         if not args.overwrite:
             _refuse_earlier_results(args.save_results, [name for name, _ in sets])
@@ -358,7 +359,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table, keep_measurable
+    from hpdl.sr.evaluation import evaluate, format_sets_table, format_table, keep_measurable
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
@@ -371,9 +372,9 @@ def _run_eval(args: argparse.Namespace) -> int:
               for (name, data, pairs), space in zip(opened, spaces)]
     grid_images = _grid_images(args, opened) if args.grid else []
     # Now that the sets are open, their image files are inputs the outputs must not replace either.
-    guard = _OutputGuard([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
+    guard = OutputRule([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
     if args.grid:
-        guard.refuse_now(args.grid)
+        guard.refuse(args.grid)
     scored = []
     for (name, data, pairs), space in zip(opened, spaces):
         saver = _result_saver(args, name, model.scale, guard) if args.save_results else None
@@ -427,7 +428,7 @@ def _print_notes(checkpoint: dict) -> None:
 
 
 def _result_saver(args: argparse.Namespace, set_name: str, scale: int,
-                  guard: "_OutputGuard") -> Callable[[str, Any], None]:
+                  guard: OutputRule) -> Callable[[str, Any], None]:
     """Return a function that writes one SR output as ``DIR/<set>/<image>_x<s>_SR.png``."""
     from pathlib import Path
 
@@ -438,7 +439,8 @@ def _result_saver(args: argparse.Namespace, set_name: str, scale: int,
 
     def save(name: str, sr: Any) -> None:
         path = folder / f"{name}_x{scale}_SR.png"
-        write_image(path, quantize(sr).byte().permute(1, 2, 0).cpu().numpy(), check_target=guard.for_writer(path))
+        write_image(path, quantize(sr).byte().permute(1, 2, 0).cpu().numpy(),
+                    check_target=guard.check_before_rename(path))
 
     return save
 
@@ -488,12 +490,12 @@ def _grid_images(args: argparse.Namespace, opened: list) -> list:
     return chosen
 
 
-def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_OutputGuard") -> None:
+def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: OutputRule) -> None:
     from hpdl.sr.figures import sample_crops, sample_grid
     from hpdl.sr.images import write_image
 
     samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
-    write_image(args.grid, sample_grid(samples), check_target=guard.for_writer(args.grid))
+    write_image(args.grid, sample_grid(samples), check_target=guard.check_before_rename(args.grid))
     # The crops as drawn: --grid-crop rounded down to whole LR pixels and cut to each image.
     sizes = list(dict.fromkeys(f"{s.hr.shape[1]}x{s.hr.shape[0]}" for s in samples))
     asked = f"{args.grid_crop}x{args.grid_crop}"
@@ -509,8 +511,8 @@ def _run_upscale(args: argparse.Namespace) -> int:
         raise CliError(f"--tile must be >= 0, got {args.tile}")
     _check_max_pixels(args)
     # Everything about the output is checked before minutes of inference, not after.
-    guard = _OutputGuard([("input image", args.input)], args.overwrite)
-    guard.refuse_now(args.output)
+    guard = OutputRule([("input image", args.input)], args.overwrite)
+    guard.refuse(args.output)
     fmt = output_format(args.output)
     picture = _output_picture(args, read_picture(args.input, max_pixels=args.max_pixels), fmt)
     device = resolve_device(args.device, "--device")
@@ -518,7 +520,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
     import numpy as np
 
     from hpdl.sr.checkpoint import load_model
-    from hpdl.sr.upscale import upscale_alpha, upscale_image
+    from hpdl.sr.inference import upscale_alpha, upscale_image
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
     _print_notes(checkpoint)
@@ -531,7 +533,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
         out = np.asarray(Image.fromarray(out).convert("L"))
     if picture.alpha is not None:
         out = np.dstack([out, upscale_alpha(picture.alpha, model.scale, tile=args.tile or None)])
-    write_image(args.output, out, check_target=guard.for_writer(args.output), icc_profile=picture.icc_profile)
+    write_image(args.output, out, check_target=guard.check_before_rename(args.output), icc_profile=picture.icc_profile)
     (h, w), (sh, sw) = picture.rgb.shape[:2], out.shape[:2]
     print(f"wrote {args.output}: {sw}x{sh} (x{model.scale} of {w}x{h})")
     return 0
@@ -565,61 +567,3 @@ def _output_picture(args: argparse.Namespace, picture: Any, fmt: str) -> Any:
         raise CliError(f"{args.output}: Pillow's {fmt} writer cannot keep the transparency of {args.input}; "
                        "write .png, .webp or .tif")
     return picture
-
-
-class _OutputGuard:
-    """Where an output may be written: never over an input (also through a link, or through a
-    ``..`` after a directory that does not exist yet), and over an existing file only with
-    ``--overwrite``.
-
-    The command checks before any work (``refuse_now``); the writer checks the file its rename
-    will replace again, once the directories exist and right before the rename (``for_writer``).
-    """
-
-    def __init__(self, inputs: list, overwrite: bool) -> None:
-        """``inputs``: ``(what, path)`` of every file the command reads, e.g. ``("checkpoint", "c.pt")``."""
-        self.overwrite = overwrite
-        self._inputs: dict = {}  # (device, inode) -> (what, path): links and other spellings alike
-        for what, path in inputs:
-            try:
-                st = os.stat(path)
-            except OSError:  # a missing input is reported when it is read
-                continue
-            self._inputs.setdefault((st.st_dev, st.st_ino), (what, path))
-
-    def refuse_now(self, output: Any) -> None:
-        """Refuse ``output`` before any work, as written and resolved as its write will resolve it."""
-        output = str(output)
-        if not output:
-            raise CliError("empty output path: give a file name")
-        if os.path.isdir(output) or os.path.isdir(os.path.realpath(output)):
-            raise CliError(f"{output}: is a directory; give a file name")
-        _refuse_blocked_directory(os.path.dirname(output) or ".", output)
-        self.check(output, output)
-        # Non-strict realpath collapses "missing/.." as creating "missing" will make it mean.
-        self.check(output, os.path.realpath(output))
-
-    def for_writer(self, output: Any) -> Callable[[str], None]:
-        """Return the check the atomic writer runs on the file it is about to replace."""
-        return lambda target: self.check(str(output), target)
-
-    def check(self, output: str, target: str) -> None:
-        """Refuse writing ``output``, whose file is ``target``; errors name ``output``."""
-        try:
-            st = os.stat(target)
-        except OSError:
-            st = None
-        if st is not None and (st.st_dev, st.st_ino) in self._inputs:
-            what, path = self._inputs[(st.st_dev, st.st_ino)]
-            raise CliError(f"{output}: is the {what} {path}; write the result to another file")
-        if not self.overwrite and os.path.lexists(target):
-            raise CliError(f"{output}: already exists; pass --overwrite to replace it")
-
-
-def _refuse_blocked_directory(directory: str, output: str) -> None:
-    """Refuse, before any work, an output whose directory cannot be made: a file is in the way."""
-    from hpdl.atomic_file import blocking_file, not_a_directory
-
-    blocker = blocking_file(directory)
-    if blocker is not None:
-        raise CliError(f"{output}: {not_a_directory(blocker)}")

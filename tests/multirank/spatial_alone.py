@@ -13,7 +13,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-import torch.nn.functional as F
 from _common import run_main
 from torch import nn
 
