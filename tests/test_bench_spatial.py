@@ -51,7 +51,7 @@ def no_jobs(monkeypatch, tmp_path):
     (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     (["--timeout", "0"], "--timeout takes seconds above 0"),
     (["--allocator", "tcmalloc"], "--allocator takes release, keep, default, got 'tcmalloc'"),
-    (["--json", "no/such/dir/s.json"], "--json: cannot write no/such/dir/s.json: its directory does not exist"),
+    (["--json", "no/such/dir/s.json"], "--json no/such/dir/s.json: its directory does not exist"),
     (["--plot", "s.xyz"], "--plot s.xyz: matplotlib writes no .xyz files"),
     (["--json", "s.json", "--plot", "s.json"], "--json and --plot name the same file, s.json"),
     (["--model", "resnet50", "--image", "64", "--ranks", "4"],

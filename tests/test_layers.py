@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "hpdl"
 ALLOWED = {  # each layer and the layers it may import, besides its own
     "cli": {"bench", "launch", "profile", "sr", "comm", "base"},
-    "bench": {"sr", "launch", "torch", "comm", "base"},
+    "bench": {"sr", "launch", "torch", "engine", "comm", "base"},  # engine: its public event stream (halo traffic)
     "sr": {"torch", "comm", "base"},
     "spark": {"launch", "comm", "base"},
     "launch": {"comm", "base"},
