@@ -171,12 +171,6 @@ def make_directories(directory: Union[str, os.PathLike]) -> None:
         raise NotADirectoryError(errno.ENOTDIR, not_a_directory(blocker), str(directory)) from None
 
 
-def file_in_the_way(path: Union[str, os.PathLike]) -> Optional[str]:
-    """The nearest existing ancestor directory of ``path`` when it is not a directory (a file
-    where a directory must be, so ``path`` can never be written), else None."""
-    return blocking_file(os.path.dirname(os.path.abspath(path)))
-
-
 def blocking_file(directory: Union[str, os.PathLike]) -> Optional[str]:
     """The nearest existing one of ``directory`` and its ancestors when it is not a directory
     (so ``directory`` can never be made), else None."""

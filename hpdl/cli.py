@@ -2,94 +2,22 @@
 
 Each subcommand module exposes ``register(subparsers)``; its handler is stored as the parser's
 ``func`` default and receives the parsed namespace. Modules import torch lazily, inside their
-handlers, so ``hpdl --help`` and ``hpdl run --dry-run`` stay fast.
+handlers, so ``hpdl --help`` and ``hpdl run --dry-run`` stay fast. A handler's error (a
+``CliError``, an output file ``hpdl.output_files`` refuses, a bad ``HPDL_*`` setting) becomes
+one line here.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
-from typing import IO, Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from hpdl import __version__
-from hpdl.atomic_file import file_in_the_way, not_a_directory
+from hpdl.cli_error import CliError
 from hpdl.config import SettingsError
-
-
-class CliError(Exception):
-    """An error to report at the command line as one line, with exit status ``code``."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
-
-
-def check_output(option: str, path: str, inputs: Sequence[str] = (), overwrite: bool = False) -> None:
-    """Refuse, before any work, an output file that a command could not or must not write.
-
-    The rules every command that writes a named file keeps (``hpdl sr`` has its own, alike):
-    its directory must exist (nothing is created), the file must not be a directory, nor any
-    of ``inputs`` under another name (a link, a ``..``), nor, without ``overwrite``, any other
-    existing file. ``option`` names where the path came from (``--html``) in the error.
-
-    Raises:
-        CliError: naming the option, the path and the reason.
-    """
-    where = f"{option} {path}"
-    directory = os.path.dirname(os.path.abspath(path))
-    blocker = file_in_the_way(path)
-    if blocker is not None:
-        raise CliError(f"{option}: cannot write {path}: {not_a_directory(blocker)}")
-    if not os.path.isdir(directory):
-        raise CliError(f"{option}: cannot write {path}: its directory does not exist")
-    if os.path.isdir(path):
-        raise CliError(f"{option}: cannot write {path}: is a directory; name a file")
-    try:
-        written = os.stat(path)
-    except OSError:
-        written = None
-    for source in inputs:
-        try:
-            read = os.stat(source)
-        except OSError:  # a missing input is reported when it is read
-            continue
-        # Device and inode: the same file however it is spelt (a link, another path, a hard link).
-        if written is not None and (written.st_dev, written.st_ino) == (read.st_dev, read.st_ino):
-            raise CliError(f"{where}: is the input {source}; write to another file")
-    if not overwrite and os.path.lexists(path):
-        raise CliError(f"{where}: already exists; pass --overwrite to replace it")
-
-
-def write_output(path: str, write: Callable[[IO], None], binary: bool = False,
-                 check: Optional[Callable[[], None]] = None) -> None:
-    """Call ``write(f)`` on a temp file beside ``path``, then rename it over ``path``
-    (:func:`hpdl.atomic_file.atomic_write`; ``binary=False`` gives ``write`` a UTF-8 text stream).
-
-    Readers see the old file or the whole new one, and a failure leaves neither a partial file
-    nor the temp file. ``check`` runs again right before the rename, so that a file made
-    meanwhile where ``path`` points is not replaced against :func:`check_output`'s rules.
-
-    Raises:
-        CliError: naming ``path`` when the file system refuses it.
-    """
-    from hpdl.atomic_file import atomic_write
-
-    def write_stream(f) -> None:
-        if binary:
-            write(f)
-            return
-        text = io.TextIOWrapper(f, encoding="utf-8")
-        write(text)
-        text.detach().flush()  # leave the binary stream open: atomic_write closes it
-
-    try:
-        atomic_write(path, write_stream, check_target=(lambda _target: check()) if check is not None else None)
-    except OSError as err:
-        if err.errno is None:
-            raise
-        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
+from hpdl.output_files import OutputError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,6 +100,8 @@ def _run(argv: Optional[Sequence[str]]) -> int:
         result = args.func(args)
     except CliError as err:
         return _error(str(err), err.code)
+    except OutputError as err:  # an output file refused (hpdl/output_files.py)
+        return _error(str(err), 2)
     except SettingsError as err:  # an HPDL_* variable, read where the runtime starts
         return _error(str(err), 2)
     except KeyboardInterrupt:

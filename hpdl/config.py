@@ -161,7 +161,7 @@ class Settings:
         run=RunOptionSpec(("--cache-capacity",), "entries of the negotiation response cache; 0 disables",
                           metavar="N", config_key=("params", "cache_capacity")))
     # A round waits for allreduces no caller waits for yet, so that a round agrees, and one call
-    # moves, a fused message worth its cost (see engine.py, Gathering).
+    # moves, a fused message worth its cost (see engine/scheduling.py, Gathering).
     gather_bytes: int = _setting(
         1024 * 1024, "HPDL_GATHER_BYTES", bound=_BYTES,
         doc="while every pending request is an allreduce no caller waits for yet (gradients during backward), the "
@@ -173,7 +173,7 @@ class Settings:
         50.0, "HPDL_GATHER_TIME", bound=_MS,
         doc="the longest the oldest of those allreduces waits for its round while the engine gathers "
             "(`HPDL_GATHER_BYTES`)")
-    # Over MPI, half of the window at most is in flight (see engine.py, Priorities).
+    # Over MPI, half of the window at most is in flight (see engine/scheduling.py, Priorities).
     priority_window: int = _setting(
         8 * 1024 * 1024, "HPDL_PRIORITY_WINDOW", bound=Bound(1, MAX_BYTES, "bytes", "1 TiB"),
         doc="bytes of prioritized allreduces (`DistributedOptimizer(overlap_forward=model)`) a rank keeps in "
@@ -229,7 +229,7 @@ class Settings:
                                                 "gloo or MPI, as NCCL refuses two ranks on one GPU; run NVIDIA MPS "
                                                 "so that their kernels share the GPU at once, see docs/gpu.md",
                           group="ranks and hosts", metavar="K"))
-    # A nice increment (see engine.py, Pacing, and resolve_engine_nice).
+    # A nice increment (see engine/engine.py and resolve_engine_nice).
     engine_nice: str = _setting(
         "auto", "HPDL_ENGINE_NICE", choices=("auto",), bound=Bound(0, 19),
         doc="lower the engine thread's priority by this nice increment; auto: 19 when CPU ranks fill the node's "

@@ -6,7 +6,7 @@ latest start to the earliest end across the ranks (the ranks of an emulated clus
 clock; on real nodes the profile's clock offsets are applied first). Steps 0 and 1 (start-up)
 are left out.
 
-Usage (docs/perf.md quotes the figures):
+Usage (docs/perf-notes/priorities.md quotes the figures):
     hpdl emulate --nodes 2 --rate 1gbit -- hpdl run -np 2 --profile P.json -- hpdl bench synthetic ...
     python scripts/link_use.py P.json [--gaps 5]
 """

@@ -2,7 +2,7 @@
 user-defined operation hpdl's MPI backend uses, which sums the raw 16-bit words with torch
 (hpdl/comm/mpi.py: ``_mpi_op``). Both must give the same bits.
 
-Usage (docs/perf.md quotes the figures):
+Usage (docs/perf-notes/edsr-baseline-step.md quotes the figures):
     hpdl run -np 2 -- python scripts/measure_half_reduction.py [--repeats 5] [--sizes-mb 40,2.5,0.125]
 """
 

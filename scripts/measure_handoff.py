@@ -5,7 +5,7 @@
    the request's lock): what a synchronous call through the engine pays at least once.
 2. The latency of a 32-byte MPI allreduce, the size of the engine's control round.
 
-Usage (docs/perf.md quotes the figures):
+Usage (docs/perf-notes/allreduce.md quotes the figures):
     python scripts/measure_handoff.py                  # one process: the other core idles
     mpiexec -n 2 python scripts/measure_handoff.py     # two at once, plus the MPI round
 """

@@ -5,7 +5,7 @@ Over TCP, MPI moves data only inside its calls: a blocking wait spins on a core 
 compute thread also wants, and a poll that sleeps too long lets the socket buffers run dry.
 The engine polls allreduces in flight every 0.5 ms (hpdl/comm/mpi.py: POLL_INTERVAL_S).
 
-Usage (docs/perf.md quotes the figures; two ranks, across emulated nodes for a real link):
+Usage (docs/perf-notes/mpi-polling.md quotes the figures; two ranks, across emulated nodes for a real link):
     hpdl emulate --nodes 2 --rate 1gbit -- hpdl run -np 2 -- \\
         python scripts/measure_mpi_polling.py [--busy] [--size-kib 576] [--calls 15]
 """

@@ -5,9 +5,10 @@ Over TCP, MPI moves data only inside its calls, and MPICH over UCX moves about o
 segment per call: one Test per wake-up caps the rate at 64 KiB per poll interval, however long
 the interval. Several Tests per wake-up let the polls be rarer at the link's full rate. The
 engine polls its allreduces in flight every 0.5 ms with one Test (hpdl/comm/mpi.py:
-POLL_INTERVAL_S); docs/perf.md compares the two in training.
+POLL_INTERVAL_S); docs/perf-notes/mpi-polling.md compares the two in training.
 
-Usage (two ranks across emulated nodes, for a real link; docs/perf.md quotes the figures):
+Usage (two ranks across emulated nodes, for a real link; docs/perf-notes/mpi-polling.md quotes the
+figures):
     hpdl emulate --nodes 2 --rate 1gbit -- hpdl run -np 2 -- \\
         python scripts/measure_mpi_progress.py [--tests 1,8,32] [--polls-ms 0.5,1,2,4]
 """

@@ -8,7 +8,7 @@ initialisation) and a 300 x 200 photo:
      PyTorch's oneDNN kernels and with its own im2col + matrix product;
   3. the time of a whole-image pass with each, and in float64, in alternating repeats.
 
-Usage (docs/perf.md quotes the figures):
+Usage (docs/perf-notes/upscale.md quotes the figures):
     python scripts/measure_tile_rounding.py [--ckpt model.pt] [--threads 1] [--repeats 5]
 """
 
@@ -32,7 +32,7 @@ def photo() -> np.ndarray:
 
 def whole_against_tiles(model: torch.nn.Module, image: np.ndarray, tiles) -> None:
     from hpdl.sr.models import receptive_field_radius
-    from hpdl.sr.upscale import _on_device, _tiles
+    from hpdl.sr.inference import _on_device, _tiles
 
     forward = _on_device(model)
     lr = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0).float()

@@ -5,4 +5,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 cd "$root"
-exec python -m pytest -q "$@"
+# Test files run side by side in HPDL_TEST_WORKERS processes (default 3; 0 runs them in this one):
+# a file's tests stay together in one worker (--dist loadfile), so the jobs and clusters a file
+# shares among its tests start once.
+workers="${HPDL_TEST_WORKERS:-3}"
+if [ "$workers" = 0 ]; then
+    exec python -m pytest -q "$@"
+fi
+exec python -m pytest -q -n "$workers" --dist loadfile --durations=20 "$@"

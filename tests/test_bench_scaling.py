@@ -116,10 +116,10 @@ def test_existing_outputs_are_refused_before_any_job(study, tmp_path, capsys, ex
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--json", "{tmp}/d"], "--json: cannot write {tmp}/d: is a directory"),
-    (["--plot", "{tmp}/d"], "--plot: cannot write {tmp}/d: is a directory"),
-    (["--json", "{tmp}/f/s.json"], "--json: cannot write {tmp}/f/s.json: {tmp}/f is a file, not a directory"),
-    (["--plot", "{tmp}/f/sub/s.png"], "--plot: cannot write {tmp}/f/sub/s.png: {tmp}/f is a file, not a directory"),
+    (["--json", "{tmp}/d"], "--json {tmp}/d: is a directory; name a file"),
+    (["--plot", "{tmp}/d"], "--plot {tmp}/d: is a directory; name a file"),
+    (["--json", "{tmp}/f/s.json"], "--json {tmp}/f/s.json: {tmp}/f is a file, not a directory"),
+    (["--plot", "{tmp}/f/sub/s.png"], "--plot {tmp}/f/sub/s.png: {tmp}/f is a file, not a directory"),
     (["--json", "same", "--plot", "same"], "--json and --plot name the same file, same"),
     (["--plot", "s.xyz"], "--plot s.xyz: matplotlib writes no .xyz files"),
 ], ids=["json-directory", "plot-directory", "json-under-a-file", "plot-under-a-file", "same-file", "unknown-format"])

@@ -226,7 +226,7 @@ def test_allreduce_messages_that_cannot_be_allocated_end_every_rank_with_the_siz
     ("0.3K", "--max-size: '0.3K' is not a whole number of bytes"),
 ])
 def test_allreduce_sizes_are_exact_or_refused(capsys, monkeypatch, text, error):
-    from hpdl.bench.stats import parse_size
+    from hpdl.formatting import parse_size
     from hpdl.torch import runtime
 
     assert parse_size("1.5K") == 1536 and parse_size(".5K") == 512 and parse_size("1024G") == 1 << 40

@@ -103,7 +103,7 @@ def _fake_java(tmp_path, version_line):
 
 def test_report_says_whether_pyspark_and_its_java_are_usable(tmp_path):
     pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'hpdl[spark]')")
-    from hpdl.spark.environment import java_needed, pyspark_version
+    from hpdl.launch.detect import java_needed, pyspark_version
 
     version = pyspark_version()
     needed = java_needed(version)

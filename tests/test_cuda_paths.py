@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hpdl.torch as hvd
-from hpdl.engine.execution import zeros_device
+from hpdl.engine.allreduce import zeros_device
 from hpdl.torch import streams
 
 

@@ -1,5 +1,6 @@
 """Engine pieces that need no other rank: cache, fusion plan, validation, handles, timeline,
-the executor over fake backends. The engine thread's pacing and polling: test_engine_thread.py."""
+the executor over fake backends. The scheduling policy: test_engine_scheduling.py; the engine
+thread acting on it: test_engine_thread.py."""
 
 import json
 import threading
@@ -93,12 +94,29 @@ def test_validation_names_tensor_field_and_ranks():
     assert validate("g", {0: gather(1), 1: gather(5)}) is None  # first dims may differ
 
 
+def test_a_signature_is_read_by_name_and_hashable():
+    from hpdl.engine.negotiation import _FIELD_TEXT
+    from hpdl.engine.request import Signature, signature_of
+
+    sig = Request(RequestKind.ALLREDUCE, "w", tensor=torch.zeros(2, 3), op=Op.AVERAGE, prescale=0.5,
+                  priority=4).signature()
+    assert isinstance(sig, Signature)
+    assert (sig.kind, sig.dtype, sig.shape, sig.device, sig.op, sig.root, sig.scales, sig.splits, sig.group,
+            sig.priority) == ("allreduce", "float32", (2, 3), "cpu", "average", None, (0.5, 1.0), None, None, 4)
+    # as it travels in a full exchange (a plain tuple) and comes back: equal, same hash, same key
+    again = signature_of(tuple(sig))
+    assert again == sig and hash(again) == hash(sig) and {sig: 1}[again] == 1 and again.shape == (2, 3)
+    barrier = Request(RequestKind.BARRIER, "b").signature()
+    assert barrier.kind == "barrier" and barrier.dtype is None and barrier.root == 0
+    assert list(_FIELD_TEXT) and set(_FIELD_TEXT) == set(Signature._fields)  # every field has its words
+
+
 def test_handle_result_error_and_callbacks():
     h = Handle("x")
     seen = []
     h.add_done_callback(lambda handle: seen.append(handle.name))
     assert not h.poll()
-    threading.Timer(0.05, h.set_result, args=(42,)).start()
+    threading.Thread(target=h.set_result, args=(42,)).start()  # completed on another thread
     assert h.wait() == 42 and h.poll() and seen == ["x"]
     e = Handle("y")
     e.set_error(ValueError("boom"))
@@ -262,6 +280,17 @@ def test_fused_batches_take_a_second_buffer_then_wait_for_the_oldest():
         torch.testing.assert_close(third[f"t{i}"].handle.wait(), torch.full((4,), float(i)))
 
 
+def test_a_joined_rank_contributes_zeros_of_the_agreed_shape():
+    from hpdl.engine.allreduce import InPlace
+
+    _, responses = _average_requests(1, 6)  # this rank has joined: none of the batch's requests is its own
+    alone = InPlace(responses, {}, comm=_DoublingComm(), join_device=-1, bus=ev.EventBus(), rank=0,
+                    process_set_id=0, cycle=0)
+    assert alone.members == [None] and alone.inputs[0] is alone.outputs[0]
+    torch.testing.assert_close(alone.begin(), torch.zeros(6))
+    assert alone.divisor == 2  # an average over both ranks, the joined one's zeros included
+
+
 def test_collectives_in_flight_fail_with_the_engine():
     from hpdl.engine.execution import Executor
 
@@ -309,8 +338,12 @@ def test_fused_average_writes_the_mean_into_every_output(count):
 
 def test_waiting_on_a_handle_calls_its_on_wait_hook():
     woken = []
-    h = Handle("w", on_wait=lambda handle: woken.append(handle))
-    threading.Timer(0.05, h.set_result, args=(1,)).start()
+
+    def on_wait(handle):  # the engine is told; it completes the handle on its own thread
+        woken.append(handle)
+        threading.Thread(target=handle.set_result, args=(1,)).start()
+
+    h = Handle("w", on_wait=on_wait)
     assert h.wait() == 1 and woken == [h]
     h.wait()  # already done: no hook
     assert woken == [h]
@@ -322,47 +355,13 @@ def _prioritized(name, numel, priority):
     return Response(name, RequestKind.ALLREDUCE, (req.signature(), req.signature())), req
 
 
-def _queued_names(ps):
-    return [[r.name for r in responses] for responses, _, _ in ps.queued]
-
-
-def test_backlog_queues_the_most_urgent_that_fit_in_the_agreed_room():
-    from types import SimpleNamespace
-
-    from hpdl.engine.engine import Engine
-    from hpdl.engine.process_set import ProcessSet
-    from hpdl.engine.negotiation import ROOM_UNITS
-
-    # one unit: 4096 bytes (1024 float32); tensors of 4096 bytes and more go alone
-    engine = SimpleNamespace(_window=32 * 4096, _queued_bytes=0, settings=SimpleNamespace(inplace_threshold=4096))
-    ps = ProcessSet(0, [0, 1], None)
-    # arrival order is backward's (last layer first); priority is the forward's order
-    ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in (5, 4, 3, 2, 1, 0)]
-    Engine._queue_from_backlog(engine, ps, 3)  # room for three tensors
-    assert _queued_names(ps) == [["p0"], ["p1"], ["p2"]] and engine._queued_bytes == 3 * 4096
-    assert set(ps.queued[0][1]) == {"p0"}  # each batch carries this rank's requests
-    assert [r.name for r, _ in ps.backlog] == ["p3", "p4", "p5"]
-    Engine._queue_from_backlog(engine, ps, 0)  # some rank has no room: nothing more is queued
-    assert len(ps.queued) == 3
-    # a tensor larger than the whole window is queued once every window is empty
-    ps.queued.clear()
-    ps.backlog = [_prioritized("huge", 64 * 1024, 0)]
-    Engine._queue_from_backlog(engine, ps, ROOM_UNITS - 1)
-    assert not ps.queued
-    Engine._queue_from_backlog(engine, ps, ROOM_UNITS)
-    assert _queued_names(ps) == [["huge"]]
-    # tensors under the in-place size are queued together (to be fused), up to that size
-    ps.queued.clear()
-    ps.backlog = [_prioritized(f"s{prio}", 256, prio) for prio in range(6)]  # 1 KiB each
-    Engine._queue_from_backlog(engine, ps, ROOM_UNITS)
-    assert _queued_names(ps) == [["s0", "s1", "s2", "s3"], ["s4", "s5"]]
-
-
 def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
     from types import SimpleNamespace
 
+    from hpdl.config import Settings
     from hpdl.engine.engine import Engine
     from hpdl.engine.process_set import ProcessSet
+    from hpdl.engine.scheduling import Scheduler
 
     started = []
 
@@ -374,21 +373,21 @@ def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
             self.in_flight_bytes += sum(r.nbytes for r in responses)
 
     executor = _Executor()
-    engine = SimpleNamespace(executor=executor, _queued_bytes=0, cycles=0,
-                             _special=None, settings=SimpleNamespace(inplace_threshold=4096), _window=32 * 4096)
+    scheduler = Scheduler(Settings.from_env({}, priority_window=32 * 4096, inplace_threshold=4096))
+    engine = SimpleNamespace(executor=executor, _scheduler=scheduler, cycles=0, _special=None)
     ps = ProcessSet(0, [0, 1], None)
     ps.flight_window = 2 * 4096
     ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in range(4)]
-    Engine._queue_from_backlog(engine, ps, 32)
+    scheduler.queue_from_backlog(ps, 32)
     Engine._start_queued_of(engine, ps, everything=False)
-    assert started == [["p0"], ["p1"]] and engine._queued_bytes == 2 * 4096  # the flight window is full
+    assert started == [["p0"], ["p1"]] and scheduler.queued_bytes == 2 * 4096  # the flight window is full
     Engine._start_queued_of(engine, ps, everything=False)
     assert len(started) == 2
     executor.in_flight_bytes = 4096  # the first one is done: room for one more
     Engine._start_queued_of(engine, ps, everything=False)
     assert started[-1] == ["p2"]
     Engine._start_queued_of(engine, ps, everything=True)  # before a round's own collectives: all of them
-    assert started[-1] == ["p3"] and not ps.queued and engine._queued_bytes == 0
+    assert started[-1] == ["p3"] and not ps.queued and scheduler.queued_bytes == 0
 
 
 def test_priorities_must_agree_across_ranks():
@@ -399,11 +398,11 @@ def test_priorities_must_agree_across_ranks():
 
 
 @pytest.mark.parametrize("in_order", [True, False])
-def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_earlier_ones(in_order):
-    import time as _time
-
+def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_earlier_ones(in_order, monkeypatch):
     from hpdl.engine.execution import Executor
 
+    now = [1_000_000.0]  # the events' clock, in microseconds, moved by the test
+    monkeypatch.setattr(ev, "now_us", lambda: now[0])
     bus = ev.EventBus()
     collectives = []
     bus.add(lambda e: collectives.append(e) if e.phase == ev.COLLECTIVE else None)
@@ -413,21 +412,19 @@ def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_
     executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
     for flight in comm.flights:
         flight.runs_in_order = in_order
-    _time.sleep(0.05)
+    now[0] += 50_000
     comm.flights[0].complete()
-    _time.sleep(0.05)
+    now[0] += 50_000
     comm.flights[1].complete()
     executor.complete()
     first, second = collectives
-    assert first.duration_us >= 45_000  # from its start
+    assert (first.time_us, first.duration_us) == (1_000_000, 50_000)  # from its start
     if in_order:
         # the second waited behind the first: its own time starts when the first finished
-        assert second.time_us >= first.time_us + first.duration_us - 1
-        assert 45_000 <= second.duration_us < 90_000
+        assert (second.time_us, second.duration_us) == (1_050_000, 50_000)
     else:
         # side by side (MPI's non-blocking collectives): from its own start
-        assert second.time_us < first.time_us + first.duration_us
-        assert second.duration_us >= 95_000
+        assert (second.time_us, second.duration_us) == (1_000_000, 100_000)
 
 
 class _TwoRankComm:

@@ -1,5 +1,5 @@
 """scripts/measure_handoff.py, scripts/measure_mpi_polling.py, scripts/measure_mpi_progress.py,
-scripts/measure_half_reduction.py and scripts/link_use.py, whose figures docs/perf.md quotes, still run and report sanely."""
+scripts/measure_half_reduction.py and scripts/link_use.py, whose figures docs/perf-notes/ quotes, still run and report sanely."""
 
 import runpy
 import shutil

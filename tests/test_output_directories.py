@@ -69,7 +69,7 @@ def test_the_timeline_under_a_file(photo):
 
 
 def test_the_profile_under_a_file(photo):
-    from hpdl.profile.session import _unwritable
+    from hpdl.torch.profiler.session import _unwritable
 
     assert _unwritable(str(photo / "p.json")) == f"cannot write the profile to {photo / 'p.json'}: {_is_a_file(photo)}"
 

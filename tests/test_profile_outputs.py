@@ -73,8 +73,8 @@ def test_profile_outputs_replace_an_existing_file_only_with_overwrite(tmp_path, 
 
 
 @pytest.mark.parametrize("output, fragment", [
-    ("{dir}", "is a directory"),
-    ("{file}/t.json", "is a file, not a directory"),
+    ("{dir}", "is a directory; name a file"),
+    ("{file}/t.json", "{file} is a file, not a directory"),
     ("{tmp}/missing/t.json", "its directory does not exist"),
 ], ids=["directory", "under-a-file", "missing-directory"])
 @pytest.mark.parametrize("command", [["report", "{p}", "--html"], ["timeline", "{p}", "-o"]], ids=["report", "timeline"])
@@ -86,12 +86,12 @@ def test_profile_outputs_that_cannot_be_files_are_refused_before_reading(tmp_pat
     (tmp_path / "f").write_text("x")
     names = dict(p=profile, dir=tmp_path / "d", file=tmp_path / "f", tmp=tmp_path)
     assert main(["profile", *[a.format(**names) for a in command + [output]]]) == 2
-    _one_line_error(capsys, "cannot write", fragment)
+    _one_line_error(capsys, f"{command[-1]} {output.format(**names)}: {fragment.format(**names)}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "p.json"] and not any((tmp_path / "d").iterdir())
 
 
 def test_a_failed_profile_write_leaves_no_temp_file_and_names_the_file(tmp_path):
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
 
     target = tmp_path / "p.json"
     target.mkdir()  # the rename cannot replace a directory
@@ -102,7 +102,7 @@ def test_a_failed_profile_write_leaves_no_temp_file_and_names_the_file(tmp_path)
 
 
 def test_unwritable_profile_paths_are_named_before_any_recording(tmp_path):
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
 
     (tmp_path / "d").mkdir()
     (tmp_path / "f").write_text("x")
@@ -114,7 +114,7 @@ def test_unwritable_profile_paths_are_named_before_any_recording(tmp_path):
 
 
 def test_a_profile_write_failing_at_shutdown_says_so_in_one_line(monkeypatch, caplog):
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
     from hpdl.torch import runtime
 
     class Engine:
@@ -131,11 +131,13 @@ def test_a_profile_write_failing_at_shutdown_says_so_in_one_line(monkeypatch, ca
     monkeypatch.setattr(sess, "_dying_from", None)
     monkeypatch.setattr(runtime, "engine", lambda: Engine())
     monkeypatch.setattr(sess, "write", write)
-    monkeypatch.setattr(runtime, "_shutdown_hooks", [sess._at_shutdown])
+    monkeypatch.setattr(runtime, "_shutdown_hooks", {stage: [] for stage in runtime.ShutdownStage})
+    runtime.add_shutdown_hook(sess._at_shutdown, runtime.ShutdownStage.WRITE_RECORDS)
     with caplog.at_level(logging.ERROR, logger="hpdl"):
-        runtime._run_shutdown_hooks()
-    assert [r.getMessage() for r in caplog.records] == [
-        "hpdl: error: the profile was not written: cannot write /data/p.json: Is a directory"]
+        failures = runtime._run_shutdown_hooks()
+    # The hook's failure is shutdown()'s to raise (or, at exit, the job's error line), not a log line.
+    assert failures == ["the profile was not written: cannot write /data/p.json: Is a directory"]
+    assert not caplog.records, caplog.text
     assert sess._session is None
 
 
@@ -155,3 +157,34 @@ def test_init_refuses_an_hpdl_profile_it_could_not_write(tmp_path):
     assert done.stderr.strip().splitlines()[-1].endswith(  # torch.distributed may prefix "[rank0]: "
         f"ValueError: cannot write the profile to {tmp_path / 'pdir'}: it is a directory; name a file"), done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pdir"]
+
+
+@pytest.mark.parametrize("ending", ["at exit", "by hvd.shutdown()"])
+def test_a_profile_lost_at_the_end_fails_the_job_naming_the_file(tmp_path, ending):
+    # The last write fails (the profile's directory became a file during the job): the job must
+    # not end as a success with its profile lost, whether the script shuts hpdl down itself or
+    # leaves it to the exit, where an exception would not change the exit code.
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPDL_")}
+    env.update(HPDL_PROFILE=str(out / "p.json"), HPDL_BACKEND="gloo", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+    script = ("import os, shutil, torch, hpdl.torch as hvd\n"
+              "hvd.init()\n"
+              "hvd.allreduce(torch.ones(4), name='x')\n"
+              f"shutil.rmtree({str(out)!r}); open({str(out)!r}, 'w').close()\n"
+              + ("hvd.shutdown()\n" if ending == "by hvd.shutdown()" else "")
+              + "print('ran')\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=str(tmp_path))
+    lost = f"the profile was not written: cannot write {out / 'p.json'}: {out} is a file, not a directory"
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # torch.distributed may prefix "[rank0]: "
+    if ending == "at exit":
+        assert "ran" in done.stdout and last.endswith(f"hpdl: error: {lost}"), done.stderr
+    else:
+        assert "ran" not in done.stdout and last.endswith(f"ShutdownError: {lost}"), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp file left

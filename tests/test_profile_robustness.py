@@ -119,7 +119,7 @@ def test_compare_shows_no_messages_per_step_for_a_profile_without_steps():
 
 def test_a_profile_path_that_is_the_timeline_is_refused(tmp_path):
     # The profile, replacing the file at shutdown, left nothing of the timeline.
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     target = tmp_path / "x.json"
     assert "the timeline (HPDL_TIMELINE) is written there" in session._unwritable(str(target), str(target))

@@ -457,7 +457,7 @@ def test_html_page_is_self_contained_with_plots():
 
 def test_shutdown_hook_on_the_failure_path_leaves_no_error_of_its_own(monkeypatch, caplog):
     # The gather fails (a peer is gone): write() takes the failure path, which ends the recording.
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
     from hpdl.torch import runtime
 
     class Engine:
@@ -470,17 +470,18 @@ def test_shutdown_hook_on_the_failure_path_leaves_no_error_of_its_own(monkeypatc
     monkeypatch.setattr(sess, "_session", recording)
     monkeypatch.setattr(runtime, "engine", lambda: Engine())
     monkeypatch.setattr(sess, "write", lambda s: sess._end(s))
-    monkeypatch.setattr(runtime, "_shutdown_hooks", [sess._at_shutdown])
+    monkeypatch.setattr(runtime, "_shutdown_hooks", {stage: [] for stage in runtime.ShutdownStage})
+    runtime.add_shutdown_hook(sess._at_shutdown, runtime.ShutdownStage.WRITE_RECORDS)
     with caplog.at_level(logging.ERROR, logger="hpdl"):
-        runtime._run_shutdown_hooks()
-    assert sess._session is None and not caplog.records, caplog.text
+        failures = runtime._run_shutdown_hooks()
+    assert sess._session is None and not failures and not caplog.records, (failures, caplog.text)
 
 
 def test_an_uncaught_exception_is_noted_and_passed_on_and_the_hooks_are_restored(monkeypatch):
     import sys
     import threading
 
-    from hpdl.profile import session as sess
+    from hpdl.torch.profiler import session as sess
 
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(("sys", a[0])))

@@ -49,9 +49,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _first_job_id() -> int:
+    """A job id no earlier cluster of this machine gave: MPICH names a job's node-local shared
+    memory after its PMI name (the job and step id, "1.0"), and a segment a killed job left in
+    /dev/shm is opened again by the next job of that id, which then fails in MPI_Init ("failed
+    to unpack address"). A real cluster never repeats an id; each test cluster starts afresh."""
+    return 1_000_000 + (time.time_ns() // 1_000_000) % 60_000_000
+
+
 def _slurm_conf(tmp: Path, host: str) -> str:
     cpus = max(2, os.cpu_count() or 1)
     return f"""\
+FirstJobId={_first_job_id()}
 ClusterName=hpdltest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={_free_port()}

@@ -24,7 +24,7 @@ import pytest
 import hpdl.spark
 from hpdl.launch.rank_output import prefix_line
 from hpdl.spark.driver import spark_failure
-from hpdl.spark.environment import java_needed, spark_unusable_reason
+from hpdl.launch.detect import java_needed, spark_unusable_reason
 from hpdl.spark.placement import place_ranks, rank_environment
 from hpdl.spark.task import describe_exit
 

@@ -12,7 +12,7 @@ from PIL import Image
 from hpdl.cli import main
 from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
 from hpdl.sr.datasets import open_pairs
-from hpdl.sr.evaluate import evaluate, format_table
+from hpdl.sr.evaluation import evaluate, format_table
 from hpdl.sr.images import bicubic_downscale
 from hpdl.sr.metrics import bicubic_upscale
 from hpdl.sr.models import build_model_from_config
@@ -231,7 +231,7 @@ def test_upscale_turns_an_exif_rotated_photo_upright_as_viewers_show_it(tmp_path
 
 
 def test_upscale_keeps_transparency(tmp_path, ckpt, capsys):
-    from hpdl.sr.upscale import upscale_alpha
+    from hpdl.sr.inference import upscale_alpha
 
     rgba = np.dstack([photo(24, 30), np.full((24, 30), 255, np.uint8)])
     rgba[:, :12, 3] = 0  # a transparent left part, black under it
@@ -341,7 +341,7 @@ def test_upscale_writes_lossy_formats_at_the_quality_sr_tools_use(tmp_path, ckpt
 
 @pytest.mark.parametrize("tile", [1, 5, 8])
 def test_alpha_upscaled_in_tiles_equals_the_whole_image(tile):
-    from hpdl.sr.upscale import upscale_alpha
+    from hpdl.sr.inference import upscale_alpha
 
     alpha = photo(13, 17)[:, :, 0]
     assert np.array_equal(upscale_alpha(alpha, 3, tile=tile), upscale_alpha(alpha, 3, tile=None))
@@ -390,7 +390,7 @@ def test_an_output_that_is_a_directory_or_empty_is_refused_before_any_work(tmp_p
             "eval": ["--data", str(folder), "--cache-dir", str(tmp_path / "c"), "--grid", str(target)]}[name]
     assert main(["sr", name, *argv, *options, "--ckpt", str(ckpt)]) == 2
     captured = capsys.readouterr()
-    expected = {"a directory": f"{target}: is a directory; give a file name",
+    expected = {"a directory": f"{target}: is a directory; name a file",
                 "empty": "--grid: empty path" if name == "eval" else "empty output path: give a file name"}[output]
     assert captured.err.strip().splitlines() == [f"hpdl: error: {expected}"]  # no progress: refused up front
     assert not target or list(target.iterdir()) == []

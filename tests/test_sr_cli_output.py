@@ -110,7 +110,7 @@ def test_eval_and_upscale_draw_rarely_in_a_log_and_not_at_all_with_no_progress(m
         (lambda *extra: _upscale(tmp_path, ckpt, *extra))
     desc = f"{command}:"
     # On a terminal too, slow work: past upscale's delay before its bar appears.
-    monkeypatch.setattr(importlib.import_module("hpdl.sr.upscale"), "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(importlib.import_module("hpdl.sr.inference"), "PROGRESS_DELAY", 0.0)
     # Slow work (seconds per reading of tqdm's clock): a bar appears even in a log.
     for stream, step, extra, shown in ((_Terminal(), 3.0, (), True), (_Terminal(), 3.0, ("--no-progress",), False),
                                        (io.StringIO(), 20.0, (), True),

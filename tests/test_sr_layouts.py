@@ -15,7 +15,7 @@ from hpdl.sr.imresize import matlab_downscale
 from hpdl.sr.metrics import quantize
 from hpdl.sr.models import build_model_from_config
 from hpdl.sr.registry import ModelConfig
-from hpdl.sr.upscale import upscale
+from hpdl.sr.inference import upscale
 
 
 def photo(h, w, seed=0):
@@ -86,7 +86,7 @@ def test_basicsr_layout_pairs_hr_with_lr_by_name(tmp_path, scale):
 
 def test_both_benchmark_layouts_give_the_same_scores(tmp_path, ckpt):
     model, _ = load_model(ckpt)
-    from hpdl.sr.evaluate import evaluate
+    from hpdl.sr.evaluation import evaluate
 
     a = evaluate(model, open_pairs(basicsr_set(tmp_path / "a" / "Set5"), 2, cache_dir=tmp_path / "c"), 2)
     b = evaluate(model, open_pairs(edsr_set(tmp_path / "b" / "Set5"), 2, cache_dir=tmp_path / "c"), 2)

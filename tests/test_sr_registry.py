@@ -15,7 +15,7 @@ from hpdl.sr.config import ConfigError, load_config
 from hpdl.sr.models import build_model, build_model_from_config, count_parameters, receptive_field_radius
 from hpdl.sr.registry import Architecture, ModelSize, make_config
 from hpdl.sr.srresnet import SRResNet
-from hpdl.sr.upscale import forward_tiled
+from hpdl.sr.inference import forward_tiled
 
 TOY = '''
 import torch

@@ -12,7 +12,7 @@ from hpdl.sr.models import build_model_from_config, receptive_field_radius
 from hpdl.sr.registry import ModelConfig
 from hpdl.sr.transforms import dihedral_array, dihedral_tensor, inverse_dihedral_tensor
 from hpdl.sr.metrics import quantize
-from hpdl.sr.upscale import PROGRESS_DELAY, forward_tiled, self_ensemble, upscale, upscale_image
+from hpdl.sr.inference import PROGRESS_DELAY, forward_tiled, self_ensemble, upscale, upscale_image
 
 
 def small_baseline(scale, seed=0):
@@ -96,7 +96,7 @@ _PEAK = """
 import resource, sys, numpy as np, torch
 from hpdl.sr.models import build_model_from_config
 from hpdl.sr.registry import ModelConfig
-from hpdl.sr.upscale import upscale_image
+from hpdl.sr.inference import upscale_image
 
 torch.set_num_threads(1)
 model = build_model_from_config(ModelConfig("tiny", 2, 1, 8, 1.0)).eval()

@@ -15,7 +15,7 @@ from hpdl.sr.checkpoint import make_checkpoint, save_checkpoint
 from hpdl.sr.models import build_model_from_config
 from hpdl.sr.registry import ModelConfig
 from hpdl.sr.spatial_upscale import idle_ranks
-from hpdl.sr.upscale import tile_rows
+from hpdl.sr.inference import tile_rows
 from hpdl.sr.upscale_cli import SPATIAL_STALL_S, spatial_stall_settings
 from hpdl.torch.spatial import bands
 from ranks import run_ranks

@@ -1,22 +1,60 @@
 """hpdl.torch on several ranks: every function, engine behaviour, and failures that never hang."""
 
+import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, ROOT, run_plain_ranks, run_ranks
+from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, ROOT, SCRIPTS, run_plain_ranks, run_ranks
 
 pytestmark = pytest.mark.multirank
 
 
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name[:-3], SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The checks of tests/multirank/torch_api.py, each its own test id; one job per layout runs them all.
+API_CHECKS = _load_script("torch_api.py").CHECK_NAMES
+_api_jobs: dict = {}
+
+
+def _api_job(launcher: str, n: int) -> subprocess.CompletedProcess:
+    """The layout's one job; a skip or a timeout is kept too, and given to each of its checks."""
+    if (launcher, n) not in _api_jobs:
+        try:
+            # A check failing on some ranks leaves the others in a collective: the stall timeout then
+            # ends the job well before the harness's, with the failure printed.
+            _api_jobs[launcher, n] = run_ranks("torch_api.py", n, launcher, timeout=240, expect_ok=False,
+                                               env={"HPDL_STALL_TIMEOUT": "45"})
+        except BaseException as outcome:  # noqa: BLE001 - pytest's skip and fail outcomes
+            _api_jobs[launcher, n] = outcome
+    if isinstance(_api_jobs[launcher, n], BaseException):
+        raise _api_jobs[launcher, n]
+    return _api_jobs[launcher, n]
+
+
+@pytest.mark.parametrize("check", API_CHECKS)
 @pytest.mark.parametrize("launcher,n", LAYOUTS + OPENMPI_LAYOUTS, ids=LAYOUT_IDS + OPENMPI_LAYOUT_IDS)
-def test_every_function_against_reference(launcher, n):
-    result = run_ranks("torch_api.py", n, launcher, timeout=240)
-    assert "OK torch api" in result.stdout
+def test_every_function_against_reference(launcher, n, check):
+    result = _api_job(launcher, n)
+    # Records, not lines: the ranks' output may interleave.
+    passed = {int(r) for r in re.findall(rf"CHECK {re.escape(check)} OK rank=(\d+);", result.stdout)}
+    failures = re.findall(rf"^\[rank \d+\] check {re.escape(check)} failed:\n(?:(?!\[rank ).*\n?)*",
+                          result.stderr, re.M)
+    reached = f"CHECK {check} " in result.stdout
+    assert passed == set(range(n)), (
+        f"{check}: OK on ranks {sorted(passed)} of {n}" + ("" if reached else " (not reached: the job ended before)")
+        + "\n" + "".join(failures) +
+        ("" if failures else f"(exit code {result.returncode})\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"))
 
 
 @pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 3)], ids=LAYOUT_IDS + ["openmpi-3"])

@@ -16,18 +16,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hpdl.bench.stats import doubling_sizes, format_size, format_table, median
+from hpdl.bench.stats import doubling_sizes, median
+from hpdl.comm import dtypes
+from hpdl.formatting import format_size, format_table
 
-DTYPES = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
-}
-_NUMPY_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+# The element types --dtype chooses among (of hpdl's, hpdl/comm/dtypes.py).
+DTYPES = {name: dtypes.DTYPES[name]
+          for name in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8")}
 PATHS = ("backend", "hierarchical", "engine", "mpi4py")
 # Buffers of the message size each path holds per tensor: the tensor, and for mpi4py its numpy
 # send and receive buffers besides.
@@ -78,8 +77,15 @@ class AllreduceOptions:
                 raise ValueError(f"{flag} must be at least {least}, got {value}")
         if not self.paths or any(p not in PATHS for p in self.paths) or len(set(self.paths)) != len(self.paths):
             raise ValueError(f"--paths takes distinct paths among {', '.join(PATHS)}, got {','.join(self.paths)!r}")
-        if "mpi4py" in self.paths and DTYPES[self.dtype] not in _NUMPY_NAMES:
+        if "mpi4py" in self.paths and _numpy_type(DTYPES[self.dtype]) is None:
             raise ValueError(f"the mpi4py path has no numpy type for --dtype {self.dtype}")
+
+
+def _numpy_type(dtype: torch.dtype) -> Any:
+    """numpy's type of ``dtype``, for the mpi4py path, or None (numpy has no bfloat16)."""
+    import numpy as np
+
+    return getattr(np, dtypes.dtype_name(dtype), None)
 
 
 # A path maps the messages of one timed call (tensors of the given size) to a zero-argument
@@ -108,7 +114,7 @@ def _mpi4py_path(mpi_comm) -> PathFactory:
 
         pairs = []
         for t in tensors:
-            send = np.ones(t.numel(), dtype=_NUMPY_NAMES[t.dtype])
+            send = np.ones(t.numel(), dtype=_numpy_type(t.dtype))
             pairs.append((send, np.empty_like(send)))
         if len(pairs) == 1:
             send, recv = pairs[0]

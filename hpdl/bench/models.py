@@ -127,14 +127,19 @@ class Workload:
         return f"{self.name}, input {shape}"
 
 
-def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, seed: int = 0) -> Workload:
+def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, seed: int = 0,
+                   image: Optional[Tuple[int, int]] = None) -> Workload:
     """Build the model ``name`` with a random batch: LR patches and HR targets (L1 loss) for
-    the super-resolution models, 224x224 images and labels (cross-entropy) for ResNet-50."""
+    the super-resolution models, 224x224 images and labels (cross-entropy) for ResNet-50;
+    ``image`` (height, width) gives the input another size (the SR models' LR size)."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if image is not None and (len(image) != 2 or min(image) < 1):
+        raise ValueError(f"image size must be two positive numbers (height, width), got {image}")
     gen = torch.Generator().manual_seed(seed)
     if name == "resnet50":
-        inputs = torch.randn(batch_size, 3, 224, 224, generator=gen)
+        height, width = image or (224, 224)
+        inputs = torch.randn(batch_size, 3, height, width, generator=gen)
         targets = torch.randint(0, 1000, (batch_size,), generator=gen)
         return Workload(name, resnet50(), inputs, targets, F.cross_entropy)
     if name in sr_models():
@@ -142,9 +147,10 @@ def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, 
 
         if patch < 1:
             raise ValueError(f"patch size must be >= 1, got {patch}")
+        height, width = image or (patch, patch)
         model = build_model(name, scale)
-        inputs = torch.rand(batch_size, 3, patch, patch, generator=gen) * 255
-        targets = torch.rand(batch_size, 3, patch * scale, patch * scale, generator=gen) * 255
+        inputs = torch.rand(batch_size, 3, height, width, generator=gen) * 255
+        targets = torch.rand(batch_size, 3, height * scale, width * scale, generator=gen) * 255
         return Workload(f"{name} x{scale}", model, inputs, targets, F.l1_loss)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(benchmark_models())}")
 

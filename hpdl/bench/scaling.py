@@ -18,19 +18,16 @@ evenly over them, so that N ranks cross node boundaries as soon as N > 1.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import signal
-import subprocess
 import sys
-import threading
-import time
 from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
-from hpdl.bench.stats import format_table, median, spread
+from hpdl.bench.jobs import JobError, Stopped, Terminated, check_timeout, run_job, signals_stop_the_driver
+from hpdl.bench.stats import median, spread
+from hpdl.formatting import format_table
 
-__all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot", "plot_format"]
+__all__ = ["SYSTEMS", "ScalingOptions", "run_scaling", "format_summary", "plot"]
 
 # system -> (job that measures it, the mode in that job's record)
 SYSTEMS: Dict[str, Tuple[str, str]] = {
@@ -43,7 +40,7 @@ SYSTEMS: Dict[str, Tuple[str, str]] = {
 }
 
 
-class ScalingError(RuntimeError):
+class ScalingError(JobError):
     """A job of the study failed; the message names it and says why, in one line.
 
     ``record`` holds what the study measured before it (the runs of the jobs that ended well),
@@ -53,29 +50,9 @@ class ScalingError(RuntimeError):
     record: Optional[Dict[str, Any]] = None
 
 
-class ScalingStopped(Exception):
-    """The study was stopped by a signal (Ctrl-C, SIGTERM) after its running job was ended.
-
-    ``record`` holds the runs of the jobs that ended before; ``signum`` is the signal.
-    """
-
-    def __init__(self, signum: int, record: Dict[str, Any]):
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum, self.record = signum, record
-
-
-class _Terminated(BaseException):
-    """Raised in the driver by SIGTERM or SIGHUP, like KeyboardInterrupt by SIGINT."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-# The longest --timeout: a year, as for hpdl's other times.
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
-# From SIGTERM to SIGKILL when ending a job: time for the launcher to end its ranks.
-_KILL_AFTER_S = 10.0
+class ScalingStopped(Stopped):
+    """The study was stopped by a signal (Ctrl-C, SIGTERM) after its running job was ended;
+    ``record`` holds the runs of the jobs that ended before."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +74,7 @@ class ScalingOptions:
             raise ValueError(f"--systems takes distinct systems among {', '.join(SYSTEMS)}, got {','.join(self.systems)}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
-        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
-            raise ValueError(f"--timeout takes seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a year), "
-                             f"got {self.timeout_s:g}")
+        check_timeout(self.timeout_s)
         if self.hosts is not None:
             slots = sum(s for _, s in self.hosts)
             if max(self.ranks) > slots:
@@ -149,73 +124,15 @@ def _run_job(opts: ScalingOptions, job: str, ranks: int) -> Dict[str, float]:
     A job that outlives ``opts.timeout_s``, or a driver interrupted meanwhile, ends the job
     (its launcher ends its ranks) before the error goes on: no rank is left running.
     """
-    argv = job_argv(opts, job, ranks)
     env = {k: v for k, v in os.environ.items() if k != "HPDL_HIERARCHICAL_ALLREDUCE"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    what = f"the {job} job on {ranks} rank(s)"
     try:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except OSError as err:
-        raise ScalingError(f"cannot start {what}: {err.strerror or err}") from None
-    try:
-        stdout, stderr = _wait(proc, opts.timeout_s)
-    except subprocess.TimeoutExpired:
-        _end_job(proc)
-        raise ScalingError(f"{what} did not end within {opts.timeout_s:g} s (--timeout)") from None
-    except BaseException:  # Ctrl-C or SIGTERM: the job must not outlive the driver
-        _end_job(proc)
-        raise
-    if proc.returncode != 0:
-        raise ScalingError(f"{what} failed (exit {proc.returncode}): {_reason(stdout, stderr)}")
-    start = stdout.find("{")
-    try:
-        record = json.loads(stdout[start:])
-    except ValueError:
-        raise ScalingError(f"{what} printed no record: {_reason(stdout, stderr)}") from None
+        record = run_job(job_argv(opts, job, ranks), env, opts.timeout_s, f"the {job} job on {ranks} rank(s)")
+    except JobError as err:
+        raise ScalingError(str(err), err.returncode, err.stdout, err.stderr) from None
     if "median" in record:  # a --compare record
         return {mode: float(value) for mode, value in record["median"].items()}
     return {"hpdl": float(record["img_sec_per_rank"])}
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> Tuple[str, str]:
-    """``proc.communicate(timeout=timeout_s)`` for timeouts beyond what one wait takes (poll()
-    refuses more than about 24 days)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return proc.communicate(timeout=max(0.0, min(left, 3600.0)))
-        except subprocess.TimeoutExpired:
-            if left <= 3600.0:
-                raise
-
-
-def _end_job(proc: subprocess.Popen) -> None:
-    """End a job: SIGTERM to its launcher, which ends the ranks, then SIGKILL if it lingers."""
-    try:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=_KILL_AFTER_S)
-        except subprocess.TimeoutExpired:
-            pass
-    finally:  # a second Ctrl-C while waiting still leaves no launcher behind
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _reason(stdout: str, stderr: str) -> str:
-    """Why a job failed, in one line: the last line of its stderr, else the exit string
-    MPICH's banner prints on stdout when a rank dies (killed, say) without a word."""
-    def meaningful(text: str) -> List[str]:
-        return [line.strip() for line in text.splitlines() if line.strip().strip("=").strip()]
-
-    errors = meaningful(stderr)
-    if errors:
-        return errors[-1]
-    marker = "TERMINATED WITH THE EXIT STRING:"
-    exits = [line.split(marker, 1)[1].strip() for line in meaningful(stdout) if marker in line]
-    return f"a rank ended: {exits[-1]}" if exits else "no message"
 
 
 def run_scaling(opts: ScalingOptions, log=print) -> Dict[str, Any]:
@@ -228,39 +145,34 @@ def run_scaling(opts: ScalingOptions, log=print) -> Dict[str, Any]:
     """
     runs: List[Dict[str, Any]] = []
     jobs = opts.jobs()
-
-    def terminate(signum: int, _frame) -> None:
-        raise _Terminated(signum)
-
-    # SIGTERM (kill, a batch system's time limit) and SIGHUP (the terminal closed) end the
-    # running job as Ctrl-C does; by default they would leave it running without its driver.
-    handlers = ({s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
-                if threading.current_thread() is threading.main_thread() else {})
     try:
-        for repeat in range(opts.repeats):
-            order = list(opts.ranks) if repeat % 2 == 0 else list(reversed(opts.ranks))
-            for ranks in order:
-                for job in jobs:
-                    try:
-                        modes = _run_job(opts, job, ranks)
-                    except ScalingError as err:
-                        err.args = (f"repeat {repeat + 1}/{opts.repeats}: {err}",)
-                        raise
-                    runs.append({"repeat": repeat, "ranks": ranks, "job": job, "img_sec_per_rank": modes})
-                    shown = ", ".join(f"{m} {v:.3g}" for m, v in modes.items())
-                    log(f"repeat {repeat + 1}/{opts.repeats}, {ranks} rank(s), {job} job: {shown} img/s per rank")
+        with signals_stop_the_driver():
+            _run_all(opts, jobs, runs, log)
     except ScalingError as err:
         err.record = _record(opts, runs, failure=str(err))
         raise
     except KeyboardInterrupt:
         raise ScalingStopped(signal.SIGINT, _record(opts, runs, failure="stopped by SIGINT")) from None
-    except _Terminated as stop:
+    except Terminated as stop:
         name = signal.Signals(stop.signum).name
         raise ScalingStopped(stop.signum, _record(opts, runs, failure=f"stopped by {name}")) from None
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
     return _record(opts, runs)
+
+
+def _run_all(opts: ScalingOptions, jobs: List[str], runs: List[Dict[str, Any]], log) -> None:
+    """Every job of the study in alternating repeats, adding each one's runs to ``runs``."""
+    for repeat in range(opts.repeats):
+        order = list(opts.ranks) if repeat % 2 == 0 else list(reversed(opts.ranks))
+        for ranks in order:
+            for job in jobs:
+                try:
+                    modes = _run_job(opts, job, ranks)
+                except ScalingError as err:
+                    err.args = (f"repeat {repeat + 1}/{opts.repeats}: {err}",)
+                    raise
+                runs.append({"repeat": repeat, "ranks": ranks, "job": job, "img_sec_per_rank": modes})
+                shown = ", ".join(f"{m} {v:.3g}" for m, v in modes.items())
+                log(f"repeat {repeat + 1}/{opts.repeats}, {ranks} rank(s), {job} job: {shown} img/s per rank")
 
 
 def _record(opts: ScalingOptions, runs: List[Dict[str, Any]], failure: Optional[str] = None) -> Dict[str, Any]:
@@ -311,25 +223,6 @@ def format_summary(record: Dict[str, Any]) -> str:
             "repeats; efficiency = img/s against N x the 1-rank figure, and against the no-communication "
             "ceiling of the same job")
     return head + "\n" + format_table(["system", "ranks", "img/s (total)", "spread", "vs 1 rank", "vs ceiling"], rows)
-
-
-def plot_format(path: str) -> str:
-    """The image format of the plot file ``path``: its extension's, PNG without one.
-
-    Raises:
-        ValueError: naming the file, when matplotlib writes no such format.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    extension = os.path.splitext(path)[1][1:].lower()
-    formats = Figure().canvas.get_supported_filetypes()
-    if extension and extension not in formats:
-        raise ValueError(f"--plot {path}: matplotlib writes no .{extension} files; use one of "
-                         f"{', '.join('.' + f for f in sorted(formats))}")
-    return extension or "png"
 
 
 def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = "png") -> None:

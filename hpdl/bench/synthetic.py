@@ -42,7 +42,8 @@ import torch
 
 from hpdl.bench.cputime import GROUPS, CpuSnapshot
 from hpdl.bench.models import benchmark_models, build_workload, count_parameters, sr_models
-from hpdl.bench.stats import format_table, median, spread
+from hpdl.bench.stats import median, spread
+from hpdl.formatting import format_table
 from hpdl.sr.config import AMP_MODES, DEVICE_NAMES, is_device_name
 from hpdl.sr.registry import known_scales, scales_of
 from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON, MixedPrecision
@@ -135,12 +136,19 @@ class SyntheticOptions:
             raise ValueError(f"compare takes distinct baselines among {', '.join(COMPARE)}, got {','.join(self.compare)}")
 
 
+def usual_optimizer(model: str) -> str:
+    """The optimizer a benchmark model trains with: adam for the SR models (their recipes), sgd
+    for ResNet-50 (Horovod's benchmark)."""
+    return "adam" if model in sr_models() else "sgd"
+
+
 def _optimizer_kind(opts: SyntheticOptions) -> str:
     """The optimizer asked for, else the model's usual one."""
-    return opts.optimizer or ("adam" if opts.model in sr_models() else "sgd")  # SR recipes train with Adam
+    return opts.optimizer or usual_optimizer(opts.model)
 
 
-def _optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, params, size: int) -> torch.optim.Optimizer:
+    """The benchmarks' optimizer ``kind`` ("sgd", "adam") of ``params``, for ``size`` ranks."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.01 * size)  # Horovod's benchmark: lr scaled by size
     return torch.optim.Adam(params, lr=1e-4)  # the EDSR recipe
@@ -276,7 +284,7 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
     device = device_of(opts)
     workload = _workload(opts, device)
     model = workload.model
-    optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
+    optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), hvd.size())
     compression = hvd.Compression.fp16 if opts.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression,
@@ -307,7 +315,7 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    optimizer = _optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
+    optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
     loop = _train_loop(model, optimizer, workload, trace.phases if trace else None,
                        precision=MixedPrecision(opts.amp, device), sync=_sync(device))
     return _timed(opts, loop, log, trace, _sync(device))
@@ -318,7 +326,7 @@ def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
                  barrier: Optional[Callable[[], None]] = None) -> List[float]:
     device = device_of(opts)
     workload = _workload(opts, device)
-    optimizer = _optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
+    optimizer = make_optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
     loop = _train_loop(workload.model, optimizer, workload, trace.phases if trace else None, barrier=barrier,
                        precision=MixedPrecision(opts.amp, device), sync=_sync(device))
     return _timed(opts, loop, log, trace, _sync(device))

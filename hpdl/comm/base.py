@@ -12,10 +12,11 @@ from __future__ import annotations
 import abc
 import enum
 import os
-import pickle
 from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
+
+from hpdl.comm import objects
 
 
 class ReduceOp(enum.Enum):
@@ -187,30 +188,24 @@ class Communicator(abc.ABC):
 
     def allgather_bytes(self, payload: bytes) -> List[bytes]:
         """Gather a byte string from every rank (sizes may differ)."""
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
         lengths = torch.tensor([len(payload)], dtype=torch.int64)
         all_lengths = self.allgather(lengths, first_dims=[1] * self.size).tolist()
-        gathered = self.allgather(data, first_dims=all_lengths)
-        out, offset = [], 0
-        for n in all_lengths:
-            out.append(gathered[offset : offset + n].numpy().tobytes())
-            offset += n
-        return out
+        gathered = self.allgather(objects.bytes_to_tensor(payload), first_dims=all_lengths)
+        return objects.payloads_in(gathered, all_lengths)
 
     def allgather_object(self, obj: Any) -> List[Any]:
         """Gather a picklable object from every rank, in rank order."""
-        return [pickle.loads(b) for b in self.allgather_bytes(pickle.dumps(obj))]
+        return [objects.loads(payload) for payload in self.allgather_bytes(objects.dumps(obj))]
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """Return root's ``obj`` on every rank."""
-        payload = pickle.dumps(obj) if self.rank == root else b""
-        length = torch.tensor([len(payload)], dtype=torch.int64)
+        data = objects.to_tensor(obj) if self.rank == root else None
+        length = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
         self.broadcast(length, root)
-        buf = torch.zeros(int(length.item()), dtype=torch.uint8)
-        if self.rank == root and payload:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self.broadcast(buf, root)
-        return pickle.loads(buf.numpy().tobytes())
+        if data is None:
+            data = torch.zeros(int(length.item()), dtype=torch.uint8)
+        self.broadcast(data, root)
+        return objects.from_tensor(data)
 
     def unanswering(self, wait_s: float) -> Optional[List[int]]:
         """After a failure: the ranks that do not answer a liveness check within ``wait_s``.

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import time
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from hpdl.comm import objects
 from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
 NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
@@ -88,8 +88,9 @@ def _mpi_types() -> Dict[torch.dtype, Any]:
         torch.int64: MPI.INT64_T,
         torch.bool: MPI.C_BOOL,
         # Half types travel as 16-bit words and are reduced by the operations below. Not
-        # MPI.FLOAT16_T where the library has it: MPICH 5.0's own float16 sum is 6-30x slower
-        # than torch's (scripts/measure_half_reduction.py); bfloat16 it lacks.
+        # MPI.FLOAT16_T where the library has it: MPICH's own float16 sum is much slower than
+        # torch's (measured: scripts/measure_half_reduction.py, docs/perf-notes/); bfloat16
+        # it lacks.
         torch.float16: MPI.UINT16_T,
         torch.bfloat16: MPI.UINT16_T,
     }
@@ -146,7 +147,8 @@ def _wait_politely(request, max_sleep: Optional[float] = None,
     On a machine with as many cores as ranks, a spinning wait steals the core that this rank's
     compute thread needs. Peers usually arrive within microseconds, so the request is first
     polled in a tight loop for a short budget (each Test also drives MPI's progress; a
-    ``sleep(0)`` here costs ~100 µs, as it hands the core away); then a back-off of real
+    ``sleep(0)`` here would hand the core away, to get it back only at the scheduler's
+    pleasure); then a back-off of real
     sleeps, up to ``max_sleep``, takes over, calling ``between`` (if given) after each.
     """
     deadline = time.perf_counter() + _SPIN_SECONDS
@@ -165,14 +167,15 @@ def _wait_politely(request, max_sleep: Optional[float] = None,
 
 
 _SPIN_SECONDS = 1e-4
-# Each wake-up costs tens of microseconds of CPU on a virtual machine; a late peer (its engine
-# thread descheduled by the compute) is better waited for with few, longer sleeps.
+# Each wake-up costs CPU time taken from the compute; a late peer (its engine thread
+# descheduled by the compute) is better waited for with few, longer sleeps.
 _MAX_SLEEP = 2e-3
 # While allreduces are in flight, MPI is called at least this often (the engine's polls, and
 # any wait meanwhile): they move only inside MPI's calls, and a longer gap lets the socket
-# buffers run dry; a round that slept 2 ms at a time while waiting for a late peer held every
-# transfer under way (measured: a 576 KiB allreduce beside a busy compute thread took 6.6 ms
-# polled every 0.5 ms, 23 ms every 2 ms, 20 ms in a blocking wait that spins on the shared core).
+# buffers run dry; a round that slept _MAX_SLEEP at a time while waiting for a late peer held
+# every transfer under way. Polling at this interval beside a busy compute thread beat both
+# longer intervals and a blocking wait that spins on the shared core (measured:
+# scripts/measure_mpi_polling.py, docs/perf-notes/).
 POLL_INTERVAL_S = 5e-4
 
 
@@ -252,8 +255,7 @@ class MPICommunicator(Communicator):
         # bytes cross a network whose kernel buffers carry them between polls. Among ranks
         # that share memory MPI copies through shared memory only inside its calls, so a
         # polled allreduce moves a little at each poll, and a blocking one, which copies at
-        # memory speed, is faster (EDSR x2, 2 ranks on one node: 0.858 of the no-communication
-        # ceiling blocking, 0.833 polled; docs/perf.md).
+        # memory speed, is faster (measured: docs/perf-notes/).
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
         self.background_collectives = node.Get_size() < self._size
         node.Free()
@@ -353,14 +355,14 @@ class MPICommunicator(Communicator):
         self._wait_control(request)
 
     def allgather_object_control(self, obj: Any) -> List[Any]:
-        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        payload = np.frombuffer(objects.dumps(obj), dtype=np.uint8)
         counts = np.zeros(self._size, dtype=np.int64)
         self._wait_control(self._control.Iallgather(np.array([payload.size], dtype=np.int64), counts))
         received = np.empty(int(counts.sum()), dtype=np.uint8)
         sizes = [int(c) for c in counts]
         displs = [sum(sizes[:r]) for r in range(self._size)]
         self._wait_control(self._control.Iallgatherv(payload, [received, sizes, displs, MPI.BYTE]))
-        return [pickle.loads(received[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
+        return [objects.loads(received[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
 
     def _wait_control(self, request) -> None:
         _wait_politely(request, POLL_INTERVAL_S if self.in_flight else _MAX_SLEEP, self.control_wait_hook)

@@ -1,5 +1,6 @@
-"""The asynchronous collective engine (see engine.py for the cycle, negotiation.py for the
-agreement between ranks, execution.py and fusion.py for running the agreed collectives)."""
+"""The asynchronous collective engine (see engine.py for the cycle, scheduling.py for when rounds
+run, negotiation.py for the agreement between ranks, execution.py, fusion.py and allreduce.py
+for running the agreed collectives)."""
 
 from hpdl.engine.engine import Engine
 from hpdl.engine.errors import HorovodInternalError

@@ -10,11 +10,11 @@ agree without ever being exchanged. Eviction is least-recently-used, also determ
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
-from hpdl.engine.request import Response
+from hpdl.engine.request import Response, Signature
 
 BITS_PER_WORD = 32  # int64 words carrying 32 bits each: no sign-bit surprises in BAND
 
@@ -37,7 +37,7 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def lookup(self, name: str, signature: Tuple[Any, ...]) -> Optional[int]:
+    def lookup(self, name: str, signature: Signature) -> Optional[int]:
         """Return the bit position of ``name`` if cached with this rank's same signature."""
         position = self._by_name.get(name)
         if position is None:

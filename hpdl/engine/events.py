@@ -33,6 +33,13 @@ CYCLE = "CYCLE"
 # A training step ended (DistributedOptimizer.step() or hvd.profile_step()).
 STEP = "STEP"
 
+# Kinds of the COLLECTIVE events that a spatial group's communicator emits on the thread that
+# runs the model, outside the engine (hpdl.torch.spatial.comm): no queue, negotiation or
+# fusion, the names the layer's path. Observers that follow the engine's phases keep them apart.
+HALO = "halo"  # a halo exchange with the neighbour bands (op SENDRECV)
+SPATIAL = "spatial"  # a spatial group's allreduce or allgather (batch norm, global pooling, gather)
+GROUP_KINDS = (HALO, SPATIAL)
+
 
 @dataclasses.dataclass(frozen=True)
 class Event:

@@ -1,4 +1,5 @@
-"""Run agreed responses on the backend: fused allreduces and the other collectives.
+"""Run agreed responses on the backend: allreduces (each batch of the fusion plan in place,
+fused or by Adasum, allreduce.py) and the other collectives.
 
 Called on the engine thread with the responses of one negotiation, in the agreed order; every
 member runs the same backend calls in the same order. Each phase emits an event.
@@ -17,72 +18,36 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from hpdl.comm import Communicator, InFlight, ReduceOp, even_split
+from hpdl.comm import Communicator, InFlight, even_split
 from hpdl.engine import events as ev
-from hpdl.engine.adasum import adasum_
+from hpdl.engine.allreduce import ADASUM, AVERAGE, BACKEND_OPS, Adasum, Allreduce, Fused, InPlace, scale_
+from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.errors import HorovodInternalError
-from hpdl.engine.fusion import FusionBuffers, dtype_of, plan_fusion
-from hpdl.engine.request import SIG_DEVICE, SIG_DTYPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS, Op, Request, RequestKind, Response
-
-_BACKEND_OPS = {Op.SUM.value: ReduceOp.SUM, Op.AVERAGE.value: ReduceOp.SUM, Op.MIN.value: ReduceOp.MIN,
-                Op.MAX.value: ReduceOp.MAX, Op.PRODUCT.value: ReduceOp.PRODUCT}
-
+from hpdl.engine.fusion import FusionBuffers, plan_fusion
+from hpdl.engine.request import Request, RequestKind, Response
 
 _VIEW_CACHE_SIZE = 256
 _FUSION_SLOTS = 2  # fusion buffers per dtype and device: one filling while one is in flight
-_SCALE_ON_COPY_MAX = 16  # fused batches up to this many tensors scale while copying out
-_AVERAGE = Op.AVERAGE.value
-_ADASUM = Op.ADASUM.value
 _ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET,
                  RequestKind.SPLIT_COMMUNICATOR)
 
 
-def zeros_device(device_type: str, join_device: int) -> torch.device:
-    """Where a joined rank makes the zeros it contributes to a tensor on ``device_type`` (the
-    agreed signature's): its own GPU, the one ``hvd.join`` recorded (``join_device``; -1: the
-    engine thread's current device, GPU 0 unless set), not whichever GPU is current here."""
-    if device_type == "cuda" and join_device >= 0:
-        return torch.device("cuda", join_device)
-    return torch.device(device_type)
-
-
-def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> None:
-    """Multiply in place by ``factor / divisor`` (an Average's divisor is the number of ranks);
-    integers are scaled in float64 and truncated toward zero."""
-    if (factor == 1.0 and divisor == 1) or tensor.dtype == torch.bool:
-        return
-    if tensor.dtype.is_floating_point:
-        tensor.mul_(factor / divisor)
-    else:
-        # Divided, not multiplied by 1/divisor: 49 * (1/49) is 0.9999999999999999 in float64,
-        # so 49 ranks' average of ones would truncate to 0.
-        tensor.copy_(torch.trunc(tensor.double() * factor / divisor))
-
-
 class _Flight:
-    """An allreduce the backend runs in the background, and what finishes it on this rank."""
+    """An allreduce the backend runs in the background: the backend's handle on it, the span
+    of its backend call, and the allreduce that finishes on this rank once it is done."""
 
-    __slots__ = ("flight", "span", "finish", "batch", "requests", "process_set_id", "cycle", "buffer_key",
-                 "started", "nbytes", "done_us")
-    # ``finish`` completes the handles and tells observers (DONE).
+    __slots__ = ("flight", "span", "allreduce", "started", "nbytes", "done_us")
 
-    def __init__(self, flight: InFlight, span: ev.Span, finish: Callable[[], None], batch: List[Response],
-                 requests: Dict[str, Request], process_set_id: int, cycle: int, buffer_key: Optional[tuple]):
+    def __init__(self, flight: InFlight, span: ev.Span, allreduce: Allreduce, started: float):
         self.flight = flight
         self.span = span
-        self.finish = finish
-        self.batch = batch
-        self.requests = requests
-        self.process_set_id = process_set_id
-        self.cycle = cycle
-        self.buffer_key = buffer_key  # the fusion buffer it occupies, if any
-        self.started = time.monotonic()
-        self.nbytes = sum(r.nbytes for r in batch)
+        self.allreduce = allreduce
+        self.started = started  # clock time (the engine's watch compares it)
+        self.nbytes = allreduce.nbytes
         self.done_us: Optional[float] = None  # when the backend finished it (its thread's clock)
 
 
@@ -90,13 +55,15 @@ class Executor:
     """Carries out responses for one engine; owns the fusion buffers and the counters."""
 
     def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int, inplace_threshold: int = 0,
-                 background: bool = True, on_done: Optional[Callable[[], None]] = None):
+                 background: bool = True, on_done: Optional[Callable[[], None]] = None,
+                 clock: Clock = SYSTEM_CLOCK):
         """
         Args:
             background: keep allreduces in flight where the backend runs them in the
                 background (HPDL_BACKGROUND_COLLECTIVES); else every call blocks.
             on_done: called from the backend's thread when a collective in flight is done
                 (the engine wakes to finish it).
+            clock: when collectives in flight started is read from it (the engine's clock).
         """
         self.bus = bus
         self.rank = rank
@@ -104,6 +71,7 @@ class Executor:
         self.inplace_threshold = inplace_threshold
         self.background = background
         self._on_done = on_done
+        self._clock = clock
         self.in_flight: "collections.deque[_Flight]" = collections.deque()
         self._in_flight_lock = threading.Lock()  # the watch thread may fail them meanwhile
         self.in_flight_bytes = 0
@@ -194,13 +162,15 @@ class Executor:
                     return
                 in_flight.popleft()
                 self.in_flight_bytes -= head.nbytes
+            allreduce = head.allreduce
             try:
                 head.flight.wait()
                 self._end_span(head)
-                head.finish()
+                allreduce.finish()
+                self._complete(allreduce)
             except Exception as err:  # a failed backend call fails its requests, not the engine
-                self._fail(head.batch, head.requests, err)
-                self._done(head.batch, head.process_set_id, head.cycle)
+                self._fail(allreduce.batch, allreduce.requests, err)
+                self._done(allreduce.batch, allreduce.process_set_id, allreduce.cycle)
             if head is until:
                 return
 
@@ -214,7 +184,7 @@ class Executor:
         if span.start is None:
             return
         end = flight.done_us if flight.done_us is not None else ev.now_us()
-        key = flight.process_set_id
+        key = flight.allreduce.process_set_id
         begin = span.start
         if flight.flight.runs_in_order:
             begin = max(begin, min(self._backend_free_us.get(key, 0.0), end))
@@ -244,7 +214,7 @@ class Executor:
         head.flight.done()
 
     def oldest_in_flight(self) -> Optional[float]:
-        """When the oldest collective still in flight started (time.monotonic), if any."""
+        """When the oldest collective still in flight started (clock time), if any."""
         in_flight = self.in_flight
         return in_flight[0].started if in_flight else None
 
@@ -258,21 +228,21 @@ class Executor:
         # them in order, so a collective's own time starts there, not when it was queued.
         self._backend_free_us: Dict[int, float] = {}
         for head in flights:
-            for response in head.batch:
-                request = head.requests.get(response.name)
+            for request in head.allreduce.members:
                 if request is not None:
                     request.handle.set_error(error)
 
-    def _launch(self, comm: Communicator, tensor: torch.Tensor, op: ReduceOp, span: ev.Span,
-                finish: Callable[[], None], batch: List[Response], requests: Dict[str, Request],
-                ps: int, cycle: int, buffer_key: Optional[tuple] = None) -> None:
-        """Start the allreduce of ``tensor``; run ``finish`` once it is done (now, if it blocked)."""
+    def _launch(self, comm: Communicator, allreduce: Allreduce, tensor: torch.Tensor) -> None:
+        """Start the backend's allreduce of ``tensor`` (what ``allreduce`` began); finish and
+        complete ``allreduce`` once it is done (now, if it blocked)."""
+        span = allreduce.collective_span(comm, f"{comm.name.upper()}_ALLREDUCE")
         span.__enter__()
+        op = BACKEND_OPS[allreduce.op]
         flight = comm.allreduce_start(tensor, op) if self.background else None
         if flight is None:
             comm.allreduce(tensor, op)
         elif not flight.done():
-            entry = _Flight(flight, span, finish, batch, requests, ps, cycle, buffer_key)
+            entry = _Flight(flight, span, allreduce, self._clock.monotonic())
             with self._in_flight_lock:
                 self.in_flight.append(entry)
                 self.in_flight_bytes += entry.nbytes
@@ -281,7 +251,8 @@ class Executor:
         else:
             flight.wait()
         span.__exit__(None, None, None)
-        finish()
+        allreduce.finish()
+        self._complete(allreduce)
 
     def _free_buffer(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """The key of a fusion buffer for ``dtype`` on ``device`` that no collective in flight
@@ -292,131 +263,61 @@ class Executor:
         would wait for the one before it to finish.
         """
         with self._in_flight_lock:
-            flights = [f for f in self.in_flight if f.buffer_key is not None and f.buffer_key[:2] == (dtype, str(device))]
-        busy = {f.buffer_key for f in flights}
+            flights = [f for f in self.in_flight
+                       if f.allreduce.buffer_key is not None and f.allreduce.buffer_key[:2] == (dtype, str(device))]
+        busy = {f.allreduce.buffer_key for f in flights}
         for slot in range(_FUSION_SLOTS):
             key = (dtype, str(device), slot)
             if key not in busy:
                 return key
         self.complete(until=flights[0])
-        return flights[0].buffer_key
+        return flights[0].allreduce.buffer_key
 
     # -- allreduce -------------------------------------------------------------------------
 
     def _allreduce(self, comm: Communicator, ps: int, batch: List[Response], requests: Dict[str, Request],
                    cycle: int) -> None:
-        first = batch[0].signature
-        dtype = dtype_of(batch[0])
-        op_name = first[SIG_OP]
-        prescale, postscale = first[SIG_SCALES]
-        divisor = comm.size if op_name == _AVERAGE else 1
-        outputs: List[torch.Tensor] = []
-        inputs: List[torch.Tensor] = []
-        members: List[Optional[Request]] = []
-        for response in batch:
-            request = requests.get(response.name)
-            members.append(request)
-            if request is None:  # this rank has joined: contribute zeros of the agreed shape
-                zeros = torch.zeros(response.signature[SIG_SHAPE], dtype=dtype,
-                                    device=zeros_device(response.signature[SIG_DEVICE], self.join_device))
-                inputs.append(zeros)
-                outputs.append(zeros)
-            else:
-                inputs.append(request.tensor)
-                outputs.append(request.output if request.output is not None else request.tensor)
-        nbytes = sum(r.nbytes for r in batch)
-        bus = self.bus
-        names = tuple(r.name for r in batch)
-        op_label = f"{comm.name.upper()}_ALLREDUCE"
-        # What observers alone need (the profiler's tensor sizes), built only when observed.
-        described = {"sizes": tuple(r.nbytes for r in batch), "dtype": first[SIG_DTYPE],
-                     "backend": comm.name} if bus.active else {}
-        if op_name == _ADASUM:
-            # Adasum combines tensor by tensor where they lie: no fusion buffer.
-            for target, source in zip(outputs, inputs):
-                if target is not source:
-                    target.copy_(source)
-                scale_(target, prescale)
-            with ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes,
-                         op=f"{comm.name.upper()}_ADASUM", rank=self.rank, process_set_id=ps, cycle=cycle,
-                         fused=len(batch), **described):
-                adasum_(comm, outputs)
-            for target in outputs:
-                scale_(target, postscale, divisor)
-            self._complete(members, outputs, batch, ps, cycle)
+        """Run one batch of the fusion plan: by Adasum, in place (a lone tensor) or fused."""
+        on = (comm, self.join_device, self.bus, self.rank, ps, cycle)
+        if batch[0].signature.op == ADASUM:
+            allreduce = Adasum(batch, requests, *on)
+            allreduce.run(comm)
+            self._complete(allreduce)
         elif len(batch) == 1:
-            # One tensor: reduce it where it lies, no fusion-buffer copies.
-            target = outputs[0]
-            if target is not inputs[0]:
-                target.copy_(inputs[0])
-            scale_(target, prescale)
-
-            def finish_alone() -> None:
-                scale_(target, postscale, divisor)
-                self._complete(members, outputs, batch, ps, cycle)
-
-            span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
-                           rank=self.rank, process_set_id=ps, cycle=cycle, fused=1, **described)
-            self._launch(comm, target, _BACKEND_OPS[op_name], span, finish_alone, batch, requests, ps, cycle)
+            allreduce = InPlace(batch, requests, *on)
+            self._launch(comm, allreduce, allreduce.begin())
         else:
-            total = sum(r.numel for r in batch)
-            buffer_key = self._free_buffer(dtype, inputs[0].device)
-            buffer = self.buffers.get(dtype, inputs[0].device, total, self.fusion_threshold, slot=buffer_key[2])
-            views = self._views(buffer, batch, names)
-            with ev.Span(bus, phase=ev.MEMCPY_IN, kind="allreduce", names=names, nbytes=nbytes,
-                         rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
-                if all(t.dim() == 1 for t in inputs):
-                    torch.cat(inputs, out=buffer)  # one kernel: three times faster than 200 copies
-                else:
-                    torch._foreach_copy_(views, inputs)
-            scale_(buffer, prescale)
-
-            def finish_fused() -> None:
-                # Scaling while copying out saves a pass over the buffer (memory bandwidth is
-                # what a CPU rank's compute shares with its engine); one call per tensor only
-                # pays off for batches of large tensors.
-                factor = postscale / divisor
-                scale_on_copy = factor != 1.0 and dtype.is_floating_point and len(batch) <= _SCALE_ON_COPY_MAX
-                if not scale_on_copy:
-                    scale_(buffer, postscale, divisor)
-                with ev.Span(bus, phase=ev.MEMCPY_OUT, kind="allreduce", names=names, nbytes=nbytes,
-                             rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch)):
-                    if scale_on_copy:
-                        for out, view in zip(outputs, views):
-                            torch.mul(view, factor, out=out)
-                    else:
-                        torch._foreach_copy_(outputs, views)
-                self._complete(members, outputs, batch, ps, cycle)
-
-            span = ev.Span(bus, phase=ev.COLLECTIVE, kind="allreduce", names=names, nbytes=nbytes, op=op_label,
-                           rank=self.rank, process_set_id=ps, cycle=cycle, fused=len(batch), **described)
+            allreduce = fused = Fused(batch, requests, *on)
+            key = self._free_buffer(fused.dtype, fused.inputs[0].device)
+            buffer = self.buffers.get(fused.dtype, fused.inputs[0].device, sum(r.numel for r in batch),
+                                      self.fusion_threshold, slot=key[2])
             self.fused_calls += 1
-            self._launch(comm, buffer, _BACKEND_OPS[op_name], span, finish_fused, batch, requests, ps, cycle,
-                         buffer_key)
+            self._launch(comm, fused, fused.begin(buffer, self._views(buffer, batch, fused.names), key))
         self.backend_calls += 1
         self.tensors_reduced += len(batch)
-        self.bytes_reduced += nbytes
+        self.bytes_reduced += allreduce.nbytes
 
-    def _complete(self, members: List[Optional[Request]], outputs: List[torch.Tensor], batch: List[Response],
-                  ps: int, cycle: int) -> None:
-        for request, out in zip(members, outputs):
+    def _complete(self, allreduce: Allreduce) -> None:
+        """Hand ``allreduce``'s results to its handles; tell observers it is done."""
+        for request, out in zip(allreduce.members, allreduce.outputs):
             if request is not None:
                 request.handle.set_result(out)
-        self._done(batch, ps, cycle)
+        self._done(allreduce.batch, allreduce.process_set_id, allreduce.cycle)
 
     def _views(self, buffer: torch.Tensor, batch: List[Response], names: tuple) -> List[torch.Tensor]:
         """Views of the fusion buffer shaped like the batch's tensors, cached per batch layout.
 
-        Training repeats the same batches step after step; making 200 views costs as much as
-        copying 3 MB, so they are made once. The key holds the buffer's address and every
-        member's name and shape, so a changed layout never reuses stale views.
+        Training repeats the same batches step after step, and making a view costs Python
+        time per tensor, on the engine thread, at every step, so they are made once. The key
+        holds the buffer's address and every member's name and shape, so a changed layout
+        never reuses stale views.
         """
-        key = (buffer.data_ptr(), names, tuple(r.signature[SIG_SHAPE] for r in batch))
+        key = (buffer.data_ptr(), names, tuple(r.signature.shape for r in batch))
         views = self._view_cache.get(key)
         if views is None:
             views, offset = [], 0
             for response in batch:
-                views.append(buffer[offset:offset + response.numel].view(response.signature[SIG_SHAPE]))
+                views.append(buffer[offset:offset + response.numel].view(response.signature.shape))
                 offset += response.numel
             if len(self._view_cache) >= _VIEW_CACHE_SIZE:
                 self._view_cache.pop(next(iter(self._view_cache)))
@@ -428,39 +329,39 @@ class Executor:
         tensor = request.tensor
         nbytes = request.nbytes
         label = f"{comm.name.upper()}_{kind.value.upper()}"
-        described = {"sizes": (nbytes,), "dtype": response.signature[SIG_DTYPE] or "",
+        described = {"sizes": (nbytes,), "dtype": response.signature.dtype or "",
                      "backend": comm.name} if self.bus.active else {}
         span = ev.Span(self.bus, phase=ev.COLLECTIVE, kind=kind.value, names=(response.name,), nbytes=nbytes,
                        op=label, rank=self.rank, process_set_id=ps, cycle=cycle, **described)
         result = None
         with span:
             if kind == RequestKind.ALLGATHER:
-                first_dims = [sig[SIG_SHAPE][0] for sig in response.signatures]
+                first_dims = [sig.shape[0] for sig in response.signatures]
                 result = comm.allgather(tensor, first_dims=first_dims)
             elif kind == RequestKind.BROADCAST:
                 out = request.output if request.output is not None else tensor
                 if out is not tensor:
                     out.copy_(tensor)
-                comm.broadcast(out, response.signature[SIG_ROOT])
+                comm.broadcast(out, response.signature.root)
                 result = out
             elif kind == RequestKind.ALLTOALL:
                 def splits_of(sig):
-                    splits = sig[SIG_SPLITS]
-                    return list(splits) if splits is not None else even_split(sig[SIG_SHAPE][0], comm.size)
+                    splits = sig.splits
+                    return list(splits) if splits is not None else even_split(sig.shape[0], comm.size)
 
                 mine = splits_of(response.signatures[comm.rank])
                 received = [splits_of(sig)[comm.rank] for sig in response.signatures]
                 out, recv = comm.alltoall(tensor, mine, received)
                 result = (out, torch.tensor(recv, dtype=torch.int32))
             elif kind == RequestKind.REDUCESCATTER:
-                prescale, postscale = response.signature[SIG_SCALES]
-                op_name = response.signature[SIG_OP]
-                divisor = comm.size if op_name == _AVERAGE else 1
+                prescale, postscale = response.signature.scales
+                op_name = response.signature.op
+                divisor = comm.size if op_name == AVERAGE else 1
                 source = tensor
                 if prescale != 1.0:
                     source = tensor.clone()
                     scale_(source, prescale)
-                result = comm.reduce_scatter(source, _BACKEND_OPS[op_name], even_split(tensor.shape[0], comm.size))
+                result = comm.reduce_scatter(source, BACKEND_OPS[op_name], even_split(tensor.shape[0], comm.size))
                 scale_(result, postscale, divisor)
             elif kind == RequestKind.BARRIER:
                 comm.barrier()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import time
 from typing import Optional
 
 from hpdl.comm import CommError
@@ -64,7 +63,7 @@ class EngineFailures:
                 return
             started = self._round_started
             oldest = self.executor.oldest_in_flight()
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if started is not None and now - started > limit and self._failure is None:
                 err = CommError(f"a round of collectives has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
                                 "a rank has died or its node is unreachable")
@@ -109,7 +108,7 @@ class EngineFailures:
         pending, ps.pending = ps.pending, collections.OrderedDict()
         backlog, ps.backlog = ps.backlog, []
         queued, ps.queued = ps.queued, collections.deque()
-        self._queued_bytes -= sum(nbytes for _, _, nbytes in queued)
+        self._scheduler.dequeued(sum(nbytes for _, _, nbytes in queued))
         waiting = [request for _, request in backlog if request is not None]
         waiting += [request for _, requests, _ in queued for request in requests.values()]
         for request in list(pending.values()) + waiting:

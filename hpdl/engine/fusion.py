@@ -1,10 +1,11 @@
 """Tensor fusion: pack many small allreduces into one buffer and reduce them with one call.
 
 Fusion saves per-call overhead at the price of copying every member into the buffer and back.
-For a large tensor the trade turns: on a CPU node, the 140 gradients of EDSR (155 MiB, most
-of them 2.4 MB) were reduced in 170 ms through 64 MiB fusion buffers and in 65 ms with every
-tensor from 1 MiB up reduced in place, one call each (docs/perf.md). So tensors of at least
-``inplace_threshold`` bytes run alone, where they lie; the smaller ones are fused.
+For a large tensor the trade turns: the call it saves costs the same whatever the size, the
+two copies grow with it, so a model of megabyte gradients is reduced faster with each one
+reduced in place, one call each, than through the fusion buffer (measured:
+docs/perf-notes/). So tensors of at least ``inplace_threshold`` bytes run alone, where they
+lie; the smaller ones are fused.
 
 The plan is a pure function of the agreed response list, so every rank fuses the same tensors
 in the same order (ranks that fused differently would exchange mismatched messages). Buffers
@@ -17,15 +18,12 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from hpdl.engine.request import SIG_DTYPE, Response
-
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool)}
+from hpdl.comm.dtypes import DTYPES
+from hpdl.engine.request import Response
 
 
 def dtype_of(response: Response) -> torch.dtype:
-    return _DTYPES[response.signature[SIG_DTYPE]]
+    return DTYPES[response.signature.dtype]
 
 
 def plan_fusion(responses: List[Response], threshold: int, inplace_threshold: int = 0) -> List[List[Response]]:

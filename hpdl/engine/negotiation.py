@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -27,10 +26,8 @@ import torch
 
 from hpdl.comm import Communicator, ReduceOp
 from hpdl.engine.cache import ResponseCache
-from hpdl.engine.request import (
-    SIG_DEVICE, SIG_DTYPE, SIG_GROUP, SIG_KIND, SIG_OP, SIG_PRIORITY, SIG_ROOT, SIG_SCALES, SIG_SHAPE, SIG_SPLITS,
-    Request, RequestKind, Response,
-)
+from hpdl.engine.clock import SYSTEM_CLOCK, Clock
+from hpdl.engine.request import Request, RequestKind, Response, Signature, signature_of
 
 log = logging.getLogger("hpdl.engine")
 
@@ -68,12 +65,12 @@ class CycleResult:
     tuning: int = TUNING_NONE  # rank 0's autotuner word (autotune.decode)
 
 
-def _describe_value(field: int, value: Any) -> str:
-    if field in (SIG_SHAPE, SIG_SPLITS) and value is not None:
+def _describe_value(field: str, value: Any) -> str:
+    if field in ("shape", "splits") and value is not None:
         return str(list(value))
-    if field == SIG_SCALES and value is not None:
+    if field == "scales" and value is not None:
         return f"prescale {value[0]}, postscale {value[1]}"
-    if field == SIG_GROUP:
+    if field == "group":
         return "no group" if value is None else f"group {value[0]!r} of {value[1]} tensors"
     return str(value)
 
@@ -82,36 +79,36 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+# Each Signature field in the words of a mismatch message, in the order fields are checked.
 _FIELD_TEXT = {
-    SIG_KIND: "operations", SIG_DTYPE: "data types", SIG_SHAPE: "tensor shapes", SIG_DEVICE: "devices",
-    SIG_OP: "reduction ops", SIG_ROOT: "root ranks", SIG_SCALES: "scale factors", SIG_SPLITS: "splits",
-    SIG_GROUP: "groups", SIG_PRIORITY: "priorities",
+    "kind": "operations", "dtype": "data types", "device": "devices", "shape": "tensor shapes",
+    "op": "reduction ops", "root": "root ranks", "scales": "scale factors", "group": "groups",
+    "priority": "priorities", "splits": "splits",
 }
 
 
-def validate(name: str, signatures: Dict[int, Tuple[Any, ...]]) -> Optional[str]:
+def validate(name: str, signatures: Dict[int, Signature]) -> Optional[str]:
     """Return a message naming the tensor, the field and the ranks that differ, or None."""
-    kind = next(iter(signatures.values()))[SIG_KIND]
-    fields = [SIG_KIND, SIG_DTYPE, SIG_DEVICE, SIG_SHAPE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_GROUP, SIG_PRIORITY]
-    if kind in _MEMBERSHIP_KINDS:
-        fields.append(SIG_SPLITS)  # the member ranks must agree
-    for field in fields:
+    kind = next(iter(signatures.values())).kind
+    for field in _FIELD_TEXT:
+        if field == "splits" and kind not in _MEMBERSHIP_KINDS:
+            continue  # elsewhere the splits may differ; only the member ranks must agree
         values: Dict[Any, List[int]] = {}
         for rank, sig in sorted(signatures.items()):
-            value = sig[field] if field < len(sig) else None
-            if field == SIG_SHAPE and kind in ("allgather", "alltoall") and value is not None:
+            value = getattr(sig, field)
+            if field == "shape" and kind in ("allgather", "alltoall") and value is not None:
                 value = value[1:]  # only trailing dimensions must agree
             values.setdefault(value, []).append(rank)
         if len(values) > 1:
             parts = [f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
                      for v, ranks in values.items()]
             if kind in _MEMBERSHIP_KINDS:
-                what = {SIG_SPLITS: "member ranks", SIG_ROOT: "process set ids"}.get(field, _FIELD_TEXT[field])
+                what = {"splits": "member ranks", "root": "process set ids"}.get(field, _FIELD_TEXT[field])
                 return (f"Mismatched {kind} calls ({name!r}; every rank must make the same calls in the same "
                         f"order): {what}: " + "; ".join(parts))
-            what = "trailing tensor shapes" if field == SIG_SHAPE and kind in ("allgather", "alltoall") else _FIELD_TEXT[field]
+            what = "trailing tensor shapes" if field == "shape" and kind in ("allgather", "alltoall") else _FIELD_TEXT[field]
             hint = ""
-            if field == SIG_KIND and set(values) == {RequestKind.ALLREDUCE.value, RequestKind.ALLGATHER.value}:
+            if field == "kind" and set(values) == {RequestKind.ALLREDUCE.value, RequestKind.ALLGATHER.value}:
                 # DistributedOptimizer allgathers sparse gradients, and a rank that produced no
                 # gradient for the parameter cannot know it would be sparse: it sends zeros.
                 hint = (" (for a DistributedOptimizer parameter: its gradient is sparse on some ranks and was "
@@ -124,8 +121,10 @@ class Controller:
     """Negotiation state of one process set on this rank (one per set the rank belongs to)."""
 
     def __init__(self, comm: Communicator, process_set_id: int, cache_capacity: int,
-                 stall_warning_s: float, stall_timeout_s: float, global_ranks: Sequence[int]):
+                 stall_warning_s: float, stall_timeout_s: float, global_ranks: Sequence[int],
+                 clock: Clock = SYSTEM_CLOCK):
         self.comm = comm
+        self.clock = clock  # requests' arrival times and stall checks are on it
         self.process_set_id = process_set_id
         self.rank = comm.rank
         self.size = comm.size
@@ -154,7 +153,7 @@ class Controller:
             room: this rank's room for prioritized allreduces, 0 .. ROOM_UNITS units.
             tuning: on the set's rank 0, the autotuner's word; elsewhere TUNING_NONE.
         """
-        now = time.monotonic()
+        now = self.clock.monotonic()
         positions: List[int] = []
         lookup = self.cache.lookup
         join = RequestKind.JOIN
@@ -216,7 +215,9 @@ class Controller:
     def _full_exchange(self, pending: "OrderedDict[str, Request]", flags: int, now: float, result: CycleResult) -> None:
         self.full_negotiations += 1
         self._last_full = now
-        mine = [(name, request.signature()) for name, request in pending.items()]
+        # Signatures travel as plain tuples: a named tuple pickles as a call of its class, at
+        # several times the cost of the tuple; each is made a Signature again on arrival.
+        mine = [(name, tuple(request.signature())) for name, request in pending.items()]
         messages = self.comm.allgather_object_control((flags, mine, self._abort if self.rank == 0 else None))
         result.full = True
         abort = messages[0][2]
@@ -225,7 +226,7 @@ class Controller:
             return
         joined = frozenset(r for r, (f, _, _) in enumerate(messages) if f & FLAG_JOINED)
         active = [r for r in range(self.size) if r not in joined]
-        lists = [OrderedDict(m[1]) for m in messages]
+        lists = [OrderedDict((name, signature_of(fields)) for name, fields in m[1]) for m in messages]
 
         responses: List[Response] = []
         # A request is ready when every member has submitted it or joined. Those of joined
@@ -233,13 +234,13 @@ class Controller:
         # (the last step's gradients, say), and they run, before join() returns, with the
         # tensors of the members that submitted them and zeros from the others.
         candidates = lists[active[0]] if active else OrderedDict(
-            (name, sig) for entries in lists for name, sig in entries.items() if sig[SIG_KIND] != _JOIN)
+            (name, sig) for entries in lists for name, sig in entries.items() if sig.kind != _JOIN)
         for name in candidates:
             if not all(name in lists[r] for r in active):
                 continue
             sigs = {r: lists[r][name] for r in range(self.size) if name in lists[r]}
             error = validate(name, sigs)
-            kind = RequestKind(next(iter(sigs.values()))[SIG_KIND])
+            kind = RequestKind(next(iter(sigs.values())).kind)
             absent = tuple(r for r in sorted(joined) if name not in lists[r])  # they contribute zeros
             if error is None and absent and kind != RequestKind.ALLREDUCE:
                 error = (f"{kind.value} of tensor {name!r} cannot run after "
@@ -264,12 +265,12 @@ class Controller:
 
     # -- stalls ----------------------------------------------------------------------------
 
-    def _track_stalls(self, lists: List["OrderedDict[str, Any]"], active: List[int], ready: set, now: float) -> None:
+    def _track_stalls(self, lists: List["OrderedDict[str, Signature]"], active: List[int], ready: set, now: float) -> None:
         """On rank 0: warn about requests some ranks have not submitted; abort after the timeout."""
         waiting: Dict[str, List[int]] = {}
         for r in active:
             for name, sig in lists[r].items():
-                if name not in ready and sig[SIG_KIND] != RequestKind.JOIN.value:
+                if name not in ready and sig.kind != _JOIN:
                     waiting.setdefault(name, [])
         for name in waiting:
             waiting[name] = [self.global_ranks[r] for r in active if name not in lists[r]]

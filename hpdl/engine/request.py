@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+from hpdl.comm.dtypes import DTYPES, dtype_name
 
 
 class RequestKind(enum.Enum):
@@ -35,15 +37,41 @@ class Op(enum.Enum):
     PRODUCT = "product"
 
 
-_DTYPE_NAMES = {}
+class Signature(NamedTuple):
+    """What must agree across ranks about one request: compared field by field in negotiation
+    (a mismatch names the field), part of the response-cache key, and sent in full exchanges.
+
+    Fields that do not apply to the request's kind are None (``op`` and ``scales`` outside
+    allreduce and reducescatter, ``root`` outside broadcast, everything about the tensor for
+    requests without one). For allgather and alltoall only the trailing dimensions of
+    ``shape`` must agree; the first dimension and ``splits`` still belong to the signature so
+    that a change invalidates the cache. ``splits`` also carries the member ranks of process
+    set and communicator requests, and ``root`` a removed set's id.
+    """
+
+    kind: str  # RequestKind's value
+    dtype: Optional[str]  # dtype_name of the tensor
+    shape: Optional[Tuple[int, ...]]
+    device: Optional[str]  # the device type: "cpu", "cuda"
+    op: Optional[str]  # Op's value
+    root: Optional[int]
+    scales: Optional[Tuple[float, float]]  # (prescale, postscale)
+    splits: Optional[Tuple[int, ...]]
+    group: Optional[Tuple[str, int]]  # (group name, member count)
+    priority: Optional[int]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32 (cached: it is asked for every request)."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
+_tuple_new = tuple.__new__
+
+
+def signature_of(fields: Tuple) -> Signature:
+    """The Signature whose fields, in Signature's order, are ``fields``.
+
+    It skips ``Signature.__new__``'s argument handling, which costs more than the tuple itself,
+    where that matters: once per tensor per step, and for every entry of a full exchange
+    received (which travels as plain tuples).
+    """
+    return _tuple_new(Signature, fields)
 
 
 class Request:
@@ -53,11 +81,11 @@ class Request:
     allreduce and broadcast (it may be ``tensor`` itself); other kinds allocate their output.
     ``group`` = (group name, member count) asks that all members be negotiated and fused
     together. ``priority`` (an allreduce's; lower runs sooner) holds it back once agreed, to
-    start in priority order as the backend has room (see engine.py, Priorities).
+    start in priority order as the backend has room (see scheduling.py, Priorities).
     ``bytes_to_come`` (an allreduce's, optional) is how many bytes the caller will submit right
     after it in the same burst (DistributedOptimizer: the step's gradients not yet made); it
     ends a gathering early, so that the last gradients are not held back together (see
-    engine.py, Gathering). It is a local hint, not part of the signature. A plain class with
+    scheduling.py, Gathering). It is a local hint, not part of the signature. A plain class with
     slots: one is made per tensor per training step.
     """
 
@@ -83,48 +111,41 @@ class Request:
         self.priority = priority
         self.bytes_to_come = bytes_to_come
         self.handle = None  # set by the engine at submission
-        self.arrival = 0.0  # time.monotonic() when the engine thread took it from the queue
-        self._signature: Optional[Tuple[Any, ...]] = None
+        self.arrival = 0.0  # when the engine thread took it from the queue (the engine clock's time)
+        self._signature: Optional[Signature] = None
 
-    def signature(self) -> Tuple[Any, ...]:
-        """What must agree across ranks, as a hashable tuple (also the response-cache key part).
-
-        For allgather and alltoall only the trailing dimensions must agree; the first dimension
-        and the splits still belong to the signature so that a change invalidates the cache.
-        """
+    def signature(self) -> Signature:
+        """What must agree across ranks (made once, on first use)."""
         sig = self._signature
         if sig is None:
             sig = self._signature = self._make_signature()
         return sig
 
-    def _make_signature(self) -> Tuple[Any, ...]:
+    def _make_signature(self) -> Signature:
         # Enum's .value is a descriptor call; ._value_ is the plain attribute behind it, and
         # this runs once per tensor per step.
         t = self.tensor
         kind = self.kind
         if t is None:
-            return (kind._value_, None, None, None, None, self.root, None, self.splits, self.group, None)
+            return Signature(kind=kind._value_, dtype=None, shape=None, device=None, op=None, root=self.root,
+                             scales=None, splits=self.splits, group=self.group, priority=None)
         reduces = kind is RequestKind.ALLREDUCE or kind is RequestKind.REDUCESCATTER
-        return (
-            kind._value_,
-            dtype_name(t.dtype),
-            tuple(t.shape),
-            "cpu" if t.is_cpu else t.device.type,
-            self.op._value_ if reduces else None,
-            self.root if kind is RequestKind.BROADCAST else None,
-            (self.prescale, self.postscale) if reduces else None,
+        return _tuple_new(Signature, (  # signature_of, inlined: in Signature's order
+            kind._value_,  # kind
+            dtype_name(t.dtype),  # dtype
+            tuple(t.shape),  # shape
+            "cpu" if t.is_cpu else t.device.type,  # device
+            self.op._value_ if reduces else None,  # op
+            self.root if kind is RequestKind.BROADCAST else None,  # root
+            (self.prescale, self.postscale) if reduces else None,  # scales
             self.splits,
             self.group,
             self.priority,
-        )
+        ))
 
     @property
     def nbytes(self) -> int:
         return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
-
-
-# Positions of the fields within Request.signature(), for validation messages.
-SIG_KIND, SIG_DTYPE, SIG_SHAPE, SIG_DEVICE, SIG_OP, SIG_ROOT, SIG_SCALES, SIG_SPLITS, SIG_GROUP, SIG_PRIORITY = range(10)
 
 
 class Response:
@@ -141,7 +162,7 @@ class Response:
     __slots__ = ("name", "kind", "signatures", "error", "joined", "last_joined", "signature", "numel",
                  "nbytes", "group", "priority", "fusion_key")
 
-    def __init__(self, name: str, kind: RequestKind, signatures: Tuple[Optional[Tuple[Any, ...]], ...],
+    def __init__(self, name: str, kind: RequestKind, signatures: Tuple[Optional[Signature], ...],
                  error: Optional[str] = None, joined: Tuple[int, ...] = (), last_joined: int = -1):
         self.name = name
         self.kind = kind
@@ -152,24 +173,23 @@ class Response:
         # The signature of the first member that submitted a request (joined ones did not).
         sig = next((s for s in signatures if s is not None), None)
         if sig is None:
-            sig = (kind.value, None, None, None, None, None, None, None, None, None)
-        self.signature = sig
+            sig = Signature(kind=kind.value, dtype=None, shape=None, device=None, op=None, root=None, scales=None,
+                            splits=None, group=None, priority=None)
+        self.signature: Signature = sig
         numel = 0
-        if sig[SIG_SHAPE] is not None:
+        if sig.shape is not None:
             numel = 1
-            for d in sig[SIG_SHAPE]:
+            for d in sig.shape:
                 numel *= d
         self.numel = numel
-        self.nbytes = numel * _ITEMSIZE.get(sig[SIG_DTYPE], 0)
-        self.group = sig[SIG_GROUP]
-        self.priority = sig[SIG_PRIORITY] if len(sig) > SIG_PRIORITY else None
+        self.nbytes = numel * _ITEMSIZE.get(sig.dtype, 0)
+        self.group = sig.group
+        self.priority = sig.priority
         # Responses with equal keys may share one fused allreduce.
-        self.fusion_key = (sig[SIG_DTYPE], sig[SIG_DEVICE], sig[SIG_OP], sig[SIG_SCALES], joined)
+        self.fusion_key = (sig.dtype, sig.device, sig.op, sig.scales, joined)
 
     def __repr__(self) -> str:
         return f"Response({self.name!r}, {self.kind.value}, error={self.error!r})"
 
 
-_ITEMSIZE = {dtype_name(d): d.itemsize for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool)}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}

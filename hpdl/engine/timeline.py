@@ -3,6 +3,9 @@
 One ``pid`` per tensor name (named by a ``process_name`` metadata record); per tensor the
 phases NEGOTIATE_<KIND> (queued until agreed), <KIND> (agreed until done) and, nested inside,
 MEMCPY_IN_FUSION_BUFFER, the backend op (e.g. MPI_ALLREDUCE) and MEMCPY_OUT_FUSION_BUFFER.
+A spatial group's communication, outside the engine (events.GROUP_KINDS), gets one ``pid`` per
+kind and layer (``halo: body.0.body.0``) with one slice per exchange or collective
+(``HALO_SENDRECV``, ``SPATIAL_ALLREDUCE``), its bytes and backend in the arguments.
 The first record carries ``start_time_since_epoch_in_micros``; timestamps are relative to it.
 
 Records go to the file as they happen, whole, each event's in one unbuffered write: a rank
@@ -83,6 +86,11 @@ class Timeline:
         if event.phase == ev.CYCLE:
             if self.mark_cycles:
                 self._write({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": ts})
+            return
+        if event.kind in ev.GROUP_KINDS:  # no queue or negotiation: one slice, on its layer's track
+            pid = self._pid(f"{event.kind}: {event.names[0] if event.names else ''}")
+            self._write({"name": f"{kind}_{event.op}", "ph": "X", "pid": pid, "tid": 0, "ts": ts,
+                         "dur": event.duration_us, "args": {"bytes": event.nbytes, "backend": event.backend}})
             return
         for name in event.names:
             pid = self._pid(name)

@@ -13,7 +13,7 @@ import sys
 from typing import Callable, List, Mapping, Optional, Tuple
 
 from hpdl import __version__
-from hpdl.launch.detect import FLAVOUR_NAMES, LauncherInfo, detect_launchers
+from hpdl.launch.detect import FLAVOUR_NAMES, LauncherInfo, detect_launchers, spark_status
 
 
 def _box(ok: bool) -> str:
@@ -90,8 +90,6 @@ def _topology_lines(env: Optional[Mapping[str, str]]) -> List[str]:
 
 
 def _spark_lines(env: Optional[Mapping[str, str]]) -> List[str]:
-    from hpdl.spark.environment import spark_status
-
     return [f"    {_box(ok)} {text}" for ok, text in spark_status(env)]
 
 

@@ -20,8 +20,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from hpdl.atomic_file import file_in_the_way, not_a_directory
-from hpdl.cli import CliError
+from hpdl.cli_error import CliError
 from hpdl.config import Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
@@ -29,6 +28,7 @@ from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_laun
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 from hpdl.launch.limits import RUN_SETTINGS, add_setting_options, check_number, flag, numeric_options
 from hpdl.launch.rank_watch import watched
+from hpdl.output_files import OutputRule, same_file
 
 _RUN_DESCRIPTION = """\
 Start COMMAND as N ranks of an hpdl job through mpiexec, srun or torchrun, then get out of
@@ -367,30 +367,18 @@ def check_written_files(args: argparse.Namespace) -> None:
     hvd.init()); a directory still missing is made when the file is written.
     """
     written = {}
+    outputs = OutputRule(overwrite=True)  # each job replaces its files (they are no inputs)
     for option, path in (("--profile", args.profile), ("--timeline", args.timeline),
                          ("--autotune-log-file", args.autotune_log_file)):
         if not path or (option == "--timeline" and path == DYNAMIC_TIMELINE):
             continue
         path = os.path.abspath(path)
-        if os.path.isdir(path):
-            raise LaunchError(f"{option} {path}: is a directory; name a file to write")
-        blocker = file_in_the_way(path)
-        if blocker is not None:
-            raise LaunchError(f"{option} {path}: {not_a_directory(blocker)}")
+        outputs.refuse(path, option)
         written[option] = path
-    if "--profile" in written and "--timeline" in written and _same_file(written["--profile"], written["--timeline"]):
+    if "--profile" in written and "--timeline" in written and same_file(written["--profile"], written["--timeline"]):
         # The profile, written at the end, would replace the whole timeline.
         raise LaunchError(f"--profile and --timeline name the same file, {written['--profile']}; "
                           "give them different files")
-
-
-def _same_file(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one does not exist yet: different paths, different files
-        return False
 
 
 def _stall_timeout(options: RunOptions, env: Dict[str, str]) -> float:

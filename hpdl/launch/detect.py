@@ -8,12 +8,17 @@ plugins it has and which one the site made the default, since srun's own default
 a stock install) starts MPICH tasks as worlds of one. The parsers of these outputs are pure;
 :func:`detect_launchers` is the one function that looks at PATH and runs programs, and the
 builders take its result as an argument. :func:`detect_java` likewise finds and asks the
-``java`` that pyspark would start (``$JAVA_HOME/bin/java``, else ``java`` on PATH).
+``java`` that pyspark would start (``$JAVA_HOME/bin/java``, else ``java`` on PATH), and
+:func:`spark_status` says whether Spark can start from Python here (pyspark installed, a Java
+it runs on), for `hpdl check` and for the tests, which skip with the reason where it cannot:
+the package's version and ``java -version`` tell, without importing pyspark or starting a JVM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -260,3 +265,49 @@ def detect_java(env: Optional[Mapping[str, str]] = None) -> Tuple[str, str]:
     else:
         path = shutil.which("java", path=env.get("PATH", os.defpath)) or ""
     return path, java_version_from_text(_output([path, "-version"])) if path else ""
+
+
+def pyspark_version() -> Optional[str]:
+    """The installed pyspark's version, or None when it is not installed."""
+    if importlib.util.find_spec("pyspark") is None:
+        return None
+    try:
+        return importlib.metadata.version("pyspark")
+    except importlib.metadata.PackageNotFoundError:  # importable from a Spark distribution's python/
+        import pyspark
+
+        return getattr(pyspark, "__version__", "unknown")
+
+
+def java_needed(pyspark: str) -> int:
+    """The oldest Java major version a pyspark release runs on: 17 from Spark 4, 8 before."""
+    major = pyspark.split(".")[0]
+    return 17 if major.isdigit() and int(major) >= 4 else 8
+
+
+def spark_status(env: Optional[Mapping[str, str]] = None) -> List[Tuple[bool, str]]:
+    """``(usable, description)`` of pyspark and of Java, in that order."""
+    env = os.environ if env is None else env
+    version = pyspark_version()
+    if version is None:
+        status = [(False, "pyspark (not installed: pip install 'hpdl[spark]')")]
+    else:
+        status = [(True, f"pyspark {version}")]
+    path, java = detect_java(env)
+    needed = java_needed(version) if version else 17
+    where = "$JAVA_HOME/bin/java" if env.get("JAVA_HOME") else "java on PATH"
+    if not path:
+        status.append((False, f"Java (no {where}; Spark {version or '4'} needs Java {needed} or later)"))
+    elif not java:
+        status.append((False, f"Java ({path} printed no version)"))
+    elif java_major(java) < needed:
+        status.append((False, f"Java {java} ({path}; pyspark {version} needs Java {needed} or later)"))
+    else:
+        status.append((True, f"Java {java} ({path})"))
+    return status
+
+
+def spark_unusable_reason(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why Spark cannot start here (one line), or None when pyspark and Java are both usable."""
+    missing = [text for ok, text in spark_status(env) if not ok]
+    return "; ".join(missing) if missing else None

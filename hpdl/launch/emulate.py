@@ -358,7 +358,7 @@ def register(subparsers) -> None:
 
 
 def _run_emulate(args: argparse.Namespace) -> int:
-    from hpdl.cli import CliError
+    from hpdl.cli_error import CliError
 
     command = list(args.command)
     if command and command[0] == "--":

@@ -1,3 +1,4 @@
-"""The communication profiler: record every rank's collectives and steps (recorder, clock,
-session, schema) and read the file (analysis, findings, report, timeline, html, cli).
-See docs/profile.md."""
+"""The communication profiler: the file (schema), each rank's recorder of its engine's events
+(recorder), and ``hpdl profile`` reading the file (analysis, findings, report, timeline, html,
+cli). The recording across ranks runs through hpdl.torch (hpdl/torch/profiler/). See
+docs/profile.md."""

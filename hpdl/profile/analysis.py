@@ -7,6 +7,10 @@ the size classes measured); bus bandwidth is ``bytes / time * factor`` as nccl-t
 recorded; reducescatter and alltoall ``(p-1)/p`` of the input; broadcast 1). The
 first step (start-up: model building, the initial broadcasts) is left out of the per-step,
 fusion and arrival figures whenever later steps exist.
+
+All of these are the engine's collectives. A spatial-parallel job's halo exchanges and group
+collectives, outside the engine, have figures of their own (spatial_comm.py); the per-step
+figures count their time apart from compute.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import dataclasses
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hpdl.bench.stats import format_size, parse_size
+from hpdl.formatting import format_size, parse_size
 from hpdl.profile import schema
+from hpdl.profile.spatial_comm import SpatialCommunication, time_by_step
 
 DEFAULT_EDGES = (128 << 10, 16 << 20, 32 << 20, 64 << 20)
 
@@ -103,8 +108,10 @@ class Row:
 class StepStats:
     """Medians over one rank's steps (or all ranks'), in microseconds.
 
-    Compute is the median step minus the median exposed communication, not a median of its
-    own, so that the row adds up: compute + exposed = step, exposed share + efficiency = 100 %.
+    Compute is the median step minus the median exposed communication and the median spatial
+    communication (halo exchanges and group collectives, on the training thread; 0 in a job
+    without), not a median of its own, so that the row adds up: compute + exposed + spatial =
+    step.
     """
 
     label: str
@@ -115,6 +122,7 @@ class StepStats:
     exposed_us: float
     # The stepping thread's wait for a core (runnable, not running): None where not recorded.
     core_wait_us: Optional[float] = None
+    spatial_us: float = 0.0
 
     @property
     def exposed_share(self) -> float:
@@ -209,10 +217,12 @@ class Analysis:
         self.classes = self._classes()
         self.by_message = self._by_message()
         self.by_tensor = self._by_tensor()
+        self.spatial = SpatialCommunication(
+            self.ranks, [[s["step"] for s in self.steady(list(schema.records(r, "steps")))] for r in self.ranks])
         self.per_rank_steps = [self._step_stats(f"rank {r['rank']}", [r]) for r in self.ranks]
         self.steps = self._step_stats("all ranks", self.ranks)
         # Nothing between the start of the recording and its end (e.g. init() then shutdown()).
-        self.empty = not any(self.messages) and self.steps is None
+        self.empty = not any(self.messages) and self.steps is None and not self.spatial.present
         matched = self.matched_collectives() if len(self.ranks) > 1 else []
         self.arrival = self._arrival(matched)
         self.waits = self._waits(matched)
@@ -294,15 +304,20 @@ class Analysis:
         return [s for s in steps if s["step"] > 0] or steps
 
     def _step_stats(self, label: str, ranks: List[Dict[str, Any]]) -> Optional[StepStats]:
-        steps = [s for r in ranks for s in self.steady(list(schema.records(r, "steps")))]
+        steps, spatial = [], []
+        for r in ranks:
+            mine = self.steady(list(schema.records(r, "steps")))
+            by_step = time_by_step(r)
+            steps += mine
+            spatial += [by_step.get(s["step"], 0.0) for s in mine]
         if not steps:
             return None
         med = lambda values: float(statistics.median(values))  # noqa: E731
         step = med([s["end_us"] - s["start_us"] for s in steps])
         exposed = med([s["blocked_us"] for s in steps])
         waits = [s["core_wait_us"] for s in steps if s["core_wait_us"] is not None]
-        return StepStats(label, len(steps), step, step - exposed, med([s["comm_us"] for s in steps]), exposed,
-                         med(waits) if waits else None)
+        return StepStats(label, len(steps), step, step - exposed - med(spatial), med([s["comm_us"] for s in steps]),
+                         exposed, med(waits) if waits else None, med(spatial))
 
     def steady_collectives(self, rank: Dict[str, Any]) -> List[Dict[str, Any]]:
         """The rank's raw collectives outside the start-up step (all of them if there is nothing else)."""

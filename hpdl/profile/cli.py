@@ -6,7 +6,8 @@ import argparse
 import contextlib
 from typing import Iterator
 
-from hpdl.cli import CliError, check_output, write_output
+from hpdl.cli_error import CliError
+from hpdl.output_files import OutputRule
 
 # What reading a damaged profile can raise in the arithmetic and formatting of its values
 # (the schema check catches what it can name; these are the rest).
@@ -97,9 +98,11 @@ def _report(args) -> int:
     from hpdl.profile.report import render
     from hpdl.profile.schema import ProfileError
 
-    inputs = [args.file] + ([args.bench] if args.bench else [])
+    inputs = [("input", path) for path in [args.file] + ([args.bench] if args.bench else [])]
+    outputs = OutputRule(inputs, args.overwrite, make_directories=False)
     if args.html:
-        check_output("--html", args.html, inputs, args.overwrite)
+        outputs.refuse(args.html, "--html")
+        _require_matplotlib()
     analysis = _analysis(args.file, args.buckets)
     try:
         bench = load_bench(args.bench) if args.bench else None
@@ -114,12 +117,19 @@ def _report(args) -> int:
             page = render_html(analysis, args.file, found, bench)
         text = render(analysis, args.file, found)
     if page is not None:
-        write_output(args.html, lambda f: f.write(page),
-                     check=lambda: check_output("--html", args.html, inputs, args.overwrite))
+        outputs.write(args.html, lambda f: f.write(page), option="--html")
     print(text)
     if args.html:
         print(f"\nHTML report: {args.html}")
     return 0
+
+
+def _require_matplotlib() -> None:
+    """Refuse --html before the analysis where matplotlib, which draws its figures, is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError("--html needs matplotlib: pip install 'hpdl[profile]'") from None
 
 
 def _compare(args) -> int:
@@ -136,16 +146,16 @@ def _timeline(args) -> int:
     from hpdl.profile.timeline import dump_trace, trace, write_trace
 
     to_stdout = args.output == "-"
+    outputs = OutputRule([("input", args.file)], args.overwrite, make_directories=False)
     if not to_stdout:
-        check_output("-o", args.output, [args.file], args.overwrite)
+        outputs.refuse(args.output, "-o")
     analysis = _analysis(args.file, "128K")
     with _reading(args.file):
         document = trace(analysis.profile)
     if to_stdout:
         write_trace(document, "-")  # a reader gone away ends the CLI quietly, as for any output
         return 0
-    write_output(args.output, lambda f: dump_trace(document, f),
-                 check=lambda: check_output("-o", args.output, [args.file], args.overwrite))
+    outputs.write(args.output, lambda f: dump_trace(document, f), option="-o")
     print(f"wrote {args.output}: {len(document['traceEvents'])} trace events, one track per rank (open in "
           "ui.perfetto.dev or chrome://tracing)")
     return 0

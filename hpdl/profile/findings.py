@@ -11,7 +11,9 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
-from hpdl.profile.analysis import Analysis, format_size
+from hpdl.engine.events import HALO
+from hpdl.formatting import format_size
+from hpdl.profile.analysis import Analysis
 from hpdl.profile.schema import ProfileError, read_file
 
 # Bench curve: message bytes -> (mean latency µs, bus bandwidth GB/s).
@@ -114,7 +116,41 @@ def _exposed(a: Analysis) -> Optional[str]:
                                                                if fp16 else "")
                        + "a smaller HPDL_FUSION_THRESHOLD so reductions start earlier in backward (efficiency "
                        f"estimate {s.efficiency:.0%}).")
+    if s.spatial_us >= 0.1 * s.step_us:
+        return head + (": backward hides the engine's communication; the spatial communication (halo exchanges, "
+                       f"group collectives) is the rest of the step that is not compute (efficiency estimate "
+                       f"{s.efficiency:.0%}).")
     return head + f": backward hides the communication; the step is bound by compute (efficiency estimate {s.efficiency:.0%})."
+
+
+def _rate(bytes_per_us: float) -> str:
+    """MB/s, or GB/s from 1 GB/s."""
+    return f"{bytes_per_us / 1e3:.2f} GB/s" if bytes_per_us >= 1e3 else f"{bytes_per_us:.1f} MB/s"
+
+
+def _spatial(a: Analysis) -> Optional[str]:
+    """How much of the step the spatial groups' own communication takes, and where."""
+    sc = a.spatial
+    if not sc.present:
+        return None
+    parts = []
+    for k in sc.kinds:
+        # A halo's rows are the bulk of the bytes; a group collective's few bytes have no rate to speak of.
+        rate = f" at {_rate(k.nbytes / k.time_us)}" if k.kind == HALO and k.time_us and k.nbytes else ""
+        parts.append(f"{k.calls:.0f} {k.label} of {format_size(k.nbytes)}{rate} ({_ms(k.time_us)})")
+    top = sc.layers[0]
+    where = f"; the layer with the most is {top.label} ({top.op}, {top.share:.0%} of it)"
+    s = a.steps
+    if not sc.per_step or s is None or not s.step_us:
+        return f"spatial communication, per rank: {', '.join(parts)}{where}."
+    share = s.spatial_us / s.step_us
+    text = (f"the spatial communication takes {share:.0%} of the step ({_ms(s.spatial_us)} of {_ms(s.step_us)}, "
+            f"medians: {', '.join(parts)}){where}; the model waits for it on its own thread")
+    if share >= 0.1:
+        return text + (": each exchange and collective waits for the other bands, so bands that reach it at "
+                       "different times (uneven bands, a busy core) wait there, and thin bands move more rows per "
+                       "pixel computed; larger images per rank, or fewer bands, lower it.")
+    return text + ": the step is bound by compute."
 
 
 def _core_wait(a: Analysis) -> Optional[str]:
@@ -210,8 +246,8 @@ def _fill(a: Analysis) -> Optional[str]:
 
 def findings(a: Analysis, bench: Optional[BenchCurve] = None) -> List[str]:
     """Plain-words findings, most important first."""
-    found = [_size_class(a, bench), _exposed(a), _core_wait(a), _straggler(a), _small_messages(a), _negotiation(a),
-             _fill(a)]
+    found = [_size_class(a, bench), _exposed(a), _spatial(a), _core_wait(a), _straggler(a), _small_messages(a),
+             _negotiation(a), _fill(a)]
     return [f for f in found if f]
 
 

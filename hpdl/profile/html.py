@@ -11,13 +11,16 @@ import io
 import re
 from typing import List, Optional
 
-from hpdl.cli import CliError
+from hpdl.engine.events import HALO, SPATIAL
 from hpdl.profile import schema
-from hpdl.profile.analysis import Analysis, format_size
+from hpdl.formatting import format_size
+from hpdl.profile.analysis import Analysis
 from hpdl.profile.findings import BenchCurve, bench_points
 from hpdl.profile.report import NOTHING_RECORDED, Table, job_line, tables
+from hpdl.profile.spatial_comm import time_by_step
 
 _MAX_RANK_PLOTS = 4
+_MAX_LAYER_BARS = 20
 _METADATA = re.compile(r"<metadata>.*?</metadata>", re.S)
 _STYLE = """
 body { font-family: sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
@@ -31,10 +34,7 @@ li { margin: 0.4em 0; } .plot svg { max-width: 100%; height: auto; }
 
 
 def _figure(width: float = 7.5, height: float = 3.2):
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CliError("--html needs matplotlib: pip install 'hpdl[profile]'") from None
+    from matplotlib.figure import Figure  # `hpdl profile report --html` checks that it is installed
     return Figure(figsize=(width, height), layout="constrained")
 
 
@@ -100,17 +100,38 @@ def _steps_plot(a: Analysis) -> str:
         exposed = [s["blocked_us"] / 1e3 for s in steps]
         # Part of compute: the training thread ready to run, waiting for a core (0 where not recorded).
         waited = [(s["core_wait_us"] or 0.0) / 1e3 for s in steps]
-        compute = [(s["end_us"] - s["start_us"]) / 1e3 - e - w for s, e, w in zip(steps, exposed, waited)]
+        # The spatial groups' halo exchanges and collectives: on the training thread, not compute.
+        by_step = time_by_step(rank)
+        spatial = [by_step.get(s["step"], 0.0) / 1e3 for s in steps]
+        compute = [(s["end_us"] - s["start_us"]) / 1e3 - e - w - g
+                   for s, e, w, g in zip(steps, exposed, waited, spatial)]
         ax.bar(index, compute, color="#4c72b0", label="compute", width=1.0)
-        if any(waited):
-            ax.bar(index, waited, bottom=compute, color="#8172b3", label="waiting for a core", width=1.0)
-        ax.bar(index, exposed, bottom=[c + w for c, w in zip(compute, waited)], color="#dd8452",
-               label="exposed communication", width=1.0)
+        bottom = compute
+        for values, color, label in ((waited, "#8172b3", "waiting for a core"),
+                                     (spatial, "#55a868", "spatial communication"),
+                                     (exposed, "#dd8452", "exposed communication")):
+            if any(values) or label == "exposed communication":
+                ax.bar(index, values, bottom=bottom, color=color, label=label, width=1.0)
+                bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_ylabel(f"rank {rank['rank']}\nms")
-    axes[0].set_title("Per step: compute, waiting for a core and exposed communication (start-up step left out)")
+    axes[0].set_title("Per step: compute, waiting for a core and communication (start-up step left out)")
     axes[0].legend(fontsize=7, loc="upper right")
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _svg(fig)
+
+
+def _layers_plot(a: Analysis) -> str:
+    rows = a.spatial.layers[:_MAX_LAYER_BARS]
+    fig = _figure(height=1.2 + 0.22 * len(rows))
+    ax = fig.subplots()
+    colors = {HALO: "#55a868", SPATIAL: "#c44e52"}
+    labels = [f"{r.label} ({r.op})" for r in reversed(rows)]
+    ax.barh(labels, [r.time_us / 1e3 for r in reversed(rows)], color=[colors.get(r.kind, "#4c72b0")
+                                                                      for r in reversed(rows)])
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_xlabel("ms per rank")
+    ax.set_title("Spatial communication by layer (green: halo exchanges, red: group collectives)")
     return _svg(fig)
 
 
@@ -146,7 +167,7 @@ def render_html(a: Analysis, path: str, found: List[str], bench: Optional[BenchC
     if found:
         parts.append("<h2>Findings</h2><ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>")
     plots = {"classes": lambda: _classes_plot(a) + _size_plot(a, bench), "steps": lambda: _steps_plot(a),
-             "arrival": lambda: _skew_plot(a)}
+             "arrival": lambda: _skew_plot(a), "layers": lambda: _layers_plot(a)}
     for t in tables(a):
         parts.append(_table(t) + (plots[t.key]() if t.key in plots else ""))
     if bench:

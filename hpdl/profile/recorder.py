@@ -14,6 +14,13 @@ A collective's phases: queue wait (its last member's submission until the engine
 took that request from its queue), negotiation (until the ranks agreed to run it), copy in
 (into the fusion buffer), backend call, copy out. Its ``ready_us`` is when its last member
 was submitted: when this rank arrived at it.
+
+A spatial group's communication (events.GROUP_KINDS: halo exchanges and the group's
+collectives) runs on the thread that runs the model, outside the engine: it has no queue,
+negotiation, fusion or sequence number to match across ranks, so it is kept apart from the
+collectives (whose figures assume the engine's phases), in tables of its own: totals per layer
+(the event's name) and operation, bounded as the tensors are; per step and kind; and the last
+:data:`RAW_WINDOW` events.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ STEP_WINDOW = 100_000
 RAW_WINDOW = 50_000
 TENSOR_ROWS = 1000
 OTHER_TENSORS = schema.OTHER_TENSORS
+OTHER_LAYERS = schema.OTHER_LAYERS
 
 # The names hpdl.torch gives unnamed collectives (hpdl.torch.mpi_ops._name): the kind, a
 # per-call counter, then a grouped member's index or a sparse allreduce's part. The counter
@@ -87,6 +95,14 @@ class Recorder:
         self.tensors_folded = 0  # rows folded into the OTHER_TENSORS rows
         self._raw: "collections.deque[list]" = collections.deque(maxlen=raw_window)
         self._steps: "collections.deque[list]" = collections.deque(maxlen=step_window)
+        # A spatial group's communication: (kind, layer, op) -> [bytes of all calls, calls, time];
+        # raw events; per step and kind (at most one row per kind and step).
+        self._layers: Dict[Tuple[str, str, str], list] = {}
+        self.layers_folded = 0
+        self._group_raw: "collections.deque[list]" = collections.deque(maxlen=raw_window)
+        self._group_steps: "collections.deque[tuple]" = collections.deque(maxlen=len(ev.GROUP_KINDS) * step_window)
+        self._group_step: Dict[str, list] = {}  # kind -> [calls, bytes, time] of the current step
+        self.group_events_seen = 0
         self.collectives_seen = 0
         self.steps_seen = 0
         self._step_start = ev.now_us() - zero_us
@@ -109,7 +125,10 @@ class Recorder:
             elif phase == ev.MEMCPY_IN:
                 self._copy_in[event.names] = event.duration_us
             elif phase == ev.COLLECTIVE:
-                self._collective(event)
+                if event.kind in ev.GROUP_KINDS:
+                    self._group_event(event)
+                else:
+                    self._collective(event)
             elif phase == ev.MEMCPY_OUT:
                 self._copy_out(event)
             elif phase == ev.DONE:
@@ -180,14 +199,27 @@ class Recorder:
 
         Called when the table has twice ``keep`` rows, so that folding costs little per call.
         """
-        own = sorted((key for key in self._tensors if key[1] != OTHER_TENSORS),
-                     key=lambda key: -self._tensors[key][2])
-        for key in own[keep:]:
-            entry = self._tensors.pop(key)
-            other = self._tensors.setdefault((key[0], OTHER_TENSORS), [0, 0, 0.0])
-            for i, value in enumerate(entry):
-                other[i] += value
-            self.tensors_folded += 1
+        self.tensors_folded += _fold(self._tensors, keep, OTHER_TENSORS)
+
+    def _group_event(self, event: ev.Event) -> None:
+        """A spatial group's halo exchange or collective: per layer, per step, raw."""
+        name = event.names[0] if event.names else ""
+        key = (event.kind, name, event.op)
+        entry = self._layers.get(key)
+        if entry is None:
+            if len(self._layers) >= 2 * self.tensor_rows:
+                self.layers_folded += _fold(self._layers, self.tensor_rows, OTHER_LAYERS)
+            entry = self._layers[key] = [0, 0, 0.0]
+        entry[0] += event.nbytes
+        entry[1] += 1
+        entry[2] += event.duration_us
+        step = self._group_step.setdefault(event.kind, [0, 0, 0.0])
+        step[0] += 1
+        step[1] += event.nbytes
+        step[2] += event.duration_us
+        self._group_raw.append([self.steps_seen, event.kind, event.op, name, event.nbytes,
+                                event.time_us - self.zero_us, event.duration_us])
+        self.group_events_seen += 1
 
     def _copy_out(self, event: ev.Event) -> None:
         if self._last is None or self._last[0] != event.names:
@@ -209,6 +241,9 @@ class Recorder:
         self._core_wait = (thread, waited)
         self._steps.append((self.steps_seen, self._step_start, end, event.duration_us, comm_us, messages, nbytes,
                             core_wait_us))
+        for kind, (calls, nbytes, time_us) in sorted(self._group_step.items()):
+            self._group_steps.append((self.steps_seen, kind, calls, nbytes, time_us))
+        self._group_step = {}
         self.steps_seen += 1
         self._step_start = end
         self._step_comm = [0.0, 0, 0]
@@ -240,6 +275,12 @@ class Recorder:
                     sizes = member_sizes[packed] = row[_SIZES].tolist()
                 row[_SIZES] = sizes
                 raw.append(row)
+            if len(self._layers) > self.tensor_rows:
+                self.layers_folded += _fold(self._layers, self.tensor_rows, OTHER_LAYERS)
+            layers = [_rounded([kind, index(name), op, round(entry[0] / entry[1]) if entry[1] else 0, *entry[1:]])
+                      for (kind, name, op), entry in self._layers.items()]
+            group_events = [_rounded([step, kind, op, index(name), *rest])
+                            for step, kind, op, name, *rest in self._group_raw]
             return {
                 "rank": self.rank,
                 "tensors": list(names),
@@ -250,8 +291,26 @@ class Recorder:
                 "steps_dropped": self.steps_seen - len(self._steps),
                 "collectives": schema.table(schema.COLLECTIVE_COLUMNS, raw),
                 "collectives_dropped": self.collectives_seen - len(self._raw),
+                "spatial_layers": schema.table(schema.SPATIAL_LAYER_COLUMNS, layers),
+                "layers_folded": self.layers_folded,
+                "spatial_steps": schema.table(schema.SPATIAL_STEP_COLUMNS, [_rounded(list(s)) for s in self._group_steps]),
+                "spatial_events": schema.table(schema.SPATIAL_EVENT_COLUMNS, group_events),
+                "spatial_events_dropped": self.group_events_seen - len(self._group_raw),
             }
 
+
+
+def _fold(table: Dict[tuple, list], keep: int, other_name: str) -> int:
+    """Keep the ``keep`` rows of ``table`` with the most time (entries ``[bytes, calls, time]``,
+    keys ``(kind, name, ...)``); add each other row to the ``other_name`` row of its kind (the
+    rest of its key kept); return how many rows were folded."""
+    own = sorted((key for key in table if key[1] != other_name), key=lambda key: -table[key][2])
+    for key in own[keep:]:
+        entry = table.pop(key)
+        other = table.setdefault((key[0], other_name, *key[2:]), [0, 0, 0.0])
+        for i, value in enumerate(entry):
+            other[i] += value
+    return max(0, len(own) - keep)
 
 
 def core_wait_ns() -> Optional[int]:

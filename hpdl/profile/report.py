@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence
 
-from hpdl.bench.stats import format_table
-from hpdl.profile.analysis import Analysis, Row, format_size
-from hpdl.profile.schema import OTHER_TENSORS
+from hpdl.formatting import format_size, format_table
+from hpdl.profile.analysis import Analysis, Row
+from hpdl.profile.schema import OTHER_LAYERS, OTHER_TENSORS
 
 TOP = 10
 
@@ -76,20 +76,25 @@ def tables(a: Analysis) -> List[Table]:
               [[r.label, format_size(r.nbytes), f"{r.calls:.0f}", _ms(r.time_us), _pct(r.share)]
                for r in a.by_tensor[:TOP]], key="tensors"),
     ]
+    out += spatial_tables(a)
     steps = [s for s in (*a.per_rank_steps, a.steps) if s is not None]
     if steps:
+        spatial = a.spatial.present
         out.append(Table(
             "Per step (medians; the first step, start-up, left out)",
-            ["ranks", "steps", "step ms", "compute ms", "comm ms", "exposed comm ms", "exposed %", "efficiency",
-             "core wait ms"],
+            ["ranks", "steps", "step ms", "compute ms", "comm ms", "exposed comm ms", "exposed %"]
+            + (["spatial comm ms"] if spatial else []) + ["efficiency", "core wait ms"],
             [[s.label, str(s.steps), _ms(s.step_us), _ms(s.compute_us), _ms(s.comm_us), _ms(s.exposed_us),
-              _pct(s.exposed_share), _pct(s.efficiency), "-" if s.core_wait_us is None else _ms(s.core_wait_us)]
+              _pct(s.exposed_share)] + ([_ms(s.spatial_us)] if spatial else [])
+             + [_pct(s.efficiency), "-" if s.core_wait_us is None else _ms(s.core_wait_us)]
              for s in steps],
-            "compute: step minus the time blocked waiting for collectives (exposed communication), of the "
-            "medians, so that compute + exposed = step; comm: engine "
-            "time of the step's collectives (copies and backend calls, mostly hidden behind backward); "
-            "efficiency estimate: compute / step; core wait: time the training thread was ready to run but "
-            "waited for a core (other threads or processes on it), part of compute", "steps"))
+            "compute: step minus the time blocked waiting for collectives (exposed communication)"
+            + (" and the spatial communication (halo exchanges and group collectives, which the model waits "
+               "for)" if spatial else "")
+            + ", of the medians, so that compute + exposed" + (" + spatial" if spatial else "")
+            + " = step; comm: engine time of the step's collectives (copies and backend calls, mostly hidden "
+            "behind backward); efficiency estimate: compute / step; core wait: time the training thread was "
+            "ready to run but waited for a core (other threads or processes on it), part of compute", "steps"))
     if a.arrival is not None:
         arr = a.arrival
         out.append(Table(
@@ -107,6 +112,30 @@ def tables(a: Analysis) -> List[Table]:
         ["fusion buffer reuse (hits / requests)", _pct(f.reuse)],
     ], key="fusion"))
     return out
+
+
+def spatial_tables(a: Analysis) -> List[Table]:
+    """The spatial groups' own communication, per kind and per layer (none in other jobs)."""
+    sc = a.spatial
+    if not sc.present:
+        return []
+    if sc.per_step:
+        title = "Spatial communication per step (on the thread that runs the model; medians over steps)"
+        share = lambda k: _pct(k.time_us / a.steps.step_us) if a.steps and a.steps.step_us else "-"  # noqa: E731
+    else:
+        title = "Spatial communication per rank (no steps were marked: totals)"
+        share = lambda k: "-"  # noqa: E731
+    kinds = Table(title, ["kind", "calls", "bytes", "ms", "of the step"],
+                  [[k.label, f"{k.calls:.0f}", format_size(k.nbytes), _ms(k.time_us), share(k)] for k in sc.kinds],
+                  "halo exchanges: rows sent to and received from the neighbour bands (bytes: both ways); group "
+                  "collectives: the spatial group's allreduces and allgathers (batch norm statistics, global "
+                  "pooling, gather). Outside the engine, and not hidden behind compute.", "spatial")
+    folded = f", {sc.layers_folded} folded into the {OTHER_LAYERS!r} rows" if sc.layers_folded else ""
+    layers = Table(f"Top layers by spatial communication (of {len(sc.layers)}{folded}; totals per rank)",
+                   ["layer", "kind", "op", "calls", "bytes per call", "total ms", "mean ms", "share"],
+                   [[r.label, r.kind, r.op, f"{r.calls:.0f}", format_size(r.bytes_per_call), _ms(r.time_us),
+                     _ms(r.mean_us), _pct(r.share)] for r in sc.layers[:TOP]], key="layers")
+    return [kinds, layers]
 
 
 NOTHING_RECORDED = "nothing recorded: no collectives and no steps between the start of the recording and its end"
@@ -147,12 +176,15 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
     if sa is not None and sb is not None:
         figures = [("step ms", sa.step_us, sb.step_us), ("compute ms", sa.compute_us, sb.compute_us),
                    ("comm ms", sa.comm_us, sb.comm_us), ("exposed comm ms", sa.exposed_us, sb.exposed_us)]
+        if a.spatial.present or b.spatial.present:
+            figures.append(("spatial comm ms", sa.spatial_us, sb.spatial_us))
         if sa.core_wait_us is not None and sb.core_wait_us is not None:
             figures.append(("core wait ms", sa.core_wait_us, sb.core_wait_us))
         step_rows = [[name, _ms(x), _ms(y), _change(x, y)] for name, x, y in figures]
         step_rows.append(["efficiency estimate", _pct(sa.efficiency), _pct(sb.efficiency),
                           f"{(sb.efficiency - sa.efficiency) * 100:+.0f} points"])
         out.append(Table("Per step (medians over all ranks' steps)", ["figure", "A", "B", "change"], step_rows))
+    out += _compare_spatial(a, b)
     fa, fb = a.fusion, b.fusion
     # A profile without steps has no messages per step (not 0): "-", as in the report.
     per_step_a = fa.messages_per_step if sa is not None else None
@@ -163,6 +195,24 @@ def compare_tables(a: Analysis, b: Analysis) -> List[Table]:
          _change(fa.tensors_per_message, fb.tensors_per_message)],
     ]))
     return out
+
+
+def _compare_spatial(a: Analysis, b: Analysis) -> List[Table]:
+    """Each kind of spatial communication per step (or per rank without steps), A beside B."""
+    if not (a.spatial.present or b.spatial.present):
+        return []
+    kinds = list(dict.fromkeys([k.kind for k in a.spatial.kinds] + [k.kind for k in b.spatial.kinds]))
+    rows = []
+    for kind in kinds:
+        ka, kb = a.spatial.kind(kind), b.spatial.kind(kind)
+        label = (ka or kb).label
+        for figure, value, show in (("ms", lambda k: k.time_us, _ms), ("bytes", lambda k: k.nbytes, format_size),
+                                    ("calls", lambda k: k.calls, lambda v: f"{v:.0f}")):
+            x, y = (value(ka) if ka else None), (value(kb) if kb else None)
+            rows.append([f"{label} {figure}", "-" if x is None else show(x), "-" if y is None else show(y),
+                         _change(x, y)])
+    per = "per step" if a.spatial.per_step and b.spatial.per_step else "per step, or per rank where no steps were marked"
+    return [Table(f"Spatial communication ({per}, medians)", ["figure", "A", "B", "change"], rows)]
 
 
 # The settings an autotuned recording holds as they were at its end, not for the whole run.

@@ -9,7 +9,11 @@ A profile is one JSON object (docs/profile.md describes every field):
   table and four tables stored by columns (``{"columns": [...], "rows": [[...], ...]}``):
   ``messages`` (per distinct backend message, totals over the whole run), ``tensors_time``
   (per tensor, totals), ``steps`` (the last steps) and ``collectives`` (the last raw
-  collectives).
+  collectives); and, of a spatial-parallel job, three tables of the communication its
+  spatial groups did outside the engine (halo exchanges and the groups' collectives):
+  ``spatial_layers`` (per layer, totals), ``spatial_steps`` (per step and kind) and
+  ``spatial_events`` (the last raw ones). Files without them (older, or of other jobs) read
+  as having none.
 
 Times in ``steps`` and ``collectives`` are microseconds since the job's origin (rank 0's clock
 when recording started), corrected by each rank's clock offset.
@@ -34,16 +38,27 @@ _STEP_COLUMNS_V1 = STEP_COLUMNS[:-1]
 COLLECTIVE_COLUMNS = ("seq", "step", "process_set", "kind", "backend", "dtype", "bytes", "tensors", "names",
                       "sizes", "ready_us", "queue_us", "negotiate_us", "start_us", "copy_in_us", "backend_us",
                       "copy_out_us")
+# A spatial group's communication outside the engine (events.GROUP_KINDS): per layer (the
+# event's name, its path in the model) and kind, totals; per step and kind; raw events.
+SPATIAL_LAYER_COLUMNS = ("kind", "name", "op", "bytes", "calls", "time_us")
+SPATIAL_STEP_COLUMNS = ("step", "kind", "calls", "bytes", "time_us")
+SPATIAL_EVENT_COLUMNS = ("step", "kind", "op", "name", "bytes", "start_us", "duration_us")
 TABLES = {"messages": MESSAGE_COLUMNS, "tensors_time": TENSOR_COLUMNS, "steps": STEP_COLUMNS,
-          "collectives": COLLECTIVE_COLUMNS}
-# The name of the per-kind rows of tensors_time that hold the tensors beyond the ones kept.
+          "collectives": COLLECTIVE_COLUMNS, "spatial_layers": SPATIAL_LAYER_COLUMNS,
+          "spatial_steps": SPATIAL_STEP_COLUMNS, "spatial_events": SPATIAL_EVENT_COLUMNS}
+# Tables added within version 2: a file without them (written before, or by a reader that
+# drops them) is read as having empty ones.
+OPTIONAL_TABLES = ("spatial_layers", "spatial_steps", "spatial_events")
+# The name of the per-kind rows of tensors_time (and spatial_layers) that hold the tensors
+# (layers) beyond the ones kept.
 OTHER_TENSORS = "(other tensors)"
-_RANK_COUNTS = ("steps_dropped", "collectives_dropped", "tensors_folded")
+OTHER_LAYERS = "(other layers)"
+_RANK_COUNTS = ("steps_dropped", "collectives_dropped", "tensors_folded", "layers_folded", "spatial_events_dropped")
 
 
 # What each cell holds, where it is not a number: readers compute with the cells, so a file
 # of the right shape but the wrong types is refused here, with the cell named.
-_TEXT_COLUMNS = {"kind", "backend", "dtype"}
+_TEXT_COLUMNS = {"kind", "backend", "dtype", "op"}
 _INTEGER_COLUMNS = {"name"}  # an index into the rank's name table
 _LIST_COLUMNS = {"names": "integers", "sizes": "numbers"}
 # Numbers that may be unknown (null): where the platform cannot tell.
@@ -179,6 +194,9 @@ def check(data: Any, path: str) -> None:
             raise ProfileError(f"{path}: ranks[{i}].engine must be an object of counters (numbers)")
         if version == 1:
             _upgrade_steps_v1(rank)
+        for name in OPTIONAL_TABLES:
+            if name not in rank:
+                rank[name] = table(TABLES[name], [])
         for name, columns in TABLES.items():
             stored = rank.get(name)
             if not isinstance(stored, dict) or not isinstance(stored.get("rows"), list) \

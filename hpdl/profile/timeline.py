@@ -5,7 +5,9 @@ communication, which the profile knows as a total per step and shows at the step
 ``DistributedOptimizer.step()`` waits), ``backend calls`` (each collective's backend call,
 named after the call, with its message in the arguments), ``copies`` (copy into and out of
 the fusion buffer) and ``waiting`` (each collective's queue wait and negotiation, as
-asynchronous slices since they overlap). Times are µs since the job's origin, on rank 0's
+asynchronous slices since they overlap); and in a spatial-parallel job ``halo exchanges`` and
+``group collectives`` (each exchange or collective of its spatial group, on the thread that
+runs the model, named after the layer). Times are µs since the job's origin, on rank 0's
 clock.
 
 Complete slices on one track must nest (viewers drop or misdraw the others), but the phases
@@ -24,10 +26,13 @@ import json
 import sys
 from typing import Any, Dict, List, TextIO
 
+from hpdl.engine.events import HALO, SPATIAL
+from hpdl.output_files import write_file
 from hpdl.profile import schema
-from hpdl.profile.analysis import format_size
+from hpdl.formatting import format_size
 
-_TRAINING, _BACKEND, _COPIES, _WAITING = 1, 2, 3, 4
+_TRAINING, _BACKEND, _COPIES, _WAITING, _HALO, _GROUP = 1, 2, 3, 4, 5, 6
+_GROUP_TRACKS = {HALO: _HALO, SPATIAL: _GROUP}  # events.GROUP_KINDS: the spatial group's own
 _EXTRA_TRACKS = 100  # track ids of a family's extra tracks: 100 * family + n
 _NAMES_SHOWN = 8
 _EPSILON_US = 1e-3  # times are µs with 0.1 µs resolution: closer ends are the same instant
@@ -108,12 +113,20 @@ def rank_events(rank: Dict[str, Any]) -> List[Dict[str, Any]]:
             out.append({"name": name, "cat": "waiting", "ph": "b", "id": ident, "pid": pid, "tid": _WAITING,
                         "ts": ts, "args": {"message": label}})
             out.append({"name": name, "cat": "waiting", "ph": "e", "id": ident, "pid": pid, "tid": _WAITING, "ts": end})
+    group: Dict[int, List[Dict[str, Any]]] = {}
+    for e in schema.records(rank, "spatial_events"):
+        tid = _GROUP_TRACKS.get(e["kind"], _GROUP)
+        layer = names[e["name"]] if 0 <= e["name"] < len(names) else f"#{e['name']}"
+        group.setdefault(tid, []).append(_slice(pid, tid, f"{e['kind']} {layer}", e["start_us"], e["duration_us"],
+                                                layer=layer, op=e["op"], bytes=e["bytes"], step=e["step"]))
+    for tid in group:
+        track_names[tid] = "halo exchanges" if tid == _HALO else "group collectives"
     order = {tid: 10 * tid for tid in track_names}
-    for family, slices in ((_BACKEND, calls), (_COPIES, copies)):
+    for family, slices in ((_BACKEND, calls), (_COPIES, copies), *sorted(group.items())):
         for n, extra in enumerate(_separate(slices, family), start=2):
             track_names[extra] = f"{track_names[family]} {n}"
             order[extra] = 10 * family + n - 1  # beside its family
-    out += calls + copies
+    out += calls + copies + [item for slices in group.values() for item in slices]
     out += [_meta(pid, tid, "thread_name", name) for tid, name in track_names.items()]
     out += [_meta(pid, tid, "thread_sort_index", order[tid]) for tid in track_names]
     return out
@@ -137,14 +150,15 @@ def write_trace(document: Dict[str, Any], path: str) -> int:
     """Write a trace document (:func:`trace`) to ``path`` ("-": stdout); return the number of trace events.
 
     A file is replaced atomically, whatever it held; `hpdl profile timeline` first refuses
-    outputs that are its input or exist (:func:`hpdl.cli.check_output`).
+    outputs that are its input or exist (:mod:`hpdl.output_files`).
+
+    Raises:
+        OSError: naming ``path`` when the file system refuses it.
     """
     if path == "-":
         dump_trace(document, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     else:
-        from hpdl.cli import write_output
-
-        write_output(path, lambda f: dump_trace(document, f))
+        write_file(path, lambda f: dump_trace(document, f))
     return len(document["traceEvents"])

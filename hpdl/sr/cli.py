@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 from typing import Any, Callable
 
-from hpdl.cli import CliError
+from hpdl.cli_error import CliError
+from hpdl.output_files import OutputRule
+from hpdl.sr.cli_options import (add_device, add_max_pixels, add_no_progress, add_res_scale, check_max_pixels, guarded,
+                                 print_notes, require_sr_extra, warnings_in_one_line)
 from hpdl.sr.config import DEFAULT_MAX_PIXELS
 
 __all__ = ["DEFAULT_MAX_PIXELS", "register"]
@@ -24,7 +26,7 @@ __all__ = ["DEFAULT_MAX_PIXELS", "register"]
 def register(subparsers: Any) -> None:
     """Add ``hpdl sr`` and its subcommands."""
     from hpdl.sr.registry import model_names  # no torch: cheap enough for --help
-    from hpdl.sr.upscale_cli import register_upscale  # here: it imports this module's helpers
+    from hpdl.sr.upscale_cli import register_upscale
 
     sr = subparsers.add_parser(
         "sr",
@@ -39,50 +41,6 @@ def register(subparsers: Any) -> None:
     _register_eval(sr_sub)
     register_upscale(sr_sub)
     _register_export(sr_sub)
-
-
-@contextlib.contextmanager
-def _warnings_in_one_line(visible: bool = True) -> Any:
-    """Show hpdl.sr's own warnings (a skipped image) as one ``hpdl: warning:`` line each, or
-    none where not ``visible`` (the ranks of a training other than rank 0, which warns the same).
-
-    Python's format adds the file and line of the code that warned, which tells a user nothing.
-    Other packages' warnings keep Python's format.
-    """
-    import warnings
-
-    package = os.path.dirname(os.path.abspath(__file__))
-    previous = warnings.showwarning
-
-    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        if os.path.abspath(filename).startswith(package + os.sep):
-            if visible:
-                print(f"hpdl: warning: {message}", file=sys.stderr, flush=True)
-        else:
-            previous(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = previous
-
-
-# The packages of the sr extra (pyproject.toml) that a command cannot do without, by module.
-_SR_EXTRA = {"tqdm": "tqdm", "PIL": "pillow", "yaml": "pyyaml"}
-
-
-def _require_sr_extra(args: argparse.Namespace) -> None:
-    """Refuse, before any work, a command whose modules of the sr extra (``args.sr_modules``)
-    are not installed: one line, not a ModuleNotFoundError traceback minutes later. (The others
-    are optional: TensorBoard and matplotlib, whose absence training notes; scikit-image, which
-    only the embedded photos need and whose absence that dataset reports.)"""
-    import importlib.util
-
-    for module in args.sr_modules:
-        if importlib.util.find_spec(module) is None:
-            raise CliError(f"hpdl sr {args.sr_command} needs {_SR_EXTRA[module]} (module {module}), which the "
-                           "sr extra installs: pip install 'hpdl[sr]'")
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:
@@ -125,7 +83,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     reporter = discover_topology().rank == 0
     try:
-        _require_sr_extra(args)
+        require_sr_extra(args)
     except CliError:  # every rank misses the same module: rank 0 says so
         if not reporter:
             raise SystemExit(2) from None
@@ -135,7 +93,7 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
         # With --json, stdout carries the summary alone: progress notes go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
-                _warnings_in_one_line(visible=reporter):
+                warnings_in_one_line(visible=reporter):
             summary = train(cfg)
     except (ConfigError, TrainError, SRDataError, CheckpointError, ModelMismatchError) as err:
         if not reporter:
@@ -193,12 +151,12 @@ def _register_eval(sr_sub: Any) -> None:
                    help="comma-separated image names for --grid (default: the first 4 of the first set)")
     p.add_argument("--grid-crop", type=int, default=96, metavar="N", help="crop side in HR pixels (default 96)")
     p.add_argument("--overwrite", action="store_true", help="replace existing result images and grid")
-    _add_max_pixels(p, "refuse image files of more pixels than this")
-    _add_device(p)
-    _add_res_scale(p)
+    add_max_pixels(p, "refuse image files of more pixels than this")
+    add_device(p)
+    add_res_scale(p)
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
-    _add_no_progress(p, "images")
-    p.set_defaults(func=_guarded(_run_eval), sr_modules=("tqdm", "PIL"))
+    add_no_progress(p, "images")
+    p.set_defaults(func=guarded(_run_eval), sr_modules=("tqdm", "PIL"))
 
 
 def _register_export(sr_sub: Any) -> None:
@@ -213,13 +171,13 @@ def _register_export(sr_sub: Any) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint (.pt) written by hpdl, or EDSR-PyTorch or BasicSR weights")
     p.add_argument("--to", required=True, choices=("basicsr", "edsr-pytorch"), help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (never the checkpoint)")
-    _add_res_scale(p)
-    p.set_defaults(func=_guarded(_run_export), sr_modules=())
+    add_res_scale(p)
+    p.set_defaults(func=guarded(_run_export), sr_modules=())
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    guard = _OutputGuard([("checkpoint", args.ckpt)], args.overwrite)
-    guard.refuse_now(args.output)
+    guard = OutputRule([("checkpoint", args.ckpt)], args.overwrite)
+    guard.refuse(args.output)
 
     import torch
 
@@ -228,95 +186,17 @@ def _run_export(args: argparse.Namespace) -> int:
     from hpdl.sr.weights import WeightsError, export_weights, res_scale_note
 
     model, checkpoint = load_model(args.ckpt, res_scale=args.res_scale)
-    _print_notes(checkpoint)
+    print_notes(checkpoint)
     try:
         exported = export_weights(model.state_dict(), model.config, args.to)
     except WeightsError as err:
         raise CliError(f"{args.ckpt}: {err}") from None
-    atomic_write(args.output, lambda f: torch.save(exported, f), check_target=guard.for_writer(args.output))
+    atomic_write(args.output, lambda f: torch.save(exported, f), check_target=guard.check_before_rename(args.output))
     print(f"wrote {args.output}: {model.config.describe()} as {args.to} weights")
     note = res_scale_note(model.config, args.to)
     if note:
         print(f"hpdl: note: {note}", file=sys.stderr, flush=True)
     return 0
-
-
-def _add_max_pixels(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
-                   help=f"{what} (default {DEFAULT_MAX_PIXELS:,})")
-
-
-def _add_no_progress(p: argparse.ArgumentParser, over: str) -> None:
-    from hpdl.sr.progress import LOG_INTERVAL
-
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help=f"no progress bar over the {over} (where stderr is not a terminal the bar appears only "
-                   f"after {LOG_INTERVAL:.0f} s and redraws every {LOG_INTERVAL:.0f} s)")
-
-
-def _add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N")
-
-
-def _positive_number(text: str) -> float:
-    """A finite number > 0, for argparse (its error is one line naming the option)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _add_res_scale(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--res-scale", type=_positive_number, metavar="X",
-                   help="EDSR's residual scaling of EDSR-PyTorch or BasicSR weights, which do not store it "
-                   "(default: the published model's for its size, else 1.0); an hpdl checkpoint's must equal "
-                   "its stored one")
-
-
-def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        from hpdl.comm import discover_topology
-
-        # These commands are one process's work: under a launcher of several ranks, rank 0 does it
-        # (one table, one writer of each output) and the others end at once, successfully. An
-        # upscale with --spatial is every rank's work, rank 0 reporting.
-        if discover_topology().rank != 0:
-            if not getattr(args, "spatial", False):
-                return 0
-            try:
-                _require_sr_extra(args)
-            except CliError:  # every rank misses the same module: rank 0 says so
-                raise SystemExit(2) from None
-        else:
-            _require_sr_extra(args)
-        with _warnings_in_one_line(visible=discover_topology().rank == 0), _sr_errors_as_cli_errors():
-            return handler(args)
-
-    return run
-
-
-@contextlib.contextmanager
-def _sr_errors_as_cli_errors() -> Any:
-    """Turn the sr errors (whose messages already name the file) and OSError (unwritable
-    outputs) into the one line of a ``CliError``."""
-    from hpdl.sr.config import ConfigError
-    from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
-
-    try:
-        yield
-    except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
-        raise CliError(str(err)) from None
-    except OSError as err:
-        where = f"{err.filename}: " if err.filename else ""
-        raise CliError(f"{where}{err.strerror or err}") from None
-
-
-def _check_max_pixels(args: argparse.Namespace) -> None:
-    if args.max_pixels < 1:
-        raise CliError(f"--max-pixels must be >= 1, got {args.max_pixels}")
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -328,7 +208,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         raise CliError(f"--tile must be >= 1, got {args.tile}")
     if args.grid_crop < 1:
         raise CliError(f"--grid-crop must be >= 1, got {args.grid_crop}")
-    _check_max_pixels(args)
+    check_max_pixels(args)
     for option, value in (("--save-results", args.save_results), ("--grid", args.grid)):
         if value == "":
             raise CliError(f"{option}: empty path")
@@ -342,10 +222,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     if index_range is not None:
         _refuse_range_outside_div2k(sets)
     if args.grid:
-        _OutputGuard([("checkpoint", args.ckpt)], args.overwrite).refuse_now(args.grid)
+        OutputRule([("checkpoint", args.ckpt)], args.overwrite).refuse(args.grid)
         output_format(args.grid)
     if args.save_results:
-        _refuse_blocked_directory(args.save_results, args.save_results)
+        OutputRule().refuse_directory(args.save_results)
         _refuse_results_in_sets(args.save_results, sets, args.cache_dir)
         if not args.overwrite:
             _refuse_earlier_results(args.save_results, [name for name, _ in sets])
@@ -353,10 +233,10 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from hpdl.sr.checkpoint import load_model
     from hpdl.sr.datasets import build_val_dataset
-    from hpdl.sr.evaluate import evaluate, format_sets_table, format_table, keep_measurable
+    from hpdl.sr.evaluation import evaluate, format_sets_table, format_table, keep_measurable
 
     model, checkpoint = load_model(args.ckpt, scale=args.scale, device=device, res_scale=args.res_scale)
-    _print_notes(checkpoint)
+    print_notes(checkpoint)
     # Every set is found and checked, and the grid's images too, before any is scored.
     opened = [(name, data, build_val_dataset(
         data, model.scale, cache_dir=args.cache_dir, index_range=index_range, on_bad_image=args.on_bad_image,
@@ -366,9 +246,9 @@ def _run_eval(args: argparse.Namespace) -> int:
               for (name, data, pairs), space in zip(opened, spaces)]
     grid_images = _grid_images(args, opened) if args.grid else []
     # Now that the sets are open, their image files are inputs the outputs must not replace either.
-    guard = _OutputGuard([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
+    guard = OutputRule([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
     if args.grid:
-        guard.refuse_now(args.grid)
+        guard.refuse(args.grid)
     scored = []
     for (name, data, pairs), space in zip(opened, spaces):
         saver = _result_saver(args, name, model.scale, guard) if args.save_results else None
@@ -416,13 +296,8 @@ def _set_files(opened: list) -> list:
     return [("input image", path) for path in files]
 
 
-def _print_notes(checkpoint: dict) -> None:
-    for note in checkpoint["meta"].get("notes", []):
-        print(f"hpdl: note: {note}", file=sys.stderr, flush=True)
-
-
 def _result_saver(args: argparse.Namespace, set_name: str, scale: int,
-                  guard: "_OutputGuard") -> Callable[[str, Any], None]:
+                  guard: OutputRule) -> Callable[[str, Any], None]:
     """Return a function that writes one SR output as ``DIR/<set>/<image>_x<s>_SR.png``."""
     from pathlib import Path
 
@@ -433,7 +308,8 @@ def _result_saver(args: argparse.Namespace, set_name: str, scale: int,
 
     def save(name: str, sr: Any) -> None:
         path = folder / f"{name}_x{scale}_SR.png"
-        write_image(path, quantize(sr).byte().permute(1, 2, 0).cpu().numpy(), check_target=guard.for_writer(path))
+        write_image(path, quantize(sr).byte().permute(1, 2, 0).cpu().numpy(),
+                    check_target=guard.check_before_rename(path))
 
     return save
 
@@ -483,72 +359,14 @@ def _grid_images(args: argparse.Namespace, opened: list) -> list:
     return chosen
 
 
-def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: "_OutputGuard") -> None:
+def _write_grid(args: argparse.Namespace, model: Any, images: list, guard: OutputRule) -> None:
     from hpdl.sr.figures import sample_crops, sample_grid
     from hpdl.sr.images import write_image
 
     samples = [sample for pairs, i in images for sample in sample_crops(model, pairs, [i], args.grid_crop)]
-    write_image(args.grid, sample_grid(samples), check_target=guard.for_writer(args.grid))
+    write_image(args.grid, sample_grid(samples), check_target=guard.check_before_rename(args.grid))
     # The crops as drawn: --grid-crop rounded down to whole LR pixels and cut to each image.
     sizes = list(dict.fromkeys(f"{s.hr.shape[1]}x{s.hr.shape[0]}" for s in samples))
     asked = f"{args.grid_crop}x{args.grid_crop}"
     cut = "" if sizes == [asked] else f" (--grid-crop {args.grid_crop} cut to whole LR pixels and to the images)"
     print(f"wrote {args.grid}: {len(samples)} crops of {', '.join(sizes)} px{cut}", file=sys.stderr)
-
-
-class _OutputGuard:
-    """Where an output may be written: never over an input (also through a link, or through a
-    ``..`` after a directory that does not exist yet), and over an existing file only with
-    ``--overwrite``.
-
-    The command checks before any work (``refuse_now``); the writer checks the file its rename
-    will replace again, once the directories exist and right before the rename (``for_writer``).
-    """
-
-    def __init__(self, inputs: list, overwrite: bool) -> None:
-        """``inputs``: ``(what, path)`` of every file the command reads, e.g. ``("checkpoint", "c.pt")``."""
-        self.overwrite = overwrite
-        self._inputs: dict = {}  # (device, inode) -> (what, path): links and other spellings alike
-        for what, path in inputs:
-            try:
-                st = os.stat(path)
-            except OSError:  # a missing input is reported when it is read
-                continue
-            self._inputs.setdefault((st.st_dev, st.st_ino), (what, path))
-
-    def refuse_now(self, output: Any) -> None:
-        """Refuse ``output`` before any work, as written and resolved as its write will resolve it."""
-        output = str(output)
-        if not output:
-            raise CliError("empty output path: give a file name")
-        if os.path.isdir(output) or os.path.isdir(os.path.realpath(output)):
-            raise CliError(f"{output}: is a directory; give a file name")
-        _refuse_blocked_directory(os.path.dirname(output) or ".", output)
-        self.check(output, output)
-        # Non-strict realpath collapses "missing/.." as creating "missing" will make it mean.
-        self.check(output, os.path.realpath(output))
-
-    def for_writer(self, output: Any) -> Callable[[str], None]:
-        """Return the check the atomic writer runs on the file it is about to replace."""
-        return lambda target: self.check(str(output), target)
-
-    def check(self, output: str, target: str) -> None:
-        """Refuse writing ``output``, whose file is ``target``; errors name ``output``."""
-        try:
-            st = os.stat(target)
-        except OSError:
-            st = None
-        if st is not None and (st.st_dev, st.st_ino) in self._inputs:
-            what, path = self._inputs[(st.st_dev, st.st_ino)]
-            raise CliError(f"{output}: is the {what} {path}; write the result to another file")
-        if not self.overwrite and os.path.lexists(target):
-            raise CliError(f"{output}: already exists; pass --overwrite to replace it")
-
-
-def _refuse_blocked_directory(directory: str, output: str) -> None:
-    """Refuse, before any work, an output whose directory cannot be made: a file is in the way."""
-    from hpdl.atomic_file import blocking_file, not_a_directory
-
-    blocker = blocking_file(directory)
-    if blocker is not None:
-        raise CliError(f"{output}: {not_a_directory(blocker)}")

@@ -1,6 +1,6 @@
 """Exceptions of ``hpdl.sr``: each message is one line that names the file or model at fault.
 
-The command line turns these into ``hpdl.cli.CliError`` so users see one line, not a traceback.
+The command line turns these into ``hpdl.cli_error.CliError`` so users see one line, not a traceback.
 """
 
 from __future__ import annotations

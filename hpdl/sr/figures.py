@@ -2,7 +2,7 @@
 
 A sample is a centre crop of a validation image. The model runs on the LR crop extended by its
 receptive-field radius and only the inner part is kept, so the SR crop is the crop of a
-whole-image pass (up to float rounding, as ``hpdl.sr.upscale`` says), at the cost of the crop alone.
+whole-image pass (up to float rounding, as ``hpdl.sr.inference`` says), at the cost of the crop alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from hpdl.atomic_file import atomic_write
 from hpdl.sr.metrics import bicubic_upscale, quantize
 from hpdl.sr.models import receptive_field_radius
-from hpdl.sr.upscale import upscale
+from hpdl.sr.inference import upscale
 
 __all__ = ["COLUMNS", "GAP", "LABEL_HEIGHT", "SHORT_COLUMNS", "Sample", "cell_origin", "column_labels", "fit_label",
            "grid_size", "label_width", "plot_curves", "sample_crops", "sample_grid"]

@@ -38,7 +38,7 @@ from torch import nn
 
 import hpdl.torch as hvd
 from hpdl.sr.models import receptive_field_radius
-from hpdl.sr.upscale import Tile, as_image, image_forward, run_tile, tile_progress, tile_rows
+from hpdl.sr.inference import Tile, as_image, image_forward, run_tile, tile_progress, tile_rows
 from hpdl.torch.spatial import bands
 
 __all__ = ["LOOKAHEAD", "MAX_MESSAGE_BYTES", "idle_ranks", "upscale_image_in_bands"]

@@ -32,7 +32,7 @@ from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpo
 from hpdl.sr.config import ConfigError, TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
 from hpdl.sr.errors import CheckpointError
-from hpdl.sr.evaluate import keep_measurable
+from hpdl.sr.evaluation import keep_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
 from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config

@@ -23,7 +23,7 @@ import hpdl.torch as hvd
 from hpdl.atomic_file import atomic_write
 from hpdl.sr.config import ConfigError
 from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
-from hpdl.sr.evaluate import EvalResult, evaluate
+from hpdl.sr.evaluation import EvalResult, evaluate
 
 __all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "json_ready", "lr_at", "spatial_groups", "validate"]
 

@@ -13,9 +13,10 @@ import os
 import sys
 from typing import Any, Callable
 
-from hpdl.cli import CliError
-from hpdl.sr.cli import (_add_device, _add_max_pixels, _add_no_progress, _add_res_scale, _check_max_pixels, _guarded,
-                         _OutputGuard, _print_notes, _sr_errors_as_cli_errors)
+from hpdl.cli_error import CliError
+from hpdl.output_files import OutputRule
+from hpdl.sr.cli_options import (add_device, add_max_pixels, add_no_progress, add_res_scale, check_max_pixels, guarded,
+                                 print_notes, sr_errors_as_cli_errors)
 
 __all__ = ["SPATIAL_STALL_S", "register_upscale", "spatial_stall_settings"]
 
@@ -58,11 +59,11 @@ def register_upscale(sr_sub: Any) -> None:
                    "rows of tiles into one band per rank, each rank computing its tiles with their full margins as "
                    "one process does: the output file has the same bytes as the one-process upscale with the same "
                    "--tile; rank 0 reads the input and the checkpoint and writes the output (docs/sr.md)")
-    _add_max_pixels(p, "refuse an input image of more pixels than this")
-    _add_device(p)
-    _add_res_scale(p)
-    _add_no_progress(p, "tiles")
-    p.set_defaults(func=_guarded(_run_upscale), sr_modules=("tqdm", "PIL"))
+    add_max_pixels(p, "refuse an input image of more pixels than this")
+    add_device(p)
+    add_res_scale(p)
+    add_no_progress(p, "tiles")
+    p.set_defaults(func=guarded(_run_upscale), sr_modules=("tqdm", "PIL"))
 
 
 
@@ -70,7 +71,7 @@ def _run_upscale(args: argparse.Namespace) -> int:
     if args.spatial:
         return _run_upscale_spatial(args)
     picture, model, guard = _open_upscale(args)
-    from hpdl.sr.upscale import upscale_image
+    from hpdl.sr.inference import upscale_image
 
     out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
                         progress=args.progress)
@@ -88,10 +89,10 @@ def _open_upscale(args: argparse.Namespace, device: Any = None) -> tuple:
     if args.spatial and args.tile == 0:
         raise CliError("--spatial splits the rows of tiles over the ranks, and --tile 0 makes the whole image "
                        "one tile: give a tile size (--tile 256)")
-    _check_max_pixels(args)
+    check_max_pixels(args)
     # Everything about the output is checked before minutes of inference, not after.
-    guard = _OutputGuard([("input image", args.input)], args.overwrite)
-    guard.refuse_now(args.output)
+    guard = OutputRule([("input image", args.input)], args.overwrite)
+    guard.refuse(args.output)
     fmt = output_format(args.output)
     picture = _output_picture(args, read_picture(args.input, max_pixels=args.max_pixels), fmt)
     device = device if device is not None else resolve_device(args.device, "--device")
@@ -99,16 +100,16 @@ def _open_upscale(args: argparse.Namespace, device: Any = None) -> tuple:
     from hpdl.sr.checkpoint import load_model
 
     model, checkpoint = load_model(args.ckpt, device=device, res_scale=args.res_scale)
-    _print_notes(checkpoint)
+    print_notes(checkpoint)
     return picture, model, guard
 
 
-def _write_upscaled(args: argparse.Namespace, picture: Any, scale: int, out: Any, guard: "_OutputGuard") -> int:
+def _write_upscaled(args: argparse.Namespace, picture: Any, scale: int, out: Any, guard: OutputRule) -> int:
     """Write the upscaled picture (gray kept gray, transparency enlarged beside it) and say so."""
     import numpy as np
 
     from hpdl.sr.images import write_image
-    from hpdl.sr.upscale import upscale_alpha
+    from hpdl.sr.inference import upscale_alpha
 
     if picture.gray:
         from PIL import Image
@@ -117,7 +118,7 @@ def _write_upscaled(args: argparse.Namespace, picture: Any, scale: int, out: Any
         out = np.asarray(Image.fromarray(out).convert("L"))
     if picture.alpha is not None:
         out = np.dstack([out, upscale_alpha(picture.alpha, scale, tile=args.tile or None)])
-    write_image(args.output, out, check_target=guard.for_writer(args.output), icc_profile=picture.icc_profile)
+    write_image(args.output, out, check_target=guard.check_before_rename(args.output), icc_profile=picture.icc_profile)
     (h, w), (sh, sw) = picture.rgb.shape[:2], out.shape[:2]
     print(f"wrote {args.output}: {sw}x{sh} (x{scale} of {w}x{h})")
     return 0
@@ -145,7 +146,7 @@ def _run_upscale_spatial(args: argparse.Namespace) -> int:
     plan, refusal = None, None
     if hvd.rank() == 0:
         try:
-            with _sr_errors_as_cli_errors():
+            with sr_errors_as_cli_errors():
                 picture, model, guard = _open_upscale(args, device="cpu")
             plan = {"config": model.config.to_dict(), "shape": picture.rgb.shape[:2], "scale": model.scale}
         except CliError as err:

@@ -24,7 +24,7 @@ from hpdl.torch.optimizer import DistributedOptimizer
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 from hpdl.torch import elastic  # noqa: E402 - after the functions it wraps
 
-_process_sets._setup(_runtime)  # process sets ask the runtime for rank, size and the engine
+_process_sets.use_runtime(_runtime)  # process sets ask the runtime for rank, size and the engine
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",

@@ -13,10 +13,10 @@ import torch
 
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.mpi_ops import Adasum
-from hpdl.torch.optimizer import _DistributedOptimizerMixin, _Submitted
+from hpdl.torch.optimizer_base import DistributedOptimizerMixin, Submitted
 
 
-class DistributedAdasumMixin(_DistributedOptimizerMixin):
+class DistributedAdasumMixin(DistributedOptimizerMixin):
     """The distributed half of a DistributedOptimizer with op=Adasum; the wrapped optimizer's class follows it."""
 
     def _setup(self, *args, **kwargs) -> None:
@@ -27,7 +27,7 @@ class DistributedAdasumMixin(_DistributedOptimizerMixin):
         super()._track(p)
         self._starting_models[p] = torch.zeros_like(p, requires_grad=False)
 
-    def _submit(self, p: torch.Tensor) -> _Submitted:
+    def _submit(self, p: torch.Tensor) -> Submitted:
         self._grad_of(p)  # zeros where this rank did not use p: every rank must submit its update
         start = self._starting_models[p]
         start.copy_(p.data)
@@ -36,7 +36,7 @@ class DistributedAdasumMixin(_DistributedOptimizerMixin):
         update = p.data.sub_(start)
         compressed, ctx = self._compression.compress(update)
         handle = mpi_ops.allreduce_async_(compressed, name=self._names[p], op=Adasum)
-        return _Submitted(handle, (p,), (ctx,))
+        return Submitted(handle, (p,), (ctx,))
 
     def _step_only(self, p: torch.Tensor) -> None:
         """Step the wrapped optimizer on ``p`` alone."""
@@ -49,7 +49,7 @@ class DistributedAdasumMixin(_DistributedOptimizerMixin):
             for group, params in zip(self.param_groups, stashed):
                 group["params"] = params
 
-    def _finish(self, submitted: _Submitted) -> None:
+    def _finish(self, submitted: Submitted) -> None:
         p = submitted.params[0]
         combined = self._compression.decompress(mpi_ops.synchronize(submitted.handle), submitted.ctxs[0])
         start = self._starting_models[p]
@@ -65,4 +65,4 @@ class DistributedAdasumMixin(_DistributedOptimizerMixin):
         runtime.profile_step()  # a step boundary, when profiled
         return loss
 
-    step.hooked = True  # type: ignore[attr-defined]  # see _DistributedOptimizerMixin.step
+    step.hooked = True  # type: ignore[attr-defined]  # see DistributedOptimizerMixin.step

@@ -34,7 +34,7 @@ class NoneCompressor(Compressor):
         return tensor
 
 
-class _CastCompressor(Compressor):
+class CastCompressor(Compressor):
     """Cast floating-point tensors to a 16-bit type for the wire and back after."""
 
     wire_dtype: torch.dtype = torch.float16
@@ -50,13 +50,13 @@ class _CastCompressor(Compressor):
         return tensor.to(ctx) if ctx is not None else tensor
 
 
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(CastCompressor):
     """Send floating-point tensors as float16 (half the bytes; range +-65504)."""
 
     wire_dtype = torch.float16
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(CastCompressor):
     """Send floating-point tensors as bfloat16 (half the bytes, float32's range, 8-bit mantissa)."""
 
     wire_dtype = torch.bfloat16

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
-import cloudpickle
 import torch
 
+from hpdl.comm import objects
 from hpdl.torch import runtime
 from hpdl.torch.mpi_ops import allgather, broadcast_, broadcast_async_, synchronize
+from hpdl.torch.optimizer_base import local_step
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
 
@@ -91,19 +91,6 @@ def _difference(theirs: List[Tuple[Optional[str], Tuple[int, ...]]],
 _UNSERIALIZABLE = -1  # the length a rank sends in place of an object it could not serialize
 
 
-def _serialize(obj: Any, what: str) -> Tuple[Optional[torch.Tensor], Optional[str]]:
-    """``obj`` as bytes in a uint8 tensor, or None and why it could not be serialized.
-
-    By cloudpickle, as Horovod: lambdas, closures and classes defined in ``__main__`` travel
-    by value (the other ranks need not import them). A failure is returned, not raised, so
-    that the rank still takes part in the size exchange and every rank raises (no rank is
-    left waiting for bytes that never come)."""
-    try:
-        return torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8), None
-    except Exception as err:  # noqa: BLE001 - pickling raises many types; each becomes one message
-        return None, f"{what}: cannot serialize {type(obj).__name__} object: {type(err).__name__}: {err}"
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return root's ``obj`` (anything cloudpickle can serialize) on every rank.
@@ -114,7 +101,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     name = name or type(obj).__name__  # in messages
     error = None
     if runtime.rank() == root_rank:
-        payload, error = _serialize(obj, f"broadcast_object {name!r} on root rank {root_rank}")
+        payload, error = objects.pickled(obj, f"broadcast_object {name!r} on root rank {root_rank}", by_value=True)
         length = torch.tensor([_UNSERIALIZABLE if payload is None else payload.numel()], dtype=torch.int64)
     else:
         payload, length = None, torch.zeros(1, dtype=torch.int64)
@@ -125,7 +112,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(payload, root_rank, name=f"{base}.data", process_set=process_set)
-    return obj if runtime.rank() == root_rank else pickle.loads(payload.numpy().tobytes())
+    return obj if runtime.rank() == root_rank else objects.from_tensor(payload)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:
@@ -135,7 +122,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessS
     ranks holding objects of different types (an int and a float, say) do not stall."""
     base = f"allgather_object.{name}" if name else "allgather_object"
     what = f"allgather_object {name!r}" if name else "allgather_object"  # in messages
-    payload, error = _serialize(obj, f"{what} on rank {runtime.rank()}")
+    payload, error = objects.pickled(obj, f"{what} on rank {runtime.rank()}", by_value=True)
     size = _UNSERIALIZABLE if payload is None else payload.numel()
     sizes = allgather(torch.tensor([size], dtype=torch.int64), name=f"{base}.sizes",
                       process_set=process_set).tolist()
@@ -144,12 +131,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessS
         who = (f"rank {failed[0]} could not serialize its object" if len(failed) == 1 else
                f"ranks {', '.join(map(str, failed))} could not serialize their objects")
         raise ValueError(error or f"{what}: {who} (the error on each says why)")
-    data = allgather(payload, name=f"{base}.data", process_set=process_set)
-    out, offset = [], 0
-    for n in sizes:
-        out.append(pickle.loads(data[offset:offset + n].numpy().tobytes()))
-        offset += n
-    return out
+    return objects.objects_in(allgather(payload, name=f"{base}.data", process_set=process_set), sizes)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
@@ -178,9 +160,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                     p.grad = torch.zeros_like(p)
                     if isinstance(optimizer, torch.optim.SparseAdam):  # it refuses dense gradients
                         p.grad = p.grad.to_sparse()
-        local_step = getattr(optimizer, "_local_step", None)  # DistributedOptimizer: skip the allreduce
         try:
-            (local_step or optimizer.step)()
+            local_step(optimizer)  # a DistributedOptimizer's without the allreduce
         finally:
             with torch.no_grad():
                 for p, value in values.items():

@@ -9,9 +9,10 @@ Pending updates are also applied by ``state_dict()`` and at ``hvd.shutdown()``; 
 its optimizer alive for that, and shutdown waits for the allreduces of an optimizer that is
 gone with its model, which the other ranks still take part in.
 
-``OverlapForwardMixin`` is the optimizer's half of this (DistributedOptimizer's class builds on
-it, hpdl/torch/optimizer.py); the hooks and shutdown handlers here are module-level functions
-holding the optimizer weakly, so that neither the model nor the runtime keeps it alive by them.
+``OverlapForwardMixin`` is the distributed half of such an optimizer: the plain one
+(optimizer_base.py) with its updates deferred; the hooks and the shutdown handler here are
+module-level functions holding the optimizer weakly, so that neither the model nor the runtime
+keeps it alive by them.
 """
 
 from __future__ import annotations
@@ -19,18 +20,16 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from hpdl.engine import Op
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.mpi_ops import Adasum
+from hpdl.torch.optimizer_base import DistributedOptimizerMixin, Submitted, check_backward_passes
 
-if TYPE_CHECKING:  # optimizer.py imports this module
-    from hpdl.torch.optimizer import _Submitted
-
-__all__ = ["OverlapForwardMixin"]
+__all__ = ["OverlapForwardMixin", "check_overlap_forward"]
 
 
 def _before_forward(owner: "weakref.ReferenceType", params: Tuple[torch.Tensor, ...], module, args) -> None:
@@ -59,7 +58,7 @@ _OVERLAP_OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.Wea
 _ORPHANED: set = set()
 
 
-def _adopt_orphans(deferred: Dict[torch.Tensor, "_Submitted"]) -> None:
+def _adopt_orphans(deferred: Dict[torch.Tensor, Submitted]) -> None:
     # A finalizer of the optimizer (weakref.finalize): runs when it is collected.
     for submitted in deferred.values():
         if isinstance(submitted.handle, mpi_ops.AsyncHandle):
@@ -76,17 +75,24 @@ def _wait_for_orphans() -> None:
     _ORPHANED.clear()
 
 
-def _apply_at_shutdown(owner: "weakref.ReferenceType") -> None:
-    # overlap_forward: the last step's updates, before the engines stop. A rank that finished
-    # its loop first would otherwise stop every engine while a slower rank still submits its
-    # last gradients (its step() does not wait for theirs).
-    optimizer = owner()
-    if optimizer is None:
-        return
-    optimizer.apply_pending_updates()
+# overlap_forward: the optimizers whose last updates shutdown() applies, in the order they were
+# made (weakly: neither this list nor the runtime keeps an optimizer alive).
+_LIVE: List["weakref.ReferenceType"] = []
 
 
-def _check_overlap_forward(model: Any, backward_passes_per_step: int, groups: Any, op: Op) -> None:
+def _finish_at_shutdown() -> None:
+    # overlap_forward, before the engines stop: the allreduces of optimizers gone with their
+    # model, then the last step's updates of the others. A rank that finished its loop first
+    # would otherwise stop every engine while a slower rank still submits its last gradients
+    # (its step() does not wait for theirs).
+    _wait_for_orphans()
+    for owner in list(_LIVE):
+        optimizer = owner()
+        if optimizer is not None:
+            optimizer.apply_pending_updates()
+
+
+def check_overlap_forward(model: Any, backward_passes_per_step: int, groups: Any, op: Op) -> None:
     """DistributedOptimizer's checks of ``overlap_forward`` and the options it excludes."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"overlap_forward takes the model (a torch.nn.Module), got {type(model).__name__}")
@@ -94,26 +100,25 @@ def _check_overlap_forward(model: Any, backward_passes_per_step: int, groups: An
         raise ValueError("overlap_forward works with backward_passes_per_step=1, no groups and op Average or Sum")
 
 
-class OverlapForwardMixin:
-    """overlap_forward's half of a DistributedOptimizer: deferred updates and the model's hooks.
+class OverlapForwardMixin(DistributedOptimizerMixin):
+    """The distributed half of a DistributedOptimizer with overlap_forward: deferred updates and the model's hooks."""
 
-    Uses the optimizer's ``_params``, ``_pending``, ``_ref``, ``_parameter_names``,
-    ``_start_unfired()``, ``_reset_pending()``, ``_finish()`` and ``_local_step()``.
-    """
-
-    def _init_overlap_state(self) -> None:
-        # overlap_forward: the parameters whose update waits for the next forward, and the
-        # order the forward needs them in (the model's parameter order, the same on every rank).
-        self._deferred: Dict[torch.Tensor, _Submitted] = {}
+    def _setup(self, *args: Any, overlap_forward: torch.nn.Module, **kwargs: Any) -> None:
+        # The parameters whose update waits for the next forward.
+        self._deferred: Dict[torch.Tensor, Submitted] = {}
         # The param groups' settings (lr, ...) when step() deferred: an lr scheduler stepped
         # right after step() must not change the update being deferred.
         self._deferred_settings: List[Dict[str, Any]] = []
-        self._priority: Dict[torch.Tensor, int] = {}
         self._overlap_hooks: List[Any] = []
         self._warned_tied = False
+        super()._setup(*args, **kwargs)
+        if self._included:
+            self._overlap(overlap_forward)
 
     def _overlap(self, model: torch.nn.Module) -> None:
-        """Hook ``model`` so that updates wait for the forward that needs them."""
+        """Hook ``model`` so that updates wait for the forward that needs them, and give each
+        allreduce the place its parameter has in the model (the order the forward needs them
+        in, the same on every rank)."""
         tracked = set(self._params)
         self._priority = {p: i for i, p in enumerate(p for p in model.parameters() if p in tracked)}
         if not self._priority:
@@ -132,13 +137,14 @@ class OverlapForwardMixin:
         # The same dict for the optimizer's whole life (_defer fills it in place), so that the
         # finalizer sees what is deferred when the optimizer goes.
         weakref.finalize(self, _adopt_orphans, self._deferred).atexit = False
-        shutdown_hooks = runtime._shutdown_hooks
-        shutdown_hooks[:] = [h for h in shutdown_hooks  # drop those of optimizers gone since
-                             if not (isinstance(h, functools.partial) and h.func is _apply_at_shutdown
-                                     and h.args[0]() is None)]
-        shutdown_hooks.insert(0, functools.partial(_apply_at_shutdown, self._ref))  # before the profile's
-        if _wait_for_orphans not in shutdown_hooks:
-            shutdown_hooks.insert(0, _wait_for_orphans)
+        _LIVE[:] = [owner for owner in _LIVE if owner() is not None]  # drop those of optimizers gone since
+        _LIVE.append(self._ref)
+        runtime.add_shutdown_hook(_finish_at_shutdown, runtime.ShutdownStage.FINISH_WORK)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if self._deferred and p in self._deferred:  # p's update still waits
+            self._apply_before_new_gradient(p)
+        super()._grad_ready(p)
 
     def _apply_before_new_gradient(self, p: torch.Tensor) -> None:
         # p's module never ran its forward since the step that deferred p's update: p was
@@ -199,3 +205,26 @@ class OverlapForwardMixin:
     def state_dict(self):
         self.apply_pending_updates()
         return super().state_dict()
+
+    def step(self, closure=None):
+        """Leave each update to the next forward of its module (after synchronize(), or with a
+        closure: wait and step now, as without overlap_forward)."""
+        if self._priority and self._should_synchronize and not self._synchronized and closure is None:
+            self._defer()
+            runtime.profile_step()
+            return None
+        return super().step(closure)
+
+    step.hooked = True  # type: ignore[attr-defined]  # see DistributedOptimizerMixin.step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._fired:  # else the base refuses, changing nothing
+            for p in self._deferred:  # their gradients are still being reduced, or wait for the update
+                p.grad = None
+        return super().zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        check_backward_passes(passes)
+        if self._priority and passes != 1:
+            raise ValueError("overlap_forward works with backward_passes_per_step=1 only")
+        super().set_backward_passes_per_step(passes)

@@ -5,7 +5,7 @@ or :func:`add_process_set`, which every rank must call in the same order). The s
 ranks is :data:`global_process_set` (id 0).
 
 This module asks the runtime for the job's rank and size and for its engine; hpdl.torch
-hands the runtime over with :func:`_setup` (as Horovod's ``_setup(basics)``), so the two
+hands the runtime over with :func:`use_runtime` (as Horovod's ``_setup(basics)``), so the two
 modules do not import each other.
 """
 
@@ -17,10 +17,10 @@ from typing import Any, List, Optional, Sequence, Union
 
 from hpdl.engine import Request, RequestKind
 
-_runtime: Optional[ModuleType] = None  # hpdl.torch.runtime, once hpdl.torch has called _setup
+_runtime: Optional[ModuleType] = None  # hpdl.torch.runtime, once hpdl.torch has called use_runtime
 
 
-def _setup(runtime: ModuleType) -> None:
+def use_runtime(runtime: ModuleType) -> None:
     """Give this module the runtime it asks for rank, size and the engine."""
     global _runtime
     _runtime = runtime
@@ -103,7 +103,7 @@ _changes = itertools.count()
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set on every rank (collective: all ranks call it in the same order)."""
-    engine = _runtime._require().engine
+    engine = _runtime.engine()
     size = _runtime.size
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None:
@@ -129,7 +129,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (collective); return whether it was registered."""
     if process_set.process_set_id in (None, 0) or process_set not in _registered:
         return False
-    engine = _runtime._require().engine
+    engine = _runtime.engine()
     set_id = process_set.process_set_id
     engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{next(_changes)}", root=set_id)).wait()
     _registered.remove(process_set)
@@ -137,8 +137,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def _reset() -> None:
-    """Forget every registered set (at shutdown)."""
+def forget_registered() -> None:
+    """Forget every registered set (the runtime's shutdown)."""
     global _changes
     _changes = itertools.count()
     for ps in _registered:
@@ -146,6 +146,7 @@ def _reset() -> None:
     _registered.clear()
 
 
-def _set_id(process_set: ProcessSet) -> int:
+def process_set_id(process_set: ProcessSet) -> int:
+    """The id the engine knows ``process_set`` by (refused where it is not registered)."""
     set_id = process_set.process_set_id
     return set_id if set_id is not None else process_set._registered()

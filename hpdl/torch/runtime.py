@@ -9,14 +9,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Union
 
 import torch
 
+from hpdl import rank_exit
 from hpdl.comm import Communicator, Topology, choose_backend, create_world, discover_topology
 from hpdl.comm.devices import check_gpu_index, gpu_index, ranks_share_gpus
 from hpdl.comm.topology import WorldSizeError, check_world_size
@@ -44,8 +46,46 @@ class _State:
 _state: Optional[_State] = None
 _lock = threading.Lock()
 _atexit_registered = False
-# Run by shutdown() on every rank while the engine still runs (the profiler gathers then).
-_shutdown_hooks: List[Callable[[], None]] = []
+
+
+class ShutdownStage(enum.IntEnum):
+    """When a shutdown hook runs: every hook of a stage, in the order they were added, before
+    any hook of the next stage; all of them while the engine still runs."""
+
+    # The job's own collectives still in flight, which the peers take part in: overlap_forward's
+    # last updates, the allreduces of optimizers gone with their model.
+    FINISH_WORK = 0
+    # Observers that gather and write what they recorded (the profile): after the job's own
+    # collectives, so that the record holds them and its gather does not wait behind them.
+    WRITE_RECORDS = 1
+
+
+class ShutdownError(RuntimeError):
+    """What a shutdown hook could not do (the profile's last write), raised by shutdown() once
+    hpdl has stopped all the same: the job must fail, naming what was lost.
+
+    A hook raises it with its own message; any other exception of a hook becomes one too.
+    """
+
+
+_shutdown_hooks: Dict[ShutdownStage, List[Callable[[], None]]] = {stage: [] for stage in ShutdownStage}
+
+
+def add_shutdown_hook(hook: Callable[[], None], stage: ShutdownStage) -> None:
+    """Call ``hook()`` at each shutdown() of this process, in ``stage``'s turn, before the engine stops.
+
+    A hook added again keeps its place. Every rank's hooks run at its own shutdown(); a hook
+    that submits collectives must be added on every rank.
+    """
+    if not any(hook in hooks for hooks in _shutdown_hooks.values()):
+        _shutdown_hooks[stage].append(hook)
+
+
+def remove_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Stop calling ``hook`` at shutdown (nothing when it was not added)."""
+    for hooks in _shutdown_hooks.values():
+        if hook in hooks:
+            hooks.remove(hook)
 
 
 def _require() -> _State:
@@ -58,12 +98,30 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
          backend: Optional[str] = None) -> None:
     """Start hpdl on this process: discover the job, connect the backend, start the engine.
 
+    Every rank of the job calls it. It reads the settings (``HPDL_*`` variables, Horovod's aliases)
+    once, forms the world from what the launcher announced (``mpiexec``, ``srun``, ``torchrun``,
+    ``hpdl run``), checks its size against the launcher's, and starts the engine thread that
+    negotiates and runs every collective. A second call while initialized does nothing, as in
+    Horovod; after ``shutdown()`` it starts hpdl again.
+
     Args:
         comm: None (every rank of the job), a list of ranks to run on (every process of the job
-            must call init with the same list), or an mpi4py communicator.
+            must call init with the same list; the ranks outside it raise), or an mpi4py
+            communicator (used as it is: its size is not checked against the launcher's).
         process_sets: ProcessSet objects to register now (``"dynamic"`` is accepted: sets can
             always be added later).
-        backend: "mpi", "gloo", "nccl" or "torch"; default from HPDL_BACKEND or the launcher.
+        backend: "mpi", "gloo", "nccl" or "torch" (gloo on CPU, nccl with CUDA); default from
+            ``HPDL_BACKEND`` or the launcher.
+
+    Raises:
+        hpdl.config.SettingsError: an ``HPDL_*`` variable that hpdl does not know, or a value out
+            of its range; or a backend that cannot run with this installation (a ``ValueError``).
+        hpdl.comm.WorldSizeError: the world's size is not the one the launcher announced, as when
+            srun starts MPICH ranks without ``--mpi=pmi2`` (a ``ValueError``, on every rank).
+        ValueError: this rank is not in the list ``comm``, or a process set cannot be registered.
+
+    Where the ranks do not all meet within ``HPDL_START_TIMEOUT`` seconds (when set), the process
+    prints one line saying so and exits with status 1.
     """
     global _state, _atexit_registered
     with _lock:
@@ -178,6 +236,8 @@ def _connect(settings: Settings, topology: Topology, mpi_comm: Any = None, check
 def job_backend(backend: Optional[str] = None) -> str:
     """Return the backend a job started here would use ("mpi", "gloo", "nccl"), without connecting.
 
+    One of the tools beside the engine that docs/api.md documents, for benchmarks and tools.
+
     Args:
         backend: as for ``init()``; default from HPDL_BACKEND or the launcher.
     """
@@ -196,10 +256,11 @@ def _shared_gpus(settings: Settings, topology: Topology) -> bool:
 def job_communicator(backend: Optional[str] = None) -> Communicator:
     """Return a communicator of every rank of the job, apart from hpdl's engine.
 
-    For benchmarks and tools that time the backend itself or synchronise the ranks around hpdl:
-    its collectives never interleave with the engine's (under torch.distributed it is a group
-    of its own: two threads issuing collectives on one gloo group may pair them differently on
-    each rank). Collective: every rank calls it. Close it when done.
+    A tool beside the engine (docs/api.md), for benchmarks and tools that time the backend
+    itself or synchronise the ranks around hpdl: its collectives never interleave with the
+    engine's (under torch.distributed it is a group of its own: two threads issuing
+    collectives on one gloo group may pair them differently on each rank). Collective: every
+    rank calls it. Close it when done.
 
     Raises:
         WorldSizeError: the world has another size than the launcher announced.
@@ -213,15 +274,29 @@ def job_communicator(backend: Optional[str] = None) -> Communicator:
 
 
 def shutdown() -> None:
-    """Stop hpdl on this process (and the engines of the others); init() may be called again."""
+    """Stop hpdl on this process (and the engines of the others); init() may be called again.
+
+    Raises:
+        ShutdownError: a shutdown hook failed (the profile could not be written), naming what
+            was lost; hpdl has stopped all the same. After a failure of the engine the hooks'
+            failures are logged instead: the job ends as a failed one anyway.
+    """
     global _state
     if _state is None:
         return
-    _run_shutdown_hooks()
+    failures = _run_shutdown_hooks()
     with _lock:
         state, _state = _state, None
-    if state is None:
-        return
+    if state is not None:
+        _stop(state)
+    if failures:
+        if abort.failed():
+            _log_failures(failures)
+        else:
+            raise ShutdownError("; ".join(failures))
+
+
+def _stop(state: _State) -> None:
     state.engine.shutdown()
     data_comm = state.engine.process_set_data_comm(0)
     if data_comm is not state.comm:
@@ -229,16 +304,30 @@ def shutdown() -> None:
     state.comm.close()
     if state.parent is not None:  # else each init(comm=[...]) would hold MPI communicators for good
         state.parent.close()
-    _process_sets._reset()
+    _process_sets.forget_registered()
 
 
-def _run_shutdown_hooks() -> None:
-    for hook in list(_shutdown_hooks):
-        try:
-            hook()
-        except Exception as err:  # noqa: BLE001 - shutting down must go on
-            log.error("hpdl: %s at shutdown failed: %s: %s", getattr(hook, "__qualname__", hook),
-                      type(err).__name__, err)
+def _run_shutdown_hooks() -> List[str]:
+    """Call every shutdown hook in its stage's turn; return what failed, one message each.
+
+    A failing hook does not stop the others: shutting down must go on.
+    """
+    failures = []
+    for stage in ShutdownStage:
+        for hook in list(_shutdown_hooks[stage]):
+            try:
+                hook()
+            except ShutdownError as err:
+                failures.append(str(err))
+            except Exception as err:  # noqa: BLE001 - every hook runs; the failure is reported after
+                failures.append(f"{getattr(hook, '__qualname__', hook)} at shutdown failed: "
+                                f"{type(err).__name__}: {err}")
+    return failures
+
+
+def _log_failures(failures: List[str]) -> None:
+    for failure in failures:
+        log.error("hpdl: %s", failure)
 
 
 def _at_exit() -> None:
@@ -247,52 +336,101 @@ def _at_exit() -> None:
     # once the hooks (the profiler's last write) have had their turn.
     if abort.failed():
         if _state is not None:
-            _run_shutdown_hooks()
+            _log_failures(_run_shutdown_hooks())
         abort.abort_if_failed()
-    shutdown()
+    try:
+        shutdown()
+    except ShutdownError as err:
+        _exit_failed(str(err))
+
+
+def _exit_failed(message: str) -> NoReturn:
+    """End this process with exit code 1 after ``message``, from an exit handler.
+
+    An exception raised in an atexit handler is printed and the exit code stays 0, which would
+    report a job that lost its profile as a success; so the process ends here, once the error
+    line is printed (and noted for `hpdl run`'s rank watch, as Python's own exit would).
+    """
+    sys.stderr.write(f"hpdl: error: {message}\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
+            pass
+    rank_exit.note()
+    os._exit(1)
 
 
 def is_initialized() -> bool:
-    """Return whether init() has run (and shutdown() has not)."""
+    """Return whether ``init()`` has run on this process (and ``shutdown()`` has not since)."""
     return _state is not None
 
 
 def engine() -> Engine:
-    """The running engine (for the profiler and benchmarks)."""
+    """Return the running engine (for the profiler, the autotuner's parameters and benchmarks).
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().engine
 
 
 def settings() -> Settings:
+    """Return the settings the running hpdl read at ``init()`` (``hpdl.config.Settings``).
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().settings
 
 
 def size() -> int:
-    """Number of ranks in the job."""
+    """Return the number of ranks in the job.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.size
 
 
 def rank() -> int:
-    """This process's rank, 0 .. size() - 1."""
+    """Return this process's rank in the job, 0 to ``size() - 1``.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.rank
 
 
 def local_size() -> int:
-    """Number of ranks on this node."""
+    """Return the number of ranks on this process's node.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.local_size
 
 
 def local_rank() -> int:
-    """This process's rank among those on its node."""
+    """Return this process's rank among the ranks of its node, 0 to ``local_size() - 1``.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.local_rank
 
 
 def local_gpu() -> int:
-    """The index of this rank's GPU on its node, for ``torch.cuda.set_device(hvd.local_gpu())``.
+    """Return the index of this rank's GPU on its node, for ``torch.cuda.set_device(hvd.local_gpu())``.
 
     ``local_rank()`` with one rank per GPU (Horovod's ``set_device(hvd.local_rank())``), and
     ``local_rank() // K`` with K ranks per GPU (``HPDL_RANKS_PER_GPU``, ``hpdl run
-    --ranks-per-gpu K``). Raises ``hpdl.comm.devices.DeviceError`` (a ``ValueError``) when
-    this node has no such GPU.
+    --ranks-per-gpu K``). Without CUDA it is the index the rank would use.
+
+    Raises:
+        ValueError: hpdl is not initialized.
+        hpdl.comm.devices.DeviceError: this node has no such GPU (a ``ValueError``; the message
+            says what to change).
     """
     state = _require()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -302,46 +440,80 @@ def local_gpu() -> int:
 
 
 def cross_size() -> int:
-    """Number of ranks with this process's local rank across nodes (the number of nodes when homogeneous)."""
+    """Return the number of ranks with this process's local rank across the nodes.
+
+    On a homogeneous job (the same number of ranks on every node) it is the number of nodes.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.cross_size
 
 
 def cross_rank() -> int:
-    """This process's rank among the ranks with its local rank (its node's index when homogeneous)."""
+    """Return this process's rank among the ranks with its local rank across the nodes.
+
+    On a homogeneous job it is the index of this process's node.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().topology.cross_rank
 
 
 def is_homogeneous() -> bool:
-    """Return whether every node runs the same number of ranks."""
+    """Return whether every node runs the same number of ranks.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().homogeneous
 
 
 def backend_name() -> str:
-    """"mpi", "gloo" or "nccl": the backend the engine runs on."""
+    """Return the backend the engine runs on: "mpi", "gloo" or "nccl".
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     return _require().comm.name
 
 
 # -- build queries, as Horovod's (callables returning bool; nccl_built an int version) ------
 
 def mpi_built() -> bool:
+    """Return whether MPI can be used: mpi4py imports (and so an MPI library was found).
+
+    Answers without ``init()``, as Horovod's; ``mpi_enabled()`` says whether a running job uses it.
+    """
     return mpi_available()
 
 
 def mpi_enabled() -> bool:
-    """Whether the running hpdl talks through MPI (False before init(), as in Horovod)."""
+    """Return whether the running hpdl talks through MPI (False before ``init()``, as in Horovod)."""
     return _state is not None and _state.comm.name == "mpi"
 
 
 def gloo_built() -> bool:
+    """Return whether gloo can be used: torch.distributed with its gloo backend.
+
+    Answers without ``init()``; ``gloo_enabled()`` says whether a running job uses it.
+    """
     return torch.distributed.is_available() and torch.distributed.is_gloo_available()
 
 
 def gloo_enabled() -> bool:
-    """Whether the running hpdl talks through gloo (False before init(), as in Horovod)."""
+    """Return whether the running hpdl talks through gloo (False before ``init()``, as in Horovod)."""
     return _state is not None and _state.comm.name == "gloo"
 
 
 def nccl_built() -> int:
+    """Return NCCL's version as an int (2.18.3 is 21803), 0 when torch has no NCCL, as Horovod's.
+
+    Returns:
+        ``major * 10000 + minor * 100 + patch``; 1 when torch has NCCL but cannot say which
+        version; 0 without it. Answers without ``init()``.
+    """
     if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
         return 0
     try:
@@ -352,32 +524,56 @@ def nccl_built() -> int:
 
 
 def mpi_threads_supported() -> bool:
+    """Return whether MPI was initialized with ``MPI_THREAD_MULTIPLE`` (False without MPI), as Horovod's.
+
+    mpi4py asks for it by default, at its import.
+    """
     return MPI is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def cuda_built() -> bool:
+    """Return whether this torch was built with CUDA (whether or not a GPU is present)."""
     return torch.backends.cuda.is_built() if hasattr(torch.backends, "cuda") else False
 
 
 def rocm_built() -> bool:
+    """Return whether this torch was built with ROCm (HIP)."""
     return getattr(torch.version, "hip", None) is not None
 
 
 def ddl_built() -> bool:
+    """Return False: hpdl has no IBM DDL backend (Horovod's query, kept for scripts that ask)."""
     return False
 
 
 def ccl_built() -> bool:
+    """Return False: hpdl has no oneCCL backend (Horovod's query, kept for scripts that ask)."""
     return False
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Write engine events of rank 0 to ``file_path`` as a Chrome trace until stop_timeline()."""
+    """Write rank 0's engine events to ``file_path`` as a Chrome trace until ``stop_timeline()``.
+
+    Only rank 0 writes: on the other ranks the call does nothing, so every rank may make it.
+    A timeline already running is stopped first. ``HPDL_TIMELINE`` starts one at ``init()``.
+
+    Args:
+        file_path: The trace to write (open it in chrome://tracing or Perfetto); missing
+            directories are made.
+        mark_cycles: Also mark each of the engine's cycles.
+
+    Raises:
+        ValueError: hpdl is not initialized, or rank 0 cannot write the file (naming it and why).
+    """
     _require().engine.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Stop and close the timeline started by start_timeline() or HPDL_TIMELINE."""
+    """Stop the timeline started by ``start_timeline()`` or ``HPDL_TIMELINE`` and close its file.
+
+    Raises:
+        ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
+    """
     _require().engine.stop_timeline()
 
 
@@ -387,8 +583,16 @@ def start_profile(file_path: str) -> None:
     At stop_profile() and at each shutdown() the ranks' records are gathered and rank 0
     writes them to ``file_path``; read it with ``hpdl profile report``. HPDL_PROFILE starts
     the same recording at init().
+
+    Args:
+        file_path: The profile rank 0 writes (JSON); docs/profile.md describes it.
+
+    Raises:
+        ValueError: hpdl is not initialized; a profile is already recording to another file;
+            or rank 0 could not write ``file_path``, or it is the timeline's file (raised on
+            every rank, before recording).
     """
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     _require()
     session.start(file_path)
@@ -396,7 +600,7 @@ def start_profile(file_path: str) -> None:
 
 def stop_profile() -> None:
     """Write the profile started by start_profile() or HPDL_PROFILE and stop recording (every rank)."""
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     session.stop()
 

@@ -105,7 +105,7 @@ def term() -> None:
 def late() -> None:
     # Rank 1 reaches shutdown well after rank 0 has given up its gather (the deadline shortened
     # here): rank 0 writes the file without rank 1, whose part must join it afterwards.
-    from hpdl.profile import session
+    from hpdl.torch.profiler import session
 
     session.GATHER_DEADLINE_S = 1.0
     hvd.init()

@@ -485,6 +485,47 @@ def check_timeline(rank, size):
         os.unlink(path)
 
 
+def check_init(rank, size):
+    assert hvd.mpi_enabled() != hvd.gloo_enabled(), "exactly one of MPI and gloo carries the job"
+    assert (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (rank, size, 0, 1)
+    assert hvd.is_initialized() and hvd.is_homogeneous()
+    # The build queries answer what this installation has.
+    import importlib.util
+    assert hvd.mpi_built() == (importlib.util.find_spec("mpi4py") is not None)
+    assert hvd.gloo_built() == torch.distributed.is_gloo_available()
+    assert bool(hvd.nccl_built()) == torch.distributed.is_nccl_available()
+    assert hvd.mpi_enabled() or hvd.gloo_built()
+
+
+# name -> check, in the order they run; each prints "CHECK <name> OK" or "CHECK <name> FAIL" per rank.
+CHECKS = {
+    "init": check_init,
+    "allreduce": check_allreduce,
+    "autograd": check_autograd,
+    "allgather-broadcast-alltoall-reducescatter": check_allgather_broadcast_alltoall_reducescatter,
+    "objects-and-helpers": check_objects_and_helpers,
+    "horovod-spellings": check_horovod_spellings,
+    "ordering": check_ordering,
+    "duplicate-name": check_duplicate_name,
+    "process-sets": check_process_sets,
+    "timeline": check_timeline,
+    "join": check_join,
+}
+
+
+def check_shutdown_and_init_again(rank, size):
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    assert not hvd.mpi_enabled() and not hvd.gloo_enabled(), "neither is enabled while hpdl is not running"
+    hvd.init()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again").tolist() == [float(size)] * 2
+    hvd.shutdown()
+
+
+# Every name a job reports on, in order (the test gives each its own id).
+CHECK_NAMES = list(CHECKS) + ["shutdown-and-init-again"]
+
+
 def main():
     hvd.init()
     if sys.argv[1:] == ["adasum"]:  # the Adasum checks alone, for set sizes beyond the usual layouts
@@ -493,30 +534,37 @@ def main():
         print("OK adasum", flush=True)
         return
     rank, size = hvd.rank(), hvd.size()
-    assert hvd.mpi_enabled() != hvd.gloo_enabled(), "exactly one of MPI and gloo carries the job"
-    assert (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) == (rank, size, 0, 1)
-    assert hvd.is_initialized() and hvd.is_homogeneous()
-    assert hvd.mpi_built() in (True, False) and isinstance(hvd.nccl_built(), int)
-    check_allreduce(rank, size)
-    check_autograd(rank, size)
-    check_allgather_broadcast_alltoall_reducescatter(rank, size)
-    check_objects_and_helpers(rank, size)
-    check_horovod_spellings(rank, size)
-    check_ordering(rank, size)
-    check_duplicate_name(rank, size)
-    check_process_sets(rank, size)
-    check_timeline(rank, size)
-    check_join(rank, size)
+    # A failed check is reported and the next one runs, so one failure does not hide the others
+    # (a check that fails on one rank inside a collective may leave the others waiting: the
+    # harness's timeout then ends the job, with the lines printed so far).
+    failed = []
+    for name, check in CHECKS.items():
+        failed += [name] if not _report(name, check, rank, size) else []
     stats = runtime.engine().stats()
-    hvd.shutdown()
-    assert not hvd.is_initialized()
-    assert not hvd.mpi_enabled() and not hvd.gloo_enabled(), "neither is enabled while hpdl is not running"
-    # init() again after shutdown() works
-    hvd.init()
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again").tolist() == [float(size)] * 2
-    hvd.shutdown()
+    failed += [] if _report("shutdown-and-init-again", check_shutdown_and_init_again, rank, size) else ["shutdown"]
+    if failed:
+        sys.exit(1)
     if rank == 0:
-        print(f"OK torch api: size={size} stats={stats}")
+        print(f"OK torch api: size={size} stats={stats}", flush=True)
+
+
+def _report(name, check, rank, size) -> bool:
+    try:
+        check(rank, size)
+    except Exception:  # noqa: BLE001 - reported per check, with its traceback
+        import traceback
+        sys.stderr.write(f"[rank {rank}] check {name} failed:\n{traceback.format_exc()}")
+        _record(f"CHECK {name} FAIL rank={rank};")
+        return False
+    _record(f"CHECK {name} OK rank={rank};")
+    return True
+
+
+def _record(line: str) -> None:
+    # One write per record: print() writes the newline apart, and the launcher may put another
+    # rank's record between the two.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, List
 
-from hpdl.torch.functions import _serialize, broadcast_object
+from hpdl.comm import objects
+from hpdl.torch.functions import broadcast_object
 from hpdl.torch.runtime import rank
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State"]
@@ -101,7 +102,8 @@ class ObjectState(State):
         Only rank 0 pickles; the other ranks hold the same kinds of objects (the same script),
         so each looks at its own to name them.
         """
-        failures = [why for why in (_serialize(value, attr)[1] for attr, value in self._saved_state.items()) if why]
+        failures = [why for why in (objects.pickled(value, attr, by_value=True)[1]
+                                    for attr, value in self._saved_state.items()) if why]
         if not failures:
             return f"{err}; {self.unsendable_advice}"
         return (f"{type(self).__name__} cannot send its objects from rank 0 to the other ranks: "

@@ -11,6 +11,6 @@ parallelism over groups (``grid``). See docs/spatial.md.
 
 from hpdl.torch.spatial.geometry import SpatialError, bands
 from hpdl.torch.spatial.hybrid import Layout, grid
-from hpdl.torch.spatial.parallel import SpatialParallel
+from hpdl.torch.spatial.parallel import SpatialParallel, check_split
 
-__all__ = ["Layout", "SpatialError", "SpatialParallel", "bands", "grid"]
+__all__ = ["Layout", "SpatialError", "SpatialParallel", "bands", "check_split", "grid"]

@@ -7,6 +7,11 @@ backward) exchanges halos, and two threads must never issue collectives on one c
 the world on the engine thread, the only thread that may use the world communicator, in the
 same order on every rank. Each exchange and collective is timed and reported to the engine's
 event bus (kind ``halo`` or ``spatial``), so that ``hpdl profile`` and the timeline show it.
+
+A measuring tool: with ``communicating`` off, nothing is sent or received (received strips are
+zeros, a sum is this rank's alone, a gather holds this rank's values in its place and zeros
+elsewhere), so that each rank computes its band alone, as fast as it can: the bound that
+``hpdl bench spatial`` measures the real steps against (``SpatialParallel.no_communication``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from hpdl.torch.functions import allgather_object
 from hpdl.torch.process_sets import ProcessSet
 from hpdl.torch.spatial.geometry import SpatialError
 
-HALO = "halo"  # event kind of a halo exchange
-SPATIAL = "spatial"  # event kind of a spatial group's collective (BatchNorm statistics, global pooling, gather)
+HALO = ev.HALO  # event kind of a halo exchange
+SPATIAL = ev.SPATIAL  # event kind of a spatial group's collective (BatchNorm statistics, global pooling, gather)
 
 _splits = itertools.count()  # names of the split requests: every rank makes the same calls
 
@@ -41,11 +46,16 @@ class GroupComm:
         self.size = comm.size
         self._world_rank = runtime.rank()
         self._bus = runtime.engine().bus
+        self.communicating = True  # off: a measuring tool, see the module's docstring
 
     def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]],
                  label: str) -> None:
         """Send and receive halo rows with the neighbours (group ranks), reported as one ``halo`` event."""
         if not sends and not receives:
+            return
+        if not self.communicating:
+            for _, strip in receives:
+                strip.zero_()
             return
         start = time.perf_counter()
         self.comm.exchange(sends, receives)
@@ -53,6 +63,8 @@ class GroupComm:
 
     def allreduce_sum(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous); returns it."""
+        if not self.communicating:
+            return tensor
         start = time.perf_counter()
         self.comm.allreduce(tensor, ReduceOp.SUM)
         self._report(SPATIAL, label, start, "ALLREDUCE", [tensor])
@@ -60,9 +72,18 @@ class GroupComm:
 
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]], label: str) -> torch.Tensor:
         """Every member's ``tensor`` concatenated along dim 0, in group rank order."""
+        if not self.communicating:
+            return self._alone(tensor, first_dims)
         start = time.perf_counter()
         out = self.comm.allgather(tensor.contiguous(), first_dims)
         self._report(SPATIAL, label, start, "ALLGATHER", [tensor])
+        return out
+
+    def _alone(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]]) -> torch.Tensor:
+        """What a gather holds without communication: this rank's rows in their place, zeros elsewhere."""
+        dims = list(first_dims) if first_dims is not None else [tensor.shape[0]] * self.size
+        out = tensor.new_zeros((sum(dims),) + tuple(tensor.shape[1:]))
+        out.narrow(0, sum(dims[:self.rank]), dims[self.rank]).copy_(tensor)
         return out
 
     def _report(self, kind: str, label: str, start: float, op: str, tensors: List[torch.Tensor]) -> None:

@@ -113,24 +113,31 @@ def adjoint(grad: torch.Tensor, dim: int, plan: BandPlan, peers, comm: GroupComm
     out = grad.new_zeros(_strip_shape(grad, dim, length))
     if counts[2]:
         _rows(out, dim, plan.keep).add_(g_keep)
-    back_before = grad.new_empty(_strip_shape(grad, dim, plan.send_before[1] - plan.send_before[0])) \
-        if plan.send_before[1] > plan.send_before[0] else None
-    back_after = grad.new_empty(_strip_shape(grad, dim, plan.send_after[1] - plan.send_after[0])) \
-        if plan.send_after[1] > plan.send_after[0] else None
-    sends = [(peer, g.contiguous()) for peer, g, n in ((peers[0], g_before, counts[1]), (peers[1], g_after, counts[3]))
-             if n]
-    receives = [(peer, b) for peer, b in ((peers[0], back_before), (peers[1], back_after)) if b is not None]
-    comm.exchange(sends, receives, label)
-    if back_before is not None:
-        _rows(out, dim, plan.send_before).add_(back_before)
-    if back_after is not None:
-        _rows(out, dim, plan.send_after).add_(back_after)
+    give_back(out, dim, plan, peers, comm, (g_before if counts[1] else None, g_after if counts[3] else None), label)
     if fill == REPLICATE:  # the fill rows were copies of the border row
         if plan.fill_before:
             out.narrow(dim, 0, 1).add_(g_fill_before.sum(dim, keepdim=True))
         if plan.fill_after:
             out.narrow(dim, length - 1, 1).add_(g_fill_after.sum(dim, keepdim=True))
     return out
+
+
+def give_back(out: torch.Tensor, dim: int, plan: BandPlan, peers, comm: GroupComm, strip_grads: Strips,
+              label: str) -> None:
+    """The exchange of backward: send the gradients of the strips received (before, after) to
+    their owners, and add the ones that come back, the gradients of the rows this band sent,
+    into ``out``, the gradient of the band's own rows (in place)."""
+    back_before = out.new_empty(_strip_shape(out, dim, plan.send_before[1] - plan.send_before[0])) \
+        if plan.send_before[1] > plan.send_before[0] else None
+    back_after = out.new_empty(_strip_shape(out, dim, plan.send_after[1] - plan.send_after[0])) \
+        if plan.send_after[1] > plan.send_after[0] else None
+    sends = [(peer, g.contiguous()) for peer, g in zip(peers, strip_grads) if g is not None]
+    receives = [(peer, b) for peer, b in ((peers[0], back_before), (peers[1], back_after)) if b is not None]
+    comm.exchange(sends, receives, label)
+    if back_before is not None:
+        _rows(out, dim, plan.send_before).add_(back_before)
+    if back_after is not None:
+        _rows(out, dim, plan.send_after).add_(back_after)
 
 
 def receive_both(x: torch.Tensor, spec: HaloSpec) -> Tuple[torch.Tensor, Strips, Strips]:

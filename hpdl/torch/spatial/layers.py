@@ -121,6 +121,88 @@ class HaloConv2d(torch.autograd.Function):
         return grad_in, grad_weight, grad_bias if ctx.has_bias else None, None, None, None, None
 
 
+class BandConv2d(torch.autograd.Function):
+    """A stride-1 convolution whose band reads ``p`` rows beyond each of its ends and needs
+    nothing else (row bands; a 1 x 1 grid): PyTorch's convolution of the band alone with its own
+    zero padding, then the received rows' contributions added to its first and last ``p``
+    output rows, each a convolution of a strip ``3p`` rows high (the received rows, then zeros
+    for the band's own, whose part the first convolution has). Exact (convolution is linear in
+    its input), and no window input is assembled: no copy of the band, in forward or backward.
+    Keeps its own input and the received strips for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: halo.HaloSpec, padding: Tuple[int, int], groups: int):
+        row_dim = x.dim() - 2
+        before, after = halo.receive(x, row_dim, spec.rows, spec.row_peers, spec.comm, spec.label)
+        out = F.conv2d(x, weight, bias, 1, padding, 1, groups)
+        p = padding[0]
+        for strip, rows in ((before, out.narrow(row_dim, 0, p)), (after, out.narrow(row_dim, out.shape[row_dim] - p, p))):
+            if strip is not None:
+                rows.add_(F.conv2d(_strip_slab(strip, p, strip is before), weight, None, 1, (0, padding[1]), 1, groups))
+        ctx.save_for_backward(x, weight, before, after)
+        ctx.spec, ctx.padding, ctx.groups, ctx.has_bias = spec, padding, groups, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight, before, after = ctx.saved_tensors
+        p, q = ctx.padding
+        grad_output = grad_output.contiguous()
+        row_dim = grad_output.dim() - 2
+        needs_input, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        mask = [needs_input, needs_weight, ctx.has_bias and ctx.needs_input_grad[2]]
+        grad_in, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad_output, x, weight, [weight.shape[0]] if ctx.has_bias else None, [1, 1], [p, q], [1, 1], False,
+            [0, 0], ctx.groups, mask)
+        strip_grads = []
+        for strip, first in ((before, True), (after, False)):
+            if strip is None:
+                strip_grads.append(None)
+                continue
+            rows = grad_output.narrow(row_dim, 0 if first else grad_output.shape[row_dim] - p, p).contiguous()
+            grad_slab, grad_w, _ = torch.ops.aten.convolution_backward(
+                rows, _strip_slab(strip, p, first), weight, None, [1, 1], [0, q], [1, 1], False, [0, 0], ctx.groups,
+                [needs_input, needs_weight, False])
+            if grad_w is not None:
+                grad_weight += grad_w
+            strip_grads.append(grad_slab.narrow(row_dim, 0 if first else 2 * p, p) if needs_input else None)
+        if needs_input:  # the strips' gradients go back to their owners; theirs come here
+            spec = ctx.spec
+            halo.give_back(grad_in, row_dim, spec.rows, spec.row_peers, spec.comm, tuple(strip_grads), spec.label)
+        return grad_in, grad_weight, grad_bias if ctx.has_bias else None, None, None, None
+
+
+def _strip_slab(strip: torch.Tensor, p: int, first: bool) -> torch.Tensor:
+    """``p`` received rows and ``2p`` rows of zeros where the band's own rows are (before them
+    for the strip after the band): the rows whose windows reach the strip, without the band."""
+    row_dim = strip.dim() - 2
+    zeros = strip.new_zeros(strip.shape[:row_dim] + (2 * p,) + strip.shape[row_dim + 1:])
+    return torch.cat([strip, zeros] if first else [zeros, strip], row_dim)
+
+
+def _band_padding(spec: halo.HaloSpec, windows: Tuple[Window, Window], rows: int) -> Optional[Tuple[int, int]]:
+    """The padding with which :class:`BandConv2d` computes this rank's part, or None where it
+    cannot: a stride-1, undilated window of ``p`` rows on each side (``q`` columns), whose rows
+    come from the band itself plus ``p`` on each end, each from a neighbour or fill; whose
+    columns are the band's own plus ``q`` of fill (row bands); and a band of ``2p`` rows or more."""
+    (row_window, col_window), plans = windows, (spec.rows, spec.cols)
+    if any(w.stride != 1 or w.dilation != 1 or w.pad_before != w.pad_after for w in windows):
+        return None
+    p, q = row_window.pad_before, col_window.pad_before
+    if row_window.kernel != 2 * p + 1 or col_window.kernel != 2 * q + 1 or rows < 2 * p:
+        return None
+    cols = spec.cols
+    if cols.recv_before or cols.recv_after or cols.send_before[1] > cols.send_before[0] \
+            or cols.send_after[1] > cols.send_after[0] or cols.keep != (0, cols.owned) \
+            or (cols.fill_before, cols.fill_after) != (q, q):
+        return None
+    r = plans[0]
+    if r.keep != (0, r.owned) or any((fill, recv) not in ((p, 0), (0, p))
+                                     for fill, recv in ((r.fill_before, r.recv_before), (r.fill_after, r.recv_after))):
+        return None
+    return p, q
+
+
 def conv2d(ctx: Context, func, args, kwargs):
     x, weight = args[0], _arg(args, kwargs, 1, "weight")
     bias = _arg(args, kwargs, 2, "bias")
@@ -138,6 +220,9 @@ def conv2d(ctx: Context, func, args, kwargs):
     spec, out_part = window_spec(ctx, part, windows, halo.ZEROS)
     if ctx.dry:
         return tagged(F.conv2d(halo.receive_both(x, spec)[0], weight, bias, stride, 0, dilation, groups), out_part)
+    padding = _band_padding(spec, windows, part.local_size[0])
+    if padding is not None:
+        return tagged(BandConv2d.apply(x, weight, bias, spec, padding, groups), out_part)
     return tagged(HaloConv2d.apply(x, weight, bias, spec, stride, dilation, groups), out_part)
 
 

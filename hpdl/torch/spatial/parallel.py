@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand
 from hpdl.torch.spatial.parts import part_of, tagged
 
-__all__ = ["SpatialParallel"]
+__all__ = ["SpatialParallel", "check_split"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 _SEARCH_LIMIT = 4096  # image sizes tried when suggesting one that fits
@@ -84,6 +84,22 @@ class SpatialParallel(nn.Module):
         self._checked: set = set()
         if checkpoint:
             self._checkpoint(checkpoint)
+
+    # -- measuring -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_communication(self) -> Iterator[None]:
+        """A measuring tool: within the block this rank computes its part alone, as fast as it
+        can, with no communication at all: the halos it would receive are zeros, the group's
+        sums are its own, its gathers hold its own values (and zeros for the others'). The
+        results are wrong; the time is the bound of the real steps (``hpdl bench spatial``).
+        Run forward and backward inside it. Not collective: each rank may use it alone.
+        """
+        previous, self._comm.communicating = self._comm.communicating, False
+        try:
+            yield
+        finally:
+            self._comm.communicating = previous
 
     # -- parts -----------------------------------------------------------------------------
 
@@ -138,7 +154,9 @@ class SpatialParallel(nn.Module):
                 raise SpatialError(f"the ranks' parts do not make one map: rank {rank} of the group holds "
                                    f"{h} x {w} (x {lead}), where a {height} x {width} map split into {self.grid} "
                                    f"bands gives it {expected} (x {sizes[0][2]}); use scatter() to split inputs")
-        return tagged(x, Part(self.grid, self._rank, height, width))
+        part = Part(self.grid, self._rank, height, width)
+        tagged(x, part)
+        return part
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -167,53 +185,7 @@ class SpatialParallel(nn.Module):
     def _check(self, part: Part, x: torch.Tensor, args, kwargs) -> None:
         """Run the forward on the meta device (shapes only, no communication): an unsupported
         layer or a band too thin for a layer is refused on every rank before any work."""
-        try:
-            self._dry_run(part, x, args, kwargs)
-        except ThinBand as thin:
-            raise SpatialError(f"{thin}; {self._fits_instead(part, x, thin.axis)}") from None
-
-    def _dry_run(self, part: Part, x: torch.Tensor, args, kwargs) -> None:
-        state = {name: t.to("meta") for name, t in itertools.chain(self.module.named_parameters(),
-                                                                  self.module.named_buffers())}
-        meta = tagged(torch.empty(x.shape[:-2] + part.local_size, dtype=x.dtype, device="meta"), part)
-        ctx = Context(part.grid, part.rank, None, self._names)
-        with dispatch.running(ctx), torch.no_grad():
-            torch.func.functional_call(self.module, state, (meta,) + tuple(args), kwargs)
-
-    def _fits(self, part: Part, x: torch.Tensor) -> bool:
-        try:
-            self._dry_run(part, x, (), {})
-        except ThinBand:
-            return False
-        return True
-
-    def _fits_instead(self, part: Part, x: torch.Tensor, axis: int) -> str:
-        """The smallest image, and the largest grid, that would work (a sentence)."""
-        what = ("height", "row") if axis == 0 else ("width", "column")
-        length = part.length(axis)
-        smallest = _first_fitting(length + 1, length + _SEARCH_LIMIT,
-                                  lambda n: self._fits(self._resized_part(part, axis, n), x))
-        parts = self.grid.bands_along(axis)
-        largest = next((k for k in range(parts - 1, 0, -1)
-                        if self._fits(self._regridded_part(part, axis, k), x)), None)
-        extent = "high" if axis == 0 else "wide"
-        options = []
-        if smallest is not None:
-            options.append(f"an image at least {smallest} pixels {extent}")
-        if largest is not None:
-            options.append(f"at most {largest} {what[1]} band" + ("s" if largest > 1 else ""))
-        return (f"an image {length} pixels {extent} is too small for {parts} {what[1]} bands: use "
-                + (" or ".join(options) if options else f"another model (no {what[0]} up to "
-                                                         f"{length + _SEARCH_LIMIT} works)"))
-
-    @staticmethod
-    def _resized_part(part: Part, axis: int, length: int) -> Part:
-        return part.resized(length, part.width) if axis == 0 else part.resized(part.height, length)
-
-    @staticmethod
-    def _regridded_part(part: Part, axis: int, bands: int) -> Part:
-        grid = Grid(bands, part.grid.cols) if axis == 0 else Grid(part.grid.rows, bands)
-        return dataclasses.replace(part, grid=grid, rank=0)
+        _check(self.module, self._names, part, x, args, kwargs)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -238,6 +210,82 @@ class SpatialParallel(nn.Module):
             block = modules[path]
             block.forward = _recomputed_in_backward(block.forward)
         self.checkpointed = blocks
+
+
+def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (1, 1),
+                dtype: torch.dtype = torch.float32) -> None:
+    """Refuse, in this process, what SpatialParallel's first forward would refuse on every rank:
+    raise :class:`SpatialError` when ``module`` cannot run on inputs of ``shape`` (..., H, W)
+    split into ``grid`` (rows, cols) bands (a layer it does not support, a band thinner than a
+    layer's halo), naming the layer and what would fit. Shapes only (the meta device): no
+    communication, no ``hvd.init()``, no memory for activations.
+    """
+    layout = tuple(grid)
+    if len(layout) != 2 or any(not isinstance(n, int) or n < 1 for n in layout):
+        raise SpatialError(f"grid={grid!r}: expected (rows, cols) of positive integers")
+    height, width = int(shape[-2]), int(shape[-1])
+    if height < layout[0] or width < layout[1]:
+        raise SpatialError(f"a {height} x {width} image cannot be split into {layout[0]}x{layout[1]} bands")
+    names = {id(m): name for name, m in module.named_modules()}
+    x = torch.empty(tuple(shape), dtype=dtype, device="meta")
+    handles = dispatch.track_modules(module)  # the running module's path, for the messages
+    try:
+        _check(module, names, Part(Grid(*layout), 0, height, width), x, (), {})
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _check(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> None:
+    try:
+        _dry_run(module, names, part, x, args, kwargs)
+    except ThinBand as thin:
+        raise SpatialError(f"{thin}; {_fits_instead(module, names, part, x, thin.axis)}") from None
+
+
+def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> None:
+    state = {name: t.to("meta") for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
+    meta = tagged(torch.empty(x.shape[:-2] + part.local_size, dtype=x.dtype, device="meta"), part)
+    ctx = Context(part.grid, part.rank, None, names)
+    with dispatch.running(ctx), torch.no_grad():
+        torch.func.functional_call(module, state, (meta,) + tuple(args), kwargs)
+
+
+def _fits(module: nn.Module, names, part: Part, x: torch.Tensor) -> bool:
+    try:
+        _dry_run(module, names, part, x, (), {})
+    except ThinBand:
+        return False
+    return True
+
+
+def _fits_instead(module: nn.Module, names, part: Part, x: torch.Tensor, axis: int) -> str:
+    """The smallest image, and the largest grid, that would work (a sentence)."""
+    what = ("height", "row") if axis == 0 else ("width", "column")
+    length = part.length(axis)
+    smallest = _first_fitting(length + 1, length + _SEARCH_LIMIT,
+                              lambda n: _fits(module, names, _resized_part(part, axis, n), x))
+    parts = part.grid.bands_along(axis)
+    largest = next((k for k in range(parts - 1, 0, -1)
+                    if _fits(module, names, _regridded_part(part, axis, k), x)), None)
+    extent = "high" if axis == 0 else "wide"
+    options = []
+    if smallest is not None:
+        options.append(f"an image at least {smallest} pixels {extent}")
+    if largest is not None:
+        options.append(f"at most {largest} {what[1]} band" + ("s" if largest > 1 else ""))
+    return (f"an image {length} pixels {extent} is too small for {parts} {what[1]} bands: use "
+            + (" or ".join(options) if options else f"another model (no {what[0]} up to "
+                                                     f"{length + _SEARCH_LIMIT} works)"))
+
+
+def _resized_part(part: Part, axis: int, length: int) -> Part:
+    return part.resized(length, part.width) if axis == 0 else part.resized(part.height, length)
+
+
+def _regridded_part(part: Part, axis: int, bands: int) -> Part:
+    grid = Grid(bands, part.grid.cols) if axis == 0 else Grid(part.grid.rows, bands)
+    return dataclasses.replace(part, grid=grid, rank=0)
 
 
 def _first_fitting(low: int, high: int, fits) -> Optional[int]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from hpdl.sr.errors import ImageTooSmallError, SRDataError
 from hpdl.sr.metrics import SSIM_WINDOW, bicubic_upscale, default_shave, min_measurable_side, psnr, ssim
-from hpdl.sr.upscale import upscale
+from hpdl.sr.inference import upscale
 
 __all__ = ["EvalResult", "ImageRecord", "evaluate", "format_sets_table", "format_table", "keep_measurable"]
 
@@ -102,7 +102,7 @@ def evaluate(
         metric_space: ``"y"`` (benchmarks; shave ``scale``) or ``"rgb"`` (DIV2K; ``scale + 6``).
         self_ensemble: average over the 8 flips/transposes (EDSR+).
         tile: run the model in tiles of this many LR pixels (exact up to float rounding, as
-            ``hpdl.sr.upscale`` says; bounds memory).
+            ``hpdl.sr.inference`` says; bounds memory).
         progress: show a progress bar over images (``hpdl.sr.progress``'s rule: rarely where
             stderr is not a terminal).
         on_output: called with each image's name and model output ``(3, H, W)`` (e.g. to save it).

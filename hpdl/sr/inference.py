@@ -12,7 +12,8 @@ their input, so a tile's sums are added in another order than the whole image's:
 outputs differ by rounding (about 1e-4 of a level at most), and after rounding to 8 bits a
 value that close to a rounding boundary comes out one level apart. PyTorch's own convolution
 (im2col and a matrix product) gave bit-identical tiles at every extent tried, at about three
-times the time (docs/perf.md, "Tiled upscaling and float rounding"), so the fast kernels stay.
+times the time (docs/perf-notes/upscale.md, "Tiled upscaling and float rounding"), so the fast
+kernels stay.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import signal
 import sys
@@ -44,11 +43,10 @@ from hpdl.atomic_file import atomic_write, make_directories
 from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
+from hpdl.output_files import same_file
 from hpdl.profile import schema
-from hpdl.profile.clock import JobClock, estimate
 from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
-
-log = logging.getLogger("hpdl")
+from hpdl.torch.profiler.clock import JobClock, estimate
 
 _PART_WAIT_S = 2.0  # within abort's allowance for failure hooks
 # Longer than a healthy gather takes (a few MB per rank) and than ranks usually drift apart
@@ -233,7 +231,7 @@ def start(path: str) -> None:
     # Rank 0 writes the file, but every rank must learn that it cannot: otherwise the others
     # would wait in the clock's collectives for a rank that has given up. Found now, not after
     # the whole job (when the recording would be lost).
-    unwritable = _unwritable(path, _timeline_path(runtime.engine())) if hvd.rank() == 0 else None
+    unwritable = _unwritable(path, runtime.engine().timeline_path) if hvd.rank() == 0 else None
     unwritable = hvd.broadcast_object(unwritable, root_rank=0, name="hpdl.profile.path")
     if unwritable is not None:
         raise ValueError(unwritable)
@@ -242,16 +240,10 @@ def start(path: str) -> None:
     ev.WAITS.take()
     ev.WAITS.enabled = True
     ev.subscribe(_session.recorder.observe)
-    runtime._shutdown_hooks.append(_at_shutdown)
+    runtime.add_shutdown_hook(_at_shutdown, runtime.ShutdownStage.WRITE_RECORDS)
     abort.add_failure_hook(_at_failure)
     _wrap_excepthooks()
     _take_sigterm()
-
-
-def _timeline_path(engine) -> Optional[str]:
-    """The file this rank's engine writes its timeline to (HPDL_TIMELINE, hvd.start_timeline()), if any."""
-    timeline = getattr(engine, "_timeline", None)
-    return None if timeline is None else os.path.abspath(timeline.path)
 
 
 def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
@@ -262,9 +254,10 @@ def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
     the profile, replacing it at shutdown, would leave nothing of the timeline.
     """
     target = os.path.abspath(path)
+    timeline = None if timeline is None else os.path.abspath(timeline)
     if os.path.isdir(target):
         return f"cannot write the profile to {target}: it is a directory; name a file"
-    if timeline is not None and (timeline == target or _same_file(timeline, target)):
+    if timeline is not None and same_file(timeline, target):
         return (f"cannot write the profile to {target}: the timeline (HPDL_TIMELINE) is written there; "
                 "give them different files")
     try:
@@ -274,13 +267,6 @@ def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
     except OSError as err:
         return f"cannot write the profile to {target}: {err.strerror or err}"
     return None
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one does not exist: not the same file
-        return False
 
 
 def stop() -> None:
@@ -305,8 +291,7 @@ def _end(session: Session) -> None:
         _session = None
     ev.unsubscribe(session.recorder.observe)
     ev.WAITS.enabled = False
-    if _at_shutdown in runtime._shutdown_hooks:
-        runtime._shutdown_hooks.remove(_at_shutdown)
+    runtime.remove_shutdown_hook(_at_shutdown)
     abort.remove_failure_hook(_at_failure)
     _restore_excepthooks()
     _release_sigterm()
@@ -340,10 +325,10 @@ def _at_shutdown() -> None:
         write(session)  # may end the recording (the failure path)
     except OSError as err:
         # The job has run; the file it was to leave cannot be written (its directory was
-        # removed, the disk is full). The shutdown goes on; this says what was lost.
-        log.error("hpdl: error: the profile was not written: cannot write %s: %s", err.filename, err.strerror)
+        # removed, the disk is full). The shutdown goes on, and then fails the job naming it.
         _end(session)
-        return
+        raise runtime.ShutdownError(f"the profile was not written: cannot write {err.filename}: "
+                                    f"{err.strerror or err}") from None
     if _session is session:
         session.engine_counters = session.counters(runtime.engine())  # that engine is about to stop
 
@@ -375,13 +360,12 @@ def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     and none to the others is one, so no other rank holds every rank's part (an allgather
     would: tens of MB each on a long run).
     """
-    import pickle
-
     import torch
 
     import hpdl.torch as hvd
+    from hpdl.comm import objects
 
-    payload = torch.frombuffer(bytearray(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    payload = objects.to_tensor(part)
     splits = [payload.numel()] + [0] * (hvd.size() - 1)
     handle = hvd.alltoall_async(payload, splits=splits, name="hpdl.profile.gather")
     deadline = time.monotonic() + GATHER_DEADLINE_S
@@ -394,12 +378,7 @@ def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     if hvd.rank() != 0:
         return None
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    data = received.numpy().tobytes()
-    parts, offset = [], 0
-    for count in counts:
-        parts.append(pickle.loads(data[offset:offset + count]))
-        offset += count
-    return parts
+    return objects.objects_in(received, counts)
 
 
 def _write_parts(session: Session, part: Dict[str, Any], settings) -> None:

@@ -1,0 +1,72 @@
+"""This process's memory as the kernel counts it, for benchmarks that say how much a step needs
+and whether it fits a budget (Linux; elsewhere the figures are unknown and no limit is set).
+
+- The peak resident set since a moment of our choosing: writing ``5`` to
+  ``/proc/self/clear_refs`` resets the kernel's high-water mark (``VmHWM``) to the memory
+  resident now (Linux 4.0), and ``VmHWM`` then says the most that was resident since.
+- A budget enforced for real: ``RLIMIT_DATA`` (private writable memory: the heap, and every
+  anonymous mapping malloc and PyTorch's allocator make, since Linux 4.7) set to what the
+  process holds now plus the budget, so that an allocation past it fails (PyTorch raises,
+  naming the bytes it tried to allocate) instead of being measured afterwards.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Optional
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def status_bytes(field: str) -> Optional[int]:
+    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``, ``VmData``) in bytes; None where
+    there is no such file or field."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak() -> bool:
+    """Make the peak resident set (``VmHWM``) the memory resident now; whether the kernel did."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_resident() -> Optional[int]:
+    """The most memory resident since the last :func:`reset_peak` (since the start without one)."""
+    return status_bytes("VmHWM")
+
+
+def resident() -> Optional[int]:
+    return status_bytes("VmRSS")
+
+
+def limit_data(budget: int) -> Optional[int]:
+    """Let this process allocate at most ``budget`` bytes more private memory than it holds now
+    (``RLIMIT_DATA`` = ``VmData`` + ``budget``, within the hard limit); return the limit set, or
+    None where the platform does not tell what it holds (no limit is set then)."""
+    held = status_bytes("VmData")
+    if held is None:
+        return None
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = held + budget
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    return limit
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed (torch raises RuntimeError for it, naming
+    the bytes it tried to allocate; Python raises MemoryError)."""
+    return isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and "allocate" in str(err))
