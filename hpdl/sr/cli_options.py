@@ -120,14 +120,16 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 
 @contextlib.contextmanager
 def sr_errors_as_cli_errors() -> Any:
-    """Turn the sr errors (whose messages already name the file) and OSError (unwritable
-    outputs) into the one line of a ``CliError``."""
+    """Turn the sr errors (whose messages already name the file), the output rule's refusals and
+    OSError (unwritable outputs) into the one line of a ``CliError`` (upscale --spatial's rank 0
+    sends that line to the other ranks)."""
+    from hpdl.output_files import OutputError
     from hpdl.sr.config import ConfigError
     from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
 
     try:
         yield
-    except (SRDataError, CheckpointError, ModelMismatchError, ConfigError) as err:
+    except (SRDataError, CheckpointError, ModelMismatchError, ConfigError, OutputError) as err:
         raise CliError(str(err)) from None
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
