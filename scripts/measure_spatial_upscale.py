@@ -41,9 +41,10 @@ def make_inputs(directory: Path, width: int, height: int) -> tuple:
     return photo, ckpt
 
 
-def commands(photo: Path, ckpt: Path, directory: Path) -> dict:
+def commands(photo: Path, ckpt: Path, directory: Path, photo_pixels: int) -> dict:
     hpdl = [sys.executable, "-m", "hpdl"]
-    upscale = ["sr", "upscale", str(photo), "--ckpt", str(ckpt), "--overwrite", "--no-progress"]
+    upscale = ["sr", "upscale", str(photo), "--ckpt", str(ckpt), "--overwrite", "--no-progress",
+               "--max-pixels", str(max(20_000_000, photo_pixels))]
     return {  # name -> (argv, OMP_NUM_THREADS, output)
         "1 process x 1 thread": (hpdl + upscale[:3] + [str(directory / "out_1x1.png")] + upscale[3:], "1",
                                  directory / "out_1x1.png"),
@@ -65,7 +66,7 @@ def main() -> int:
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     photo, ckpt = make_inputs(directory, width, height)
-    runs = commands(photo, ckpt, directory)
+    runs = commands(photo, ckpt, directory, width * height)
     names = list(runs)
     times = {name: [] for name in names}
     for r in range(args.rounds):
