@@ -11,6 +11,14 @@ import hpdl.torch as hvd
 from hpdl.torch.compression import Compression
 
 
+@pytest.fixture(autouse=True)
+def _hpdl_not_initialized():
+    # The tests of this file run without hvd.init(); a test of another file run earlier in the same
+    # worker process may have left hpdl initialised (an in-process `hpdl sr train` that failed).
+    hvd.shutdown()
+    yield
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))

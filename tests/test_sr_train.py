@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+import hpdl.torch as hvd
 from hpdl.cli import main
 from hpdl.sr.checkpoint import load_checkpoint, load_model, make_checkpoint, save_checkpoint
 from hpdl.sr.config import ConfigError, TrainConfig, config_names, load_config
@@ -122,7 +123,10 @@ def test_cli_config_errors_are_one_line(capsys, argv, message):
 
 def test_spatial_beyond_the_jobs_ranks_is_one_line_before_out_dir_is_touched(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["sr", "train", "--config", "demo", "spatial=2", f"out_dir={out}"]) == 2
+    try:
+        assert main(["sr", "train", "--config", "demo", "spatial=2", f"out_dir={out}"]) == 2
+    finally:
+        hvd.shutdown()  # the command joined a job of one rank in this process before it refused
     assert capsys.readouterr().err.strip().splitlines() == [
         "hpdl: error: spatial=2: the 1 rank of this job does not form groups of 2 (the ranks must be a multiple "
         "of spatial)"]
