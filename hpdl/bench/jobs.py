@@ -80,6 +80,24 @@ def signals_stop_the_driver() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def stops_keep_the_record(error: type, stopped: type, record: Callable[..., Dict[str, Any]]) -> Iterator[None]:
+    """A driver's jobs under ``signals_stop_the_driver``; whatever ends them early keeps the
+    record of the runs done: ``error`` (a job failed) gets it as ``.record``, and SIGINT or a
+    terminating signal raises ``stopped(signum, record)``. ``record(failure=...)`` makes it."""
+    try:
+        with signals_stop_the_driver():
+            yield
+    except error as err:
+        err.record = record(failure=str(err))
+        raise
+    except KeyboardInterrupt:
+        raise stopped(signal.SIGINT, record(failure="stopped by SIGINT")) from None
+    except Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        raise stopped(stop.signum, record(failure=f"stopped by {name}")) from None
+
+
 def run_job(argv: Sequence[str], env: Dict[str, str], timeout_s: float, what: str,
             progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Run one job; return the JSON record its rank 0 printed.

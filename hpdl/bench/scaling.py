@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 from typing import Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
-from hpdl.bench.jobs import JobError, Stopped, Terminated, check_timeout, run_job, signals_stop_the_driver
+from hpdl.bench.jobs import JobError, Stopped, check_timeout, run_job, stops_keep_the_record
 from hpdl.bench.stats import median, spread
 from hpdl.formatting import format_table
 
@@ -145,17 +144,8 @@ def run_scaling(opts: ScalingOptions, log=print) -> Dict[str, Any]:
     """
     runs: List[Dict[str, Any]] = []
     jobs = opts.jobs()
-    try:
-        with signals_stop_the_driver():
-            _run_all(opts, jobs, runs, log)
-    except ScalingError as err:
-        err.record = _record(opts, runs, failure=str(err))
-        raise
-    except KeyboardInterrupt:
-        raise ScalingStopped(signal.SIGINT, _record(opts, runs, failure="stopped by SIGINT")) from None
-    except Terminated as stop:
-        name = signal.Signals(stop.signum).name
-        raise ScalingStopped(stop.signum, _record(opts, runs, failure=f"stopped by {name}")) from None
+    with stops_keep_the_record(ScalingError, ScalingStopped, lambda failure: _record(opts, runs, failure=failure)):
+        _run_all(opts, jobs, runs, log)
     return _record(opts, runs)
 
 

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 
-from hpdl.bench.jobs import JobError, Stopped, Terminated, check_timeout, run_job, signals_stop_the_driver
+from hpdl.bench.jobs import JobError, Stopped, check_timeout, run_job, stops_keep_the_record
 from hpdl.bench.models import benchmark_models, sr_models
 from hpdl.bench.spatial import DOES_NOT_FIT, JobOptions
 from hpdl.formatting import format_size, format_table
@@ -220,21 +219,13 @@ def run_study(opts: SpatialStudyOptions, log: Callable[[str], None] = print) -> 
     """
     runs: List[Dict[str, Any]] = []
     env = job_environment(opts)
-    try:
-        with signals_stop_the_driver():
-            for ranks, grid in opts.points():
-                log(f"{ranks} rank(s), {grid[0]}x{grid[1]}: starting")
-                run = _run_point(opts, ranks, grid, env, log)
-                runs.append(run)
-                log(f"{ranks} rank(s), {grid[0]}x{grid[1]}: " + _shown(run))
-    except SpatialStudyError as err:
-        err.record = _record(opts, runs, failure=str(err))
-        raise
-    except KeyboardInterrupt:
-        raise SpatialStudyStopped(signal.SIGINT, _record(opts, runs, failure="stopped by SIGINT")) from None
-    except Terminated as stop:
-        name = signal.Signals(stop.signum).name
-        raise SpatialStudyStopped(stop.signum, _record(opts, runs, failure=f"stopped by {name}")) from None
+    with stops_keep_the_record(SpatialStudyError, SpatialStudyStopped,
+                               lambda failure: _record(opts, runs, failure=failure)):
+        for ranks, grid in opts.points():
+            log(f"{ranks} rank(s), {grid[0]}x{grid[1]}: starting")
+            run = _run_point(opts, ranks, grid, env, log)
+            runs.append(run)
+            log(f"{ranks} rank(s), {grid[0]}x{grid[1]}: " + _shown(run))
     return _record(opts, runs)
 
 
