@@ -7,10 +7,8 @@ ancestor is), naming neither; every output's directory is made through
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from cli_in_process import run_hpdl
 
 from hpdl.atomic_file import atomic_write, make_directories
 
@@ -88,7 +86,6 @@ def test_rank_output_files_under_a_file(photo, capsys):
 @pytest.mark.parametrize("below", ["", "run"], ids=["out_dir-is-a-file", "out_dir-under-a-file"])
 def test_a_training_out_dir_that_is_a_file_is_named_as_one(photo, below):
     out_dir = photo / below if below else photo
-    done = subprocess.run([sys.executable, "-m", "hpdl", "sr", "train", "--config", "demo", f"out_dir={out_dir}",
-                           "progress=false"], capture_output=True, text=True, timeout=300)
+    done = run_hpdl(["sr", "train", "--config", "demo", f"out_dir={out_dir}", "progress=false"])
     assert done.returncode == 2 and done.stderr == f"hpdl: error: out_dir={out_dir}: {_is_a_file(photo)}\n", done.stderr
     assert photo.read_bytes() == b"a user's picture"

@@ -205,9 +205,9 @@ def test_spatial_parallel_on_cuda_equals_one_process(n, env):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_resnet50_and_edsr_split_equal_one_process():
-    result = run_ranks("spatial_exactness.py", 2, "mpiexec", args=["2x1", "resnet50:128x96", "edsr:12x10"],
+    result = run_ranks("spatial_exactness.py", 2, "mpiexec", args=["2x1", "resnet50:128x40", "edsr:12x10"],
                        timeout=900)
-    assert "OK spatial resnet50 128x96 2x1" in result.stdout and "OK spatial edsr 12x10 2x1" in result.stdout
+    assert "OK spatial resnet50 128x40 2x1" in result.stdout and "OK spatial edsr 12x10 2x1" in result.stdout
 
 
 @pytest.mark.multirank

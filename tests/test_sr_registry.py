@@ -1,11 +1,10 @@
 """One model registry: config, checkpoints, trainer, commands and benchmarks read it; SRResNet proves it."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_in_process import run_hpdl
 
 from hpdl.bench.models import benchmark_models, build_workload
 from hpdl.cli import main
@@ -168,7 +167,7 @@ def test_srresnet_trains_evaluates_and_upscales_through_the_same_commands(tmp_pa
             f"cache_dir={data / 'cache'}", f"out_dir={out}", "n_resblocks=1", "n_feats=8", "patch_size=8",
             "batch_size=2", "repeat=3", "workers=0", "log_every=2", "warmup_updates=0", "progress=false",
             "total_updates=4", "val_every=2", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "hpdl", *argv], capture_output=True, text=True, timeout=120)
+    proc = run_hpdl(argv)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["model"] == "srresnet_custom x2 (1 blocks, 8 features)" and summary["updates"] == 4

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+from cli_in_process import run_hpdl
 from PIL import Image
 
 import hpdl.sr
@@ -47,11 +48,9 @@ def test_bench_pipeline_prints_both_records(tmp_path):
     import json
 
     data = _photos(tmp_path / "photos")
-    run = subprocess.run(
-        [sys.executable, "-m", "hpdl", "bench", "pipeline", "--data", str(data), "--patch", "8", "--batch-size", "4",
-         "--model-batch-size", "1", "--workers", "0", "--batches", "3", "--repeats", "1",
-         "--cache-dir", str(tmp_path / "cache"), "--json"],
-        capture_output=True, text=True, timeout=300)
+    run = run_hpdl(["bench", "pipeline", "--data", str(data), "--patch", "8", "--batch-size", "4",
+                    "--model-batch-size", "1", "--workers", "0", "--batches", "3", "--repeats", "1",
+                    "--cache-dir", str(tmp_path / "cache"), "--json"])
     assert run.returncode == 0, run.stderr
     pipeline, model = json.loads(run.stdout)
     assert pipeline["unit"] == "patches/s" and pipeline["median"] > 0
@@ -62,8 +61,7 @@ def test_bench_pipeline_bad_input_is_one_line(tmp_path):
     for args, names in ((["--data", str(tmp_path / "missing")], "missing"),
                         (["--model", "nosuchnet"], "nosuchnet"),
                         (["--batches", "0"], "--batches")):
-        run = subprocess.run([sys.executable, "-m", "hpdl", "bench", "pipeline", *args],
-                             capture_output=True, text=True, timeout=300)
+        run = run_hpdl(["bench", "pipeline", *args])
         assert run.returncode == 2, (args, run.stderr)
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("hpdl: error:") and names in lines[0], (args, run.stderr)

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 import hpdl.torch as hvd
+from cli_in_process import run_hpdl
 from hpdl.cli import main
 from hpdl.sr.checkpoint import load_checkpoint, load_model, make_checkpoint, save_checkpoint
 from hpdl.sr.config import ConfigError, TrainConfig, config_names, load_config
@@ -273,9 +274,8 @@ def tiny_run_argv(data, out, *extra):
 
 
 def tiny_run(data, out, *extra):
-    """Run a tiny training through the command line, in a process of its own."""
-    return subprocess.run([sys.executable, "-m", "hpdl", *tiny_run_argv(data, out, *extra)], capture_output=True,
-                          text=True, timeout=120)
+    """Run a tiny training through the command line, in this process (cli_in_process.py)."""
+    return run_hpdl(tiny_run_argv(data, out, *extra))
 
 
 def test_on_bad_image_skip_skips_validation_images_too_small_to_score(tmp_path):

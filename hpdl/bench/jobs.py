@@ -220,9 +220,6 @@ def plot_format(path: str, option: str = "--plot") -> str:
     Raises:
         ValueError: naming the option and the file, when matplotlib writes no such format.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
     extension = os.path.splitext(path)[1][1:].lower()

@@ -218,12 +218,10 @@ def format_summary(record: Dict[str, Any]) -> str:
 def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = "png") -> None:
     """Write the plot to a file or binary stream: total img/s and efficiency against the number of
     ranks, one line per system."""
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: no global backend to choose (sr/figures.py)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (rate_ax, eff_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    rate_ax, eff_ax = fig.subplots(1, 2)
     for system in record["systems"]:
         rows = sorted((s for s in record["summary"] if s["system"] == system), key=lambda s: s["ranks"])
         ranks = [s["ranks"] for s in rows]
@@ -244,4 +242,3 @@ def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = 
     fig.suptitle(f"hpdl bench scaling: {' '.join(record['synthetic_args'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100, format=image_format)
-    plt.close(fig)

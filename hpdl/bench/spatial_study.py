@@ -310,14 +310,12 @@ def format_summary(record: Dict[str, Any]) -> str:
 
 def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = "png") -> None:
     """img/s (real and the bound) and memory per rank against the number of ranks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: no global backend to choose (sr/figures.py)
 
     done = [s for s in record["summary"] if s["status"] == "ok"]
     failed = [s for s in record["summary"] if s["status"] != "ok"]
-    fig, (rate_ax, memory_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    rate_ax, memory_ax = fig.subplots(1, 2)
     ranks = [s["ranks"] for s in done]
     rate_ax.plot(ranks, [s["img_sec"] for s in done], marker="o", label="SpatialParallel")
     rate_ax.plot(ranks, [s["bound_img_sec"] for s in done], marker="s", linestyle="--",
@@ -350,4 +348,3 @@ def plot(record: Dict[str, Any], out: Union[str, BinaryIO], image_format: str = 
     fig.suptitle(f"hpdl bench spatial: {record['model']}, {height}x{width}, batch {record['batch_size']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100, format=image_format)
-    plt.close(fig)

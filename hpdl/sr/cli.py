@@ -78,8 +78,7 @@ def _run_train(args: argparse.Namespace) -> int:
     # trainer makes sure of that), so the other ranks can exit quietly with the same status.
     from hpdl.comm import discover_topology
     from hpdl.sr.config import ConfigError, load_config
-    from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
-    from hpdl.sr.train import TrainError, format_summary, json_ready, train
+    from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError, TrainError
 
     reporter = discover_topology().rank == 0
     try:
@@ -91,6 +90,9 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         overrides = list(args.overrides) + ([f"resume={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
+        # Only now the trainer's imports (torch): a mistyped key is answered at once.
+        from hpdl.sr.train import format_summary, json_ready, train
+
         # With --json, stdout carries the summary alone: progress notes go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
                 warnings_in_one_line(visible=reporter):

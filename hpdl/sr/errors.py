@@ -6,7 +6,7 @@ The command line turns these into ``hpdl.cli_error.CliError`` so users see one l
 from __future__ import annotations
 
 __all__ = ["SRDataError", "BadImageError", "CorruptImageError", "ImageTooSmallError", "CheckpointError",
-           "ModelMismatchError"]
+           "ModelMismatchError", "TrainError"]
 
 
 class SRDataError(ValueError):
@@ -31,3 +31,7 @@ class CheckpointError(ValueError):
 
 class ModelMismatchError(ValueError):
     """Weights do not fit a model (different depth, width or scale)."""
+
+
+class TrainError(ValueError):
+    """A user error of a training run that every rank raises alike, so rank 0 alone needs to report it."""

@@ -179,13 +179,13 @@ def plot_curves(out_dir: Path, note: Optional[Callable[[str], None]] = None) -> 
 
     ``note`` is told of log rows that could not be read (they are left out).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: no global backend to choose (a notebook's stays as it
+    # is), nothing to close, and half a second less of imports.
+    from matplotlib.figure import Figure
 
     train, val = _read_log(out_dir / "train_log.csv", note), _read_log(out_dir / "val_log.csv", note)
-    fig, (loss_ax, lr_ax, psnr_ax) = plt.subplots(1, 3, figsize=(13, 3.6), constrained_layout=True)
+    fig = Figure(figsize=(13, 3.6), layout="constrained")
+    loss_ax, lr_ax, psnr_ax = fig.subplots(1, 3)
     loss_ax.plot(train.get("update", []), train.get("loss", []), color="tab:blue")
     loss_ax.set(title="training loss (L1)", xlabel="update")
     lr_ax.plot(train.get("update", []), train.get("lr", []), color="tab:orange")
@@ -194,7 +194,4 @@ def plot_curves(out_dir: Path, note: Optional[Callable[[str], None]] = None) -> 
     psnr_ax.plot(val.get("update", []), val.get("bicubic_psnr", []), "--", label="bicubic", color="tab:gray")
     psnr_ax.set(title="validation PSNR (dB)", xlabel="update")
     psnr_ax.legend()
-    try:
-        return atomic_write(out_dir / "curves.png", lambda f: fig.savefig(f, format="png", dpi=80))
-    finally:
-        plt.close(fig)
+    return atomic_write(out_dir / "curves.png", lambda f: fig.savefig(f, format="png", dpi=80))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import hpdl.torch as hvd
-from hpdl.sr.train_state import TrainError
+from hpdl.sr.errors import TrainError
 from hpdl.torch import spatial
 
 __all__ = ["WholePatches", "patch_forward", "spatial_layout"]

@@ -22,7 +22,7 @@ from torch import nn
 import hpdl.torch as hvd
 from hpdl.atomic_file import atomic_write
 from hpdl.sr.config import ConfigError
-from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError
+from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError, TrainError
 from hpdl.sr.evaluation import EvalResult, evaluate
 
 __all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "json_ready", "lr_at", "spatial_groups", "validate"]
@@ -31,10 +31,6 @@ T = TypeVar("T")
 
 # Errors caused by the user's input (files, settings): reported as one line, never a traceback.
 USER_ERRORS = (SRDataError, CheckpointError, ModelMismatchError, ConfigError, OSError)
-
-
-class TrainError(ValueError):
-    """A user error that every rank raises alike, so rank 0 alone needs to report it."""
 
 
 def _one_line(err: BaseException) -> str:
