@@ -9,6 +9,8 @@ cd "$root"
 # a file's tests stay together in one worker (--dist loadfile), so the jobs and clusters a file
 # shares among its tests start once.
 workers="${HPDL_TEST_WORKERS:-3}"
+# Not a setting of hpdl, which refuses HPDL_* variables it does not know: the jobs must not see it.
+unset HPDL_TEST_WORKERS
 if [ "$workers" = 0 ]; then
     exec python -m pytest -q "$@"
 fi

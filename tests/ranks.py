@@ -21,9 +21,11 @@ LAYOUTS = [("mpiexec", 1), ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)]
 LAYOUT_IDS = [f"{launcher}-{n}" for launcher, n in LAYOUTS]
 
 # The second MPI family: Open MPI's mpiexec with mpi4py built against it in .venv-openmpi
-# (scripts/setup-openmpi.sh), for a representative subset of the multi-rank tests.
+# (scripts/setup-openmpi.sh), for a representative subset of the multi-rank tests. Three ranks:
+# an odd count, where the ranks' paths differ most; a few tests run two (the layouts above have
+# both counts under MPICH).
 OPENMPI_VENV = ROOT / ".venv-openmpi"
-OPENMPI_LAYOUTS = [("openmpi", 2), ("openmpi", 3)]
+OPENMPI_LAYOUTS = [("openmpi", 3)]
 OPENMPI_LAYOUT_IDS = [f"{launcher}-{n}" for launcher, n in OPENMPI_LAYOUTS]
 
 

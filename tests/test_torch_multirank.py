@@ -92,18 +92,20 @@ def test_fusion_cache_and_poll(launcher, n):
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_gradients_no_one_waits_for_are_gathered_into_one_call_per_step(launcher):
+    # One job, a fresh engine for each setting (engine_behaviour.py's GATHERING_SETTINGS).
+    result = run_ranks("engine_behaviour.py", 2, launcher, args=["gathering"])
+    found = dict(re.findall(r"^OK gathering (\S+): (.*)$", result.stdout, re.M))
+    assert sorted(found) == ["held", "per-submission"], result.stdout
+    held = dict(field.split("=") for field in found["held"].split())
     # 15 steps of 20 small allreduces 2 ms apart: with gatherings only the bytes or a waiting
     # caller can end, one backend call per step (check_gathering asserts it on every rank).
-    result = run_ranks("engine_behaviour.py", 2, launcher, env={"HPDL_GATHER_TIME": "60000"})
-    assert "gathered_calls=15" in result.stdout, result.stdout
+    assert held["gathered_calls"] == "15", result.stdout
     # a model's backward: its last gradient says nothing more is to come, which ends the
     # gathering without a waiter (held otherwise until a round must check for stalls, 5 s)
-    burst_done_s = float(result.stdout.split("burst_done_s=")[1].split()[0])
-    assert burst_done_s < 2.5, result.stdout
+    assert float(held["burst_done_s"]) < 2.5, result.stdout
     # a round per submission: a call for most tensors
-    result = run_ranks("engine_behaviour.py", 2, launcher, env={"HPDL_GATHER_BYTES": "0"})
-    calls = int(result.stdout.split("gathered_calls=")[1].split()[0])
-    assert calls > 15 * 5, result.stdout
+    per_submission = dict(field.split("=") for field in found["per-submission"].split())
+    assert int(per_submission["gathered_calls"]) > 15 * 5, result.stdout
 
 
 def test_horovod_variables_in_a_job_script_and_the_cache_disabled():

@@ -1,4 +1,10 @@
-"""Engine behaviour seen through the public API: fusion, the response cache, poll()."""
+"""Engine behaviour seen through the public API: fusion, the response cache, poll().
+
+Usage: engine_behaviour.py [gathering]. Without an argument every check runs under the job's
+settings ("OK engine behaviour ..."); with ``gathering``, the gathering checks run under two
+settings in turn, each with a fresh engine (settings are read at hvd.init()), and rank 0 prints
+"OK gathering LABEL: gathered_calls=N burst_done_s=S" for each.
+"""
 
 from __future__ import annotations
 
@@ -151,7 +157,29 @@ def check_shutdown_names_the_rank(rank, size):
     hvd.shutdown()
 
 
+# The settings the gathering checks run under: a gather time too long to end a gathering (only
+# the bytes or a waiting caller may), and a round per submission.
+GATHERING_SETTINGS = {"held": {"HPDL_GATHER_TIME": "60000"}, "per-submission": {"HPDL_GATHER_BYTES": "0"}}
+
+
+def gathering():
+    for label, env in GATHERING_SETTINGS.items():
+        os.environ.update(env)
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        calls = check_gathering(rank, size)
+        burst_done_s = check_backward_ends_its_gathering(rank, size)
+        if rank == 0:
+            print(f"OK gathering {label}: gathered_calls={calls} burst_done_s={burst_done_s:.3f}", flush=True)
+        hvd.shutdown()
+        for key in env:
+            del os.environ[key]
+
+
 def main():
+    if sys.argv[1:] == ["gathering"]:
+        gathering()
+        return
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     calls, biggest = check_fusion(rank, size)
