@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence
 
 import pytest
 
@@ -82,6 +82,23 @@ def processes_with_env(entry: str) -> list:
         except OSError:
             continue
     return found
+
+
+_shared_jobs: Dict[Hashable, Any] = {}
+
+
+def shared_job(key: Hashable, start: Callable[[], Any]) -> Any:
+    """What ``start()`` returns, run once for every test that asks under ``key``: one job's
+    start-up (the ranks' imports) for the checks of several tests. Its skip, failure or timeout
+    is kept too, and raised in each of them."""
+    if key not in _shared_jobs:
+        try:
+            _shared_jobs[key] = start()
+        except BaseException as outcome:  # noqa: BLE001 - pytest's skip and fail outcomes
+            _shared_jobs[key] = outcome
+    if isinstance(_shared_jobs[key], BaseException):
+        raise _shared_jobs[key]
+    return _shared_jobs[key]
 
 
 def launch_argv(launcher: str, n: int, script: Sequence[str]) -> list:

@@ -8,7 +8,7 @@ import torch
 import hpdl.torch as hvd
 from hpdl.torch import elastic
 from hpdl.torch.elastic import sampler as elastic_sampler, state as elastic_state
-from ranks import run_plain_ranks, run_ranks
+from ranks import run_plain_ranks, run_ranks, shared_job
 
 
 @pytest.mark.multirank
@@ -32,10 +32,16 @@ def test_a_lost_rank_ends_the_function_with_the_committed_state_restored():
         assert "rank 1" in out, out
 
 
+def _handlers_job(n: int):
+    """One job of ``n`` ranks for the scheduler and the unpicklable object, one after the other."""
+    return shared_job(("elastic_handlers.py", n), lambda: run_ranks(
+        "elastic_handlers.py", n, args=["scheduler", "unpicklable"], timeout=120))
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("n", [1, 2])
 def test_an_lr_scheduler_of_a_distributed_optimizer_is_kept_by_its_state_dict(n):
-    result = run_ranks("elastic_handlers.py", n, args=["scheduler"], timeout=120)
+    result = _handlers_job(n)
     for rank in range(n):
         assert f"OK elastic scheduler: rank={rank}" in result.stdout, result.stdout
 
@@ -53,7 +59,7 @@ def test_an_lr_scheduler_has_a_handler_of_its_own():
 @pytest.mark.multirank
 @pytest.mark.parametrize("n", [1, 2])
 def test_an_object_that_does_not_pickle_is_named_with_the_handler_registry_that_keeps_it(n):
-    result = run_ranks("elastic_handlers.py", n, args=["unpicklable"], timeout=120)
+    result = _handlers_job(n)
     for rank in range(n):
         assert f"OK elastic unpicklable: rank={rank}" in result.stdout, result.stdout
 

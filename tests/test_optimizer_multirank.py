@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_ranks
+from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, run_ranks, shared_job
 
 pytestmark = pytest.mark.multirank
 
@@ -28,15 +28,21 @@ def _assert_all_ok(stdout: str, names) -> None:
     assert not missing, f"no OK line for {missing}:\n{stdout}"
 
 
+OVERLAP = [name for name in EQUIVALENCE if "overlap" in name]
+
+
+def _equivalence_job(launcher: str, n: int):
+    """The layout's one job for the two tests below: every scenario, then the overlap ones again
+    under a priority window of 16 bytes (optimizer_equivalence.py --priority-window)."""
+    return shared_job(("optimizer_equivalence.py", launcher, n), lambda: run_ranks(
+        "optimizer_equivalence.py", n, launcher, args=["--priority-window", "16"], timeout=240))
+
+
 @pytest.mark.parametrize("launcher,n", LAYOUTS + OPENMPI_LAYOUTS, ids=LAYOUT_IDS + OPENMPI_LAYOUT_IDS)
 def test_equivalence_with_one_process(launcher, n):
     # Average and Sum, SGD and Adam, accumulation, 16-bit compression, predivide, groups,
     # unnamed parameters; odd ranks produce gradients in another order.
-    result = run_ranks("optimizer_equivalence.py", n, launcher, timeout=240)
-    _assert_all_ok(result.stdout, EQUIVALENCE)
-
-
-OVERLAP = [name for name in EQUIVALENCE if name.endswith("overlap") or "overlap-" in name]
+    _assert_all_ok(_equivalence_job(launcher, n).stdout, EQUIVALENCE)
 
 
 @pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)],
@@ -44,9 +50,7 @@ OVERLAP = [name for name in EQUIVALENCE if name.endswith("overlap") or "overlap-
 def test_overlap_forward_with_a_priority_window_smaller_than_any_gradient(launcher, n):
     # Every gradient then waits queued, in the agreed order, and starts alone as the one
     # before it finishes (between rounds, or while a round waits): the results must not change.
-    result = run_ranks("optimizer_equivalence.py", n, launcher, args=OVERLAP,
-                       env={"HPDL_PRIORITY_WINDOW": "16"}, timeout=240)
-    _assert_all_ok(result.stdout, OVERLAP)
+    _assert_all_ok(_equivalence_job(launcher, n).stdout, [f"{name} priority-window=16" for name in OVERLAP])
 
 
 @pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 2)], ids=LAYOUT_IDS + ["openmpi-2"])

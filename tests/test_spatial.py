@@ -14,7 +14,7 @@ from hpdl.torch.spatial import dispatch
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand, Window, bands, plan_bands
 from hpdl.torch.spatial.parts import part_of, tagged
-from ranks import run_ranks
+from ranks import run_ranks, shared_job
 
 # -- bands and plans -----------------------------------------------------------------------
 
@@ -218,16 +218,22 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
     assert "OK spatial hybrid edsr-baseline 21x17" in result.stdout
 
 
+def _checks_on_three_ranks():
+    """One job of 3 ranks for the two tests below: the defects, then the refusal of a thin band."""
+    return shared_job("spatial_checks.py defects thin", lambda: run_ranks(
+        "spatial_checks.py", 3, "mpiexec", args=["defects", "thin"], timeout=300))
+
+
 @pytest.mark.multirank
 def test_the_published_implementations_defects_are_absent():
-    result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["defects"], timeout=300)
+    result = _checks_on_three_ranks()
     for name in ("halo backward", "batch norm statistics", "weight gradients summed over parts"):
         assert f"OK defects: {name}" in result.stdout, result.stdout
 
 
 @pytest.mark.multirank
 def test_a_grid_too_fine_for_the_image_is_refused_on_every_rank():
-    result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["thin"], timeout=300)
+    result = _checks_on_three_ranks()
     assert "OK thin: layer3.0.downsample.0 (Conv2d): row band 3 of 3" in result.stdout, result.stdout
     assert "use an image at least" in result.stdout and "or at most 2 row bands" in result.stdout
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from ranks import LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, ROOT, SCRIPTS, run_plain_ranks, run_ranks
+from ranks import (LAYOUT_IDS, LAYOUTS, OPENMPI_LAYOUT_IDS, OPENMPI_LAYOUTS, ROOT, SCRIPTS, run_plain_ranks, run_ranks,
+                   shared_job)
 
 pytestmark = pytest.mark.multirank
 
@@ -24,22 +25,14 @@ def _load_script(name: str):
 
 # The checks of tests/multirank/torch_api.py, each its own test id; one job per layout runs them all.
 API_CHECKS = _load_script("torch_api.py").CHECK_NAMES
-_api_jobs: dict = {}
 
 
 def _api_job(launcher: str, n: int) -> subprocess.CompletedProcess:
-    """The layout's one job; a skip or a timeout is kept too, and given to each of its checks."""
-    if (launcher, n) not in _api_jobs:
-        try:
-            # A check failing on some ranks leaves the others in a collective: the stall timeout then
-            # ends the job well before the harness's, with the failure printed.
-            _api_jobs[launcher, n] = run_ranks("torch_api.py", n, launcher, timeout=240, expect_ok=False,
-                                               env={"HPDL_STALL_TIMEOUT": "45"})
-        except BaseException as outcome:  # noqa: BLE001 - pytest's skip and fail outcomes
-            _api_jobs[launcher, n] = outcome
-    if isinstance(_api_jobs[launcher, n], BaseException):
-        raise _api_jobs[launcher, n]
-    return _api_jobs[launcher, n]
+    """The layout's one job, shared by its checks."""
+    # A check failing on some ranks leaves the others in a collective: the stall timeout then
+    # ends the job well before the harness's, with the failure printed.
+    return shared_job(("torch_api.py", launcher, n), lambda: run_ranks(
+        "torch_api.py", n, launcher, timeout=240, expect_ok=False, env={"HPDL_STALL_TIMEOUT": "45"}))
 
 
 @pytest.mark.parametrize("check", API_CHECKS)

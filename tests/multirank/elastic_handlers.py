@@ -1,6 +1,7 @@
 """hvd.elastic: what a TorchState keeps through handlers, and a plain object it cannot send.
 
-Modes (argv[1]):
+Modes (the arguments; several run one after another in the same job, each with its own
+hvd.init() and hvd.shutdown()):
   scheduler    an LR scheduler of a DistributedOptimizer, further on rank 0: run() gives every
                rank rank 0's; commit/restore bring back the committed one.
   unpicklable  a plain object that does not pickle (it holds a weak reference): run() raises on
@@ -108,4 +109,4 @@ def unpicklable_mode():
 
 if __name__ == "__main__":
     modes = {"scheduler": scheduler_mode, "unpicklable": unpicklable_mode}
-    run_main(modes[sys.argv[1]])
+    run_main(lambda: [modes[mode]() for mode in sys.argv[1:]])

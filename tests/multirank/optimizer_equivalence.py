@@ -5,13 +5,17 @@ float32 tolerance, looser with 16-bit compression) and are bitwise equal across 
 ranks list their parameters and compute the two branches in the other order, so gradients
 reach the engine in a different order than on even ranks.
 
-Usage: optimizer_equivalence.py [--device cpu|cuda] [scenario ...]  (default: all); prints
-"OK <scenario>". On cuda every rank trains on its GPU (hvd.local_gpu()), ranks sharing one if so.
+Usage: optimizer_equivalence.py [--device cpu|cuda] [--priority-window BYTES] [scenario ...]
+(default: all); prints "OK <scenario>". With --priority-window, the overlap scenarios then run
+again in the same job under HPDL_PRIORITY_WINDOW=BYTES (a fresh engine: settings are read at
+hvd.init()) and print "OK <scenario> priority-window=BYTES". On cuda every rank trains on its
+GPU (hvd.local_gpu()), ranks sharing one if so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -136,6 +140,11 @@ def run_scenario(sc: Scenario, device: torch.device) -> None:
 def main() -> None:
     args = sys.argv[1:]
     device_name = device_arg(args)
+    window = None
+    if "--priority-window" in args:
+        at = args.index("--priority-window")
+        window = args[at + 1]
+        del args[at:at + 2]
     hvd.init()
     device = rank_device(device_name)
     wanted = args or [s.name for s in SCENARIOS]
@@ -145,6 +154,14 @@ def main() -> None:
         if hvd.rank() == 0:
             print(f"OK {name}", flush=True)
     hvd.shutdown()
+    if window is not None:
+        os.environ["HPDL_PRIORITY_WINDOW"] = window
+        hvd.init()
+        for name in [n for n in wanted if "overlap" in n]:
+            run_scenario(by_name[name], device)
+            if hvd.rank() == 0:
+                print(f"OK {name} priority-window={window}", flush=True)
+        hvd.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Spatial parallelism's refusals and the published implementations' defects, on several ranks.
 
-Usage: spatial_checks.py CHECK; CHECK is one of:
+Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHECK is one of:
 - defects: the three defects found in public spatial-parallel code, each shown absent here and
   shown to matter (the defective computation differs from one process): a halo exchange
   without backward (the neighbours' gradient contributions dropped), batch norm with each
@@ -150,7 +150,8 @@ def print_ok(text: str) -> None:
 
 def main() -> None:
     hvd.init()
-    {"defects": defects, "thin": thin, "unsupported": unsupported}[sys.argv[1]]()
+    for check in sys.argv[1:]:
+        {"defects": defects, "thin": thin, "unsupported": unsupported}[check]()
     hvd.shutdown()
 
 
