@@ -15,7 +15,19 @@ def gpu_skip_reason():
     return None if reason is None else f"needs a CUDA device: {reason}"
 
 
+# The files that take longest, longest first (their summed durations in a whole run of the
+# suite, 2026-11-28). The xdist workers take files in the order they are collected: starting the
+# long ones first leaves short ones to fill the end, instead of one long file running on alone
+# while the other workers are idle.
+LONGEST_FIRST = ["test_torch_multirank.py", "test_spatial.py", "test_optimizer_multirank.py", "test_multinode.py",
+                 "test_spark.py", "test_bad_input.py", "test_sr_train_multirank.py", "test_lost_rank.py",
+                 "test_slurm.py", "test_gpu_check.py", "test_comm_multirank.py", "test_bench_synthetic.py",
+                 "test_elastic.py", "test_sr_train.py", "test_bench_spatial.py"]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
     # Every test marked gpu, in whatever file, skips with the reason on a machine without CUDA.
     gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
     reason = gpu_skip_reason() if gpu_tests else None
