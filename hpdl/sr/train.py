@@ -31,7 +31,7 @@ from hpdl.sr.checkpoint import (capture_rng_state, load_checkpoint, make_checkpo
                                 restore_rng_state, save_checkpoint)
 from hpdl.sr.config import ConfigError, TrainConfig, resolve_device
 from hpdl.sr.datasets import build_train_dataset, build_val_dataset, check_pairs, parse_range
-from hpdl.sr.errors import CheckpointError
+from hpdl.sr.errors import CheckpointError, TrainError
 from hpdl.sr.evaluation import keep_measurable
 from hpdl.sr.models import build_model_from_config, count_parameters, load_pretrained
 from hpdl.sr.registry import make_config
@@ -39,8 +39,8 @@ from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, wr
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.spatial_train import patch_forward, spatial_layout
 from hpdl.sr.threads import share_of_cores, thread_oversubscription
-from hpdl.sr.train_state import (EMA, MetricsLog, TrainError, agreed, format_summary, json_ready, lr_at, say,
-                                 spatial_groups, validate)
+from hpdl.sr.train_state import (EMA, MetricsLog, agreed, format_summary, json_ready, lr_at, say, spatial_groups,
+                                 validate)
 from hpdl.torch.mixed_precision import MixedPrecision
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from hpdl.sr.config import ConfigError
 from hpdl.sr.errors import CheckpointError, ModelMismatchError, SRDataError, TrainError
 from hpdl.sr.evaluation import EvalResult, evaluate
 
-__all__ = ["EMA", "MetricsLog", "TrainError", "agreed", "json_ready", "lr_at", "spatial_groups", "validate"]
+__all__ = ["EMA", "MetricsLog", "agreed", "json_ready", "lr_at", "spatial_groups", "validate"]
 
 T = TypeVar("T")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
+from typing import Dict, Iterator, Optional
 
 import torch
 
@@ -72,14 +74,39 @@ def run_main(main) -> None:
         os._exit(1)
 
 
+def option_arg(argv: list, option: str, default: Optional[str] = None) -> Optional[str]:
+    """Take ``option VALUE`` out of ``argv`` (in place); return VALUE (``default`` without it)."""
+    if option not in argv:
+        return default
+    at = argv.index(option)
+    value = argv[at + 1]
+    del argv[at:at + 2]
+    return value
+
+
 def device_arg(argv: list) -> str:
     """Take ``--device cpu|cuda`` out of ``argv`` (in place); return it (default cpu)."""
-    if "--device" not in argv:
-        return "cpu"
-    at = argv.index("--device")
-    name = argv[at + 1]
-    del argv[at:at + 2]
-    return name
+    return option_arg(argv, "--device", "cpu")
+
+
+@contextlib.contextmanager
+def engine_with(settings: Dict[str, str]) -> Iterator[None]:
+    """hvd.init() under these HPDL_* settings (read at init), hvd.shutdown() after, the environment
+    then as before: checks under other settings in the same job, without starting another."""
+    import hpdl.torch as hvd
+
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    hvd.init()
+    try:
+        yield
+    finally:
+        hvd.shutdown()
+        for key, value in before.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
 
 
 def rank_device(name: str) -> torch.device:

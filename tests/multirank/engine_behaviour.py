@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-from _common import assert_equal, run_main
+from _common import assert_equal, engine_with, run_main
 
 import hpdl.torch as hvd
 from hpdl.engine import HorovodInternalError
@@ -163,17 +163,13 @@ GATHERING_SETTINGS = {"held": {"HPDL_GATHER_TIME": "60000"}, "per-submission": {
 
 
 def gathering():
-    for label, env in GATHERING_SETTINGS.items():
-        os.environ.update(env)
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        calls = check_gathering(rank, size)
-        burst_done_s = check_backward_ends_its_gathering(rank, size)
-        if rank == 0:
-            print(f"OK gathering {label}: gathered_calls={calls} burst_done_s={burst_done_s:.3f}", flush=True)
-        hvd.shutdown()
-        for key in env:
-            del os.environ[key]
+    for label, settings in GATHERING_SETTINGS.items():
+        with engine_with(settings):
+            rank, size = hvd.rank(), hvd.size()
+            calls = check_gathering(rank, size)
+            burst_done_s = check_backward_ends_its_gathering(rank, size)
+            if rank == 0:
+                print(f"OK gathering {label}: gathered_calls={calls} burst_done_s={burst_done_s:.3f}", flush=True)
 
 
 def main():

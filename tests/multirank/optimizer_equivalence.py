@@ -15,13 +15,12 @@ GPU (hvd.local_gpu()), ranks sharing one if so.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from _common import device_arg, rank_device, run_main
+from _common import device_arg, engine_with, option_arg, rank_device, run_main
 from optimizer_models import assert_close, assert_ranks_equal, batch, loss_fn, make_pair, params_for, shard
 
 import hpdl.torch as hvd
@@ -140,11 +139,7 @@ def run_scenario(sc: Scenario, device: torch.device) -> None:
 def main() -> None:
     args = sys.argv[1:]
     device_name = device_arg(args)
-    window = None
-    if "--priority-window" in args:
-        at = args.index("--priority-window")
-        window = args[at + 1]
-        del args[at:at + 2]
+    window = option_arg(args, "--priority-window")
     hvd.init()
     device = rank_device(device_name)
     wanted = args or [s.name for s in SCENARIOS]
@@ -155,13 +150,11 @@ def main() -> None:
             print(f"OK {name}", flush=True)
     hvd.shutdown()
     if window is not None:
-        os.environ["HPDL_PRIORITY_WINDOW"] = window
-        hvd.init()
-        for name in [n for n in wanted if "overlap" in n]:
-            run_scenario(by_name[name], device)
-            if hvd.rank() == 0:
-                print(f"OK {name} priority-window={window}", flush=True)
-        hvd.shutdown()
+        with engine_with({"HPDL_PRIORITY_WINDOW": window}):
+            for name in [n for n in wanted if "overlap" in n]:
+                run_scenario(by_name[name], device)
+                if hvd.rank() == 0:
+                    print(f"OK {name} priority-window={window}", flush=True)
 
 
 if __name__ == "__main__":
