@@ -158,7 +158,7 @@ def tensor_rows(part: dict) -> dict:
 
 
 def test_unnamed_collectives_share_one_tensor_row_per_kind():
-    from hpdl.torch.mpi_ops import _name  # the automatic names, as hpdl.torch makes them
+    from hpdl.torch.calls import call_name as _name  # the automatic names, as hpdl.torch makes them
 
     recorder = Recorder(rank=0, zero_us=0.0)
     for call in range(300):

@@ -41,7 +41,7 @@ TENSOR_ROWS = 1000
 OTHER_TENSORS = schema.OTHER_TENSORS
 OTHER_LAYERS = schema.OTHER_LAYERS
 
-# The names hpdl.torch gives unnamed collectives (hpdl.torch.mpi_ops._name): the kind, a
+# The names hpdl.torch gives unnamed collectives (hpdl.torch.calls.call_name): the kind, a
 # per-call counter, then a grouped member's index or a sparse allreduce's part. The counter
 # makes every call a new name; the optimizer's names for unnamed parameters
 # (``allreduce.allreduce.noname.<group>.<index>``) are stable and do not match.
