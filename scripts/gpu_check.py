@@ -42,6 +42,7 @@ BUDGET_S = 440.0  # the whole run; with the ends of its last steps, under the 8 
 MIN_STEP_S = 10.0  # a step with less time left than this is not started
 MPS_STOP_RESERVE_S = 20.0  # kept back for stopping the MPS daemon, once started
 RANKS_PER_GPU = (1, 2, 4)
+TEST_WORKERS = 4  # pytest-xdist workers for the gpu tests, where the machine has it
 STEP_MARK = "GPU_CHECK_STEP"  # in every step's environment: what it leaves running is found by it
 # The seeds' single-V100 figure: what the ResNet-50 float32 number is read against.
 V100_RESNET50_IMG_S = 334.0
@@ -84,7 +85,7 @@ class Outcome:
 
 
 def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytest_found: bool,
-         pytest_timeout_found: bool, mps_dir: str) -> List[Step]:
+         pytest_timeout_found: bool, mps_dir: str, xdist_found: bool = False) -> List[Step]:
     """The steps of a check, in order (a pure function of what this machine has)."""
     hpdl = [python, "-m", "hpdl"]
     steps = [
@@ -96,6 +97,10 @@ def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytes
              "--continue-on-collection-errors"]
     if pytest_timeout_found:
         tests.append("--timeout=150")  # one hung test must not take the others' time
+    if xdist_found:
+        # One after another the tests took 237 s of their 240 on an H200 (docs/gpu.md): most of a
+        # test is its ranks starting, so four side by side (a GPU machine has the cores) share it.
+        tests += ["-n", str(TEST_WORKERS), "--dist", "load"]
     steps.append(Step("gpu-tests", tests + ["tests"], 240, kind="tests",
                       cannot=None if pytest_found else "pytest is not installed here (pip install pytest)"))
     for model, args in SYNTHETIC.items():
@@ -314,6 +319,9 @@ def json_record(output: str) -> Optional[Dict[str, Any]]:
 
 
 _TEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+# pytest-xdist's -v lines: "[gw0] [ 50%] PASSED tests/test_gpu.py::test_x[nccl-1]"
+_XDIST_TEST_LINE = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)",
+                              re.M)
 _TEST_REASON = re.compile(r"^(FAILED|ERROR) (\S+::\S+) - (.*)$", re.M)
 _SKIP_REASON = re.compile(r"^SKIPPED \[\d+\] \S+: (.*)$", re.M)
 
@@ -323,6 +331,8 @@ def read_test_results(output: str) -> Dict[str, Any]:
     the counts, why each failed, and why tests were skipped."""
     results: Dict[str, str] = {}
     for name, result in _TEST_LINE.findall(output):
+        results[name] = result
+    for result, name in _XDIST_TEST_LINE.findall(output):
         results[name] = result
     counts: Dict[str, int] = {}
     for result in results.values():
@@ -536,7 +546,8 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
     mps_dir = os.path.join(tempfile.gettempdir(), f"hpdl-gpu-check-mps-{os.getpid()}")
     steps = plan(python, detect_launchers(env).torchrun, _mps_control(),
                  importlib.util.find_spec("pytest") is not None,
-                 importlib.util.find_spec("pytest_timeout") is not None, mps_dir)
+                 importlib.util.find_spec("pytest_timeout") is not None, mps_dir,
+                 importlib.util.find_spec("xdist") is not None)
     if args.steps:
         try:
             steps = select_steps(steps, [w.strip() for w in args.steps.split(",") if w.strip()])

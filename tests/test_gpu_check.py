@@ -172,6 +172,21 @@ FAILED tests/test_gpu.py::test_engine_collectives_on_cuda_tensors[gloo-2-on-one-
 """
 
 
+def test_the_gpu_tests_run_side_by_side_where_xdist_is_installed():
+    with_xdist = plan("py", None, None, True, True, "/tmp/m", xdist_found=True)[2]
+    without = plan("py", None, None, True, True, "/tmp/m", xdist_found=False)[2]
+    assert with_xdist.argv[-5:] == ["-n", str(gpu_check["TEST_WORKERS"]), "--dist", "load", "tests"]
+    assert "-n" not in without.argv
+
+
+def test_pytest_xdist_results_are_read_per_test():
+    output = ("[gw1] [ 50%] PASSED tests/test_gpu.py::test_sync_batch_norm_on_cuda[nccl-1] \n"
+              "[gw0] [100%] FAILED tests/test_spatial.py::test_spatial_parallel_on_cuda_equals_one_process[nccl-1] \n")
+    assert gpu_check["read_test_results"](output)["results"] == {
+        "tests/test_gpu.py::test_sync_batch_norm_on_cuda[nccl-1]": "PASSED",
+        "tests/test_spatial.py::test_spatial_parallel_on_cuda_equals_one_process[nccl-1]": "FAILED"}
+
+
 def test_pytest_results_are_read_per_test_wherever_the_tests_are():
     results = gpu_check["read_test_results"](PYTEST_OUTPUT)
     assert results["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
