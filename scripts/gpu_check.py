@@ -42,7 +42,6 @@ BUDGET_S = 440.0  # the whole run; with the ends of its last steps, under the 8 
 MIN_STEP_S = 10.0  # a step with less time left than this is not started
 MPS_STOP_RESERVE_S = 20.0  # kept back for stopping the MPS daemon, once started
 RANKS_PER_GPU = (1, 2, 4)
-TEST_WORKERS = 4  # pytest-xdist workers for the gpu tests, where the machine has it
 STEP_MARK = "GPU_CHECK_STEP"  # in every step's environment: what it leaves running is found by it
 # The seeds' single-V100 figure: what the ResNet-50 float32 number is read against.
 V100_RESNET50_IMG_S = 334.0
@@ -84,8 +83,14 @@ class Outcome:
 # -- the plan ------------------------------------------------------------------------------------
 
 
+def gpu_test_workers(xdist_found: bool, cores: int) -> int:
+    """How many pytest-xdist workers run the gpu tests: one per 4 cores (each test starts ranks of
+    its own), at most 4; 1 (one after another) without xdist."""
+    return max(1, min(4, cores // 4)) if xdist_found else 1
+
+
 def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytest_found: bool,
-         pytest_timeout_found: bool, mps_dir: str, xdist_found: bool = False) -> List[Step]:
+         pytest_timeout_found: bool, mps_dir: str, test_workers: int = 1) -> List[Step]:
     """The steps of a check, in order (a pure function of what this machine has)."""
     hpdl = [python, "-m", "hpdl"]
     steps = [
@@ -97,10 +102,10 @@ def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytes
              "--continue-on-collection-errors"]
     if pytest_timeout_found:
         tests.append("--timeout=150")  # one hung test must not take the others' time
-    if xdist_found:
+    if test_workers >= 2:
         # One after another the tests took 237 s of their 240 on an H200 (docs/gpu.md): most of a
         # test is its ranks starting, so four side by side (a GPU machine has the cores) share it.
-        tests += ["-n", str(TEST_WORKERS), "--dist", "load"]
+        tests += ["-n", str(test_workers), "--dist", "load"]
     steps.append(Step("gpu-tests", tests + ["tests"], 240, kind="tests",
                       cannot=None if pytest_found else "pytest is not installed here (pip install pytest)"))
     for model, args in SYNTHETIC.items():
@@ -547,7 +552,7 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
     steps = plan(python, detect_launchers(env).torchrun, _mps_control(),
                  importlib.util.find_spec("pytest") is not None,
                  importlib.util.find_spec("pytest_timeout") is not None, mps_dir,
-                 importlib.util.find_spec("xdist") is not None)
+                 gpu_test_workers(importlib.util.find_spec("xdist") is not None, os.cpu_count() or 1))
     if args.steps:
         try:
             steps = select_steps(steps, [w.strip() for w in args.steps.split(",") if w.strip()])
@@ -571,7 +576,10 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
     for sub in ("pipe", "log"):  # the MPS daemon's folders, out of $OUT (whose files all come back)
         os.makedirs(os.path.join(mps_dir, sub), exist_ok=True)
     out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-check-out")
-    return Check(steps, out_dir, args.budget, env).run()
+    try:
+        return Check(steps, out_dir, args.budget, env).run()
+    finally:  # what the daemon's log said is in the summary by now
+        shutil.rmtree(mps_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

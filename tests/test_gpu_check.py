@@ -172,11 +172,12 @@ FAILED tests/test_gpu.py::test_engine_collectives_on_cuda_tensors[gloo-2-on-one-
 """
 
 
-def test_the_gpu_tests_run_side_by_side_where_xdist_is_installed():
-    with_xdist = plan("py", None, None, True, True, "/tmp/m", xdist_found=True)[2]
-    without = plan("py", None, None, True, True, "/tmp/m", xdist_found=False)[2]
-    assert with_xdist.argv[-5:] == ["-n", str(gpu_check["TEST_WORKERS"]), "--dist", "load", "tests"]
-    assert "-n" not in without.argv
+def test_the_gpu_tests_run_side_by_side_where_xdist_and_the_cores_are():
+    workers = gpu_check["gpu_test_workers"]
+    assert [workers(True, cores) for cores in (2, 8, 16, 64)] == [1, 2, 4, 4] and workers(False, 16) == 1
+    side_by_side = plan("py", None, None, True, True, "/tmp/m", test_workers=4)[2]
+    assert side_by_side.argv[-5:] == ["-n", "4", "--dist", "load", "tests"]
+    assert "-n" not in plan("py", None, None, True, True, "/tmp/m", test_workers=1)[2].argv
 
 
 def test_pytest_xdist_results_are_read_per_test():
