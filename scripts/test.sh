@@ -11,6 +11,10 @@ cd "$root"
 workers="${HPDL_TEST_WORKERS:-3}"
 # Not a setting of hpdl, which refuses HPDL_* variables it does not know: the jobs must not see it.
 unset HPDL_TEST_WORKERS
+# The workers and their jobs' ranks together run more threads than this machine has cores: an
+# OpenMP thread that waits then sleeps instead of spinning, which took the cores from the others
+# (a bf16 training test beside two busy processes: 14.8 s of CPU spinning, 6.8 s sleeping).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 if [ "$workers" = 0 ]; then
     exec python -m pytest -q "$@"
 fi
