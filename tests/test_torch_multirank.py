@@ -50,12 +50,6 @@ def test_every_function_against_reference(launcher, n, check):
         ("" if failures else f"(exit code {result.returncode})\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"))
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 3)], ids=LAYOUT_IDS + ["openmpi-3"])
-def test_sync_batch_norm_equals_one_process_on_the_whole_batch(launcher, n):
-    result = run_ranks("sync_batch_norm.py", n, launcher, timeout=180)
-    assert f"OK sync batch norm: size={n}" in result.stdout
-
-
 def test_adasum_at_four_ranks():
     # Two levels of the recursion (the usual layouts stop at one, or refuse three ranks).
     result = run_ranks("torch_api.py", 4, "mpiexec", args=["adasum"], timeout=120)
@@ -77,19 +71,34 @@ def test_init_and_shutdown_cycles_give_back_what_they_took(mode, launcher, cycle
     assert f"OK init {mode}: launched=2 members=[0, 1] cycles={cycles}" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("launcher,n", LAYOUTS, ids=LAYOUT_IDS)
-def test_fusion_cache_and_poll(launcher, n):
-    result = run_ranks("engine_behaviour.py", n, launcher)
-    assert "OK engine behaviour" in result.stdout
+def _in_turn_job(launcher: str, labels) -> subprocess.CompletedProcess:
+    """engine_behaviour.py's checks under each label's settings in turn, in one 2-rank job
+    shared by the tests that read it; "OK LABEL: ..." lines by label."""
+    return shared_job(("engine_behaviour.py in-turn", launcher, tuple(labels)), lambda: run_ranks(
+        "engine_behaviour.py", 2, launcher, args=["in-turn", *labels]))
+
+
+def _seen(result, label: str) -> dict:
+    found = re.findall(rf"^OK {re.escape(label)}: (.*)$", result.stdout, re.M)
+    assert len(found) == 1, result.stdout
+    return dict(field.split("=") for field in found[0].split())
+
+
+@pytest.fixture(scope="module")
+def timeline_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("timeline") / "timeline.json"
+
+
+def _mpiexec_in_turn_job(timeline_path):
+    return _in_turn_job("mpiexec", ["held", "per-submission", "horovod-variables", f"timeline={timeline_path}"])
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_gradients_no_one_waits_for_are_gathered_into_one_call_per_step(launcher):
-    # One job, a fresh engine for each setting (engine_behaviour.py's GATHERING_SETTINGS).
-    result = run_ranks("engine_behaviour.py", 2, launcher, args=["gathering"])
-    found = dict(re.findall(r"^OK gathering (\S+): (.*)$", result.stdout, re.M))
-    assert sorted(found) == ["held", "per-submission"], result.stdout
-    held = dict(field.split("=") for field in found["held"].split())
+def test_gradients_no_one_waits_for_are_gathered_into_one_call_per_step(launcher, timeline_path):
+    # A fresh engine for each setting (engine_behaviour.py's IN_TURN).
+    result = _mpiexec_in_turn_job(timeline_path) if launcher == "mpiexec" else _in_turn_job(
+        launcher, ["held", "per-submission"])
+    held = _seen(result, "held")
     # 15 steps of 20 small allreduces 2 ms apart: with gatherings only the bytes or a waiting
     # caller can end, one backend call per step (check_gathering asserts it on every rank).
     assert held["gathered_calls"] == "15", result.stdout
@@ -97,16 +106,14 @@ def test_gradients_no_one_waits_for_are_gathered_into_one_call_per_step(launcher
     # gathering without a waiter (held otherwise until a round must check for stalls, 5 s)
     assert float(held["burst_done_s"]) < 2.5, result.stdout
     # a round per submission: a call for most tensors
-    per_submission = dict(field.split("=") for field in found["per-submission"].split())
-    assert int(per_submission["gathered_calls"]) > 15 * 5, result.stdout
+    assert int(_seen(result, "per-submission")["gathered_calls"]) > 15 * 5, result.stdout
 
 
-def test_horovod_variables_in_a_job_script_and_the_cache_disabled():
+def test_horovod_variables_in_a_job_script_and_the_cache_disabled(timeline_path):
     # An alias takes effect (the cache off: every round takes the full path, check_cache asserts
     # it); a variable hpdl does not honour gets one warning line, from rank 0.
-    env = {"HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}
-    result = run_ranks("engine_behaviour.py", 2, "mpiexec", env=env)
-    assert "cache_hits=0" in result.stdout
+    result = _mpiexec_in_turn_job(timeline_path)
+    assert _seen(result, "horovod-variables")["cache_hits"] == "0"
     warnings = [line for line in result.stderr.splitlines() if "HOROVOD_" in line]
     assert warnings == ["hpdl: warning: HOROVOD_HIERARCHICAL_ALLGATHER is set but not honoured by hpdl; ignoring it"], \
         result.stderr
@@ -129,10 +136,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_timeline_from_environment(tmp_path):
-    path = tmp_path / "timeline.json"
-    run_ranks("engine_behaviour.py", 2, "mpiexec", env={"HPDL_TIMELINE": str(path)})
-    records = json.loads(path.read_text())
+def test_timeline_from_environment(timeline_path):
+    result = _mpiexec_in_turn_job(timeline_path)
+    _seen(result, "timeline")
+    records = json.loads(timeline_path.read_text())
     assert "start_time_since_epoch_in_micros" in records[0]["args"]
     names = {r.get("name") for r in records}
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER"} <= names

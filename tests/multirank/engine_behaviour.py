@@ -1,9 +1,9 @@
 """Engine behaviour seen through the public API: fusion, the response cache, poll().
 
-Usage: engine_behaviour.py [gathering]. Without an argument every check runs under the job's
-settings ("OK engine behaviour ..."); with ``gathering``, the gathering checks run under two
-settings in turn, each with a fresh engine (settings are read at hvd.init()), and rank 0 prints
-"OK gathering LABEL: gathered_calls=N burst_done_s=S" for each.
+Usage: engine_behaviour.py [in-turn LABEL ...]. Without an argument every check runs under the
+job's settings ("OK engine behaviour ..."); with ``in-turn``, the checks of each LABEL of
+IN_TURN run under its settings in turn, each with a fresh engine, and rank 0 prints
+"OK LABEL: ..." for each. torch_api.py runs these checks under the default settings in its job.
 """
 
 from __future__ import annotations
@@ -157,36 +157,59 @@ def check_shutdown_names_the_rank(rank, size):
     hvd.shutdown()
 
 
-# The settings the gathering checks run under: a gather time too long to end a gathering (only
-# the bytes or a waiting caller may), and a round per submission.
-GATHERING_SETTINGS = {"held": {"HPDL_GATHER_TIME": "60000"}, "per-submission": {"HPDL_GATHER_BYTES": "0"}}
-
-
-def gathering():
-    for label, settings in GATHERING_SETTINGS.items():
-        with engine_with(settings):
-            rank, size = hvd.rank(), hvd.size()
-            calls = check_gathering(rank, size)
-            burst_done_s = check_backward_ends_its_gathering(rank, size)
-            if rank == 0:
-                print(f"OK gathering {label}: gathered_calls={calls} burst_done_s={burst_done_s:.3f}", flush=True)
-
-
-def main():
-    if sys.argv[1:] == ["gathering"]:
-        gathering()
-        return
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+def check_all(rank, size):
+    """Every check under the job's settings; rank 0 prints what they saw. Shuts hpdl down."""
     calls, biggest = check_fusion(rank, size)
     hits = check_cache(rank, size)
     gathered_calls = check_gathering(rank, size)
     burst_done_s = check_backward_ends_its_gathering(rank, size)
     check_poll_in_flight(rank, size)
     check_shutdown_names_the_rank(rank, size)
+    return (f"size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits} "
+            f"gathered_calls={gathered_calls} burst_done_s={burst_done_s:.3f}")
+
+
+def check_gathering_settings(rank, size):
+    calls = check_gathering(rank, size)
+    burst_done_s = check_backward_ends_its_gathering(rank, size)
+    return f"gathered_calls={calls} burst_done_s={burst_done_s:.3f}"
+
+
+# The settings a job can run checks under in turn, each with a fresh engine (settings are read at
+# hvd.init()): LABEL -> (settings, checks). The gathering checks under a gather time too long to
+# end a gathering (only the bytes or a waiting caller may) and under a round per submission;
+# every check with Horovod's variables (one alias, one not honoured) and with a timeline, whose
+# file the label names (timeline=PATH).
+IN_TURN = {
+    "held": ({"HPDL_GATHER_TIME": "60000"}, check_gathering_settings),
+    "per-submission": ({"HPDL_GATHER_BYTES": "0"}, check_gathering_settings),
+    "horovod-variables": ({"HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}, check_all),
+    "timeline": ({}, check_all),
+}
+
+
+def in_turn(labels):
+    for label in labels:
+        name, _, value = label.partition("=")
+        settings, check = IN_TURN[name]
+        if name == "timeline":
+            settings = {"HPDL_TIMELINE": value}
+        with engine_with(settings):
+            rank = hvd.rank()
+            seen = check(rank, hvd.size())  # check_all shuts hpdl down
+            if rank == 0:
+                print(f"OK {name}: {seen}", flush=True)
+
+
+def main():
+    if sys.argv[1:2] == ["in-turn"]:
+        in_turn(sys.argv[2:])
+        return
+    hvd.init()
+    rank = hvd.rank()
+    seen = check_all(rank, hvd.size())
     if rank == 0:
-        print(f"OK engine behaviour: size={size} fusion_calls={calls} biggest_fused={biggest} cache_hits={hits} "
-              f"gathered_calls={gathered_calls} burst_done_s={burst_done_s:.3f}")
+        print(f"OK engine behaviour: {seen}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 on the whole images (float64): every replica's output, the parameters after 3 steps, and each
 replica's BatchNorm running statistics (which plain data parallelism keeps per replica).
 
-The plain data-parallel reference runs on every rank, in one process: one twin of the model
-per replica, each fed its replica's images; their gradients are averaged, as
-DistributedOptimizer averages them over the replicas, and applied to every twin.
+The plain data-parallel reference runs in one process, rank 0's, whose results every rank
+receives bit for bit: one twin of the model per replica, each fed its replica's images; their
+gradients are averaged, as DistributedOptimizer averages them over the replicas, and applied
+to every twin.
 """
 
 from __future__ import annotations
@@ -39,6 +40,30 @@ def loss_of(model: str, out, target):
     return F.cross_entropy(out, target) if classifies(model) else F.l1_loss(out, target)
 
 
+def reference_step(twins, twin_opts, step: int, model_name: str, height: int, width: int):
+    """A step of the plain data-parallel reference, on rank 0 alone (on every rank it cost the
+    job four times its CPU); every rank gets the twins' parameters and buffers after it, and
+    each replica's output. Returns the outputs by replica."""
+    outputs = None
+    if hvd.rank() == 0:
+        grads, outputs = [], []
+        for replica, twin in enumerate(twins):
+            x, target = images(step, replica, model_name, height, width)
+            twin.zero_grad()
+            out_ref = twin(x)
+            loss_of(model_name, out_ref, target).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in twin.parameters()])
+            outputs.append(out_ref.detach())
+        for twin, opt_twin in zip(twins, twin_opts):
+            for p, *replica_grads in zip(twin.parameters(), *grads):
+                if replica_grads[0] is not None:
+                    p.grad = sum(replica_grads) / len(replica_grads)
+            opt_twin.step()
+    for twin in twins:
+        hvd.broadcast_parameters(twin.state_dict(), root_rank=0)
+    return hvd.broadcast_object(outputs, 0, name="reference.outputs")
+
+
 def check(model_name: str, height: int, width: int) -> None:
     layout = spatial.grid(spatial=2, data=2)
     torch.manual_seed(0)
@@ -50,20 +75,8 @@ def check(model_name: str, height: int, width: int) -> None:
                                    named_parameters=net.named_parameters())
     twin_opts = [torch.optim.SGD(t.parameters(), lr=1e-4, momentum=0.9) for t in twins]
     for step in range(STEPS):
-        grads = []
-        for replica, twin in enumerate(twins):
-            x, target = images(step, replica, model_name, height, width)
-            twin.zero_grad()
-            out_ref = twin(x)
-            loss_of(model_name, out_ref, target).backward()
-            grads.append([None if p.grad is None else p.grad.clone() for p in twin.parameters()])
-            if replica == layout.replica:
-                expected = out_ref.detach()
-        for twin, opt_twin in zip(twins, twin_opts):
-            for p, *replica_grads in zip(twin.parameters(), *grads):
-                if replica_grads[0] is not None:
-                    p.grad = sum(replica_grads) / len(replica_grads)
-            opt_twin.step()
+        outputs = reference_step(twins, twin_opts, step, model_name, height, width)
+        expected = outputs[layout.replica]
 
         x, target = images(step, layout.replica, model_name, height, width)
         opt.zero_grad()

@@ -1,7 +1,8 @@
 """hvd.SyncBatchNorm on several ranks with unequal batches, against one process's BatchNorm
 on the concatenated batch: outputs, gradients, running statistics and eval mode (float64).
 
-Usage: sync_batch_norm.py [--device cpu|cuda]; on cuda every rank works on its GPU.
+Usage: sync_batch_norm.py [--device cpu|cuda]; on cuda every rank works on its GPU. On the CPU,
+torch_api.py runs the same checks (check_all) in its job.
 """
 
 from __future__ import annotations
@@ -88,12 +89,9 @@ def check_case(reference_cls, sample_shape, options, rank: int, size: int) -> No
     close(sync(parts[rank]).detach(), expected.detach(), f"{what} eval")
 
 
-def main() -> None:
-    global DEVICE
-    device_name = device_arg(sys.argv)
-    hvd.init()
-    DEVICE = rank_device(device_name)
-    rank, size = hvd.rank(), hvd.size()
+def check_all(rank: int, size: int) -> None:
+    """Every case, the refusal of a 1-D input, and a process set's members alone (torch_api.py
+    runs this as one of its checks)."""
     for reference_cls, sample_shape, options in CASES:
         check_case(reference_cls, sample_shape, options, rank, size)
     try:
@@ -109,6 +107,15 @@ def main() -> None:
             assert torch.allclose(layer(x).cpu(), torch.full((2, 2), 2.0 * rank - 1.0, dtype=torch.float64),
                                   atol=1e-3)  # mean 0.5, var 0.25
         hvd.remove_process_set(pair)
+
+
+def main() -> None:
+    global DEVICE
+    device_name = device_arg(sys.argv)
+    hvd.init()
+    DEVICE = rank_device(device_name)
+    rank, size = hvd.rank(), hvd.size()
+    check_all(rank, size)
     hvd.shutdown()
     if rank == 0:
         print(f"OK sync batch norm: size={size} device={DEVICE.type}")

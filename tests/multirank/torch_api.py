@@ -1,4 +1,6 @@
-"""Every hpdl.torch collective against a single-process reference, on every dtype."""
+"""Every hpdl.torch collective against a single-process reference, on every dtype; the engine's
+behaviour under the default settings (engine_behaviour.py's checks: fusion, the response cache,
+gathering, poll) and SyncBatchNorm (sync_batch_norm.py's), in the same job: one start-up for all."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import warnings
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+import engine_behaviour
+import sync_batch_norm
 from _common import ALL_DTYPES, adasum_reference, assert_equal, rank_tensor, run_main
 
 import hpdl.torch as hvd
@@ -510,6 +514,12 @@ CHECKS = {
     "process-sets": check_process_sets,
     "timeline": check_timeline,
     "join": check_join,
+    "sync-batch-norm": sync_batch_norm.check_all,
+    "fusion": engine_behaviour.check_fusion,
+    "response-cache": engine_behaviour.check_cache,
+    "gathering": engine_behaviour.check_gathering,
+    "backward-ends-its-gathering": engine_behaviour.check_backward_ends_its_gathering,
+    "poll-in-flight": engine_behaviour.check_poll_in_flight,
 }
 
 
@@ -522,8 +532,8 @@ def check_shutdown_and_init_again(rank, size):
     hvd.shutdown()
 
 
-# Every name a job reports on, in order (the test gives each its own id).
-CHECK_NAMES = list(CHECKS) + ["shutdown-and-init-again"]
+# Every name a job reports on, in order (the test gives each its own id); the last two shut down.
+CHECK_NAMES = list(CHECKS) + ["shutdown-names-the-rank", "shutdown-and-init-again"]
 
 
 def main():
@@ -541,7 +551,9 @@ def main():
     for name, check in CHECKS.items():
         failed += [name] if not _report(name, check, rank, size) else []
     stats = runtime.engine().stats()
-    failed += [] if _report("shutdown-and-init-again", check_shutdown_and_init_again, rank, size) else ["shutdown"]
+    for name, check in (("shutdown-names-the-rank", engine_behaviour.check_shutdown_names_the_rank),
+                        ("shutdown-and-init-again", check_shutdown_and_init_again)):
+        failed += [name] if not _report(name, check, rank, size) else []
     if failed:
         sys.exit(1)
     if rank == 0:
