@@ -31,18 +31,22 @@ def _assert_all_ok(stdout: str, names) -> None:
 OVERLAP = [name for name in EQUIVALENCE if "overlap" in name]
 
 
-def _equivalence_job(launcher: str, n: int):
-    """The layout's one job for the two tests below: every scenario, then the overlap ones again
-    under a priority window of 16 bytes (optimizer_equivalence.py --priority-window)."""
-    return shared_job(("optimizer_equivalence.py", launcher, n), lambda: run_ranks(
-        "optimizer_equivalence.py", n, launcher, args=["--priority-window", "16"], timeout=240))
+def _optimizer_job(launcher: str, n: int):
+    """The layout's one job for the tests below: every equivalence scenario, then the overlap ones
+    again under a priority window of 16 bytes, every behaviour check, and last the overlap_forward
+    end with the model and optimizer kept (optimizer_job.py). Under Open MPI, the equivalence
+    scenarios alone (optimizer_equivalence.py), at 3 ranks."""
+    if launcher == "openmpi":
+        return shared_job(("optimizer_equivalence.py", launcher, n), lambda: run_ranks(
+            "optimizer_equivalence.py", n, launcher, args=["--priority-window", "16"], timeout=240))
+    return shared_job(("optimizer_job.py", launcher, n), lambda: run_ranks("optimizer_job.py", n, launcher, timeout=400))
 
 
 @pytest.mark.parametrize("launcher,n", LAYOUTS + OPENMPI_LAYOUTS, ids=LAYOUT_IDS + OPENMPI_LAYOUT_IDS)
 def test_equivalence_with_one_process(launcher, n):
     # Average and Sum, SGD and Adam, accumulation, 16-bit compression, predivide, groups,
     # unnamed parameters; odd ranks produce gradients in another order.
-    _assert_all_ok(_equivalence_job(launcher, n).stdout, EQUIVALENCE)
+    _assert_all_ok(_optimizer_job(launcher, n).stdout, EQUIVALENCE)
 
 
 @pytest.mark.parametrize("launcher,n", [("mpiexec", 2), ("mpiexec", 3), ("torchrun", 2)],
@@ -50,12 +54,14 @@ def test_equivalence_with_one_process(launcher, n):
 def test_overlap_forward_with_a_priority_window_smaller_than_any_gradient(launcher, n):
     # Every gradient then waits queued, in the agreed order, and starts alone as the one
     # before it finishes (between rounds, or while a round waits): the results must not change.
-    _assert_all_ok(_equivalence_job(launcher, n).stdout, [f"{name} priority-window=16" for name in OVERLAP])
+    _assert_all_ok(_optimizer_job(launcher, n).stdout, [f"{name} priority-window=16" for name in OVERLAP])
 
 
 @pytest.mark.parametrize("launcher,n", LAYOUTS + [("openmpi", 2)], ids=LAYOUT_IDS + ["openmpi-2"])
 def test_behaviour(launcher, n):
-    result = run_ranks("optimizer_behaviour.py", n, launcher, timeout=240)
+    # Open MPI at 2 ranks: its other jobs run 3.
+    result = (run_ranks("optimizer_behaviour.py", n, launcher, timeout=240) if launcher == "openmpi"
+              else _optimizer_job(launcher, n))
     _assert_all_ok(result.stdout, BEHAVIOUR)
 
 
@@ -65,8 +71,9 @@ def test_behaviour(launcher, n):
 def test_overlap_forward_ends_cleanly_when_one_rank_finishes_first(launcher, n, keep):
     # keep: what the script holds at shutdown (optimizer_overlap_end.py): the last updates
     # must not be lost while the model lives, and the slower rank's last backward must not
-    # fail even when nothing is left of the training.
-    result = run_ranks("optimizer_overlap_end.py", n, launcher, args=[keep], timeout=240)
+    # fail even when nothing is left of the training. "kept" ends the layout's optimizer job.
+    result = (_optimizer_job(launcher, n) if keep == "kept"
+              else run_ranks("optimizer_overlap_end.py", n, launcher, args=[keep], timeout=240))
     # The ranks' lines may interleave in the launcher's output: match the records, not lines.
     if keep == "none":
         done = re.findall(r"DONE (\d+)", result.stdout)

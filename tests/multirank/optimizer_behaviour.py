@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -539,9 +540,9 @@ CHECKS = {
 }
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     hvd.init()
-    for name in sys.argv[1:] or list(CHECKS):
+    for name in (sys.argv[1:] if argv is None else argv) or list(CHECKS):
         CHECKS[name]()
         if hvd.rank() == 0:
             print(f"OK {name}", flush=True)

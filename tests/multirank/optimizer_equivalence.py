@@ -136,8 +136,8 @@ def run_scenario(sc: Scenario, device: torch.device) -> None:
         assert_ranks_equal(model, f"{sc.name}.{step}")
 
 
-def main() -> None:
-    args = sys.argv[1:]
+def main(argv: Optional[List[str]] = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
     device_name = device_arg(args)
     window = option_arg(args, "--priority-window")
     hvd.init()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from typing import List, Optional
 import time
 
 import torch
@@ -52,8 +53,9 @@ def train(rank: int, size: int):
     return model, reference, opt
 
 
-def main() -> None:
-    keep = sys.argv[1] if len(sys.argv) > 1 else "kept"
+def main(argv: Optional[List[str]] = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    keep = args[0] if args else "kept"
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     model, reference, opt = train(rank, size)
