@@ -190,8 +190,8 @@ class Settings:
                           config_key=("stall_check", "warning_time_seconds")))
     stall_timeout_s: float = _setting(
         1800.0, "HPDL_STALL_TIMEOUT", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", bound=_SECONDS_ABOVE_0,
-        doc="seconds before a stalled collective is raised on every rank; the whole job then ends within 3 s, even "
-            "a rank stuck in C code (it prints its stack)",
+        doc="seconds before a stalled collective (or a spatial group's halo exchange) is raised on every rank; the "
+            "whole job then ends within 3 s, even a rank stuck in C code (it prints its stack)",
         run=RunOptionSpec(("--stall-timeout-s",), "abort the job when a collective stalls longer than S seconds",
                           metavar="S"))
     # 0: the backend's rendezvous then waits up to the stall timeout.

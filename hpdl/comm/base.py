@@ -4,7 +4,8 @@ A :class:`Communicator` is one group of ranks. All methods are collective over t
 blocking, except :meth:`Communicator.allreduce_start`, which a backend that runs collectives on
 threads of its own (torch.distributed) returns from at once; the engine calls them from its
 single background thread, so implementations need not be thread-safe. Tensors passed in are
-contiguous; in-place methods write into them.
+contiguous; in-place methods write into them. A communicator given a ``wait_hook`` waits
+interruptibly instead, calling it between polls (a spatial group's).
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ class Communicator(abc.ABC):
     #: (or by a control message queued behind megabytes of data on the same connection) does
     #: not leave the network idle.
     control_wait_hook: Optional[Callable[[], None]] = None
+    #: Called between the polls of every wait of :meth:`exchange`, :meth:`allreduce` and
+    #: :meth:`allgather`, by a communicator whose owner must be able to interrupt and bound them
+    #: (a spatial group's, which checks whether the engine still runs and how long it has
+    #: waited: hpdl/torch/spatial/comm.py). It may raise: the transfer is then abandoned, its
+    #: buffers kept alive and its receives cancelled where the backend can, and the
+    #: communicator must not be used again (the job is ending). None, as on the engine's own
+    #: communicators: the waits block as they always did, at no cost.
+    wait_hook: Optional[Callable[[], None]] = None
     #: Whether the collectives started with :meth:`allreduce_start` run one after another in
     #: the order they started (gloo's and nccl's work queues) rather than side by side (MPI's
     #: non-blocking collectives, which share the network as they progress).

@@ -5,7 +5,9 @@ memory through a byte view. CUDA tensors go to MPI directly when the library is 
 otherwise through a pinned host buffer. MPI has no float16 or bfloat16 reductions, so those
 use user-defined operations that reduce the raw 16-bit words with torch. Where some peer is
 on another node the engine's allreduces run non-blocking and polled; among the ranks of one
-node they block (``background_collectives``).
+node they block (``background_collectives``). A communicator given a ``wait_hook`` (a spatial
+group's) runs its collectives non-blocking, tested in a tight loop as the blocking calls wait,
+and calls the hook meanwhile; its point-to-point transfers are polled politely, as always.
 """
 
 from __future__ import annotations
@@ -166,6 +168,23 @@ def _wait_politely(request, max_sleep: Optional[float] = None,
             between()
 
 
+def _wait_spinning(request, between: Callable[[], None], every_s: float) -> None:
+    """Complete a non-blocking MPI request as MPI's blocking calls wait, testing it in a tight
+    loop, and call ``between`` every ``every_s`` meanwhile.
+
+    For a collective that replaces a blocking one (a spatial group's, Communicator.wait_hook):
+    among ranks that share memory it progresses only inside MPI's calls on every rank, so a
+    rank that sleeps between its tests delays the others, and a group whose ranks take turns
+    at being late would pay a sleep on every call (measured: scripts/measure_halo_exchange.py).
+    """
+    next_call = time.perf_counter() + every_s
+    while not request.Test():
+        now = time.perf_counter()
+        if now >= next_call:
+            between()
+            next_call = now + every_s
+
+
 _SPIN_SECONDS = 1e-4
 # Each wake-up costs CPU time taken from the compute; a late peer (its engine thread
 # descheduled by the compute) is better waited for with few, longer sleeps.
@@ -177,6 +196,9 @@ _MAX_SLEEP = 2e-3
 # longer intervals and a blocking wait that spins on the shared core (measured:
 # scripts/measure_mpi_polling.py, docs/perf-notes/).
 POLL_INTERVAL_S = 5e-4
+# How often a wait that spins (_wait_spinning) calls its hook: often enough for a prompt end,
+# rarely enough to cost the spin nothing.
+_HOOK_INTERVAL_S = 0.01
 
 
 _EXCHANGE_TAG = 7  # point-to-point transfers (Communicator.exchange); nothing else sends on these
@@ -261,6 +283,9 @@ class MPICommunicator(Communicator):
         node.Free()
         self._probes = 0
         self.in_flight = 0  # started allreduces not yet seen done (they progress when polled)
+        # The buffers of transfers abandoned when wait_hook raised: MPI may still read or write
+        # them (a send, a collective cannot be cancelled), so they live as long as the communicator.
+        self._abandoned: List[Any] = []
 
     @property
     def rank(self) -> int:
@@ -338,7 +363,11 @@ class MPICommunicator(Communicator):
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
         mpi_op = _mpi_op(tensor.dtype, op)
-        self._run_on_host(tensor, lambda t: self._comm.Allreduce(MPI.IN_PLACE, self._spec(t), op=mpi_op))
+        if self.wait_hook is None:
+            self._run_on_host(tensor, lambda t: self._comm.Allreduce(MPI.IN_PLACE, self._spec(t), op=mpi_op))
+        else:
+            self._run_on_host(tensor, lambda t: self._wait_interruptibly(
+                self._comm.Iallreduce(MPI.IN_PLACE, self._spec(t), op=mpi_op), keep=(t,), spin=True))
 
     def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
         """Start a non-blocking allreduce (``MPI_Iallreduce``) that the engine completes by
@@ -407,8 +436,12 @@ class MPICommunicator(Communicator):
         counts = [d * row for d in first_dims]
         displs = np.cumsum([0] + counts[:-1]).tolist()
         send, out = self._staged_send_and_output(tensor, (sum(first_dims),) + tuple(tensor.shape[1:]))
-        mpitype = self._types[tensor.dtype]
-        self._comm.Allgatherv(self._spec(send.contiguous()), [self._raw(out), (counts, displs), mpitype])
+        send = send.contiguous()
+        received = [self._raw(out), (counts, displs), self._types[tensor.dtype]]
+        if self.wait_hook is None:
+            self._comm.Allgatherv(self._spec(send), received)
+        else:
+            self._wait_interruptibly(self._comm.Iallgatherv(self._spec(send), received), keep=(send, out), spin=True)
         return out.to(tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
@@ -461,12 +494,34 @@ class MPICommunicator(Communicator):
                    for peer, t in receives]
         requests = [self._comm.Irecv(self._spec(buf), source=peer, tag=_EXCHANGE_TAG) for peer, _t, buf in landing]
         outgoing = [(peer, t.cpu() if stage and t.is_cuda else t.contiguous()) for peer, t in sends]
+        receiving = list(requests)
         requests += [self._comm.Isend(self._spec(t), dest=peer, tag=_EXCHANGE_TAG) for peer, t in outgoing]
         if requests:
-            _wait_politely(_AllOf(requests), POLL_INTERVAL_S)
+            self._wait_interruptibly(_AllOf(requests), keep=(landing, outgoing), cancel=receiving)
         for _peer, tensor, buf in landing:
             if buf is not tensor:
                 tensor.copy_(buf)
+
+    def _wait_interruptibly(self, request, keep: Any, cancel: Sequence[Any] = (), spin: bool = False) -> None:
+        """Wait for ``request``, calling ``wait_hook`` (if set) meanwhile: spinning as the blocking
+        collective it replaces would (``spin``), else politely, as point-to-point transfers
+        always have. Should the hook raise, the transfer is abandoned: the receives of ``cancel``
+        are cancelled, so that nothing lands later, and ``keep`` (every buffer MPI may still
+        read or write) lives on with the communicator."""
+        try:
+            if spin:
+                _wait_spinning(request, self.wait_hook, _HOOK_INTERVAL_S)
+            else:
+                _wait_politely(request, POLL_INTERVAL_S, self.wait_hook)
+        except BaseException:
+            for receive in cancel:
+                try:
+                    receive.Cancel()
+                    receive.Test()  # completes the cancelled receive (MPI_Finalize would count it pending)
+                except MPI.Exception:  # done already, or the connection is gone
+                    pass
+            self._abandoned.append(keep)
+            raise
 
     def barrier(self) -> None:
         self._comm.Barrier()
@@ -489,6 +544,8 @@ class MPICommunicator(Communicator):
         return layout
 
     def close(self) -> None:
+        if MPI.Is_finalized():  # at interpreter exit, after mpi4py's MPI_Finalize: nothing left to free
+            return
         for comm in (self._comm, self._probe, self._control):
             if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and comm != MPI.COMM_NULL:
                 try:
@@ -521,7 +578,10 @@ class MPICommunicator(Communicator):
     def _exchange_ints(self, values: List[int]) -> List[int]:
         sent = np.array(values, dtype=np.int64)
         out = np.empty(len(values) * self._size, dtype=np.int64)
-        self._comm.Allgather(sent, out)
+        if self.wait_hook is None:
+            self._comm.Allgather(sent, out)
+        else:
+            self._wait_interruptibly(self._comm.Iallgather(sent, out), keep=(sent, out), spin=True)
         return out.tolist()
 
 

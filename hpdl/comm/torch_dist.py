@@ -15,6 +15,10 @@ started: what follows it (scaling, copying out of the fusion buffer) is queued b
 same stream. Waiting on the host until the GPU is done (``work.is_completed()``) would cost a
 poll per collective, and NCCL's future reports completion when the work is queued, not done,
 so nothing would wake the engine when it is.
+
+A communicator given a ``wait_hook`` (a spatial group's) makes its gloo calls on a thread of its
+own (``_GlooCaller``) and waits for them in timed waits, calling the hook between them: gloo's
+point-to-point works cannot be polled, nor waited for with a timeout without breaking the group.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import atexit
 import datetime
 import gc
 import os
+import queue
+import threading
 import time
-from typing import List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +53,9 @@ _BOOL_OPS = {
 # Neither gloo nor NCCL has int16: reduce it widened (wrap-around on narrowing matches int16
 # arithmetic) and move it as bytes.
 _WIDEN = {torch.int16: torch.int32}
+# How often an interruptible wait (Communicator.wait_hook) calls the hook; the wait itself ends
+# as soon as the call does (its end wakes the caller).
+_HOOK_INTERVAL_S = 0.01
 
 
 def _as_rows_of_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -143,6 +152,60 @@ class _WorkInFlight(InFlight):
         self._work.get_future().add_done_callback(lambda _future: callback())
 
 
+class _Call:
+    """A call that :class:`_GlooCaller` makes: ``done`` (a lock held until then) is released once it
+    has returned, with the ``error`` it raised, if any. (A lock, not an Event: the caller's
+    timed acquire wakes the moment it is released, with less of the GIL's back and forth.)"""
+
+    __slots__ = ("run", "done", "error")
+
+    def __init__(self, run: Callable[[], Any]):
+        self.run = run
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.error: Optional[BaseException] = None
+
+
+class _GlooCaller:
+    """A thread that makes gloo's blocking calls for a caller that must stay interruptible
+    (``Communicator.wait_hook``), while the caller waits for it in timed waits, calling its hook
+    between them.
+
+    gloo's point-to-point works cannot be polled (``is_completed()`` turns true only inside
+    ``wait()``, and a ``wait(timeout)`` that times out breaks every connection of the group), and
+    a collective started with ``async_op`` costs more than a blocking one made on this thread
+    (measured: scripts/measure_halo_exchange.py). A call the caller abandons keeps this thread,
+    and its tensors alive, until it ends or the process does; the job is ending then.
+    """
+
+    def __init__(self):
+        self._calls: "queue.SimpleQueue[Optional[_Call]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="hpdl-gloo-caller", daemon=True)
+        self._thread.start()
+
+    def call(self, run: Callable[[], Any]) -> _Call:
+        call = _Call(run)
+        self._calls.put(call)
+        return call
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            try:
+                call.run()
+            except Exception as err:  # noqa: BLE001 - handed to the caller, which raises it
+                call.error = err
+            call.run = None  # no reference to a transfer's tensors outlives it (see _destroy_default_group)
+            call.done.release()
+            del call
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._thread.join(1.0)  # an abandoned call may hold it: not waited for longer
+
+
 class TorchCommunicator(Communicator):
     """A communicator over a torch.distributed process group."""
 
@@ -164,6 +227,7 @@ class TorchCommunicator(Communicator):
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
         self._probes = 0
+        self._gloo_caller: Optional[_GlooCaller] = None  # made on the first interruptible call
 
     @property
     def rank(self) -> int:
@@ -186,6 +250,11 @@ class TorchCommunicator(Communicator):
         return self._cpu if tensor.device.type == "cpu" else self._group
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        if self.wait_hook is not None and tensor.is_cuda and self.name == "gloo":
+            on_host = tensor.cpu()  # gloo's calls are made on another thread: no stream of this one's
+            self.allreduce(on_host, op)
+            tensor.copy_(on_host)
+            return
         self._allreduce(tensor, op, self._data_group(tensor))
 
     def allreduce_control(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -194,17 +263,47 @@ class TorchCommunicator(Communicator):
     def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, group) -> None:
         if tensor.dtype == torch.bool:
             as_bytes = tensor.to(torch.uint8)
-            dist.all_reduce(as_bytes, op=_OPS[_BOOL_OPS[op]], group=group)
+            self._all_reduce(as_bytes, _OPS[_BOOL_OPS[op]], group)
             tensor.copy_(as_bytes.bool())
             return
         if op in (ReduceOp.BAND, ReduceOp.BOR) and tensor.dtype.is_floating_point:
             raise CommError(f"bitwise reduction {op.value} is not defined for {tensor.dtype}")
         if tensor.dtype in _WIDEN:
             wide = tensor.to(_WIDEN[tensor.dtype])
-            dist.all_reduce(wide, op=_OPS[op], group=group)
+            self._all_reduce(wide, _OPS[op], group)
             tensor.copy_(wide)
             return
-        dist.all_reduce(tensor, op=_OPS[op], group=group)
+        self._all_reduce(tensor, _OPS[op], group)
+
+    def _all_reduce(self, tensor: torch.Tensor, op, group) -> None:
+        if self.wait_hook is None or not self._gloo_group(group):
+            dist.all_reduce(tensor, op=op, group=group)
+        else:
+            self._interruptibly(lambda: dist.all_reduce(tensor, op=op, group=group))
+
+    def _all_gather(self, parts: List[torch.Tensor], tensor: torch.Tensor, group) -> None:
+        if self.wait_hook is None or not self._gloo_group(group):
+            dist.all_gather(parts, tensor, group=group)
+        else:
+            self._interruptibly(lambda: dist.all_gather(parts, tensor, group=group))
+
+    def _gloo_group(self, group) -> bool:
+        """Whether ``group`` is one of gloo's: every group under gloo; under nccl, all but the data
+        group, whose device tensors' calls only queue work on the caller's stream (the host does
+        not wait, so there is nothing to interrupt), and must be made from the caller's thread."""
+        return self.name == "gloo" or group is not self._group
+
+    def _interruptibly(self, run: Callable[[], Any]) -> None:
+        """Make gloo's blocking calls ``run()`` on the gloo caller's thread, calling ``wait_hook``
+        between timed waits for them; raise their error. Should the hook raise, the calls are
+        abandoned (their tensors kept alive by the thread that is still in them)."""
+        if self._gloo_caller is None:
+            self._gloo_caller = _GlooCaller()
+        call = self._gloo_caller.call(run)
+        while not call.done.acquire(timeout=_HOOK_INTERVAL_S):
+            self.wait_hook()
+        if call.error is not None:
+            raise call.error
 
     background_collectives = True
 
@@ -230,11 +329,13 @@ class TorchCommunicator(Communicator):
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]] = None) -> torch.Tensor:
         if tensor.dim() == 0:
             raise CommError("allgather needs a tensor of at least one dimension")
+        if self.wait_hook is not None and tensor.is_cuda and self.name == "gloo":
+            return self.allgather(tensor.cpu(), first_dims).to(tensor.device)  # as allreduce does
         group = self._control if tensor.device.type == "cpu" else self._group
         if first_dims is None:
             mine = torch.tensor([tensor.shape[0]], dtype=torch.int64)
             dims = [torch.empty_like(mine) for _ in range(self._size)]
-            dist.all_gather(dims, mine, group=self._control)
+            self._all_gather(dims, mine, self._control)
             first_dims = [int(d.item()) for d in dims]
         if not self._movable(tensor):
             gathered = self.allgather(_as_rows_of_bytes(tensor), first_dims)
@@ -245,7 +346,7 @@ class TorchCommunicator(Communicator):
             pad = torch.zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
             send = torch.cat([tensor, pad])
         parts = [torch.empty_like(send) for _ in range(self._size)]
-        dist.all_gather(parts, send.contiguous(), group=group)
+        self._all_gather(parts, send.contiguous(), group)
         return torch.cat([p[:n] for p, n in zip(parts, first_dims)])
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
@@ -300,8 +401,11 @@ class TorchCommunicator(Communicator):
         ops += [dist.P2POp(dist.isend, (t.cpu() if staged and t.is_cuda else t).contiguous(), self._global(peer),
                            group=group) for peer, t in sends]
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            if self.wait_hook is None or not self._gloo_group(group):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            else:
+                self._interruptibly(lambda: [work.wait() for work in dist.batch_isend_irecv(ops)])
         for _peer, tensor, buf in landing:
             if buf is not tensor:
                 tensor.copy_(buf)
@@ -330,7 +434,9 @@ class TorchCommunicator(Communicator):
         try:
             store = dist.distributed_c10d._get_default_store()
             self._probes += 1
-            prefix = f"hpdl/alive/{self._probes}/"
+            # Each group its own keys: the engine's world and a spatial group may both check.
+            members = "world" if self._is_world else ",".join(str(self._global(r)) for r in range(self._size))
+            prefix = f"hpdl/alive/{members}/{self._probes}/"
             store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))
             store.set(prefix + str(self._global(self._rank)), "1")
             missing = [r for r in range(self._size) if r != self._rank]
@@ -343,6 +449,9 @@ class TorchCommunicator(Communicator):
             return None
 
     def close(self) -> None:
+        if self._gloo_caller is not None:
+            self._gloo_caller.close()
+            self._gloo_caller = None
         # The default group outlives this communicator (init_process_group); the groups made
         # for it, the world's control group included, end with it: each holds sockets and
         # threads, which every init()/shutdown() cycle would otherwise add to.

@@ -90,6 +90,36 @@ class EngineFailures:
         self._watch_wake.set()
         return True
 
+    @property
+    def stop_reason(self) -> Optional[str]:
+        """Why the engine no longer runs collectives, in the words its callers' errors use (its
+        failure, or a shutdown: "hpdl has been shut down (rank 0 called hvd.shutdown(), or
+        exited)"); None while it runs. For waits outside the engine that depend on every rank
+        going on (a spatial group's halo exchanges)."""
+        if self._failure is not None:
+            return self._failure
+        if self._stopped.is_set():
+            return self._stop_message
+        return None
+
+    def end_job(self, reason: str) -> None:
+        """End the whole job because a caller's own communication cannot complete (a spatial
+        group's transfer that stalled, or whose peer's engine stopped), and return once its end
+        is armed.
+
+        The engine fails with ``reason`` as for a lost peer, unless it has stopped already; either
+        way the job ends within the abort's grace period (abort.py), so that the caller's error,
+        which it raises and reports itself (nothing is logged here), is followed by the end of
+        the job and not by a normal exit, which would wait for the peers in ``MPI_Finalize``.
+        Not for signal handlers (:meth:`request_end` is).
+        """
+        message = f"hpdl engine failed on rank {self.rank}: {reason}"
+        if self._failure is None and not self._stopped.is_set():
+            self._fail(message, log_it=False, ended=True)
+        # Armed here too when the engine had stopped, or another thread is failing it right now
+        # (the first arming wins): the caller's exit must find the end armed.
+        abort.arm(self.comm, self.rank, message, stalled=False)
+
     def _lost(self, err: BaseException) -> str:
         """After a backend failure, the ranks that no longer answer, as words for the message."""
         if self.size == 1 or not isinstance(err, (CommError, RuntimeError)) or isinstance(err, HorovodInternalError):

@@ -38,6 +38,51 @@ def reference_reduce(tensors, op: ReduceOp) -> torch.Tensor:
     return out
 
 
+def interruptible(comm, rank: int, size: int) -> None:
+    """With a wait hook (a spatial group's communicator): the same results from the waits that
+    call it (non-blocking collectives polled, gloo's transfers waited for on a thread of their
+    own); under MPI, a transfer that cannot complete is abandoned when the hook raises, its
+    receive cancelled, and the communicator still works."""
+    calls = []
+    comm.wait_hook = lambda: calls.append(1)
+    for dtype in ALL_DTYPES:
+        for op in (ReduceOp.SUM, ReduceOp.MAX):
+            mine = rank_tensor(rank, (257,), dtype, seed=17)
+            t = mine.clone()
+            comm.allreduce(t, op)
+            assert_equal(t, reference_reduce([rank_tensor(r, (257,), dtype, seed=17) for r in range(size)], op),
+                         f"interruptible allreduce {op.value} {dtype}")
+        parts = [rank_tensor(r, (r + 1, 3), dtype, seed=19) for r in range(size)]
+        assert_equal(comm.allgather(parts[rank]), torch.cat(parts), f"interruptible allgather {dtype}")
+        assert_equal(comm.allgather(parts[rank], first_dims=[r + 1 for r in range(size)]), torch.cat(parts),
+                     f"interruptible allgather known dims {dtype}")
+    # A ring of halo-like transfers: to the next rank, from the previous one.
+    strip = rank_tensor(rank, (64, 1024), torch.float32, seed=23)
+    landing = torch.empty_like(strip)
+    comm.exchange([((rank + 1) % size, strip)], [((rank - 1) % size, landing)])
+    assert_equal(landing, rank_tensor((rank - 1) % size, (64, 1024), torch.float32, seed=23), "interruptible exchange")
+    if comm.name == "mpi":
+        def give_up():
+            calls.append(1)
+            if len(calls) >= 3:
+                raise TimeoutError("given up")
+
+        calls.clear()
+        comm.wait_hook = give_up
+        abandoned = torch.zeros(4)
+        try:
+            comm.exchange([], [(rank, abandoned)])  # a message this rank never sends itself
+            raise AssertionError("the exchange that cannot complete returned")
+        except TimeoutError:
+            pass
+        assert len(calls) == 3, calls
+        comm.wait_hook = None
+        landing = torch.zeros(4)
+        comm.exchange([(rank, torch.ones(4))], [(rank, landing)])
+        assert landing.tolist() == [1.0] * 4 and abandoned.tolist() == [0.0] * 4, (landing, abandoned)
+    comm.wait_hook = None
+
+
 def main() -> None:
     topo = discover_topology()
     backend = choose_backend(os.environ.get("HPDL_BACKEND", "auto"), topo, mpi_available())
@@ -105,6 +150,8 @@ def main() -> None:
         counts = even_split(rows, size)
         start = sum(counts[:rank])
         assert_equal(comm.reduce_scatter(full[rank].clone()), reduced[start:start + counts[rank]], f"reduce_scatter {dtype}")
+
+    interruptible(comm, rank, size)
 
     # objects, barrier, sub-groups
     assert comm.allgather_object({"rank": rank}) == [{"rank": r} for r in range(size)]
