@@ -120,9 +120,9 @@ class Functional(nn.Module):
     (lambda x: F.layer_norm(x, x.shape[1:]), "F.layer_norm"),
     (lambda x: F.linear(x, torch.ones(3, x.shape[-1], device=x.device)), "F.linear"),
     (lambda x: torch.flatten(x, 1), "flatten that changes the image dimensions"),
-    (lambda x: x[:, :, 1:], "indexing that selects rows or columns"),
+    (lambda x: x[:, :, ::2], "a slice of the image with a step"),
     (lambda x: x[..., 0], "indexing that selects rows or columns"),
-    (lambda x: F.pad(x, (1, 1, 1, 1)), "F.pad of the image dimensions"),
+    (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "F.pad of the image dimensions with mode='reflect'"),
     (lambda x: torch.roll(x, 1, 2), "roll along an image dimension"),
     (lambda x: x.softmax(2), "softmax along an image dimension"),
     (lambda x: x.mean(2), "mean over one image dimension only"),
@@ -172,10 +172,12 @@ def test_global_pooling_makes_a_replicated_result():
 
 EXACTNESS = [
     ("mpiexec", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17",
-                           "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint"]),
-    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "srresnet:23x19"]),
-    ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17"]),
-    ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17"]),
+                           "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint", "unet:37x29",
+                           "unet-crop:37x29:checkpoint", "seghead:64x32"]),
+    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "srresnet:23x19", "unet:37x29"]),
+    ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32"]),
+    ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29"]),
+    ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64"]),
     ("openmpi", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19"]),
 ]
 
@@ -218,10 +220,19 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
     assert "OK spatial hybrid edsr-baseline 21x17" in result.stdout
 
 
+_THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime"]
+
+
 def _checks_on_three_ranks():
-    """One job of 3 ranks for the two tests below: the defects, then the refusal of a thin band."""
-    return shared_job("spatial_checks.py defects thin", lambda: run_ranks(
-        "spatial_checks.py", 3, "mpiexec", args=["defects", "thin"], timeout=300))
+    """One job of 3 ranks for the tests below: the defects, the refusals of thin bands and of
+    inputs that differ, dropout's masks, and SpatialParallel's lifetime."""
+    return shared_job("spatial_checks.py " + " ".join(_THREE_RANK_CHECKS), lambda: run_ranks(
+        "spatial_checks.py", 3, "mpiexec", args=_THREE_RANK_CHECKS, timeout=300))
+
+
+def _checks_on_two_ranks():
+    return shared_job("spatial_checks.py unsupported sizes", lambda: run_ranks(
+        "spatial_checks.py", 2, "torchrun", args=["unsupported", "sizes"], timeout=300))
 
 
 @pytest.mark.multirank
@@ -240,6 +251,57 @@ def test_a_grid_too_fine_for_the_image_is_refused_on_every_rank():
 
 @pytest.mark.multirank
 def test_unsupported_layers_are_refused_before_any_halo_moves():
-    result = run_ranks("spatial_checks.py", 2, "torchrun", args=["unsupported"], timeout=300)
+    result = _checks_on_two_ranks()
     assert "OK unsupported: block.1 (GroupNorm): F.group_norm is not supported" in result.stdout, result.stdout
     assert "OK unsupported: 1 (Upsample): interpolation with mode='bilinear', align_corners=True" in result.stdout
+
+
+@pytest.mark.multirank
+def test_a_band_too_thin_for_strided_convolutions_is_refused_alike_and_check_split_agrees():
+    result = _checks_on_three_ranks()
+    assert "OK thin-strided 24: 3 (Conv2d): row band 1 of 3" in result.stdout, result.stdout
+    assert "OK thin-strided 20: 3 (Conv2d): row band 3 of 3 would hold none" in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+def test_a_size_computed_from_a_parts_shape_is_refused_alike_on_every_rank():
+    result = _checks_on_two_ranks()
+    assert ("OK sizes: (the model) (_Upsampled): interpolation of a 37 x 8 map to 75 x 16 (a scale of 2.027 x 2) is "
+            "not supported") in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+def test_inputs_that_are_not_the_groups_parts_of_one_image_are_refused_on_every_rank():
+    result = _checks_on_three_ranks()
+    assert "OK inputs whole: SpatialParallel's input must be this rank's part of the image" in result.stdout
+    assert "OK inputs twice: scatter: this tensor is already a part of a 17 x 8 image" in result.stdout
+    for what, rank0 in (("height", "18 x 8 image with leading dimensions [2, 3], float64"),
+                        ("width", "17 x 9 image with leading dimensions [2, 3], float64"),
+                        ("batch", "17 x 8 image with leading dimensions [3, 3], float64"),
+                        ("dtype", "17 x 8 image with leading dimensions [2, 3], float32")):
+        assert (f"OK inputs {what}: the ranks of the spatial group got different inputs (group rank 0: a part of a "
+                f"{rank0}") in result.stdout, result.stdout
+    assert "OK inputs: the group works after the refusals" in result.stdout
+
+
+@pytest.mark.multirank
+def test_dropout_draws_each_bands_own_mask_reproducibly():
+    result = _checks_on_three_ranks()
+    assert "OK dropout: each band its own mask, the same for the same seed, replayed by checkpointing" in result.stdout
+
+
+@pytest.mark.multirank
+def test_spatial_parallel_leaves_the_model_as_it_was_when_closed():
+    result = _checks_on_three_ranks()
+    assert "OK lifetime: 200 made and closed, the model as it was" in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+def test_a_refusal_that_ends_the_program_is_one_line_per_rank():
+    result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["uncaught"], timeout=120, expect_ok=False)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "F.group_norm is not supported" in line]
+    assert sorted(lines) == [f"hpdl: rank {r}: 1 (GroupNorm): F.group_norm is not supported in the spatial part "
+                             "(it normalizes over each sample's pixels, which this rank holds only part of)"
+                             for r in range(3)], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

@@ -58,6 +58,9 @@ class ShutdownStage(enum.IntEnum):
     # Observers that gather and write what they recorded (the profile): after the job's own
     # collectives, so that the record holds them and its gather does not wait behind them.
     WRITE_RECORDS = 1
+    # What holds communicators of its own split from the job's (spatial groups): released last,
+    # after the records that may include its traffic.
+    RELEASE = 2
 
 
 class ShutdownError(RuntimeError):

@@ -8,7 +8,21 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
 - thin: an image too small for the grid is refused on every rank with the same message,
   naming the layer and the band, and what would fit;
 - unsupported: a layer that cannot run on parts is refused on every rank, naming its path in
-  the model, before any halo moves.
+  the model, before any halo moves;
+- thin-strided: four stride-2 3x3 convolutions on 24 and 20 rows over the ranks: the first
+  forward and check_split refuse alike on every rank (the thinnest band decided it, not each
+  rank's own);
+- sizes: an interpolation to a size computed from a part's shape (2h + 1 rows) is refused alike
+  on every rank (on 37 rows the parts differ: 19 and 18);
+- inputs: the whole image instead of a part, a part scattered twice, and parts that differ
+  between ranks (height, width, batch, dtype) are refused on every rank, in one line;
+- dropout: each band draws its own mask (ranks seeded alike), the same again for the same seed,
+  and a checkpointed block's recomputation replays it;
+- lifetime: 200 SpatialParallel made and closed leave the model as it was (no hooks, no
+  forward of its own), a closed one refuses to run, and shutdown closes the ones left open.
+
+With "uncaught" as the only CHECK, a refusal ends the program (not caught): each rank prints it
+in one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -143,17 +157,164 @@ def unsupported() -> None:
         print_ok(f"unsupported: {message}")
 
 
+def refusal_of(run) -> str:
+    """The SpatialError ``run()`` raises, the same on every rank (checked), or fail."""
+    try:
+        run()
+    except spatial.SpatialError as err:
+        message = str(err)
+    else:
+        raise AssertionError("not refused")
+    everyone = hvd.allgather_object(message)
+    assert len(set(everyone)) == 1, f"the ranks' refusals differ: {everyone}"
+    return message
+
+
+def thin_strided() -> None:
+    model = nn.Sequential(*[nn.Conv2d(3, 3, 3, stride=2, padding=p) for p in (1, 0, 1, 0)]).double()
+    net = spatial.SpatialParallel(model)
+    for height in (24, 20):
+        x = torch.randn(1, 3, height, 40, dtype=torch.float64)
+        message = refusal_of(lambda: net(net.scatter(x)))
+        try:
+            spatial.check_split(model, x.shape, (hvd.size(), 1), torch.float64)
+        except spatial.SpatialError as err:
+            assert str(err) == message, f"check_split said {err}, the forward {message}"
+        else:
+            raise AssertionError("check_split accepted what the forward refused")
+        print_ok(f"thin-strided {height}: {message}")
+    net.close()
+
+
+class _Upsampled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        return F.interpolate(self.conv(x), size=(2 * h + 1, 2 * w))
+
+
+def sizes() -> None:
+    net = spatial.SpatialParallel(_Upsampled().double())
+    x = torch.randn(1, 3, 37, 8, dtype=torch.float64)
+    print_ok(f"sizes: {refusal_of(lambda: net(net.scatter(x)))}")
+    net.close()
+
+
+def inputs() -> None:
+    torch.manual_seed(0)  # the same model and image on every rank
+    net = spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1)).double())
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
+    print_ok(f"inputs whole: {refusal_of(lambda: net(x))}")
+    print_ok(f"inputs twice: {refusal_of(lambda: net(net.scatter(net.scatter(x))))}")
+    rank = hvd.rank()
+    variants = {
+        "height": torch.randn(2, 3, 17 + (rank == 0), 8, dtype=torch.float64),
+        "width": torch.randn(2, 3, 17, 8 + (rank == 0), dtype=torch.float64),
+        "batch": torch.randn(2 + (rank == 0), 3, 17, 8, dtype=torch.float64),
+        "dtype": torch.randn(2, 3, 17, 8, dtype=torch.float64 if rank else torch.float32),
+    }
+    for what, image in variants.items():
+        model = net if what != "dtype" else spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1)))
+        print_ok(f"inputs {what}: {refusal_of(lambda: model(model.scatter(image)))}")
+    # the group goes on after a refusal: the next forward runs
+    with torch.no_grad():
+        out = net.gather(net(net.scatter(x)))
+        assert torch.allclose(out, net.module(x)), "the forward after the refusals differs from one process"
+    print_ok("inputs: the group works after the refusals")
+    net.close()
+
+
+def dropout() -> None:
+    torch.manual_seed(0)  # every rank alike, as for identical initialisation
+    net = spatial.SpatialParallel(nn.Dropout(0.5))
+    ones = torch.ones(1, 1, 8 * hvd.size(), 6)
+
+    def masks(seed: int):
+        torch.manual_seed(seed)
+        return net.gather(net(net.scatter(ones)))
+
+    first = masks(1)
+    bands = first.view(hvd.size(), 8, 6)
+    assert set(first.unique().tolist()) <= {0.0, 2.0}, first.unique()
+    assert all(not torch.equal(bands[0], bands[b]) for b in range(1, hvd.size())), "bands share their mask"
+    assert torch.equal(masks(1), first), "the same seed drew other masks"
+    assert not torch.equal(masks(2), first), "another seed drew the same masks"
+    dropped = (first == 0).double().mean().item()
+    assert 0.25 < dropped < 0.75, f"{dropped:.2f} of the pixels dropped, for p = 0.5"
+    net.close()
+    # A checkpointed block recomputes the same mask in backward: its gradients are those of the
+    # forward's mask (the block without checkpointing, the same seed, gives the same).
+    grads = []
+    for checkpoint in (False, True):
+        torch.manual_seed(3)
+        block = nn.Sequential(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Dropout(0.5)))
+        net = spatial.SpatialParallel(block.double(), checkpoint=checkpoint)
+        x = torch.randn(1, 1, 8 * hvd.size(), 6, dtype=torch.float64)
+        torch.manual_seed(4)
+        out = net(net.scatter(x))
+        out.sum().backward()
+        grads.append((net.gather(out.detach()), block[0][0].weight.grad.clone()))
+        net.close()
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1], atol=1e-12), \
+        "the checkpointed block's recomputation drew another mask"
+    print_ok("dropout: each band its own mask, the same for the same seed, replayed by checkpointing")
+
+
+def lifetime() -> None:
+    model = build("edsr-baseline")
+    before = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__)
+              for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(200):
+        net = spatial.SpatialParallel(model, checkpoint=True)
+        if i % 2:
+            net.close()
+        else:
+            with net:
+                pass
+        assert net.closed
+    after = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__)
+             for name, m in model.named_modules()}
+    assert after == before, "the model kept hooks or a forward of SpatialParallel's"
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    refused = refusal_of(lambda: net(net.scatter(torch.zeros(1, 3, 8, 8))))
+    assert "closed" in refused, refused
+    left_open = spatial.SpatialParallel(model, checkpoint=True)
+    hvd.shutdown()
+    assert left_open.closed, "shutdown left a SpatialParallel open"
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    hvd.init()
+    print_ok("lifetime: 200 made and closed, the model as it was")
+
+
+def uncaught() -> None:
+    """A refusal that ends the program: SpatialParallel's own one line on each rank."""
+    net = spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3)))
+    net(net.scatter(torch.randn(1, 3, 16, 16)))
+
+
 def print_ok(text: str) -> None:
     if hvd.rank() == 0:
         print(f"OK {text}", flush=True)
 
 
+CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
+          "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime}
+
+
 def main() -> None:
     hvd.init()
     for check in sys.argv[1:]:
-        {"defects": defects, "thin": thin, "unsupported": unsupported}[check]()
+        CHECKS[check]()
     hvd.shutdown()
 
 
 if __name__ == "__main__":
-    run_main(main)
+    if sys.argv[1:] == ["uncaught"]:
+        hvd.init()
+        uncaught()
+    else:
+        run_main(main)

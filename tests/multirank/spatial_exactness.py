@@ -13,7 +13,7 @@ not the split; a wrong halo or statistic is off by far more.
 
 Usage: spatial_exactness.py [--device cpu|cuda] GRID CASE [CASE ...]; GRID is RxC (its product:
 the ranks), a CASE is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, edsr, srresnet,
-resnet50, resnet-small. Prints "OK spatial MODEL HxW GRID" per case.
+resnet50, resnet-small, unet, unet-crop, seghead. Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 import torch.nn.functional as F
 from _common import device_arg, rank_device, run_main
-from spatial_models import build, classifies
+from spatial_models import build, classifies, output_size
 
 import hpdl.torch as hvd
 from hpdl.torch import spatial
@@ -60,7 +60,8 @@ def batch(step: int, model: str, height: int, width: int):
         x = torch.randn(BATCH, 3, height, width, generator=gen, dtype=torch.float64)
         return x.to(DEVICE), torch.randint(0, 10, (BATCH,), generator=gen).to(DEVICE)
     x = torch.rand(BATCH, 3, height, width, generator=gen, dtype=torch.float64) * 255
-    return x.to(DEVICE), (torch.rand(BATCH, 3, 2 * height, 2 * width, generator=gen, dtype=torch.float64) * 255).to(DEVICE)
+    out_h, out_w = output_size(model, height, width)
+    return x.to(DEVICE), (torch.rand(BATCH, 3, out_h, out_w, generator=gen, dtype=torch.float64) * 255).to(DEVICE)
 
 
 def loss_of(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

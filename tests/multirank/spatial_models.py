@@ -1,10 +1,14 @@
-"""The models the spatial tests split: the registry's super-resolution networks, ResNet-50, and a
+"""The models the spatial tests split: the registry's super-resolution networks, ResNet-50, a
 small ResNet with every kind of layer ResNet-50 has (BatchNorm, a stride-2 7x7 stem, max
-pooling, stride-2 bottlenecks, global pooling and a Linear tail), narrow enough to be quick."""
+pooling, stride-2 bottlenecks, global pooling and a Linear tail), narrow enough to be quick, and
+the models users brought: a U-Net for odd sizes (transposed convolution and bilinear
+upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped to it) and a
+torchvision-style segmentation head (the output interpolated to the size read from the input)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hpdl.bench.models import Bottleneck, ResNet, resnet50
@@ -41,9 +45,76 @@ class SmallResNet(ResNet):
                     m.bias.copy_(torch.rand(m.bias.shape, generator=gen) - 0.5)
 
 
+def _conv(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+
+class UNet(nn.Module):
+    """Two levels down and up. The lower level upsamples by a transposed convolution, the upper
+    by bilinear interpolation; on odd sizes the upsampled map is one row or column short of the
+    skip: ``pad`` pads it by the difference of the two sizes (F.pad, milesial's recipe), else
+    the skip is cropped to the upsampled map's size (``e[..., :u.shape[-2], :u.shape[-1]]``)."""
+
+    def __init__(self, pad: bool = True):
+        super().__init__()
+        self.pad = pad
+        self.enc1, self.enc2, self.bottom = _conv(3, 8), _conv(8, 16), _conv(16, 16)
+        self.pool = nn.MaxPool2d(2)
+        self.up2 = nn.ConvTranspose2d(16, 16, 2, stride=2)
+        self.dec2 = _conv(32, 8)
+        self.up1 = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.dec1 = _conv(16, 8)
+        self.head = nn.Conv2d(8, 3, 1)
+
+    def _join(self, up: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            dy, dx = skip.size(2) - up.size(2), skip.size(3) - up.size(3)
+            up = F.pad(up, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+        else:
+            skip = skip[..., :up.shape[-2], :up.shape[-1]]
+        return torch.cat([skip, up], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.pool(e1))
+        b = self.bottom(self.pool(e2))
+        d2 = self.dec2(self._join(self.up2(b), e2))
+        d1 = self.dec1(self._join(self.up1(d2), e1))
+        return self.head(d1)
+
+
+class SegmentationHead(nn.Module):
+    """torchvision's segmentation models' shape: the input's size read at the top of forward, a
+    backbone of stride-2 convolutions, a 1x1 classifier, and the logits interpolated back to
+    that size."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU(),
+                                      nn.Conv2d(16, 16, 3, 2, 1), nn.ReLU())
+        self.classifier = nn.Conv2d(16, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-2:]
+        return F.interpolate(self.classifier(self.backbone(x)), size=size, mode="bilinear", align_corners=False)
+
+
 def build(name: str) -> nn.Module:
     if name == "resnet50":
         return resnet50(num_classes=10)
     if name == "resnet-small":
         return SmallResNet()
+    if name == "unet":
+        return UNet(pad=True)
+    if name == "unet-crop":
+        return UNet(pad=False)
+    if name == "seghead":
+        return SegmentationHead()
     return build_model(name, 2)
+
+
+def output_size(name: str, height: int, width: int):
+    """The output's height and width for an input of ``height`` x ``width`` (shapes only)."""
+    model = build(name).to("meta")
+    with torch.no_grad():
+        return tuple(model(torch.empty(1, 3, height, width, device="meta")).shape[-2:])

@@ -1,6 +1,7 @@
 """What the spatial layers of one forward need to know: the group, its communicator, whether
 this is a dry run (shapes only, on the meta device) or backward's recomputation of a
-checkpointed block, and which module of the model is running (for messages and labels)."""
+checkpointed block, which module of the model is running (for messages and labels), and the
+forward's random streams (randomness.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from hpdl.torch.spatial.comm import GroupComm
-from hpdl.torch.spatial.geometry import Grid
+from hpdl.torch.spatial.geometry import Grid, Part
 
 
 @dataclasses.dataclass
@@ -24,6 +25,14 @@ class Context:
     # group size, so that the optimizer's average over all ranks sums over the group).
     grad_scale: float = 1.0
     modules: List[nn.Module] = dataclasses.field(default_factory=list)  # the modules running, outermost first
+    random_base: int = 0  # the forward's base of its random streams, the same on every rank of the group
+    random_calls: int = 0  # random calls so far in this forward (a checkpointed block's recomputation replays them)
+    # A dry run's record of every call on a part (what, where, its arguments as one process
+    # reads them): the ranks' records must agree, or the model decides on a part's own size.
+    trace: Optional[List[tuple]] = None
+    # Backward's recomputation of a checkpointed block: the parts its inputs were, marked again
+    # as it starts (tensors saved for backward come back as new, unmarked objects).
+    input_parts: Optional[List[Optional[Part]]] = None
 
     @property
     def dry(self) -> bool:

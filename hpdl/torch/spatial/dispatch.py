@@ -3,13 +3,16 @@ PyTorch call touching a part to its spatial version.
 
 The model is not rewritten: its modules and its functional calls (``F.interpolate`` in
 SRResNet's forward, ``x.mean((2, 3))``, residual adds) run as written, and the mode sees each
-call. A call that touches a part (a tensor marked by parts.py) goes to:
+call. A call that touches a part (a tensor marked by parts.py) is looked up in the op table
+(ops.py: one entry per function object) and follows its kind's rule here, its arguments read
+by name as PyTorch reads them (arguments.py); a call the table does not hold is refused with
+a :class:`SpatialError` naming the module and the call. Nothing outside the table runs on a
+part, so nothing can silently compute on one band as if it were the image.
 
-- its handler in layers.py (convolution, pooling, batch norm, resampling, global reductions);
-- the operation itself when it is element-wise, or works along the batch or channel
-  dimensions only (the image dimensions stay the last two, unchanged); its results are marked;
-- otherwise a :class:`SpatialError` naming the module and the call: nothing outside these
-  lists is run on a part, so nothing can silently compute on one band as if it were the image.
+Lengths read from a part are :class:`~hpdl.torch.spatial.lengths.PartLength`: the part's own
+where they shape a tensor (``view``, ``reshape``, ``expand``, ``new_zeros``, ``torch.zeros``),
+the whole image's everywhere else (an interpolation's size, a crop, arithmetic with tensors),
+as one process reads them.
 
 The mode also gives every parameter's gradient its factor (``Context.grad_scale``, see
 parallel.py). Per-module hooks keep the path of the running module for messages and labels.
@@ -19,67 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import layers
+from hpdl.torch.spatial import layers, lengths, ops, randomness
+from hpdl.torch.spatial.arguments import Unbound, bind
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
+from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
+from hpdl.torch.spatial.ops import Kind
 from hpdl.torch.spatial.parts import part_of, tag_outputs, tagged
 
-_HANDLERS: Dict[Callable, Callable] = {
-    torch.conv2d: layers.conv2d,
-    F.max_pool2d: layers.max_pool2d,
-    torch.max_pool2d: layers.max_pool2d,
-    F.avg_pool2d: layers.avg_pool2d,
-    F.batch_norm: layers.batch_norm,
-    F.adaptive_avg_pool2d: layers.adaptive_avg_pool2d,
-    torch.pixel_shuffle: layers.pixel_shuffle,
-    F.interpolate: layers.interpolate,
-    torch.mean: layers.reduction,
-    torch.Tensor.mean: layers.reduction,
-    torch.sum: layers.reduction,
-    torch.Tensor.sum: layers.reduction,
-}
-
-# Element-wise operations, by name (a function's, a method's, or an in-place method's without
-# its trailing underscore): each output pixel depends on the same pixel of the inputs.
-_ELEMENTWISE = frozenset("""
-    abs absolute acos acosh add addcdiv addcmul angle asin asinh atan atan2 atanh bitwise_and bitwise_not
-    bitwise_or bitwise_xor ceil celu clamp clamp_max clamp_min clip clone contiguous copy copysign cos cosh
-    deg2rad detach div divide double dropout alpha_dropout elu eq erf erfc erfinv exp exp2 expm1 float
-    float_power floor floor_divide fmax fmin fmod frac gelu ge greater greater_equal gt half hardshrink
-    hardsigmoid hardswish hardtanh heaviside isfinite isinf isnan le leaky_relu lerp less less_equal lgamma
-    log log10 log1p log2 logaddexp logical_and logical_not logical_or logical_xor logit logsigmoid lt
-    masked_fill maximum minimum mish mul multiply nan_to_num ne neg negative not_equal pow prelu rad2deg
-    reciprocal relu relu6 remainder requires_grad round rrelu rsqrt selu sgn sigmoid sign silu sin sinc sinh
-    softplus softshrink softsign sqrt square sub subtract tan tanh tanhshrink threshold true_divide trunc
-    where xlogy zero fill bfloat16 cpu cuda to type type_as zeros_like ones_like empty_like full_like
-    rand_like randn_like float16 int long bool byte char short data_ptr
-""".split())
-_OPERATORS = frozenset("add sub mul truediv floordiv mod pow neg pos abs invert and or xor eq ne lt le gt ge".split())
-# Calls that read a tensor's metadata, or make a tensor of a size given explicitly.
-_PASS_THROUGH = frozenset("""
-    size dim numel element_size is_contiguous stride storage_offset __len__ is_floating_point is_complex
-    get_device register_hook retain_grad __repr__ __format__ __hash__ __reduce_ex__ __deepcopy__ nelement
-    ndimension untyped_storage __set__ new_zeros new_ones new_empty new_full new_tensor __setstate__
-    is_leaf has_names _is_view requires_grad_ backward
-""".split())
-# Operations along one dimension (``dim``): fine along the batch or channel dimensions.
-_ALONG_DIM = frozenset("""
-    softmax log_softmax softmin normalize cumsum cumprod logsumexp argmax argmin amax amin max min std var
-    norm prod all any glu topk sort cummax cummin unbind chunk split narrow select flip roll
-""".split())
-_CONCATENATE = frozenset("cat concat concatenate stack".split())
-_RESHAPE = frozenset("view reshape view_as reshape_as expand expand_as squeeze unsqueeze flatten unflatten".split())
-_PERMUTE = frozenset("permute transpose swapaxes swapdims movedim moveaxis".split())
-
 _local = threading.local()
+_READS_ONLY = (Kind.SHAPE, Kind.METADATA, Kind.PART_ATTRIBUTE)
 
 
 def active() -> Optional[Context]:
@@ -107,15 +66,364 @@ class SpatialMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ctx = self.ctx
-        if ctx.grad_scale != 1.0 and torch.is_grad_enabled():
-            args, kwargs = _scale_parameters(func, args, kwargs, ctx.grad_scale)
+        op = ops.lookup(func)
+        if ctx.grad_scale != 1.0 and torch.is_grad_enabled() and (op is None or op.kind not in _READS_ONLY):
+            args, kwargs = _scale_parameters(args, kwargs, ctx.grad_scale)
         part = _find_part(args, kwargs)
-        if part is None:
-            return func(*args, **kwargs)
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            return handler(ctx, func, args, kwargs)
-        return _generic(ctx, func, part, args, kwargs)
+        try:
+            if part is None:
+                return _outside_parts(ctx, func, op, args, kwargs)
+            if ctx.trace is not None:
+                ctx.trace.append((ops.spelled(func), ctx.where(), _scalars(args), _scalars(kwargs)))
+            if op is None:
+                raise refusal(ctx, ops.spelled(func))
+            return _RULES[op.kind](ctx, func, op, part, args, kwargs)
+        except SpatialError:
+            raise
+        except Exception as err:
+            # Where PyTorch refused (a kernel larger than a part, shapes that do not match):
+            # the first forward's dry run names the layer (parallel.py).
+            if not hasattr(err, "hpdl_where"):
+                try:
+                    err.hpdl_where = ctx.where()
+                except AttributeError:  # an exception type without a __dict__
+                    pass
+            raise
+
+
+def refusal(ctx: Context, what: str, why: str = "") -> SpatialError:
+    """The error for ``what`` on a part, naming the running module."""
+    return SpatialError(f"{ctx.where()}: {what} is not supported in the spatial part" + (f" ({why})" if why else ""))
+
+
+# -- calls without a part ------------------------------------------------------------------
+
+def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
+    if op is not None and op.kind is Kind.RANDOM:  # on a replicated tensor: one stream for the group
+        return _random(ctx, func, randomness.REPLICATED, args, kwargs)
+    if not (holds_length(args) or holds_length(kwargs)):
+        return func(*args, **kwargs)
+    if op is not None and op.kind is Kind.FACTORY:
+        return _new_tensor(ctx, func, args, kwargs)
+    # A length read from a part, used outside any part: one process's number (``x.sum() / x.numel()``).
+    return func(*to_whole(args), **to_whole(kwargs))
+
+
+# -- the rules of the op table's kinds -----------------------------------------------------
+
+def _handler(ctx, func, op, part, args, kwargs):
+    bound = _bound(ctx, func, args, kwargs)
+    return op.handler(ctx, func, {name: to_whole(value) for name, value in bound.items()})
+
+
+def _elementwise(ctx, func, op, part, args, kwargs):
+    _check_operands(ctx, func, part, args, kwargs, skip_first=func in _PARAMETER_SECOND)
+    return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
+
+
+_PARAMETER_SECOND = {f for f in (torch.prelu, getattr(torch.nn.functional, "prelu", None), torch.Tensor.prelu)
+                     if f is not None}  # its weight runs along the channels, not broadcast
+
+
+def _random(ctx, func, band: int, args, kwargs):
+    if ctx.dry:
+        return func(*args, **kwargs)
+    call = ctx.random_calls
+    ctx.random_calls += 1
+    devices = randomness.devices_of(list(args) + list(kwargs.values()))
+    with randomness.seeded(randomness.seed(ctx.random_base, call, band), devices):
+        return func(*to_whole(args), **to_whole(kwargs))
+
+
+def _random_part(ctx, func, op, part, args, kwargs):
+    _check_operands(ctx, func, part, args, kwargs)
+    return _as_parts(ctx, func, _random(ctx, func, ctx.rank, args, kwargs), part)
+
+
+def _keeps_part(ctx, func, op, part, args, kwargs):
+    return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
+
+
+def _along(ctx, func, op, part, args, kwargs):
+    bound = _bound(ctx, func, args, kwargs)
+    if isinstance(bound.get("other"), torch.Tensor):  # torch.max(a, b): element-wise
+        return _elementwise(ctx, func, op, part, args, kwargs)
+    x = bound.get("input", args[0] if args else None)
+    ndim = x.dim() if isinstance(x, torch.Tensor) else 4
+    dims = _dims_named(op, bound, ndim)
+    touched = dims & {ndim - 2, ndim - 1}
+    if touched:
+        given = bound.get(op.dim) if op.dim else None
+        raise refusal(ctx, f"{ops.spelled(func)} along an image dimension"
+                      + (f" (dim={given})" if given not in (None, [], ()) else " (no dim: all of them)"))
+    return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
+
+
+def _dims_named(op: ops.Op, bound: dict, ndim: int) -> set:
+    """The dimensions (non-negative) an ALONG call works along."""
+    value = bound.get(op.dim) if op.dim else None
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        if op.missing == "all":
+            return set(range(ndim))
+        if op.missing == "implicit":  # softmax's rule for no dim (torch.nn.functional._get_softmax_dim)
+            value = 0 if ndim in (0, 1, 3) else 1
+        else:
+            value = op.missing
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return {int(v) % ndim for v in values if isinstance(v, int)} if ndim else set()
+
+
+def _concatenate(ctx, func, op, part, args, kwargs):
+    bound = _bound(ctx, func, args, kwargs)
+    tensors = bound.get("tensors", args[0] if args else ())
+    dim = op.fixed if op.fixed is not None else bound.get(op.dim, 0)
+    stacking = func in (torch.stack,)
+    ndim = tensors[0].dim() + (1 if stacking else 0)
+    if int(dim) % ndim in (ndim - 2, ndim - 1):
+        raise refusal(ctx, f"{ops.spelled(func)} along an image dimension (dim={dim})")
+    if any(part_of(t) != part for t in tensors):
+        raise refusal(ctx, f"{ops.spelled(func)} of a part with a tensor that is not the same part of a map of the "
+                      "same size")
+    return _as_parts(ctx, func, func(*args, **kwargs), part)
+
+
+def _reshape(ctx, func, op, part, args, kwargs):
+    x = args[0]
+    out = func(*to_local(args), **to_local(kwargs))
+    size = part.local_size
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or tuple(out.shape[-2:]) != size \
+            or tuple(x.shape[-2:]) != size or _product(out.shape[:-2]) != _product(x.shape[:-2]):
+        raise refusal(ctx, f"{ops.spelled(func)} that changes the image dimensions",
+                      "they must stay the last two, whole")
+    return tagged(out, part)
+
+
+def _expand(ctx, func, op, part, args, kwargs):
+    x = args[0]
+    constant = x.dim() < 2 or tuple(x.shape[-2:]) == (1, 1)
+    if not (constant or part_of(x) == part):
+        raise refusal(ctx, f"{ops.spelled(func)} of a tensor that is not split to a part's size",
+                      "only a part, or a tensor of size 1 in its last two dimensions, can be expanded to a part")
+    out = func(*to_local(args), **to_local(kwargs))
+    if tuple(out.shape[-2:]) != part.local_size:
+        raise refusal(ctx, f"{ops.spelled(func)} that changes the image dimensions",
+                      "they must stay the last two, whole")
+    return tagged(out, part)
+
+
+def _permute(ctx, func, op, part, args, kwargs):
+    # Where the image dimensions go, whatever the spelling (permute(0, 2, 3, 1), transpose(-1, 1),
+    # movedim(...)): the same call on a shape-only tensor whose dimensions all differ in size.
+    x = args[0]
+    probe = torch.empty(tuple(range(2, 2 + x.dim())), device="meta")
+    moved = func(probe, *to_local(args[1:]), **to_local(kwargs))
+    if tuple(moved.shape[-2:]) != (x.dim(), x.dim() + 1):
+        raise refusal(ctx, f"{ops.spelled(func)} that moves the image dimensions")
+    return _as_parts(ctx, func, func(*to_local(args), **to_local(kwargs)), part)
+
+
+def _index(ctx, func, op, part, args, kwargs):
+    x, index = args[0], args[1]
+    ndim = x.dim()
+    lead, rows, cols = _image_index(ctx, index, ndim)
+    if func is torch.Tensor.__setitem__:
+        if rows is not None or cols is not None:
+            raise refusal(ctx, "assigning to rows or columns of a part", "index the batch or channel dimensions only")
+        _check_operands(ctx, func, part, args[2:], {})
+        return func(x, to_local(index), *to_whole(args[2:]))
+    out = x if lead is None else func(x, lead)
+    if lead is not None:
+        if not isinstance(out, torch.Tensor) or out.dim() < 2 or tuple(out.shape[-2:]) != part.local_size:
+            raise refusal(ctx, "indexing that selects rows or columns of a part",
+                          "index the batch or channel dimensions only")
+        tagged(out, part)
+    if rows is None and cols is None:
+        return out
+    return layers.crop(ctx, out, rows, cols)
+
+
+def _image_index(ctx, index: Any, ndim: int) -> Tuple[Any, Optional[slice], Optional[slice]]:
+    """``x[index]`` as (the index of the batch and channel dimensions, or None for all of them;
+    the slice of the image's rows, or None for all; the slice of its columns, or None)."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(e is None for e in entries) or entries.count(Ellipsis) > 1:
+        if _keeps_image_dims(entries, ndim):
+            return tuple(to_local(entries)), None, None
+        raise refusal(ctx, "indexing that adds dimensions beside the image's",
+                      "index the batch or channel dimensions only")
+    full = slice(None)
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        after = entries[at + 1:]
+        image = ([full] * 2 + after)[-2:]
+        lead = entries[:at] + [Ellipsis] + after[:-2] + [full, full]
+    elif len(entries) <= ndim - 2:
+        image, lead = [full, full], entries
+    else:
+        image, lead = (entries[ndim - 2:] + [full, full])[:2], entries[:ndim - 2]
+        if len(entries) > ndim:
+            raise refusal(ctx, "indexing with more indices than dimensions")
+    if any(isinstance(e, torch.Tensor) and e.dim() > 1 for e in lead):  # a mask of several dimensions merges them
+        raise refusal(ctx, "indexing by a mask of several dimensions", "index the batch or channel dimensions only")
+    slices = []
+    for entry in image:
+        if not isinstance(entry, slice):
+            raise refusal(ctx, "indexing that selects rows or columns of a part",
+                          "slice them (x[..., a:b, :]), or index the batch or channel dimensions only")
+        if lengths.whole(entry.step) not in (None, 1):
+            raise refusal(ctx, "a slice of the image with a step", "only contiguous crops")
+        slices.append(None if entry == full else slice(lengths.whole(entry.start), lengths.whole(entry.stop)))
+    plain = all(e == full or e is Ellipsis for e in lead if not isinstance(e, torch.Tensor))
+    plain = plain and not any(isinstance(e, torch.Tensor) for e in lead)
+    return (None if plain else tuple(to_local(lead))), slices[0], slices[1]
+
+
+def _keeps_image_dims(entries: List[Any], ndim: int) -> bool:
+    """Whether ``x[entries]`` (with new axes) leaves the last two dimensions whole and last."""
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        return all(isinstance(e, slice) and e == slice(None) for e in entries[at + 1:]) and \
+            not any(isinstance(e, torch.Tensor) and e.dim() > 1 for e in entries[:at])
+    consumed = [e for e in entries if e is not None]
+    return len(consumed) <= ndim - 2 and not any(isinstance(e, torch.Tensor) and e.dim() > 1 for e in consumed)
+
+
+def _shape(ctx, func, op, part, args, kwargs):
+    result = func(*args, **kwargs)
+    x = args[0]
+    h, w = part.local_size
+    if isinstance(result, torch.Size):
+        return torch.Size(list(result[:-2]) + [PartLength(h, part.height, lengths.ROWS, exact=True),
+                                               PartLength(w, part.width, lengths.COLS, exact=True)])
+    if func in (torch.Tensor.size,):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        d = int(dim) % x.dim()
+        if d == x.dim() - 2:
+            return PartLength(h, part.height, lengths.ROWS, exact=True)
+        if d == x.dim() - 1:
+            return PartLength(w, part.width, lengths.COLS, exact=True)
+        return result
+    # numel, nelement, nbytes: the whole's count of the same elements
+    return PartLength(result, result // max(1, h * w) * part.height * part.width)
+
+
+def _metadata(ctx, func, op, part, args, kwargs):
+    return func(*args, **kwargs)
+
+
+def _new(ctx, func, op, part, args, kwargs):
+    return _new_tensor(ctx, func, args, kwargs)
+
+
+def _new_tensor(ctx, func, args, kwargs):
+    """``x.new_zeros(size)``, ``torch.zeros(size)``: a part where the size ends in the lengths of
+    a part (read from it, as they are), else the tensor one process makes."""
+    try:
+        bound = bind(func, ops.aten_name(func), args, kwargs)
+    except Unbound:
+        return func(*to_whole(args), **to_whole(kwargs))
+    size = bound.get("size")
+    if isinstance(size, (list, tuple)) and len(size) >= 2:
+        rows, cols = size[-2], size[-1]
+        if isinstance(rows, PartLength) and isinstance(cols, PartLength) and rows.exact and cols.exact \
+                and rows.axis == lengths.ROWS and cols.axis == lengths.COLS:
+            whole = Part(ctx.grid, ctx.rank, rows.whole, cols.whole)
+            if whole.local_size == (int(rows), int(cols)):
+                return tagged(func(*to_local(args), **to_local(kwargs)), whole)
+    return func(*to_whole(args), **to_whole(kwargs))
+
+
+def _as_parts(ctx, func, result, part: Part):
+    """``result`` (a tensor, or a tuple or list of them) marked as ``part``: every tensor an
+    operation on a part returns must still be split as the image is (its last two dimensions
+    the part's), or it would pass for a replicated tensor."""
+    size = part.local_size
+    for t in _tensors([result]):
+        if t.dim() < 2 or tuple(t.shape[-2:]) != size:
+            raise refusal(ctx, f"{ops.spelled(func)} whose result is not split as the image is",
+                          "the image dimensions must stay the last two, whole")
+    return tag_outputs(result, part)
+
+
+def _refused(ctx, func, op, part, args, kwargs):
+    raise refusal(ctx, ops.spelled(func), op.why)
+
+
+_RULES = {
+    Kind.HANDLER: _handler, Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random_part, Kind.CONVERT: _keeps_part,
+    Kind.LIKE: _keeps_part, Kind.ALONG: _along, Kind.CONCAT: _concatenate, Kind.RESHAPE: _reshape,
+    Kind.EXPAND: _expand, Kind.PERMUTE: _permute, Kind.INDEX: _index, Kind.SHAPE: _shape,
+    Kind.METADATA: _metadata, Kind.PART_ATTRIBUTE: _keeps_part, Kind.NEW: _new, Kind.FACTORY: _new,
+    Kind.REFUSED: _refused,
+}
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def _bound(ctx, func, args, kwargs) -> dict:
+    try:
+        bound = bind(func, ops.aten_name(func), args, kwargs)
+    except Unbound:
+        func(*args, **kwargs)  # PyTorch's own error for arguments it does not take
+        raise refusal(ctx, ops.spelled(func), "its arguments could not be read") from None
+    if "self" in bound and "input" not in bound:
+        bound["input"] = bound.pop("self")
+    return bound
+
+
+def _check_operands(ctx, func, part: Part, args, kwargs, skip_first: bool = False) -> None:
+    """Every tensor beside the part must be the same part of a map of the same size, or constant
+    along the image (sizes 1 in its last two dimensions): anything else would meet every band
+    with the same pixels."""
+    tensors = _tensors(list(args) + list(kwargs.values()))
+    if skip_first:
+        tensors = tensors[:1]
+    for t in tensors:
+        other = part_of(t)
+        if other is not None:
+            if other != part:
+                raise refusal(ctx, f"{ops.spelled(func)} of parts of maps of different sizes",
+                              f"{part.height} x {part.width} and {other.height} x {other.width}")
+            continue
+        if t.dim() >= 1 and t.shape[-1] != 1 or t.dim() >= 2 and t.shape[-2] != 1:
+            raise refusal(ctx, f"{ops.spelled(func)} of a part with a tensor that is not split "
+                               f"(shape {list(t.shape)})",
+                          "a tensor beside a part must be a part of a map of the same size, or have size 1 "
+                          "in its last two dimensions")
+
+
+def _tensors(values) -> list:
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(_tensors(value))
+    return out
+
+
+def _product(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _scalars(value: Any) -> Any:
+    """``value`` with tensors as ``"T"`` and lengths as the whole's: what a call's record compares."""
+    if isinstance(value, torch.Tensor):
+        return "T"
+    if isinstance(value, (list, tuple)):
+        return tuple(_scalars(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _scalars(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", _scalars(value.start), _scalars(value.stop), _scalars(value.step))
+    if isinstance(value, (lengths.PartLength, lengths.PartFloat)):
+        return value.whole
+    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device)) or value is Ellipsis:
+        return value
+    return type(value).__name__
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -134,9 +442,9 @@ def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGradient.apply(tensor, factor) if factor != 1.0 and tensor.requires_grad else tensor
 
 
-def _scale_parameters(func, args, kwargs, factor: float):
+def _scale_parameters(args, kwargs, factor: float):
     """``args`` and ``kwargs`` with every parameter that requires a gradient scaled on its way
-    back by ``factor``; reading a parameter's metadata (its shape) leaves it as it is."""
+    back by ``factor``."""
     def scaled(value):
         if isinstance(value, nn.Parameter) and value.requires_grad:
             return _ScaleGradient.apply(value, factor)
@@ -146,9 +454,6 @@ def _scale_parameters(func, args, kwargs, factor: float):
 
     if not any(isinstance(a, (nn.Parameter, list, tuple)) for a in args) and \
             not any(isinstance(v, nn.Parameter) for v in kwargs.values()):
-        return args, kwargs
-    name = _name(func)
-    if name == "__get__" or name in _PASS_THROUGH:
         return args, kwargs
     return tuple(scaled(a) for a in args), {k: scaled(v) for k, v in kwargs.items()}
 
@@ -168,143 +473,6 @@ def _find_part(args, kwargs) -> Optional[Part]:
         if part is not None:
             return part
     return None
-
-
-def _name(func: Callable) -> str:
-    return getattr(func, "__name__", "") or type(func).__name__
-
-
-def _elementwise(name: str) -> bool:
-    if name.startswith("__") and name.endswith("__"):
-        core = name[2:-2]
-        return core in _OPERATORS or (core[:1] in ("r", "i") and core[1:] in _OPERATORS)
-    return name in _ELEMENTWISE or (name.endswith("_") and name[:-1] in _ELEMENTWISE)
-
-
-def _image_dims(ndim: int, dims: Any) -> set:
-    """Which of the last two (image) dimensions ``dims`` (an int, a sequence, or None: all) names."""
-    if dims is None:
-        return {ndim - 2, ndim - 1}
-    names = dims if isinstance(dims, (tuple, list)) else (dims,)
-    return {d % ndim for d in names if isinstance(d, int)} & {ndim - 2, ndim - 1}
-
-
-def _refuse(ctx: Context, what: str, why: str = "") -> SpatialError:
-    return SpatialError(f"{ctx.where()}: {what} is not supported in the spatial part" + (f" ({why})" if why else ""))
-
-
-def _generic(ctx: Context, func, part: Part, args, kwargs):
-    name = _name(func)
-    if name == "__get__":  # an attribute: .shape, .dtype, .grad, .data, ...
-        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-        if attribute in ("T", "mT", "H", "mH"):
-            raise _refuse(ctx, f"the transpose .{attribute} of a part")
-        return tag_outputs(func(*args, **kwargs), part)
-    if name in _PASS_THROUGH:
-        return func(*args, **kwargs)
-    if _elementwise(name):
-        if name in ("dropout2d", "dropout3d", "feature_alpha_dropout"):
-            raise _refuse(ctx, name, "it drops whole channels, which each rank would choose on its own")
-        return tag_outputs(func(*args, **kwargs), part)
-    x = args[0] if args else None
-    ndim = x.dim() if isinstance(x, torch.Tensor) else 4
-    if name in _ALONG_DIM:
-        if len(args) > 1 and isinstance(args[1], torch.Tensor):  # torch.max(a, b): element-wise
-            return tag_outputs(func(*args, **kwargs), part)
-        dim = kwargs.get("dim", args[2] if name in ("split", "chunk", "narrow", "select") and len(args) > 2
-                         else args[1] if len(args) > 1 else None)
-        if name in ("split", "chunk") and "dim" not in kwargs and len(args) <= 2:
-            dim = 0
-        if name in ("flip", "roll"):
-            dim = kwargs.get("dims", args[2] if name == "roll" and len(args) > 2 else
-                             args[1] if name == "flip" and len(args) > 1 else None)
-        if _image_dims(ndim, dim):
-            raise _refuse(ctx, f"{name} along an image dimension")
-        return tag_outputs(func(*args, **kwargs), part)
-    if name in _CONCATENATE:
-        tensors = args[0]
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        ndim = tensors[0].dim() + (1 if name == "stack" else 0)
-        if _image_dims(ndim, dim):
-            raise _refuse(ctx, f"{name} along an image dimension")
-        if any(part_of(t) != part for t in tensors):
-            raise _refuse(ctx, f"{name} of a part with a tensor that is not the same part of a map of the same size")
-        return tag_outputs(func(*args, **kwargs), part)
-    if name in _RESHAPE:
-        out = func(*args, **kwargs)
-        if out.dim() < 2 or tuple(out.shape[-2:]) != part.local_size or \
-                (name in ("flatten", "unflatten", "squeeze") and _touches_image(name, args, kwargs, ndim)):
-            raise _refuse(ctx, f"{name} that changes the image dimensions")
-        return tagged(out, part)
-    if name in _PERMUTE:
-        if _moves_image_dims(name, args, kwargs, ndim):
-            raise _refuse(ctx, f"{name} that moves the image dimensions")
-        return tag_outputs(func(*args, **kwargs), part)
-    if name in ("__getitem__", "__setitem__"):
-        if not _keeps_image_dims(args[1], ndim):
-            raise _refuse(ctx, "indexing that selects rows or columns of a part",
-                          "index the batch or channel dimensions only")
-        return tag_outputs(func(*args, **kwargs), part)
-    if name == "pad":
-        pad = args[1] if len(args) > 1 else kwargs.get("pad")
-        if any(pad[:4]):
-            raise _refuse(ctx, "F.pad of the image dimensions", "use the layer's own padding")
-        return tag_outputs(func(*args, **kwargs), part)
-    raise _refuse(ctx, _describe(func))
-
-
-def _describe(func: Callable) -> str:
-    """How a user would spell ``func``: ``F.linear``, ``Tensor.unfold``, ``torch.fft.fft2``."""
-    name = _name(func)
-    for prefix, namespace in (("F", F), ("torch", torch), ("Tensor", torch.Tensor)):
-        if getattr(namespace, name, None) is func:
-            return f"{prefix}.{name}"
-    module = getattr(func, "__module__", "") or ""
-    return f"{module}.{name}" if module else name
-
-
-def _touches_image(name: str, args, kwargs, ndim: int) -> bool:
-    if name == "squeeze":
-        dims = args[1] if len(args) > 1 else kwargs.get("dim")
-        return dims is not None and bool(_image_dims(ndim, dims))
-    start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
-    end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
-    if name == "unflatten":
-        return bool(_image_dims(ndim, start))
-    return end % ndim >= ndim - 2 and start % ndim != end % ndim
-
-
-def _moves_image_dims(name: str, args, kwargs, ndim: int) -> bool:
-    if name == "permute":
-        order = args[1:] if len(args) > 2 or not isinstance(args[1] if len(args) > 1 else None, (tuple, list)) \
-            else args[1]
-        order = kwargs.get("dims", order)
-        return [d % ndim for d in order][-2:] != [ndim - 2, ndim - 1]
-    if name in ("movedim", "moveaxis"):
-        source, destination = (args[1], args[2]) if len(args) > 2 else (kwargs.get("source"), kwargs.get("destination"))
-        return bool(_image_dims(ndim, source) | _image_dims(ndim, destination))
-    first, second = (args[1], args[2]) if len(args) > 2 else (kwargs.get("dim0"), kwargs.get("dim1"))
-    return bool(_image_dims(ndim, (first, second)))
-
-
-def _keeps_image_dims(index: Any, ndim: int) -> bool:
-    """Whether ``x[index]`` leaves the last two dimensions whole and last."""
-    entries = index if isinstance(index, tuple) else (index,)
-    whole = [isinstance(e, slice) and e == slice(None) for e in entries]
-    ellipsis = [e is Ellipsis for e in entries]
-    if any(ellipsis):
-        at = ellipsis.index(True)
-        if not all(whole[at + 1:]):
-            return False
-        entries = entries[:at]
-    else:
-        consumed = [i for i, e in enumerate(entries) if e is not None]
-        if len(consumed) > ndim - 2:
-            if not all(whole[i] for i in consumed[ndim - 2:]):
-                return False
-            entries = entries[:consumed[ndim - 2]]
-    # Advanced indexing by one vector selects along one dimension; a mask of several would merge them.
-    return not any(isinstance(e, torch.Tensor) and e.dim() > 1 for e in entries)
 
 
 # -- the running module's path -------------------------------------------------------------

@@ -14,7 +14,7 @@ sent). Image borders need no special case: the missing neighbour's rows are fill
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from hpdl.torch.spatial.geometry import BandPlan
 ZEROS = "zeros"  # convolution and average pooling padding
 NEG_INF = "-inf"  # max pooling padding
 REPLICATE = "replicate"  # interpolation, which clamps its source rows to the image
+# A float: that constant (F.pad's value); its gradient, like zeros', is dropped.
 
 Strips = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # received before, after
 
@@ -38,7 +39,7 @@ class HaloSpec:
     cols: BandPlan
     row_peers: Tuple[Optional[int], Optional[int]]
     col_peers: Tuple[Optional[int], Optional[int]]
-    fill: str
+    fill: Union[str, float]
     comm: Optional[GroupComm]
     label: str
 
@@ -80,7 +81,7 @@ def _fill(x: torch.Tensor, dim: int, count: int, fill: str, at_start: bool) -> t
     if fill == REPLICATE:  # the band at the border holds the image's first (last) row
         edge = x.narrow(dim, 0 if at_start else x.shape[dim] - 1, 1)
         return edge.expand(_strip_shape(x, dim, count))
-    value = float("-inf") if fill == NEG_INF else 0.0
+    value = float("-inf") if fill == NEG_INF else fill if isinstance(fill, float) else 0.0
     return x.new_full(_strip_shape(x, dim, count), value)
 
 

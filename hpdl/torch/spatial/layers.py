@@ -2,14 +2,18 @@
 exactly as one process computes them on the whole.
 
 Each handler takes the arguments of the PyTorch function it replaces (``F.conv2d``,
-``F.max_pool2d``, ``F.batch_norm``, ...), as the dispatch mode hands them over, and returns
-this rank's part of the result, marked with its :class:`Part`:
+``F.max_pool2d``, ``F.batch_norm``, ...) by name, as the dispatch mode binds them (lengths read
+from a part already the whole image's), and returns this rank's part of the result, marked
+with its :class:`Part`:
 
 - window operations (convolution, pooling, bilinear and bicubic interpolation) exchange the
   rows and columns their output band reads (halo.py), then run PyTorch's own operation with
   no padding: fill beyond the image stands for it;
 - ``pixel_shuffle`` and nearest upsampling are local, then move whole rows so that the result
   is split as every map is (geometry.py: the same rule for every size);
+- transposed convolutions exchange the input rows their output band gathers from, then crop;
+- crops and pads (``x[..., a:b, :]``, ``narrow``, ``F.pad``) are a shifted window of the
+  image: each output band takes its rows from the input bands, fill beyond the image;
 - batch normalization takes its statistics over the whole image (every rank of the group),
   as one process does; global average pooling sums over the group and hands every rank the
   same (replicated) result.
@@ -22,7 +26,7 @@ that rank's contribution, and global pooling's backward sums the contributions.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +36,6 @@ from hpdl.torch.spatial import halo
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import BandPlan, Part, SpatialError, ThinBand, Window, bands, plan_bands
 from hpdl.torch.spatial.parts import part_of, tagged
-
-
-def _arg(args: Sequence[Any], kwargs: dict, index: int, name: str, default: Any = None) -> Any:
-    if len(args) > index:
-        return args[index]
-    return kwargs.get(name, default)
 
 
 def _pair(value: Any) -> Tuple[int, int]:
@@ -203,11 +201,10 @@ def _band_padding(spec: halo.HaloSpec, windows: Tuple[Window, Window], rows: int
     return p, q
 
 
-def conv2d(ctx: Context, func, args, kwargs):
-    x, weight = args[0], _arg(args, kwargs, 1, "weight")
-    bias = _arg(args, kwargs, 2, "bias")
-    stride, padding = _pair(_arg(args, kwargs, 3, "stride", 1)), _arg(args, kwargs, 4, "padding", 0)
-    dilation, groups = _pair(_arg(args, kwargs, 5, "dilation", 1)), _arg(args, kwargs, 6, "groups", 1)
+def conv2d(ctx: Context, func, a: dict):
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    stride, padding = _pair(a["stride"]), a["padding"]
+    dilation, groups = _pair(a["dilation"]), a["groups"]
     part = part_of(x)
     kernel = tuple(weight.shape[-2:])
     if padding == "valid":
@@ -226,15 +223,147 @@ def conv2d(ctx: Context, func, args, kwargs):
     return tagged(HaloConv2d.apply(x, weight, bias, spec, stride, dilation, groups), out_part)
 
 
+def conv_transpose2d(ctx: Context, func, a: dict):
+    """A transposed convolution: output row ``o`` gathers input rows ``i`` with
+    ``i * stride + k * dilation = o + padding``; the band's output rows gather from a range of
+    input rows, which the band receives (zeros beyond the image add nothing), then PyTorch's
+    own transposed convolution of them (no padding) and a crop to the band's rows."""
+    x, weight, bias = a["input"], a["weight"], a["bias"]
+    stride, padding, extra = _pair(a["stride"]), _pair(a["padding"]), _pair(a["output_padding"])
+    dilation, groups = _pair(a["dilation"]), a["groups"]
+    part = part_of(x)
+    kernel = tuple(weight.shape[-2:])
+    plans, crops, out_lengths, output_padding = [], [], [], []
+    for axis in (0, 1):
+        length, parts = part.length(axis), ctx.grid.bands_along(axis)
+        k, s, p, d = kernel[axis], stride[axis], padding[axis], dilation[axis]
+        out_length = (length - 1) * s - 2 * p + d * (k - 1) + extra[axis] + 1
+        out_bands = bands(out_length, parts)
+        needed = []
+        for o0, o1 in out_bands:
+            first = -(-(o0 + p - d * (k - 1)) // s)
+            last = (o1 - 1 + p) // s + 1
+            needed.append((first, max(last, first + 1)))
+        try:
+            all_plans = plan_bands(bands(length, parts), needed, length)
+        except ThinBand as thin:
+            thin.layer, thin.axis = ctx.where(), axis
+            raise
+        band = part.band[axis]
+        (o0, o1), (first, last) = out_bands[band], needed[band]
+        start = o0 + p - first * s  # the band's first output row in the local transposed convolution
+        made = (last - first - 1) * s + d * (k - 1) + 1
+        short = max(0, start + (o1 - o0) - made)  # rows no input reaches (bias only): PyTorch's output_padding
+        if short >= max(s, d):
+            raise SpatialError(f"{ctx.where()}: this transposed convolution is not supported in the spatial part "
+                               f"(output rows beyond its inputs' reach)")
+        plans.append(all_plans[band])
+        crops.append((start, o1 - o0))
+        out_lengths.append(out_length)
+        output_padding.append(short)
+    assembled = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.ZEROS))
+    out = F.conv_transpose2d(assembled, weight, bias, stride, 0, tuple(output_padding), groups, dilation)
+    out = out.narrow(-2, crops[0][0], crops[0][1]).narrow(-1, crops[1][0], crops[1][1])
+    return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
+
+
+# -- crops and pads ------------------------------------------------------------------------
+
+def _region(ctx: Context, x: torch.Tensor, spans: Tuple[Optional[Tuple[int, int]], Optional[Tuple[int, int]]],
+            fill: Any) -> torch.Tensor:
+    """The map whose row ``o`` is the input's row ``o + offset`` (for ``(offset, length)`` of
+    ``spans``: rows, then columns; None keeps an axis), fill beyond the image: a crop, a pad, or
+    both. Each output band receives its rows from the input bands that hold them."""
+    part = part_of(x)
+    plans, out_lengths = [], []
+    for axis, span in enumerate(spans):
+        length, parts = part.length(axis), ctx.grid.bands_along(axis)
+        offset, out_length = span if span is not None else (0, length)
+        what = "row" if axis == 0 else "column"
+        if out_length < parts:
+            raise SpatialError(f"{ctx.where()}: the result has {out_length} {what}s, fewer than the {parts} "
+                               f"{what} bands")
+        needed = [(o0 + offset, o1 + offset) for o0, o1 in bands(out_length, parts)]
+        try:
+            all_plans = plan_bands(bands(length, parts), needed, length)
+        except ThinBand as thin:
+            thin.layer, thin.axis = ctx.where(), axis
+            raise
+        if fill == halo.REPLICATE and any((p.fill_before and b > 0) or (p.fill_after and b < parts - 1)
+                                          for b, p in enumerate(all_plans)):
+            raise SpatialError(f"{ctx.where()}: a replicate pad wider than the border {what} band is not supported "
+                               "in the spatial part")
+        plans.append(all_plans[part.band[axis]])
+        out_lengths.append(out_length)
+    out = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), fill))
+    if out is x:  # the band holds its result already: a new tensor, since its part differs
+        out = x.view_as(x)
+    return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
+
+
+def _span(s: Optional[slice], length: int) -> Optional[Tuple[int, int]]:
+    """A slice of the whole image's ``length`` rows as (offset, rows), None where it keeps all."""
+    if s is None:
+        return None
+    start, stop, _ = slice(s.start, s.stop).indices(length)
+    span = (start, max(0, stop - start))
+    return None if span == (0, length) else span
+
+
+def crop(ctx: Context, x: torch.Tensor, rows: Optional[slice], cols: Optional[slice]) -> torch.Tensor:
+    """``x[..., rows, cols]`` for slices of the whole image (bounds as one process reads them)."""
+    part = part_of(x)
+    spans = (_span(rows, part.height), _span(cols, part.width))
+    if spans == (None, None):
+        return x
+    return _region(ctx, x, spans, halo.ZEROS)
+
+
+def narrow(ctx: Context, func, a: dict):
+    x, dim, start, length = a["input"], a["dim"], a["start"], a["length"]
+    ndim = x.dim()
+    if isinstance(start, torch.Tensor):
+        start = int(start.item())
+    d = int(dim) % ndim
+    if d < ndim - 2:
+        return tagged(torch.narrow(x, d, start, length), part_of(x))
+    whole = part_of(x).length(d - (ndim - 2))
+    start = start + whole if start < 0 else start
+    window = slice(start, start + length)
+    return crop(ctx, x, window if d == ndim - 2 else None, window if d == ndim - 1 else None)
+
+
+def pad(ctx: Context, func, a: dict):
+    """``F.pad``: the image's dimensions padded (or cropped, by negative amounts) as one process
+    pads the whole image; the batch and channel dimensions padded as they are."""
+    x, amounts, mode, value = a["input"], list(a["pad"]), a["mode"], a["value"]
+    image = (amounts + [0] * 4)[:4]  # left, right, top, bottom
+    rest = amounts[4:]
+    if any(image):
+        if mode == "constant":
+            fill = float(value) if value else halo.ZEROS
+        elif mode == "replicate" and min(image) >= 0:
+            fill = halo.REPLICATE
+        else:
+            raise SpatialError(f"{ctx.where()}: F.pad of the image dimensions with mode={mode!r} is not supported in "
+                               "the spatial part (constant or replicate)")
+        part = part_of(x)
+        left, right, top, bottom = image
+        x = _region(ctx, x, ((-top, part.height + top + bottom), (-left, part.width + left + right)), fill)
+    if any(rest):
+        x = tagged(F.pad(x, [0, 0, 0, 0] + rest, mode=mode, value=value), part_of(x))
+    return x
+
+
 # -- pooling -------------------------------------------------------------------------------
 
-def max_pool2d(ctx: Context, func, args, kwargs):
-    x = args[0]
-    kernel = _pair(_arg(args, kwargs, 1, "kernel_size"))
-    stride = _arg(args, kwargs, 2, "stride")
+def max_pool2d(ctx: Context, func, a: dict):
+    x = a["input"]
+    kernel = _pair(a["kernel_size"])
+    stride = a.get("stride")
     stride = kernel if stride is None or stride == [] or stride == () else _pair(stride)
-    padding, dilation = _pair(_arg(args, kwargs, 3, "padding", 0)), _pair(_arg(args, kwargs, 4, "dilation", 1))
-    ceil_mode, return_indices = _arg(args, kwargs, 5, "ceil_mode", False), _arg(args, kwargs, 6, "return_indices", False)
+    padding, dilation = _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
+    ceil_mode, return_indices = a.get("ceil_mode", False), a.get("return_indices", False)
     if return_indices:
         raise SpatialError(f"{ctx.where()}: max pooling with return_indices=True is not supported in the spatial "
                            "part (the indices would be local to each rank's part)")
@@ -243,14 +372,13 @@ def max_pool2d(ctx: Context, func, args, kwargs):
     return tagged(F.max_pool2d(halo.exchange(x, spec), kernel, stride, 0, dilation), out_part)
 
 
-def avg_pool2d(ctx: Context, func, args, kwargs):
-    x = args[0]
-    kernel = _pair(_arg(args, kwargs, 1, "kernel_size"))
-    stride = _arg(args, kwargs, 2, "stride")
+def avg_pool2d(ctx: Context, func, a: dict):
+    x = a["input"]
+    kernel = _pair(a["kernel_size"])
+    stride = a.get("stride")
     stride = kernel if stride is None or stride == [] or stride == () else _pair(stride)
-    padding, ceil_mode = _pair(_arg(args, kwargs, 3, "padding", 0)), _arg(args, kwargs, 4, "ceil_mode", False)
-    count_include_pad = _arg(args, kwargs, 5, "count_include_pad", True)
-    divisor = _arg(args, kwargs, 6, "divisor_override")
+    padding, ceil_mode = _pair(a.get("padding", 0)), a.get("ceil_mode", False)
+    count_include_pad, divisor = a.get("count_include_pad", True), a.get("divisor_override")
     if ceil_mode:
         raise SpatialError(f"{ctx.where()}: average pooling with ceil_mode=True is not supported in the spatial part")
     windows = tuple(Window(k, s, p, p) for k, s, p in zip(kernel, stride, padding))
@@ -263,21 +391,25 @@ def avg_pool2d(ctx: Context, func, args, kwargs):
 
 
 def _inside_image(x: torch.Tensor, spec: halo.HaloSpec) -> torch.Tensor:
-    """The band's window input as a 1 x 1 mask: 1 on pixels of the image (own or received), 0 on fill."""
+    """The band's window input as a 1 x 1 map: 1 on pixels of the image (own or received), 0 on
+    fill. A pixel is inside when both its row and its column are: the fill rows a neighbour
+    sends with its columns (the corners of a 2-D grid) are fill there too."""
     h, w = x.shape[-2:]
-    tall = h if spec.rows.moves_nothing else spec.rows.assembled_length()
 
-    def ones(rows: int, cols: int) -> Optional[torch.Tensor]:
-        return x.new_ones((1, 1, rows, cols)) if rows and cols else None
+    def inside(plan: BandPlan, own: int) -> torch.Tensor:
+        if plan.moves_nothing:
+            return x.new_ones(own)
+        held = plan.recv_before + (plan.keep[1] - plan.keep[0]) + plan.recv_after
+        return torch.cat([x.new_zeros(plan.fill_before), x.new_ones(held), x.new_zeros(plan.fill_after)])
 
-    return halo.assemble_both(x.new_ones((1, 1, h, w)), spec, (ones(spec.rows.recv_before, w), ones(spec.rows.recv_after, w)),
-                              (ones(tall, spec.cols.recv_before), ones(tall, spec.cols.recv_after)))
+    rows, cols = inside(spec.rows, h), inside(spec.cols, w)
+    return (rows[:, None] * cols[None, :]).view(1, 1, rows.numel(), cols.numel())
 
 
 # -- resampling ----------------------------------------------------------------------------
 
-def pixel_shuffle(ctx: Context, func, args, kwargs):
-    x, factor = args[0], int(_arg(args, kwargs, 1, "upscale_factor"))
+def pixel_shuffle(ctx: Context, func, a: dict):
+    x, factor = a["input"], int(a["upscale_factor"])
     return regroup(ctx, torch.pixel_shuffle(x, factor), part_of(x), (factor, factor))
 
 
@@ -288,20 +420,23 @@ def _integer_scales(ctx: Context, part: Part, size: Any, scale_factor: Any) -> T
     if size is not None:
         wanted = _pair(size)
         scales = (wanted[0] / part.height, wanted[1] / part.width)
+        if any(s < 1 or s != int(s) for s in scales):
+            raise SpatialError(f"{ctx.where()}: interpolation of a {part.height} x {part.width} map to {wanted[0]} x "
+                               f"{wanted[1]} (a scale of {scales[0]:.4g} x {scales[1]:.4g}) is not supported in the "
+                               "spatial part (integer upscaling only)")
     else:
         scales = tuple(float(s) for s in (scale_factor if isinstance(scale_factor, (tuple, list))
                                           else (scale_factor, scale_factor)))
-    if any(s < 1 or s != int(s) for s in scales):
-        raise SpatialError(f"{ctx.where()}: interpolation by {scales[0]:g} x {scales[1]:g} is not supported in the "
-                           "spatial part (integer upscaling only)")
+        if any(s < 1 or s != int(s) for s in scales):
+            raise SpatialError(f"{ctx.where()}: interpolation by {scales[0]:g} x {scales[1]:g} is not supported in "
+                               "the spatial part (integer upscaling only)")
     return int(scales[0]), int(scales[1])
 
 
-def interpolate(ctx: Context, func, args, kwargs):
-    x = args[0]
-    size, scale_factor = _arg(args, kwargs, 1, "size"), _arg(args, kwargs, 2, "scale_factor")
-    mode, align_corners = _arg(args, kwargs, 3, "mode", "nearest"), _arg(args, kwargs, 4, "align_corners")
-    antialias = _arg(args, kwargs, 6, "antialias", False)
+def interpolate(ctx: Context, func, a: dict):
+    x = a["input"]
+    size, scale_factor = a.get("size"), a.get("scale_factor")
+    mode, align_corners, antialias = a.get("mode", "nearest"), a.get("align_corners"), a.get("antialias", False)
     part = part_of(x)
     if x.dim() != 4 or mode not in ("nearest", "nearest-exact", "bilinear", "bicubic") or align_corners or antialias:
         detail = f"mode={mode!r}" + (", align_corners=True" if align_corners else "") + \
@@ -380,12 +515,10 @@ class SpatialBatchNorm(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def batch_norm(ctx: Context, func, args, kwargs):
-    x = args[0]
-    running_mean, running_var = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
-    weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
-    training, momentum = _arg(args, kwargs, 5, "training", False), _arg(args, kwargs, 6, "momentum", 0.1)
-    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+def batch_norm(ctx: Context, func, a: dict):
+    x, running_mean, running_var = a["input"], a["running_mean"], a["running_var"]
+    weight, bias = a.get("weight"), a.get("bias")
+    training, momentum, eps = a.get("training", False), a.get("momentum", 0.1), a.get("eps", 1e-5)
     part = part_of(x)
     if not training:  # running statistics: the same affine map on every pixel
         return tagged(F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), part)
@@ -431,32 +564,28 @@ def _global_sum(ctx: Context, x: torch.Tensor, dims: Tuple[int, ...], keepdim: b
     return GlobalSum.apply(x, dims, keepdim, divisor, ctx.comm, ctx.label())
 
 
-def adaptive_avg_pool2d(ctx: Context, func, args, kwargs):
-    x, size = args[0], _arg(args, kwargs, 1, "output_size")
+def adaptive_avg_pool2d(ctx: Context, func, a: dict):
+    x, size = a["input"], a["output_size"]
     if _pair(size if size is not None else 1) != (1, 1):
         raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
                            "part (only to 1 x 1, global pooling)")
     return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)
 
 
-def reduction(ctx: Context, func, args, kwargs):
+def reduction(ctx: Context, func, a: dict):
     """``mean`` and ``sum`` (as functions or methods): over both image dimensions, a global
     reduction; over neither, element-wise as far as the split goes; over one, refused."""
-    x = args[0]
-    dims = _arg(args, kwargs, 1, "dim")
-    keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
-    dtype = kwargs.get("dtype")
-    if isinstance(dims, torch.dtype):  # x.sum(torch.float64)
-        dims, dtype = None, dims
+    x = a["input"]
+    dims, keepdim, dtype = a.get("dim"), bool(a.get("keepdim", False)), a.get("dtype")
     ndim = x.dim()
     dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
         tuple(sorted(d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))))
     spatial = {ndim - 2, ndim - 1} & set(dims)
     if not spatial:  # the image dimensions stay the last two
-        return tagged(func(*args, **kwargs), part_of(x))
+        return tagged(func(x, dims, keepdim, dtype=dtype), part_of(x))
     if len(spatial) == 1:
         raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
                            "spatial part (over both, or over neither)")
     if dtype is not None:
-        x = x.to(dtype)
+        x = tagged(x.to(dtype), part_of(x))
     return _global_sum(ctx, x, dims, keepdim, func.__name__ == "mean")

@@ -25,15 +25,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple, Union
+import random
+import sys
+import weakref
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from hpdl.torch import runtime
 from hpdl.torch.process_sets import ProcessSet, global_process_set
-from hpdl.torch.spatial import dispatch
+from hpdl.torch.spatial import dispatch, randomness
 from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.errors import report_in_one_line
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand
 from hpdl.torch.spatial.parts import part_of, tagged
 
@@ -41,6 +46,7 @@ __all__ = ["SpatialParallel", "check_split"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 _SEARCH_LIMIT = 4096  # image sizes tried when suggesting one that fits
+_open: "weakref.WeakSet[SpatialParallel]" = weakref.WeakSet()  # closed at hpdl's shutdown
 
 
 class SpatialParallel(nn.Module):
@@ -60,6 +66,10 @@ class SpatialParallel(nn.Module):
 
     Making it is collective over every rank of the job: each passes its own set (hybrid.grid
     makes them). Raises SpatialError for a layout that does not fit the set.
+
+    It adds hooks to ``module`` (the running layer's path, checkpointing) and holds a
+    communicator of the group's own: :meth:`close` (or ``with SpatialParallel(...) as net:``,
+    or hpdl's shutdown) removes them and leaves ``module`` as it was.
     """
 
     def __init__(self, module: nn.Module, grid: Optional[Sequence[int]] = None,
@@ -73,17 +83,54 @@ class SpatialParallel(nn.Module):
                                f"process set's size, {size}")
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise SpatialError(f"loss_reduction={loss_reduction!r}: expected one of {', '.join(_LOSS_REDUCTIONS)}")
+        blocks = _checkpointed_blocks(module, checkpoint) if checkpoint else []
+        report_in_one_line()
         self.module = module
         self.grid = Grid(*layout)
         self.process_set = process_set
         self.loss_reduction = loss_reduction
-        self._comm: GroupComm = group_communicator(process_set)
+        self._comm: Optional[GroupComm] = group_communicator(process_set)
         self._rank = self._comm.rank
         self._names = {id(m): name for name, m in module.named_modules()}
         self._hooks = dispatch.track_modules(module)
         self._checked: set = set()
-        if checkpoint:
-            self._checkpoint(checkpoint)
+        self.checkpointed = blocks
+        modules = dict(module.named_modules())
+        for path in blocks:
+            self._hooks += _Checkpoint(modules[path]).handles
+        _open.add(self)
+        runtime.add_shutdown_hook(_close_open, runtime.ShutdownStage.RELEASE)
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the hooks this wrapper put on the model and release the group's communicator.
+
+        The model is left as it was; this wrapper can no longer run. Idempotent; hpdl's
+        shutdown closes every wrapper still open.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+        _open.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._comm is None
+
+    def __enter__(self) -> "SpatialParallel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _group(self) -> GroupComm:
+        if self._comm is None:
+            raise SpatialError("this SpatialParallel has been closed (close(), or hpdl's shutdown): make a new one")
+        return self._comm
 
     # -- measuring -------------------------------------------------------------------------
 
@@ -95,11 +142,12 @@ class SpatialParallel(nn.Module):
         results are wrong; the time is the bound of the real steps (``hpdl bench spatial``).
         Run forward and backward inside it. Not collective: each rank may use it alone.
         """
-        previous, self._comm.communicating = self._comm.communicating, False
+        comm = self._group()
+        previous, comm.communicating = comm.communicating, False
         try:
             yield
         finally:
-            self._comm.communicating = previous
+            comm.communicating = previous
 
     # -- parts -----------------------------------------------------------------------------
 
@@ -113,9 +161,24 @@ class SpatialParallel(nn.Module):
         """This rank's part of ``x`` (..., H, W), the same tensor on every rank of the group."""
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise SpatialError(f"scatter expects a tensor (..., H, W), got {_describe(x)}")
+        held = part_of(x)
+        if held is not None:
+            raise SpatialError(f"scatter: this tensor is already a part of a {held.height} x {held.width} image "
+                               "(scatter or mark made it): scatter the whole image, once")
         part = self.part(x.shape[-2], x.shape[-1])
         (r0, r1), (c0, c1) = part.rows, part.cols
         return tagged(x[..., r0:r1, c0:c1].contiguous(), part)
+
+    def mark(self, x_part: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Mark ``x_part`` as this rank's part of a ``height`` x ``width`` image (the rows and
+        columns :meth:`part` names), as :meth:`scatter` marks what it returns: for a part loaded
+        by hand (a band of a slide read from disk), or copied outside the model (``.to(device)``
+        of a scattered part). Returns ``x_part``."""
+        part = self.part(int(height), int(width))
+        if not isinstance(x_part, torch.Tensor) or x_part.dim() < 2 or tuple(x_part.shape[-2:]) != part.local_size:
+            raise SpatialError(f"mark: rank {self._rank} of the group holds {_rows_and_cols(part)}: "
+                               f"{part.local_size[0]} x {part.local_size[1]}, not {_describe(x_part)}")
+        return tagged(x_part, part)
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """The whole of a map whose parts the ranks hold, on every rank (for results: no gradient)."""
@@ -123,7 +186,7 @@ class SpatialParallel(nn.Module):
         lead = tuple(y.shape[:-2])
         pieces = [Part(self.grid, r, part.height, part.width) for r in range(self.grid.size)]
         counts = [_numel(lead) * p.local_size[0] * p.local_size[1] for p in pieces]
-        flat = self._comm.allgather(y.detach().reshape(-1), counts, "gather")
+        flat = self._group().allgather(y.detach().reshape(-1), counts, "gather")
         whole = y.new_empty(lead + (part.height, part.width))
         for piece, chunk in zip(pieces, torch.split(flat, counts)):
             (r0, r1), (c0, c1) = piece.rows, piece.cols
@@ -135,7 +198,7 @@ class SpatialParallel(nn.Module):
         ``F.l1_loss(y_part, t_part)``), the same on every rank of the group; no gradient."""
         share = self._part_of(part).numel_share
         total = (value.detach().to(torch.float64) * share).reshape(1).clone()
-        return self._comm.allreduce_sum(total, "whole_mean")[0].to(value.dtype)
+        return self._group().allreduce_sum(total, "whole_mean")[0].to(value.dtype)
 
     def _part_of(self, x: torch.Tensor) -> Part:
         """The part ``x`` holds: its mark, or else found from every rank's size (collective)."""
@@ -145,7 +208,7 @@ class SpatialParallel(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise SpatialError(f"expected a part of a map (..., h, w), got {_describe(x)}")
         mine = torch.tensor([x.shape[-2], x.shape[-1], _numel(tuple(x.shape[:-2]))], dtype=torch.int64)
-        sizes = self._comm.allgather(mine.unsqueeze(0), [1] * self.grid.size, "sizes").tolist()
+        sizes = self._group().allgather(mine.unsqueeze(0), [1] * self.grid.size, "sizes").tolist()
         height = sum(sizes[self.grid.rank_at(i, 0)][0] for i in range(self.grid.rows))
         width = sum(sizes[self.grid.rank_at(0, j)][1] for j in range(self.grid.cols))
         for rank, (h, w, lead) in enumerate(sizes):
@@ -163,15 +226,50 @@ class SpatialParallel(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """This rank's part of the output, or for a model ending in global pooling, the whole
         output (the same on every rank of the group)."""
-        part = self._part_of(x)
-        key = (tuple(x.shape), x.dtype, part.height, part.width, self.module.training)
+        comm = self._group()
+        part = self._input_part(x)
+        base = self._agree(comm, x, part)
+        key = (tuple(x.shape[:-2]), x.dtype, x.device.type, part.height, part.width, self.module.training)
         if key not in self._checked:
-            self._check(part, x, args, kwargs)
+            _check(self.module, self._names, part, x, args, kwargs)
             self._checked.add(key)
-        ctx = Context(self.grid, self._rank, self._comm, self._names, grad_scale=float(self.grid.size))
+        ctx = Context(self.grid, self._rank, comm, self._names, grad_scale=float(self.grid.size), random_base=base)
         with dispatch.running(ctx):
             out = self.module(x, *args, **kwargs)
         return _map_tensors(out, self._weigh)
+
+    def _input_part(self, x: Any) -> Part:
+        """The part ``x`` is: made by scatter (or mark) for this rank of this grid, and still its size."""
+        part = part_of(x)
+        if part is None:
+            raise SpatialError(f"SpatialParallel's input must be this rank's part of the image: net.scatter(x) "
+                               f"makes it (this is {_describe(x)} that scatter did not make; a copy made outside "
+                               "the model, such as .to(device), is not one: scatter after the copy, or "
+                               "net.mark(x_part, height, width))")
+        if part.grid != self.grid or part.rank != self._rank:
+            raise SpatialError(f"SpatialParallel's input is a part for group rank {part.rank} of a {part.grid} grid; "
+                               f"this is rank {self._rank} of {self.grid}: scatter with this wrapper")
+        if x.dim() < 2 or tuple(x.shape[-2:]) != part.local_size:
+            raise SpatialError(f"SpatialParallel's input is {_describe(x)}, but the part it is marked as "
+                               f"({_rows_and_cols(part)}) is {part.local_size[0]} x {part.local_size[1]}")
+        return part
+
+    def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part) -> int:
+        """Check that every rank of the group got a part of the same image (size, batch, type,
+        mode), before any exchange: a rank with another image would wait for ever in the first
+        halo exchange. Returns the forward's base for the random streams (randomness.py)."""
+        base = randomness.draw_base()
+        if self.grid.size == 1 or not comm.communicating:
+            return base
+        lead = list(x.shape[:-2])[:_LEAD_DIMS]
+        mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
+                _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training), base]
+        rows = comm.allgather(torch.tensor([mine], dtype=torch.int64), [1] * self.grid.size, "inputs").tolist()
+        if any(row[:-1] != rows[0][:-1] for row in rows):
+            described = "; ".join(f"group rank {r}: {_input_text(row)}" for r, row in enumerate(rows))
+            raise SpatialError(f"the ranks of the spatial group got different inputs ({described}): every rank of "
+                               "the group must pass net.scatter(x) of the same x")
+        return rows[0][-1]
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
         part = part_of(out)
@@ -180,36 +278,96 @@ class SpatialParallel(nn.Module):
         share = part.numel_share if self.loss_reduction == "mean" else 1.0
         return tagged(dispatch.scale_gradient(out, share), part)
 
-    # -- checks before any work ------------------------------------------------------------
 
-    def _check(self, part: Part, x: torch.Tensor, args, kwargs) -> None:
-        """Run the forward on the meta device (shapes only, no communication): an unsupported
-        layer or a band too thin for a layer is refused on every rank before any work."""
-        _check(self.module, self._names, part, x, args, kwargs)
+_LEAD_DIMS = 3  # the dimensions before the image's that the group compares one by one
+_CODES: Dict[Any, int] = {}
 
-    # -- memory ----------------------------------------------------------------------------
 
-    def _checkpoint(self, which: Union[bool, Iterable[str]]) -> None:
-        modules = dict(self.module.named_modules())
-        if which is True:
-            blocks, inside = [], set()
-            for name, module in modules.items():
-                if isinstance(module, (nn.Sequential, nn.ModuleList)) and name not in inside:
-                    for child_name, child in module.named_children():
-                        path = f"{name}.{child_name}" if name else child_name
-                        if any(True for _ in child.children()):
-                            blocks.append(path)
-                            inside.update(n for n in modules if n.startswith(path + "."))
-                            inside.add(path)
-        else:
-            blocks = list(which)
-            missing = [b for b in blocks if b not in modules]
-            if missing:
-                raise SpatialError(f"checkpoint: the model has no module {missing[0]!r}")
-        for path in blocks:
-            block = modules[path]
-            block.forward = _recomputed_in_backward(block.forward)
-        self.checkpointed = blocks
+def _code(value: Any) -> int:
+    """A number for a dtype or device type, the same on every rank (the order of a fixed list)."""
+    if not _CODES:
+        known = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+                 torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, "cpu", "cuda", "meta"]
+        _CODES.update({k: i for i, k in enumerate(known)})
+    return _CODES.get(value, len(_CODES))
+
+
+def _input_text(row: List[int]) -> str:
+    names = {i: k for k, i in _CODES.items()}
+    height, width = row[0], row[1]
+    lead = [d for d in row[3:3 + _LEAD_DIMS] if d >= 0]
+    dtype, device, training = row[4 + _LEAD_DIMS], row[5 + _LEAD_DIMS], row[6 + _LEAD_DIMS]
+    dtype_name = str(names.get(dtype, "?")).replace("torch.", "")
+    return (f"a part of a {height} x {width} image with leading dimensions {lead}, {dtype_name} on "
+            f"{names.get(device, '?')}{'' if training else ', eval mode'}")
+
+
+def _close_open() -> None:
+    """At hpdl's shutdown: close every wrapper still open (their communicators end with it)."""
+    for net in list(_open):
+        net.close()
+
+
+class _Checkpoint:
+    """Backward recomputes a block's activations instead of keeping them (GEMS's memory-aware
+    training), through hooks on the block (as PyTorch's composable checkpoint does): the
+    recomputation runs under the spatial mode again, exchanges the same halos in the same
+    order on every rank, replays the same random streams, and leaves batch norm's running
+    statistics as the forward left them."""
+
+    def __init__(self, block: nn.Module):
+        self._runs: List[Any] = []  # one per call of the block under way (a block may be called again inside)
+        self.handles = [block.register_forward_pre_hook(self._before, with_kwargs=True),
+                        block.register_forward_hook(self._after, always_call=True)]
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ctx = dispatch.active()
+        if ctx is not None and ctx.recomputing and ctx.input_parts is not None:
+            for value, part in zip(args, ctx.input_parts):  # saved inputs come back unmarked
+                if part is not None and isinstance(value, torch.Tensor):
+                    tagged(value, part)
+        if ctx is None or ctx.dry or ctx.recomputing or not torch.is_grad_enabled():
+            self._runs.append(None)
+            return
+        stack = [m for m in ctx.modules if m is not module]
+        again = dataclasses.replace(ctx, recomputing=True, modules=stack, random_calls=ctx.random_calls,
+                                    trace=None, input_parts=[part_of(a) for a in args])
+
+        def contexts():
+            return contextlib.nullcontext(), dispatch.running(dataclasses.replace(again, modules=list(stack)))
+
+        run = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
+            module, True, contexts, "default", False, True, *args, **kwargs)
+        next(run)
+        self._runs.append(run)
+
+    def _after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        run = self._runs.pop() if self._runs else None
+        if run is not None:
+            try:
+                next(run)
+            except StopIteration:
+                pass
+
+
+def _checkpointed_blocks(module: nn.Module, which: Union[bool, Iterable[str]]) -> List[str]:
+    modules = dict(module.named_modules())
+    if which is True:
+        blocks, inside = [], set()
+        for name, child_of in modules.items():
+            if isinstance(child_of, (nn.Sequential, nn.ModuleList)) and name not in inside:
+                for child_name, child in child_of.named_children():
+                    path = f"{name}.{child_name}" if name else child_name
+                    if any(True for _ in child.children()):
+                        blocks.append(path)
+                        inside.update(n for n in modules if n.startswith(path + "."))
+                        inside.add(path)
+        return blocks
+    blocks = list(which)
+    missing = [b for b in blocks if b not in modules]
+    if missing:
+        raise SpatialError(f"checkpoint: the model has no module {missing[0]!r}")
+    return blocks
 
 
 def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (1, 1),
@@ -217,8 +375,9 @@ def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (
     """Refuse, in this process, what SpatialParallel's first forward would refuse on every rank:
     raise :class:`SpatialError` when ``module`` cannot run on inputs of ``shape`` (..., H, W)
     split into ``grid`` (rows, cols) bands (a layer it does not support, a band thinner than a
-    layer's halo), naming the layer and what would fit. Shapes only (the meta device): no
-    communication, no ``hvd.init()``, no memory for activations.
+    layer's halo, a model that decides on a part's own size), naming the layer and what would
+    fit. Shapes only (the meta device): no communication, no ``hvd.init()``, no memory for
+    activations. Every rank's part is tried, as the first forward tries them.
     """
     layout = tuple(grid)
     if len(layout) != 2 or any(not isinstance(n, int) or n < 1 for n in layout):
@@ -237,24 +396,83 @@ def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (
 
 
 def _check(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> None:
-    try:
-        _dry_run(module, names, part, x, args, kwargs)
-    except ThinBand as thin:
-        raise SpatialError(f"{thin}; {_fits_instead(module, names, part, x, thin.axis)}") from None
+    """Dry-run the model on every rank's part of the image (shapes only, no communication), in
+    the same order on every rank, so that every rank refuses alike, before any work: a layer
+    it does not support, a band too thin for a layer, a part PyTorch itself refuses, or a
+    forward that runs differently on different parts."""
+    records = []
+    for rank in range(part.grid.size):
+        mine = dataclasses.replace(part, rank=rank)
+        try:
+            records.append(_dry_run(module, names, mine, x, args, kwargs))
+        except ThinBand as thin:
+            raise SpatialError(f"{thin}; {_fits_instead(module, names, mine, x, thin.axis)}") from None
+        except SpatialError:
+            raise
+        except Exception as err:  # noqa: BLE001 - PyTorch's refusal of one part, said for every rank alike
+            where = getattr(err, "hpdl_where", "the model's forward")
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise SpatialError(f"{where}: on group rank {rank}'s part ({_rows_and_cols(mine)}) PyTorch refused: "
+                               f"{first}; the image may be too small for {part.grid} bands") from None
+    _compare_records(records)
 
 
-def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> None:
+def _compare_records(records: List[List[tuple]]) -> None:
+    """Refuse a forward whose calls on the parts differ between ranks: it decided on a part's
+    own numbers (``int(x.shape[-2])``), which one process would not."""
+    first = records[0]
+    for rank, record in enumerate(records[1:], start=1):
+        for step, (mine, theirs) in enumerate(itertools.zip_longest(first, record)):
+            if mine != theirs:
+                raise SpatialError(
+                    f"the model's forward runs differently on the ranks' parts: at call {step + 1} on a part, group "
+                    f"rank 0 {_call_text(mine)} where group rank {rank} {_call_text(theirs)}; it decides on a part's "
+                    "own size (int() or float() of x.shape[-2], which gives the part's own number): decide on the "
+                    "lengths themselves (x.shape[-2] compares as the whole image's)")
+
+
+def _call_text(call: Optional[tuple]) -> str:
+    if call is None:
+        return "has finished"
+    what, where, args, kwargs = call
+    shown = [a for a in args[1:] if a != "T"] + [f"{k}={v}" for k, v in kwargs]
+    return f"calls {what}({', '.join(map(str, shown))}) in {where}"
+
+
+def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> List[tuple]:
     state = {name: t.to("meta") for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
     meta = tagged(torch.empty(x.shape[:-2] + part.local_size, dtype=x.dtype, device="meta"), part)
-    ctx = Context(part.grid, part.rank, None, names)
-    with dispatch.running(ctx), torch.no_grad():
+    ctx = Context(part.grid, part.rank, None, names, trace=[])
+    with dispatch.running(ctx), torch.no_grad(), _random_states_kept():
         torch.func.functional_call(module, state, (meta,) + tuple(args), kwargs)
+    return ctx.trace
+
+
+@contextlib.contextmanager
+def _random_states_kept() -> Iterator[None]:
+    """Every dry run starts from the random states the real forward will see, and leaves them
+    so: a model drawing random numbers in Python (stochastic depth) decides alike on every part."""
+    python, cpu = random.getstate(), torch.random.get_rng_state()
+    numpy_state = None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy_state = numpy.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        torch.random.set_rng_state(cpu)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 def _fits(module: nn.Module, names, part: Part, x: torch.Tensor) -> bool:
     try:
-        _dry_run(module, names, part, x, (), {})
+        for rank in range(part.grid.size):
+            _dry_run(module, names, dataclasses.replace(part, rank=rank), x, (), {})
     except ThinBand:
+        return False
+    except Exception:  # noqa: BLE001 - any refusal: this size does not fit either
         return False
     return True
 
@@ -306,31 +524,9 @@ def _first_fitting(low: int, high: int, fits) -> Optional[int]:
     return n
 
 
-def _recomputed_in_backward(forward):
-    """``forward``, recomputed in backward (torch.utils.checkpoint) under the spatial mode again:
-    the recomputation exchanges the same halos, in the same order on every rank, and leaves
-    batch norm's running statistics as the forward left them."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        ctx = dispatch.active()
-        if ctx is None or ctx.dry or ctx.recomputing or not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        parts = [part_of(a) for a in args]
-        stack = list(ctx.modules)
-
-        def block(*inputs: Any) -> Any:
-            for value, part in zip(inputs, parts):
-                if part is not None:
-                    tagged(value, part)
-            return forward(*inputs, **kwargs)
-
-        def contexts():
-            again = dataclasses.replace(ctx, recomputing=True, modules=list(stack))
-            return contextlib.nullcontext(), dispatch.running(again)
-
-        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, context_fn=contexts)
-
-    return run
+def _rows_and_cols(part: Part) -> str:
+    (r0, r1), (c0, c1) = part.rows, part.cols
+    return f"rows {r0}-{r1 - 1} and columns {c0}-{c1 - 1} of a {part.height} x {part.width} image"
 
 
 def _map_tensors(value: Any, fn) -> Any:

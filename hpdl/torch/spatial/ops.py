@@ -1,0 +1,296 @@
+"""The table of what a part of a split image may go through: one entry per PyTorch function
+object (``torch.narrow``, ``Tensor.narrow``, ``F.softmax`` each their own), with what it does
+to the split and the name of its dimension argument. Anything not in the table is refused
+(dispatch.py), so nothing can compute on one band as if it were the whole image.
+
+Kinds, and the rule each follows on a part (dispatch.py applies them; layers.py holds the
+handlers):
+
+- ``HANDLER``: a spatial version in layers.py (convolutions, pooling, batch norm, resampling,
+  global reductions, crops and pads);
+- ``ELEMENTWISE``: each output pixel from the same pixel of the inputs; the other tensors must
+  be the same part of a map of the same size, or constant along the image (sizes 1 there);
+- ``RANDOM``: element-wise with random numbers, drawn from each band's own stream
+  (randomness.py), never the same on every band;
+- ``CONVERT``: a copy in another type, device or layout (``.to``, ``.float()``, ``.clone()``);
+- ``LIKE``: a new tensor of the part's shape (``zeros_like``): the same part of a new map;
+- ``ALONG``: along one dimension named by the argument ``dim``: fine along the batch or
+  channel dimensions, refused along an image dimension (``missing``: what no dimension means);
+- ``CONCAT``: joins parts of maps of the same size along the batch or channel dimensions;
+- ``RESHAPE``: keeps the image dimensions last and whole (``view``, ``flatten(0, 1)``);
+- ``EXPAND``: repeats the batch or channel dimensions (``expand``, ``repeat``);
+- ``PERMUTE``: reorders the batch and channel dimensions only;
+- ``INDEX``: ``x[...]`` on the batch or channel dimensions, or a crop of the image
+  (handled as one);
+- ``SHAPE``: the part's lengths, as :class:`~hpdl.torch.spatial.lengths.PartLength`;
+- ``METADATA``: reads what is the same on every part (``dim()``, ``dtype``, ``device``);
+- ``PART_ATTRIBUTE``: an attribute that is the same part (``.data``, ``.grad``);
+- ``NEW``/``FACTORY``: a new tensor of a size given explicitly (``x.new_zeros(...)``,
+  ``torch.zeros(...)``): a part where the size is the part's own lengths (read from it),
+  else what one process makes;
+- ``REFUSED``: refused with the reason given (the common calls a model may make).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from hpdl.torch.spatial import layers
+
+
+class Kind(enum.Enum):
+    HANDLER = "handler"
+    ELEMENTWISE = "element-wise"
+    RANDOM = "random"
+    CONVERT = "convert"
+    LIKE = "like"
+    ALONG = "along"
+    CONCAT = "concatenate"
+    RESHAPE = "reshape"
+    EXPAND = "expand"
+    PERMUTE = "permute"
+    INDEX = "index"
+    SHAPE = "shape"
+    METADATA = "metadata"
+    PART_ATTRIBUTE = "part attribute"
+    NEW = "new"
+    FACTORY = "factory"
+    REFUSED = "refused"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: Kind
+    dim: Optional[str] = None  # ALONG, CONCAT: the argument naming the dimension(s)
+    missing: Any = "all"  # ALONG: no dimension given means "all", "implicit" (softmax's rule), or this dimension
+    fixed: Optional[int] = None  # CONCAT: the dimension, where the function has no argument for it
+    handler: Optional[Callable] = None  # HANDLER
+    why: str = ""  # REFUSED: the reason; HANDLER, ALONG: what it does, for the docs
+
+
+TABLE: Dict[Any, Op] = {}
+_SPELLING: Dict[int, str] = {}  # id(function) -> how a user writes it, for messages and the docs
+
+
+def _put(func: Any, op: Op, spelling: str) -> None:
+    if func is None:
+        return
+    TABLE[func] = op
+    _SPELLING[id(func)] = spelling
+
+
+def _functions(names: Iterable[str], in_place: bool = True, functional: bool = True,
+               methods: bool = True, torch_level: bool = True) -> List[Tuple[Any, str]]:
+    """The function objects called ``name`` in torch, Tensor (and its in-place ``name_``) and F."""
+    found = []
+    for name in names:
+        candidates = []
+        if torch_level:
+            candidates.append((getattr(torch, name, None), f"torch.{name}"))
+        if methods:
+            candidates.append((getattr(torch.Tensor, name, None), f"Tensor.{name}"))
+            if in_place:
+                candidates.append((getattr(torch.Tensor, name + "_", None), f"Tensor.{name}_"))
+        if functional:
+            candidates.append((getattr(F, name, None), f"F.{name}"))
+            if in_place:
+                candidates.append((getattr(F, name + "_", None), f"F.{name}_"))
+        seen = set()
+        for func, spelling in candidates:
+            if func is not None and callable(func) and id(func) not in seen:
+                seen.add(id(func))
+                found.append((func, spelling))
+    return found
+
+
+def _add(names: Iterable[str], op: Op, **where: bool) -> None:
+    for func, spelling in _functions(names.split() if isinstance(names, str) else names, **where):
+        if func not in TABLE:
+            _put(func, op, spelling)
+
+
+def _attribute(name: str, op: Op) -> None:
+    _put(getattr(torch.Tensor, name), op, f"x.{name}")
+
+
+# -- handlers (layers.py) ------------------------------------------------------------------
+
+for _func, _spelling, _handler, _what in (
+        (torch.conv2d, "F.conv2d", layers.conv2d,
+         "any kernel, padding (numbers, `\"same\"`, `\"valid\"`), stride, dilation, groups, bias; zero padding"),
+        (torch.conv_transpose2d, "F.conv_transpose2d", layers.conv_transpose2d,
+         "any kernel, stride, padding, output_padding, dilation, groups, bias"),
+        (F.max_pool2d, "F.max_pool2d", layers.max_pool2d, "any kernel, stride, padding, dilation, `ceil_mode`"),
+        (torch.max_pool2d, "torch.max_pool2d", layers.max_pool2d, "as F.max_pool2d"),
+        (F.avg_pool2d, "F.avg_pool2d", layers.avg_pool2d,
+         "any kernel, stride, padding; `count_include_pad`, `divisor_override`"),
+        (F.batch_norm, "F.batch_norm", layers.batch_norm,
+         "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
+        (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
+         "to 1 x 1 (global): the same result on every rank of the group"),
+        (torch.pixel_shuffle, "F.pixel_shuffle", layers.pixel_shuffle, "any factor"),
+        (F.interpolate, "F.interpolate", layers.interpolate,
+         "nearest, bilinear, bicubic (`align_corners=False`), integer upscaling; `size` as one process reads it"),
+        (torch.mean, "torch.mean", layers.reduction, "over both image dimensions: global; over neither: as it is"),
+        (torch.Tensor.mean, "Tensor.mean", layers.reduction, "as torch.mean"),
+        (torch.sum, "torch.sum", layers.reduction, "as torch.mean"),
+        (torch.Tensor.sum, "Tensor.sum", layers.reduction, "as torch.mean"),
+        (F.pad, "F.pad", layers.pad,
+         "of the image: `constant` and `replicate` (negative amounts crop), as one process pads the whole image"),
+        (torch.narrow, "torch.narrow", layers.narrow, "along the batch or channels, or a crop of the image"),
+        (torch.Tensor.narrow, "Tensor.narrow", layers.narrow, "as torch.narrow"),
+):
+    _put(_func, Op(Kind.HANDLER, handler=_handler, why=_what), _spelling)
+
+# -- element-wise ----------------------------------------------------------------------------
+
+_add("""
+    abs absolute acos arccos acosh arccosh asin arcsin asinh arcsinh atan arctan atanh arctanh atan2 arctan2
+    ceil clamp clamp_min clamp_max clip cos cosh deg2rad rad2deg digamma erf erfc erfinv exp exp2 expm1 fix
+    floor frac lgamma log log10 log1p log2 logit nan_to_num neg negative positive reciprocal relu round rsqrt
+    sigmoid sign sgn signbit sin sinc sinh sqrt square tan tanh trunc isfinite isinf isnan isneginf isposinf
+    isreal logical_not bitwise_not i0 conj
+    add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power hypot
+    maximum minimum fmax fmin eq ne not_equal lt less le less_equal gt greater ge greater_equal logical_and
+    logical_or logical_xor bitwise_and bitwise_or bitwise_xor copysign heaviside lerp xlogy logaddexp
+    logaddexp2 nextafter ldexp addcmul addcdiv where masked_fill isclose copy
+    relu6 elu selu celu leaky_relu prelu gelu logsigmoid hardshrink tanhshrink softsign softplus softshrink
+    hardsigmoid silu mish hardswish hardtanh threshold
+""", Op(Kind.ELEMENTWISE))
+for _name in ("__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ "
+              "__rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__ __rfloordiv__ __ifloordiv__ "
+              "__mod__ __rmod__ __imod__ __pow__ __rpow__ __ipow__ __neg__ __pos__ __abs__ __invert__ __and__ "
+              "__rand__ __iand__ __or__ __ror__ __ior__ __xor__ __rxor__ __ixor__ __eq__ __ne__ __lt__ __le__ "
+              "__gt__ __ge__ __lshift__ __rshift__ __ilshift__ __irshift__").split():
+    _put(getattr(torch.Tensor, _name, None), Op(Kind.ELEMENTWISE), f"Tensor.{_name}")
+_add("channel_shuffle native_channel_shuffle", Op(Kind.ELEMENTWISE, why="moves whole channels"))
+
+# -- random ----------------------------------------------------------------------------------
+
+_add("dropout alpha_dropout rrelu bernoulli rand_like randn_like randint_like", Op(Kind.RANDOM))
+_add("uniform normal exponential geometric log_normal cauchy random", Op(Kind.RANDOM), torch_level=False,
+     functional=False)
+
+# -- conversions, new tensors like the part ----------------------------------------------------
+
+_add("""to cuda cpu float double half bfloat16 int long short char byte bool type type_as contiguous clone detach
+        requires_grad pin_memory cfloat cdouble""", Op(Kind.CONVERT), functional=False)
+_add("zeros_like ones_like empty_like full_like", Op(Kind.LIKE))
+_add("zero fill", Op(Kind.LIKE), torch_level=False, functional=False)
+
+# -- along one dimension -------------------------------------------------------------------
+
+_ALONG = (
+    ("softmax log_softmax softmin", "dim", "implicit"),
+    ("cumsum cumprod cummax cummin logcumsumexp", "dim", "all"),
+    ("nansum nanmean prod logsumexp amax amin max min argmax argmin std var std_mean var_mean norm median nanmedian "
+     "all any count_nonzero quantile nanquantile", "dim", "all"),
+    ("mode kthvalue topk sort argsort diff glu", "dim", -1),
+    ("unbind chunk split tensor_split split_with_sizes", "dim", 0),
+    ("select index_select gather scatter scatter_add scatter_reduce take_along_dim index_add index_copy "
+     "index_fill cross", "dim", "all"),
+    ("repeat_interleave", "dim", "all"),
+    ("normalize cosine_similarity", "dim", 1),
+    ("flip", "dims", "all"),
+    ("roll", "dims", "all"),
+    ("rot90", "dims", "all"),
+    ("fliplr", None, -1),
+    ("flipud", None, 0),
+)
+for _names, _dim, _missing in _ALONG:
+    _add(_names, Op(Kind.ALONG, dim=_dim, missing=_missing))
+_put(torch.Tensor.unfold, Op(Kind.ALONG, dim="dimension"), "Tensor.unfold")
+
+_add("cat concat concatenate stack", Op(Kind.CONCAT, dim="dim"), methods=False, functional=False)
+_put(torch.hstack, Op(Kind.CONCAT, fixed=1), "torch.hstack")
+_put(torch.vstack, Op(Kind.CONCAT, fixed=0), "torch.vstack")
+_put(torch.row_stack, Op(Kind.CONCAT, fixed=0), "torch.row_stack")
+
+# -- shapes --------------------------------------------------------------------------------
+
+_add("view reshape view_as reshape_as flatten unflatten squeeze unsqueeze", Op(Kind.RESHAPE), functional=False)
+_add("expand expand_as broadcast_to repeat tile", Op(Kind.EXPAND), functional=False)
+_add("permute transpose swapaxes swapdims movedim moveaxis", Op(Kind.PERMUTE), functional=False)
+for _name in ("__getitem__", "__setitem__"):
+    _put(getattr(torch.Tensor, _name), Op(Kind.INDEX), "x[...]" if _name == "__getitem__" else "x[...] = v")
+
+_add("size numel nelement", Op(Kind.SHAPE), torch_level=False, functional=False)
+_put(torch.numel, Op(Kind.SHAPE), "torch.numel")
+_attribute("shape", Op(Kind.SHAPE))
+_attribute("nbytes", Op(Kind.SHAPE))
+for _name in ("dim ndimension element_size is_contiguous storage_offset is_floating_point is_complex "
+              "get_device register_hook retain_grad is_signed has_names is_set_to data_ptr untyped_storage "
+              "__len__ __repr__ __format__ __hash__ __reduce_ex__ __deepcopy__ __setstate__ _is_view backward "
+              "is_pinned is_inference dim_order").split():
+    _put(getattr(torch.Tensor, _name, None), Op(Kind.METADATA), f"Tensor.{_name}")
+_put(torch.is_floating_point, Op(Kind.METADATA), "torch.is_floating_point")
+_put(torch.is_complex, Op(Kind.METADATA), "torch.is_complex")
+_put(torch.is_tensor, Op(Kind.METADATA), "torch.is_tensor")
+for _name in ("device dtype layout requires_grad is_leaf grad_fn is_cuda is_cpu is_meta is_sparse is_quantized "
+              "is_mkldnn is_nested ndim names output_nr _version _base retains_grad itemsize name "
+              "_backward_hooks _post_accumulate_grad_hooks _grad_fn _has_symbolic_sizes_strides _cdata "
+              "_python_dispatch is_xla is_xpu is_mps is_ipu is_vulkan is_maia is_mtia is_sparse_csr volatile "
+              "grad_dtype").split():
+    if hasattr(torch.Tensor, _name):
+        _attribute(_name, Op(Kind.METADATA))
+for _name in ("data", "grad", "_grad"):
+    _attribute(_name, Op(Kind.PART_ATTRIBUTE))
+
+_add("new_zeros new_ones new_empty new_full", Op(Kind.NEW), torch_level=False, functional=False)
+_add("zeros ones empty full", Op(Kind.FACTORY), methods=False, functional=False)
+
+# -- refused, with the reason (the rest is refused without one) ----------------------------------
+
+_REFUSED = (
+    ("layer_norm group_norm instance_norm local_response_norm rms_norm",
+     "it normalizes over each sample's pixels, which this rank holds only part of"),
+    ("dropout1d dropout2d dropout3d feature_alpha_dropout",
+     "it drops whole channels, which each rank would choose on its own"),
+    ("linear bilinear matmul mm bmm einsum tensordot inner outer",
+     "it mixes the last dimension, which is split across the ranks"),
+    ("unfold fold grid_sample affine_grid pixel_unshuffle adaptive_max_pool2d fractional_max_pool2d lp_pool2d "
+     "max_pool2d_with_indices max_unpool2d", "it reads pixels the halo exchange does not bring"),
+    ("item tolist numpy __array__ __bool__ __float__ __int__ __index__",
+     "it reads the part's values as if they were the whole image's"),
+    ("stride as_strided", "the part's memory layout is not the whole image's"),
+)
+for _names, _why in _REFUSED:
+    for _func, _spelling in _functions(_names.split()):
+        if _func not in TABLE:
+            _put(_func, Op(Kind.REFUSED, why=_why), _spelling)
+for _name in ("T", "mT", "H", "mH", "real", "imag"):
+    _attribute(_name, Op(Kind.REFUSED, why="it moves the image dimensions"))
+
+
+def lookup(func: Callable) -> Optional[Op]:
+    """The table's entry for ``func`` (an attribute's read or write: its descriptor's), or None."""
+    op = TABLE.get(func)
+    if op is None and getattr(func, "__name__", "") in ("__get__", "__set__"):
+        op = TABLE.get(getattr(func, "__self__", None))
+    return op
+
+
+def spelled(func: Callable) -> str:
+    """How a user writes ``func``: ``F.conv2d``, ``Tensor.narrow``, ``torch.cat``, ``x.shape``."""
+    name = getattr(func, "__name__", "") or type(func).__name__
+    if name in ("__get__", "__set__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "?")
+        return f"x.{attribute}" + (" = ..." if name == "__set__" else "")
+    known = _SPELLING.get(id(func))
+    if known is not None:
+        return known
+    for prefix, namespace in (("F", F), ("torch", torch), ("Tensor", torch.Tensor)):
+        if getattr(namespace, name, None) is func:
+            return f"{prefix}.{name}"
+    module = getattr(func, "__module__", "") or ""
+    return f"{module}.{name}" if module else name
+
+
+def aten_name(func: Callable) -> str:
+    """The name of the ATen operator a built-in ``func`` calls (``Tensor.add_``: ``add_``)."""
+    return getattr(func, "__name__", "")

@@ -1,0 +1,453 @@
+"""Every entry of the spatial op table, called on a split tensor at every dimension and on both
+grid directions, against one process: exact (forward, and backward where it has a gradient),
+or refused on every rank alike with one SpatialError; never silently wrong, never a rank that
+fails alone. Anything not in the table is refused before it runs.
+
+The group is simulated in one process (tests/spatial_sim.py: a thread per rank); the
+multi-rank tests check the same layers over the real communicators.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import itertools
+import types
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpdl.torch.spatial import dispatch, ops, ops_table
+from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
+from hpdl.torch.spatial.ops import Kind
+from hpdl.torch.spatial.parts import tagged
+from spatial_sim import assemble, assemble_gradients, equal, one_process_gradient, refused_alike, run_parts
+
+GRIDS = [(2, 1), (1, 2)]
+DIMS = [0, 1, 2, 3, -1, -2]
+SHAPE = (2, 3, 7, 6)  # 7 rows and 6 columns: uneven bands on 2 ranks one way, even the other
+
+_gen = torch.Generator().manual_seed(0)
+X = torch.rand(SHAPE, generator=_gen, dtype=torch.float64) * 0.8 + 0.1
+CONST = torch.full((3, 1, 1), 0.7, dtype=torch.float64)  # constant along the image: fine beside a part
+IMAGE = torch.rand(7, 6, generator=_gen, dtype=torch.float64)  # a replicated image-sized tensor: refused
+
+# Read the object, not the values: their results differ between any two tensors.
+IDENTITY = {"Tensor.data_ptr", "Tensor.untyped_storage", "Tensor.__hash__", "Tensor.__repr__", "Tensor.__format__",
+            "Tensor.__reduce_ex__", "Tensor.__deepcopy__", "Tensor.register_hook", "Tensor.retain_grad",
+            "Tensor.backward", "Tensor.__setstate__", "x._cdata", "x._version", "x.grad_fn", "x._grad_fn",
+            "x._base", "x.output_nr", "x._backward_hooks", "x._post_accumulate_grad_hooks", "Tensor._is_view",
+            "Tensor.is_set_to", "Tensor.dim_order", "x.is_leaf", "x.requires_grad", "x.retains_grad"}
+# Their values are not defined (torch.empty): only the shape and the part are compared.
+UNDEFINED_VALUES = ("empty",)
+# They need a GPU; or restore a pickled tensor, which no model does in its forward.
+NEEDS_A_GPU = {"Tensor.cuda", "Tensor.pin_memory"}
+NOT_IN_A_FORWARD = {"Tensor.__setstate__"}
+# Random: their numbers are each band's own (test_spatial.py checks them); here only that they run.
+RANDOM_KINDS = (Kind.RANDOM,)
+
+
+def _y(t):  # another part of the same map
+    return t * 0.5 + 0.25
+
+
+def _ints(t):
+    return (t * 10).long()
+
+
+def _bools(t):
+    return t > 0.5
+
+
+def _elementwise_calls(f) -> List[Tuple[str, Callable]]:
+    return [
+        ("x", lambda t: f(t)), ("x, y", lambda t: f(t, _y(t))), ("x, 0.5", lambda t: f(t, 0.5)),
+        ("x, const", lambda t: f(t, CONST)), ("x, image", lambda t: f(t, IMAGE)),
+        ("x, y, y", lambda t: f(t, _y(t), _y(t))), ("x, y, 0.5", lambda t: f(t, _y(t), 0.5)),
+        ("x, 0.2, 0.6", lambda t: f(t, 0.2, 0.6)), ("ints", lambda t: f(_ints(t))),
+        ("ints, ints", lambda t: f(_ints(t), _ints(_y(t)))), ("ints, 2", lambda t: f(_ints(t), 2)),
+        ("bools", lambda t: f(_bools(t))), ("bools, bools", lambda t: f(_bools(t), _bools(_y(t)))),
+        ("mask, x, y", lambda t: f(_bools(t), t, _y(t))), ("x, mask, 0", lambda t: f(t, _bools(t), 0.0)),
+        ("2.0, x", lambda t: f(2.0, t)),
+        ("x, 3", lambda t: f(t, 3)), ("x, weight per channel", lambda t: f(t, torch.full((3,), 0.25, dtype=t.dtype))),
+    ]
+
+
+def _in_place(f, calls):
+    return [(name, (lambda call: lambda t: call(t.clone()))(call)) for name, call in calls]
+
+
+def _along_calls(f) -> List[Tuple[str, Callable]]:
+    calls = [("x", lambda t: f(t))]
+    for d in DIMS:
+        calls += [
+            (f"x, {d}", lambda t, d=d: f(t, d)), (f"x, dim={d}", lambda t, d=d: f(t, dim=d)),
+            (f"x, 1, {d}", lambda t, d=d: f(t, 1, d)), (f"x, 2, {d}", lambda t, d=d: f(t, 2, d)),
+            (f"x, [{d}]", lambda t, d=d: f(t, [d])), (f"x, {d}, 0", lambda t, d=d: f(t, d, 0)),
+            (f"x, 0.5, {d}", lambda t, d=d: f(t, 0.5, d)),
+            (f"x, {d}, idx", lambda t, d=d: f(t, d, torch.tensor([0, 1]))),
+            (f"x, {d}, idx, src", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long), _y(t))),
+            (f"x, {d}, idx, src, sum", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long), _y(t), "sum")),
+            (f"x, {d}, idx like x", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long))),
+            (f"x, {d}, 2, 1", lambda t, d=d: f(t, d, 2, 1)), (f"x, 0.5, {d}, True", lambda t, d=d: f(t, 0.5, True)),
+            (f"x, {d}, idx1, 0.5", lambda t, d=d: f(t, d, torch.tensor([0]), 0.5)),
+            (f"x, {d}, idx1, src1", lambda t, d=d: f(t, d, torch.tensor([0]), t.narrow(d, 0, 1))),
+            (f"x, idx, {d}", lambda t, d=d: f(t, torch.zeros_like(t, dtype=torch.long), d)),
+            (f"bools, {d}", lambda t, d=d: f(_bools(t), d)), (f"ints, {d}", lambda t, d=d: f(_ints(t), d)),
+            (f"x, y, {d}", lambda t, d=d: f(t, _y(t), d)), (f"x, y, dim={d}", lambda t, d=d: f(t, _y(t), dim=d)),
+            (f"x, 2, dim={d}", lambda t, d=d: f(t, 2, dim=d)), (f"x, 1, dim={d}", lambda t, d=d: f(t, 1, dim=d)),
+            (f"x, [1, rest], {d}", lambda t, d=d: f(t, [1, t.shape[d] - 1], d)),
+            (f"x, 1, [{d}, other]", lambda t, d=d: f(t, 1, [d, (d + 1) % 4])),
+            (f"x, p=2, dim={d}", lambda t, d=d: f(t, p=2, dim=d)),
+            (f"x, 0.5, dim={d}", lambda t, d=d: f(t, 0.5, dim=d)),
+        ]
+    return calls
+
+
+def _shape_calls(f) -> List[Tuple[str, Callable]]:
+    calls = [("x", lambda t: f(t)), ("x, y", lambda t: f(t, _y(t))), ("const, x", lambda t: f(CONST, t)),
+             ("x, (n, h, w)", lambda t: f(t, t.shape[0] * t.shape[1], t.shape[2], t.shape[3])),
+             ("x, (b, c, h, w)", lambda t: f(t, t.shape)), ("x, -1", lambda t: f(t, -1)),
+             ("x, (b, -1)", lambda t: f(t, t.shape[0], -1)),
+             ("x, (b, 3, 1, h, w)", lambda t: f(t, t.shape[0], 3, 1, t.shape[2], t.shape[3])),
+             ("x, 1, (3, 1)", lambda t: f(t, 1, (3, 1))), ("x, 2, (h, 1)", lambda t: f(t, 2, (t.shape[2], 1))),
+             ("x, 0, 1", lambda t: f(t, 0, 1)), ("x, 1, 2", lambda t: f(t, 1, 2)), ("x, 2, 3", lambda t: f(t, 2, 3)),
+             ("x, 1, 2, 1, 1", lambda t: f(t, 1, 2, 1, 1)), ("x, 1, 1, 2, 1", lambda t: f(t, 1, 1, 2, 1)),
+             ("x, (2, 2, 3, h, w)", lambda t: f(t, 2, 2, 3, t.shape[2], t.shape[3])),
+             ("x[:, :1], (-1, 3, -1, -1)", lambda t: f(t[:, :1], -1, 3, -1, -1)),
+             ("x, (1, 2, 1, 1)", lambda t: f(t, (1, 2, 1, 1)))]
+    for d in DIMS + [4, -5]:
+        calls += [(f"x, {d}", lambda t, d=d: f(t, d)), (f"x[:1], {d}", lambda t, d=d: f(t[:1], d))]
+    for a, b in itertools.permutations(range(4), 2):
+        calls.append((f"x, {a}, {b}", lambda t, a=a, b=b: f(t, a, b)))
+    for order in itertools.permutations(range(4)):
+        calls.append((f"x, {order}", lambda t, order=order: f(t, order)))
+    return calls
+
+
+def _index_calls() -> List[Tuple[str, Callable]]:
+    def setting(index, value):
+        def call(t):
+            u = t.clone()
+            u[index] = value
+            return u
+        return call
+
+    gets = [(0,), (slice(None), 1), (Ellipsis, slice(1, 3), slice(None)), (Ellipsis, slice(None), slice(2, None)),
+            (slice(None), slice(None), slice(1, -1)), (Ellipsis, 0), (Ellipsis, slice(None, None, 2), slice(None)),
+            (slice(None), [0, 2]), (None,), (Ellipsis, None), (slice(None), None), (0, Ellipsis, slice(0, 1)),
+            (Ellipsis, slice(-3, None), slice(None, -1)), (Ellipsis, slice(5, 100), slice(None)),
+            (Ellipsis, slice(0, 0), slice(None)), (torch.tensor([1, 0]),)]
+    calls = [(f"x[{index}]", lambda t, index=index: t[index]) for index in gets]
+    calls += [("x[mask]", lambda t: t[t > 0.5]),
+              ("x[..., :h - 1, :]", lambda t: t[..., :t.shape[-2] - 1, :]),
+              ("x[..., :h, :w]", lambda t: t[..., :t.shape[-2], :t.shape[-1]]),
+              ("x[..., 1:w, :]", lambda t: t[..., 1:t.shape[-1], :])]
+    calls += [(f"x[{index}] = 0", setting(index, 0.0)) for index in
+              [(slice(None), 0), (Ellipsis, 0, slice(None)), (Ellipsis, slice(1, 3), slice(None)), (0,)]]
+    return calls
+
+
+def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
+    w = torch.rand(4, 3, 3, 3, generator=_gen, dtype=torch.float64)
+    wt = torch.rand(3, 2, 3, 3, generator=_gen, dtype=torch.float64)
+    wt2 = torch.rand(3, 2, 2, 2, generator=_gen, dtype=torch.float64)
+    b = torch.rand(4, generator=_gen, dtype=torch.float64)
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    four = lambda t: torch.cat([t, t[:, :1]], 1)  # noqa: E731 - four channels for pixel_shuffle
+    calls = {
+        torch.conv2d: [("pad 1", lambda t: F.conv2d(t, w, b, padding=1)), ("stride 2", lambda t: F.conv2d(t, w, stride=2)),
+                       ("dilation 2", lambda t: F.conv2d(t, w, padding=2, dilation=2)),
+                       ("same", lambda t: F.conv2d(t, w, padding="same")),
+                       ("groups", lambda t: F.conv2d(t, w[:3, :1], groups=3, padding=1))],
+        torch.conv_transpose2d: [
+            ("3x3 s1 p1", lambda t: F.conv_transpose2d(t, wt, padding=1)),
+            ("3x3 s2 p1 op1", lambda t: F.conv_transpose2d(t, wt, stride=2, padding=1, output_padding=1)),
+            ("2x2 s2", lambda t: F.conv_transpose2d(t, wt2, stride=2)),
+            ("3x3 s2 bias", lambda t: F.conv_transpose2d(t, wt, torch.ones(2, dtype=torch.float64), stride=2)),
+            ("3x3 s3 d2", lambda t: F.conv_transpose2d(t, wt, stride=3, dilation=2)),
+            ("groups", lambda t: F.conv_transpose2d(t, wt[:, :1], stride=2, groups=3))],
+        F.max_pool2d: [("2", lambda t: F.max_pool2d(t, 2)), ("3 s1 p1", lambda t: F.max_pool2d(t, 3, 1, 1)),
+                       ("ceil", lambda t: F.max_pool2d(t, 3, 2, ceil_mode=True)),
+                       ("indices", lambda t: F.max_pool2d(t, 2, return_indices=True))],
+        torch.max_pool2d: [("2", lambda t: torch.max_pool2d(t, 2))],
+        F.avg_pool2d: [("2", lambda t: F.avg_pool2d(t, 2)), ("3 s1 p1", lambda t: F.avg_pool2d(t, 3, 1, 1)),
+                       ("no pad count", lambda t: F.avg_pool2d(t, 3, 1, 1, count_include_pad=False)),
+                       ("divisor", lambda t: F.avg_pool2d(t, 3, 2, 1, divisor_override=2)),
+                       ("ceil", lambda t: F.avg_pool2d(t, 2, ceil_mode=True))],
+        F.batch_norm: [("train", lambda t: F.batch_norm(t, rm.clone(), rv.clone(), training=True)),
+                       ("eval", lambda t: F.batch_norm(t, rm, rv))],
+        F.adaptive_avg_pool2d: [("1", lambda t: F.adaptive_avg_pool2d(t, 1)),
+                                ("2", lambda t: F.adaptive_avg_pool2d(t, 2))],
+        torch.pixel_shuffle: [("2", lambda t: F.pixel_shuffle(four(t), 2))],
+        F.interpolate: [("nearest 2", lambda t: F.interpolate(t, scale_factor=2)),
+                        ("bilinear 3", lambda t: F.interpolate(t, scale_factor=3, mode="bilinear")),
+                        ("bicubic 2", lambda t: F.interpolate(t, scale_factor=2, mode="bicubic")),
+                        ("size from shape", lambda t: F.interpolate(t, size=(t.shape[-2] * 2, t.shape[-1] * 2),
+                                                                     mode="bilinear")),
+                        ("size of the map", lambda t: F.interpolate(t, size=t.shape[-2:], mode="bilinear")),
+                        ("size 2h+1", lambda t: F.interpolate(t, size=(2 * t.shape[-2] + 1, 2 * t.shape[-1]))),
+                        ("size 14 x 12", lambda t: F.interpolate(t, size=(14, 12), mode="bilinear")),
+                        ("1.5", lambda t: F.interpolate(t, scale_factor=1.5)),
+                        ("align", lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=True))],
+        F.pad: [("zeros 1", lambda t: F.pad(t, (1, 1, 1, 1))), ("value 2 uneven", lambda t: F.pad(t, (0, 2, 1, 0), value=2.0)),
+                ("crop -1", lambda t: F.pad(t, (-1, 0, 0, -1))), ("replicate", lambda t: F.pad(t, (1, 2, 2, 1),
+                                                                                               mode="replicate")),
+                ("reflect", lambda t: F.pad(t, (1, 1, 1, 1), mode="reflect")),
+                ("channels", lambda t: F.pad(t, (0, 0, 0, 0, 1, 1))),
+                ("diff of shapes", lambda t: F.pad(t, [(t.shape[-1] + 2 - t.shape[-1]) // 2, 1, 0, 1]))],
+    }
+    calls[torch.mean] = [("(2, 3)", lambda t: torch.mean(t, (2, 3))), ("1", lambda t: torch.mean(t, 1)),
+                         ("2", lambda t: torch.mean(t, 2)), ("all", lambda t: torch.mean(t)),
+                         ("keepdim", lambda t: torch.mean(t, (-1, -2), keepdim=True))]
+    calls[torch.Tensor.mean] = [("(2, 3)", lambda t: t.mean((2, 3))), ("1", lambda t: t.mean(1))]
+    calls[torch.sum] = [("(2, 3)", lambda t: torch.sum(t, (2, 3))), ("0", lambda t: torch.sum(t, 0)),
+                        ("3", lambda t: torch.sum(t, 3)), ("all", lambda t: torch.sum(t))]
+    calls[torch.Tensor.sum] = [("(2, 3)", lambda t: t.sum((2, 3))), ("1 keepdim", lambda t: t.sum(1, keepdim=True)),
+                               ("dtype", lambda t: t.sum(dtype=torch.float32))]
+    for f in (torch.narrow, torch.Tensor.narrow):
+        calls[f] = [(f"{d}, {s}, {n}", lambda t, d=d, s=s, n=n: f(t, d, s, n))
+                    for d in DIMS for s, n in ((0, 1), (1, 2), (-2, 2), (0, 5))]
+    return calls
+
+
+def _calls(func, op) -> List[Tuple[str, Callable]]:
+    spelled = ops.spelled(func)
+    if op.kind is Kind.HANDLER:
+        return HANDLER_CALLS[func]
+    if op.kind is Kind.INDEX:
+        return _index_calls()
+    if isinstance(func, types.GetSetDescriptorType):  # an attribute
+        name = func.__name__
+        return [(f"x.{name}", lambda t, name=name: getattr(t, name))]
+    in_place = spelled.endswith("_") and not spelled.endswith("__")
+    if op.kind in (Kind.ELEMENTWISE, Kind.LIKE, Kind.CONVERT, Kind.RANDOM, Kind.REFUSED, Kind.METADATA,
+                   Kind.PART_ATTRIBUTE):
+        calls = _elementwise_calls(func) + [("x, torch.float32", lambda t: func(t, torch.float32)),
+                                            ("x, {}", lambda t: func(t, {})), ("x, ''", lambda t: func(t, "")),
+                                            ("x needing grad, hook", lambda t: func(t.detach().requires_grad_(),
+                                                                                    lambda g: g)),
+                                            ("x needing grad", lambda t: func(t.detach().requires_grad_())),
+                                            ("x * 1, ones", lambda t: func(t.detach().requires_grad_() * 1,
+                                                                           torch.ones_like(t))),
+                                            ("x, y.type", lambda t: func(t, _y(t).float())),
+                                            ("x, shape", lambda t: func(t, t.shape[1:])),
+                                            ("x, 3, 3", lambda t: func(t, torch.ones(3, t.shape[-1],
+                                                                                     dtype=t.dtype)))]
+        if op.kind is not Kind.ELEMENTWISE:  # element-wise calls take no dimension
+            calls += _along_calls(func)[1:]
+        return _in_place(func, calls) if in_place else calls
+    if op.kind in (Kind.ALONG, Kind.CONCAT):
+        if op.kind is Kind.CONCAT:
+            return [(f"[x, y], {d}", lambda t, d=d: func([t, _y(t)], d)) for d in DIMS] + \
+                [("[x, y]", lambda t: func([t, _y(t)])), ("[x, image]", lambda t: func([t, IMAGE.expand_as(t)], 1))]
+        calls = _along_calls(func)
+        return _in_place(func, calls) if in_place else calls
+    if op.kind in (Kind.RESHAPE, Kind.EXPAND, Kind.PERMUTE):
+        calls = _shape_calls(func)
+        return _in_place(func, calls) if in_place else calls
+    if op.kind is Kind.SHAPE:
+        return [("x", lambda t: func(t))] + [(f"x, {d}", lambda t, d=d: func(t, d)) for d in DIMS]
+    if op.kind in (Kind.NEW, Kind.FACTORY):
+        first = (lambda t: (t,)) if op.kind is Kind.NEW else (lambda t: ())
+        return [("shape", lambda t: func(*first(t), t.shape)),
+                ("h, w", lambda t: func(*first(t), t.shape[-2], t.shape[-1])),
+                ("2, 3", lambda t: func(*first(t), 2, 3)), ("h", lambda t: func(*first(t), t.shape[-2])),
+                ("w, h", lambda t: func(*first(t), t.shape[-1], t.shape[-2])),
+                ("shape, 2.0", lambda t: func(*first(t), t.shape, 2.0)),
+                ("(2, 3), 2.0", lambda t: func(*first(t), (2, 3), 2.0))]
+    raise AssertionError(f"no calls for {spelled} ({op.kind})")
+
+
+HANDLER_CALLS = _handler_calls()
+
+
+def _check_call(func, name: str, call: Callable, grid: Tuple[int, int]) -> str:
+    """'skip' (one process refuses the call too), 'exact' or 'refused'; raise when neither."""
+    spelled = ops.spelled(func)
+    try:
+        expected = call(X.clone())
+    except Exception:  # noqa: BLE001 - not a call one process makes: no comparison
+        return "skip"
+    outcomes = run_parts(grid, call, X)
+    errors = [o.error for o in outcomes]
+    if all(e is not None for e in errors):
+        message = refused_alike(outcomes)
+        if message is None:
+            raise AssertionError(f"{spelled}({name}) on {grid}: not refused alike on every rank: "
+                                 + "; ".join(f"{type(e).__name__}: {e}" for e in errors))
+        return "refused"
+    if any(e is not None for e in errors):
+        raise AssertionError(f"{spelled}({name}) on {grid}: some ranks failed, others did not: "
+                             + "; ".join("ok" if e is None else f"{type(e).__name__}: {e}" for e in errors))
+    op = ops.lookup(func)
+    if op.kind in RANDOM_KINDS or spelled in IDENTITY or any(word in spelled for word in UNDEFINED_VALUES):
+        return "exact"
+    got = assemble([_listed(o.value) for o in outcomes])
+    expected = _listed(expected)
+    if not equal(got, expected, loose="y.type" in name):
+        raise AssertionError(f"{spelled}({name}) on {grid}: silently wrong: got {_brief(got)}, one process "
+                             f"{_brief(expected)}")
+    return "exact"
+
+
+def _listed(value: Any) -> Any:
+    """An iterator's items (``iter(x)``), so that they can be compared."""
+    return list(value) if isinstance(value, collections.abc.Iterator) else value
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return repr(value)[:80]
+
+
+def _entries():
+    seen = {}
+    for func, op in ops.TABLE.items():
+        seen.setdefault(ops.spelled(func), (func, op))
+    return sorted(seen.items())
+
+
+@pytest.mark.parametrize("kind", [k for k in Kind], ids=[k.value for k in Kind])
+def test_every_table_entry_is_exact_or_refused_alike_on_every_dimension_and_grid(kind):
+    tried: Dict[str, List[str]] = {}
+    for spelled, (func, op) in _entries():
+        if op.kind is not kind:
+            continue
+        results = tried.setdefault(spelled, [])
+        for name, call in _calls(func, op):
+            for grid in GRIDS:
+                results.append(_check_call(func, name, call, grid))
+    untried = [s for s, r in tried.items()
+               if all(x == "skip" for x in r) and s not in NEEDS_A_GPU | NOT_IN_A_FORWARD and kind is not Kind.REFUSED]
+    assert not untried, f"no call of these ran in one process, so nothing was checked: {untried}"
+    if kind in (Kind.ELEMENTWISE, Kind.CONVERT, Kind.LIKE, Kind.SHAPE, Kind.METADATA, Kind.RANDOM):
+        never_exact = [s for s, r in tried.items() if "exact" not in r and s not in NEEDS_A_GPU | NOT_IN_A_FORWARD]
+        assert not never_exact, f"refused in every call, though the kind runs on a part: {never_exact}"
+    if kind is Kind.REFUSED:  # whatever the arguments: refused before it runs
+        assert all("exact" not in r for r in tried.values())
+        for spelled, (func, op) in _entries():
+            if op.kind is Kind.REFUSED:
+                with pytest.raises(SpatialError, match=f"is not supported in the spatial part \\({op.why}"):
+                    _call_on_a_part(func)
+
+
+def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too():
+    for func, calls in HANDLER_CALLS.items():
+        for name, call in calls:
+            for grid in GRIDS + [(2, 2)]:
+                result = _check_call(func, name, call, grid)
+                if result != "exact" or not X.is_floating_point():
+                    continue
+                expected = one_process_gradient(call, X)
+                if expected is None:
+                    continue
+                outcomes = run_parts(grid, call, X, backward=True)
+                assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+                got = assemble_gradients(outcomes, grid, X.shape)
+                assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), \
+                    f"{ops.spelled(func)}({name}) on {grid}: the input gradient differs by {(got - expected).abs().max()}"
+
+
+@pytest.mark.parametrize("call,grid,status", [
+    ("no pad count", (1, 2), "exact"), ("no pad count", (2, 2), "exact"),
+    ("size from shape", (2, 1), "exact"), ("size of the map", (1, 2), "exact"),
+    ("size 2h+1", (2, 1), "refused"), ("1.5", (2, 1), "refused"),
+    ("3x3 s2 p1 op1", (2, 1), "exact"), ("2x2 s2", (2, 2), "exact"),
+    ("diff of shapes", (2, 1), "exact"), ("replicate", (1, 2), "exact"), ("crop -1", (2, 2), "exact"),
+    ("reflect", (2, 1), "refused"),
+])
+def test_what_the_reported_cases_do_now(call, grid, status):
+    for func, calls in HANDLER_CALLS.items():
+        for name, fn in calls:
+            if name == call:
+                assert _check_call(func, name, fn, grid) == status
+                return
+    raise AssertionError(f"no call named {call}")
+
+
+def test_the_reported_silent_cases_are_exact_now():
+    # AvgPool2d(count_include_pad=False) on 9 x 16 over (1, 2): the divisor at the band edge.
+    x = torch.randn(1, 2, 9, 16, dtype=torch.float64)
+    pool = lambda t: F.avg_pool2d(t, 3, 1, 1, count_include_pad=False)  # noqa: E731
+    got = assemble([o.value for o in run_parts((1, 2), pool, x)])
+    assert torch.allclose(got, pool(x), atol=1e-12)
+    # narrow and select along a split dimension: a crop, or refused; never a replicated part.
+    y = torch.randn(1, 2, 8, 6, dtype=torch.float64)
+    got = assemble([o.value for o in run_parts((1, 2), lambda t: t.narrow(3, 0, 2), y)])
+    assert torch.equal(got, y.narrow(3, 0, 2))
+    got = assemble([o.value for o in run_parts((1, 2), lambda t: torch.narrow(t, 3, 1, 4), y)])
+    assert torch.equal(got, y.narrow(3, 1, 4))
+    assert refused_alike(run_parts((1, 2), lambda t: t.select(3, 0), y)) is not None
+
+
+def test_a_size_read_from_the_input_is_the_whole_images():
+    # A segmentation head: size = x.shape[-2:], three stride-2 convs, a 1x1 head, upsampled back.
+    convs = [torch.randn(4, c, 3, 3, dtype=torch.float64) for c in (2, 4, 4)]
+    head = torch.randn(3, 4, 1, 1, dtype=torch.float64)
+
+    def segment(t):
+        size = t.shape[-2:]
+        for w in convs:
+            t = F.conv2d(t, w, stride=2, padding=1)
+        return F.interpolate(F.conv2d(t, head), size=size, mode="bilinear")
+
+    x = torch.randn(1, 2, 64, 32, dtype=torch.float64)
+    got = assemble([o.value for o in run_parts((2, 1), segment, x)])
+    assert tuple(got.shape) == (1, 3, 64, 32)
+    assert torch.allclose(got, segment(x), atol=1e-12)
+
+
+def test_a_refused_interpolation_names_the_sizes_as_one_process_sees_them():
+    x = torch.randn(1, 1, 64, 32, dtype=torch.float64)
+    outcomes = run_parts((2, 1), lambda t: F.interpolate(t[..., ::1, :], size=(32, 32)), x)
+    assert "interpolation of a 64 x 32 map to 32 x 32 (a scale of 0.5 x 1)" in refused_alike(outcomes)
+
+
+def test_lengths_read_from_a_part_compare_and_compute_as_the_whole_images():
+    x = torch.randn(1, 1, 9, 6, dtype=torch.float64)
+
+    def read(t):
+        h, w = t.shape[-2:]
+        return (h == 9, w == 6, t.size(2) == 9, t.numel() == 54, (2 * h + 1) == 19, h > 5, t.shape == x.shape,
+                t.sum() / t.numel())
+
+    results = [o.value for o in run_parts((2, 1), read, x)]
+    for result in results:
+        assert result[:7] == (True,) * 7
+        assert torch.allclose(result[7], x.mean())
+
+
+def _call_on_a_part(func) -> Any:
+    """``func`` called by the spatial mode on a part, with no other argument."""
+    part = Part(Grid(2, 1), 0, 8, 6)
+    x = tagged(torch.zeros(1, 2, 4, 6), part)
+    ctx = Context(part.grid, 0, None, {})
+    return dispatch.SpatialMode(ctx).__torch_function__(func, (torch.Tensor,), (x,), {})
+
+
+def test_calls_outside_the_table_are_refused_before_they_run():
+    candidates = []
+    for namespace in (torch, torch.Tensor, F, torch.fft, torch.linalg, torch.special):
+        for name in dir(namespace):
+            func = getattr(namespace, name, None)
+            if callable(func) and not isinstance(func, type) and ops.lookup(func) is None and not name.startswith("_"):
+                candidates.append(func)
+    assert len(candidates) > 300
+    for func in candidates:
+        with pytest.raises(SpatialError, match="is not supported in the spatial part"):
+            _call_on_a_part(func)
+
+
+def test_the_documents_list_of_calls_is_the_op_table():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "spatial.md").read_text(encoding="utf-8")
+    section = ops_table.document_section(text)
+    assert section, "docs/spatial.md has no section made from the op table"
+    assert section == ops_table.section_lines(), (
+        "docs/spatial.md's list of calls differs from the op table in hpdl/torch/spatial/ops.py; "
+        "`python -m hpdl.torch.spatial.ops_table --write docs/spatial.md` rewrites it")
+    assert ops_table.replace_section(text) == text
