@@ -64,7 +64,8 @@ def main() -> int:
             print(f"rank {comm.rank}: the two sums differ at {size_mb} MB", file=sys.stderr)
             return 1
         if comm.rank == 0:
-            print(f"{size_mb:8.3f} {t_native:17.2f} {t_torch:12.2f} {t_native / t_torch:7.1f}")
+            # significant digits, not places: a ratio or a time below 0.05 never prints as 0.0
+            print(f"{size_mb:8.3f} {t_native:17.3g} {t_torch:12.3g} {t_native / t_torch:7.3g}")
     return 0
 
 

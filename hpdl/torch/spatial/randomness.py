@@ -23,6 +23,7 @@ dropped with the same probability, independently of the others.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, List
 
 import torch
@@ -46,13 +47,19 @@ def seed(base: int, call: int, band: int) -> int:
     return (z ^ (z >> 31)) & _MASK
 
 
+# The default generators are the process's: one thread at a time seeds them for its call (the
+# random operations take no generator of their own). Another thread drawing from them at that
+# moment without this lock would draw from the band's stream.
+_seeding = threading.Lock()
+
+
 @contextlib.contextmanager
 def seeded(value: int, devices: List[torch.device]) -> Iterator[None]:
     """Run the block with the default generators (the CPU's, and each CUDA device's among
     ``devices``) seeded with ``value``; their states are restored afterwards."""
     cuda = sorted({d.index if d.index is not None else torch.cuda.current_device()
                    for d in devices if d.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+    with _seeding, torch.random.fork_rng(devices=cuda, device_type="cuda"):
         torch.random.default_generator.manual_seed(value)
         for index in cuda:
             torch.cuda.default_generators[index].manual_seed(value)
