@@ -23,7 +23,7 @@ from hpdl.torch.spatial import dispatch, ops, ops_table
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import tagged
+from hpdl.torch.spatial.parts import part_of, tagged
 from spatial_sim import assemble, assemble_gradients, equal, one_process_gradient, refused_alike, run_parts
 
 GRIDS = [(2, 1), (1, 2)]
@@ -72,6 +72,8 @@ def _elementwise_calls(f) -> List[Tuple[str, Callable]]:
         ("bools", lambda t: f(_bools(t))), ("bools, bools", lambda t: f(_bools(t), _bools(_y(t)))),
         ("mask, x, y", lambda t: f(_bools(t), t, _y(t))), ("x, mask, 0", lambda t: f(t, _bools(t), 0.0)),
         ("2.0, x", lambda t: f(2.0, t)),
+        ("2, 3", lambda t: f(2, 3)), ("10, (2, 3)", lambda t: f(10, (2, 3))), ("5", lambda t: f(5)),
+        ("0., 1., (2,)", lambda t: f(0.0, 1.0, (2,))), ("probabilities, 2", lambda t: f(torch.ones(4) / 4, 2)),
         ("x, 3", lambda t: f(t, 3)), ("x, weight per channel", lambda t: f(t, torch.full((3,), 0.25, dtype=t.dtype))),
     ]
 
@@ -284,7 +286,12 @@ def _check_call(func, name: str, call: Callable, grid: Tuple[int, int]) -> str:
         raise AssertionError(f"{spelled}({name}) on {grid}: some ranks failed, others did not: "
                              + "; ".join("ok" if e is None else f"{type(e).__name__}: {e}" for e in errors))
     op = ops.lookup(func)
-    if op.kind in RANDOM_KINDS or spelled in IDENTITY or any(word in spelled for word in UNDEFINED_VALUES):
+    if op.kind in RANDOM_KINDS:  # replicated random numbers: the same on every rank
+        values = [o.value for o in outcomes]
+        if isinstance(values[0], torch.Tensor) and part_of(values[0]) is None:
+            assert all(torch.equal(v, values[0]) for v in values), f"{spelled}({name}) on {grid}: ranks drew differently"
+        return "exact"
+    if spelled in IDENTITY or any(word in spelled for word in UNDEFINED_VALUES):
         return "exact"
     got = assemble([_listed(o.value) for o in outcomes])
     expected = _listed(expected)

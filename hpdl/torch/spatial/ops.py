@@ -175,6 +175,9 @@ _add("channel_shuffle native_channel_shuffle", Op(Kind.ELEMENTWISE, why="moves w
 _add("dropout alpha_dropout rrelu bernoulli rand_like randn_like randint_like", Op(Kind.RANDOM))
 _add("uniform normal exponential geometric log_normal cauchy random", Op(Kind.RANDOM), torch_level=False,
      functional=False)
+# New random tensors in a forward (stochastic depth's draw): replicated, one stream for the group,
+# so that every rank draws the same numbers whatever its own seed.
+_add("rand randn randint randperm normal poisson multinomial", Op(Kind.RANDOM), methods=False, functional=False)
 
 # -- conversions, new tensors like the part ----------------------------------------------------
 
