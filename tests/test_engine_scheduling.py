@@ -9,7 +9,7 @@ from engine_clocks import FakeClock
 from hpdl.config import Settings
 from hpdl.engine.handle import Handle
 from hpdl.engine.negotiation import ROOM_UNITS
-from hpdl.engine.process_set import ProcessSet
+from hpdl.engine.process_set import Backlog, ProcessSetState
 from hpdl.engine.request import Op, Request, RequestKind, Response
 from hpdl.engine.scheduling import Scheduler
 
@@ -40,13 +40,13 @@ def test_an_idle_rank_doubles_its_pause_while_its_rounds_find_nothing():
 
 def test_an_idle_rank_keeps_the_cycle_time_while_a_negotiation_needs_it():
     sched = scheduler()
-    sched.hot = True  # a full exchange, or a process set with work, is under way
+    sched.after_round(hot=True, idle=True)  # a full exchange, or a process set with work, is under way
     assert pauses(sched, 3, progressed=True) == [CYCLE_S] * 3
 
 
 def test_a_rank_waiting_for_its_peers_doubles_its_pause_up_to_a_cap():
     sched = scheduler()
-    sched.idle = False  # requests pending that the rounds cannot run yet
+    sched.after_round(hot=False, idle=False)  # requests pending that the rounds cannot run yet
     assert pauses(sched, 5) == [0.002, 0.004, 0.005, 0.005, 0.005]
     # a round that ran something, or a new request of this rank, brings the cycle time back
     assert pauses(sched, 1, progressed=True) == [CYCLE_S]
@@ -56,7 +56,7 @@ def test_a_rank_waiting_for_its_peers_doubles_its_pause_up_to_a_cap():
 
 def test_a_waiter_cuts_a_doubled_pause_short():
     sched = scheduler()
-    sched.idle = False
+    sched.after_round(hot=False, idle=False)
     handle = Handle("w")
     assert not sched.round_for_waiter(handle)  # at the cycle time: nothing to cut short
     sched.next_round_at(0.0, progressed=False, arrived=0)
@@ -73,7 +73,7 @@ def test_a_submission_wakes_an_idle_engine_at_once_and_only_then():
 
 def test_the_cycle_time_follows_the_autotuner():
     sched = scheduler()
-    sched.hot = True
+    sched.after_round(hot=True, idle=True)
     sched.set_cycle_time(4.0)
     assert sched.cycle_time_ms == 4.0 and pauses(sched, 1, progressed=True) == [0.004]
 
@@ -103,9 +103,9 @@ def allreduce(name, numel=256, arrival=0.0, bytes_to_come=None, priority=None):
 
 
 def pending_set(*requests):
-    ps = ProcessSet(0, [0, 1], None)
+    ps = ProcessSetState(0, [0, 1], None, None)
     for request in requests:
-        ps.pending[request.name] = request
+        ps.admit(request)
     return ps
 
 
@@ -192,44 +192,51 @@ def prioritized(name, numel, priority):
     return Response(name, RequestKind.ALLREDUCE, (req.signature(), req.signature())), req
 
 
-def queued_names(ps):
-    return [[r.name for r in responses] for responses, _, _ in ps.queued]
+def queued_names(backlog):
+    names = []
+    while backlog.head() is not None:
+        names.append([r.name for r in backlog.pop().responses])
+    return names
+
+
+def backlog_of(*agreed):
+    backlog = Backlog()
+    for response, request in agreed:
+        backlog.add(response, request)
+    return backlog
 
 
 def test_backlog_queues_the_most_urgent_that_fit_in_the_agreed_room():
     # one unit: 4096 bytes (1024 float32); tensors of 4096 bytes and more go alone
     sched = scheduler(priority_window=32 * 4096, inplace_threshold=4096)
-    ps = ProcessSet(0, [0, 1], None)
     # arrival order is backward's (last layer first); priority is the forward's order
-    ps.backlog = [prioritized(f"p{prio}", 1024, prio) for prio in (5, 4, 3, 2, 1, 0)]
-    sched.queue_from_backlog(ps, 3)  # room for three tensors
-    assert queued_names(ps) == [["p0"], ["p1"], ["p2"]] and sched.queued_bytes == 3 * 4096
-    assert set(ps.queued[0][1]) == {"p0"}  # each batch carries this rank's requests
-    assert [r.name for r, _ in ps.backlog] == ["p3", "p4", "p5"]
-    sched.queue_from_backlog(ps, 0)  # some rank has no room: nothing more is queued
-    assert len(ps.queued) == 3
+    backlog = backlog_of(*[prioritized(f"p{prio}", 1024, prio) for prio in (5, 4, 3, 2, 1, 0)])
+    backlog.queue(3, sched.batches_to_queue)  # room for three tensors
+    assert backlog.queued == 3 and backlog.waiting == 3 and backlog.queued_bytes == 3 * 4096
+    assert set(backlog.head().requests) == {"p0"}  # each batch carries this rank's requests
+    backlog.queue(0, sched.batches_to_queue)  # some rank has no room: nothing more is queued
+    assert backlog.queued == 3
+    assert queued_names(backlog) == [["p0"], ["p1"], ["p2"]] and backlog.queued_bytes == 0
+    assert sorted(r.name for r in backlog.clear()) == ["p3", "p4", "p5"]  # the rest still waits
     # a tensor larger than the whole window is queued once every window is empty
-    ps.queued.clear()
-    ps.backlog = [prioritized("huge", 64 * 1024, 0)]
-    sched.queue_from_backlog(ps, ROOM_UNITS - 1)
-    assert not ps.queued
-    sched.queue_from_backlog(ps, ROOM_UNITS)
-    assert queued_names(ps) == [["huge"]]
+    backlog = backlog_of(prioritized("huge", 64 * 1024, 0))
+    backlog.queue(ROOM_UNITS - 1, sched.batches_to_queue)
+    assert not backlog.queued
+    backlog.queue(ROOM_UNITS, sched.batches_to_queue)
+    assert queued_names(backlog) == [["huge"]]
     # tensors under the in-place size are queued together (to be fused), up to that size
-    ps.queued.clear()
-    ps.backlog = [prioritized(f"s{prio}", 256, prio) for prio in range(6)]  # 1 KiB each
-    sched.queue_from_backlog(ps, ROOM_UNITS)
-    assert queued_names(ps) == [["s0", "s1", "s2", "s3"], ["s4", "s5"]]
+    backlog = backlog_of(*[prioritized(f"s{prio}", 256, prio) for prio in range(6)])  # 1 KiB each
+    backlog.queue(ROOM_UNITS, sched.batches_to_queue)
+    assert queued_names(backlog) == [["s0", "s1", "s2", "s3"], ["s4", "s5"]]
 
 
 def test_the_room_counts_what_is_in_flight_and_what_is_queued():
     sched = scheduler(priority_window=32 * 4096)  # one unit: 4096 bytes
-    assert sched.room(0) == ROOM_UNITS
-    assert sched.room(4096) == ROOM_UNITS - 1
-    sched.queued_bytes = 2 * 4096
-    assert sched.room(4096) == ROOM_UNITS - 3
-    assert sched.room(4095) == ROOM_UNITS - 3  # a unit partly used is no room
-    assert sched.room(64 * 4096) == 0
+    assert sched.room(0, 0) == ROOM_UNITS
+    assert sched.room(4096, 0) == ROOM_UNITS - 1
+    assert sched.room(4096, 2 * 4096) == ROOM_UNITS - 3
+    assert sched.room(4095, 2 * 4096) == ROOM_UNITS - 3  # a unit partly used is no room
+    assert sched.room(64 * 4096, 0) == 0
 
 
 def test_a_queued_batch_starts_when_it_fits_beside_what_is_in_flight():
@@ -245,12 +252,8 @@ def test_queued_allreduces_start_between_rounds_only_where_collectives_run_in_th
     from types import SimpleNamespace
 
     sched = scheduler(priority_window=8192)
-    ps = ProcessSet(0, [0, 1], None, SimpleNamespace(background_collectives=True, runs_in_order=in_order))
-    sched.pace(ps, background=True)
+    comm = SimpleNamespace(background_collectives=True, runs_in_order=in_order)
     # side by side (MPI) half the window in flight, the other half queued; in order all of it
-    assert ps.paced and ps.flight_window == flight_window
-    sched.pace(ps, background=False)  # HPDL_BACKGROUND_COLLECTIVES=0: every call blocks
-    assert not ps.paced
-    blocking = ProcessSet(0, [0, 1], None, SimpleNamespace(background_collectives=False))
-    sched.pace(blocking, background=True)
-    assert not blocking.paced
+    assert sched.pacing(comm, background=True) == (True, flight_window)
+    assert not sched.pacing(comm, background=False)[0]  # HPDL_BACKGROUND_COLLECTIVES=0: every call blocks
+    assert not sched.pacing(SimpleNamespace(background_collectives=False), background=True)[0]

@@ -107,8 +107,9 @@ def test_a_signature_is_read_by_name_and_hashable():
     again = signature_of(tuple(sig))
     assert again == sig and hash(again) == hash(sig) and {sig: 1}[again] == 1 and again.shape == (2, 3)
     barrier = Request(RequestKind.BARRIER, "b").signature()
-    assert barrier.kind == "barrier" and barrier.dtype is None and barrier.root == 0
-    assert list(_FIELD_TEXT) and set(_FIELD_TEXT) == set(Signature._fields)  # every field has its words
+    assert barrier.kind == "barrier" and barrier.dtype is None and barrier.root is None
+    # every field that must agree has its words; each rank has its own splits (alltoall's)
+    assert list(_FIELD_TEXT) and set(_FIELD_TEXT) == set(Signature._fields) - {"splits"}
 
 
 def test_handle_result_error_and_callbacks():
@@ -239,7 +240,7 @@ def test_background_allreduces_complete_their_handles_when_the_backend_is_done()
     requests, responses = _average_requests(2, 1024)
     small_requests, small_responses = _average_requests(3, 4, first=2)
     requests.update(small_requests)
-    executor.run(comm, 0, responses + small_responses, requests, cycle=0, special=lambda *a: None)
+    executor.run(comm, 0, responses + small_responses, requests, cycle=0)
     assert comm.calls == [1024, 1024, 12] and len(executor.in_flight) == 3
     assert not any(r.handle.poll() for r in requests.values())  # nothing is done before the backend
     comm.flights[1].complete()
@@ -259,15 +260,15 @@ def test_fused_batches_take_a_second_buffer_then_wait_for_the_oldest():
     executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20)
     comm = _BackgroundComm()
     first, first_responses = _average_requests(3, 4)
-    executor.run(comm, 0, first_responses, first, cycle=0, special=lambda *a: None)
+    executor.run(comm, 0, first_responses, first, cycle=0)
     second, second_responses = _average_requests(3, 4, first=3)
     # the first buffer is in flight: the second batch is fused into the other one, no waiting
-    executor.run(comm, 0, second_responses, second, cycle=1, special=lambda *a: None)
+    executor.run(comm, 0, second_responses, second, cycle=1)
     assert not any(r.handle.poll() for r in first.values())
     assert len(comm.flights) == 2 and executor.buffers.misses == 2
     third, third_responses = _average_requests(3, 4, first=6)
     # both buffers in flight: the third batch finishes the oldest and reuses its buffer
-    executor.run(comm, 0, third_responses, third, cycle=2, special=lambda *a: None)
+    executor.run(comm, 0, third_responses, third, cycle=2)
     assert all(r.handle.poll() for r in first.values())
     assert not any(r.handle.poll() for r in second.values())
     assert executor.buffers.misses == 2 and executor.buffers.hits == 1
@@ -296,7 +297,7 @@ def test_collectives_in_flight_fail_with_the_engine():
 
     executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20)
     requests, responses = _average_requests(2, 4)
-    executor.run(_BackgroundComm(), 0, responses, requests, cycle=0, special=lambda *a: None)
+    executor.run(_BackgroundComm(), 0, responses, requests, cycle=0)
     executor.fail_in_flight(HorovodInternalError("lost: rank 1 does not answer"))
     for request in requests.values():
         with pytest.raises(HorovodInternalError, match="rank 1"):
@@ -309,7 +310,7 @@ def test_without_background_collectives_every_call_blocks():
     executor = Executor(ev.EventBus(), rank=0, fusion_threshold=1 << 20, background=False)
     requests, responses = _average_requests(2, 4)
     comm = _BackgroundComm()
-    executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
+    executor.run(comm, 0, responses, requests, cycle=0)
     assert comm.flights == [] and comm.calls == [8]  # the blocking call, fused
     assert all(r.handle.poll() for r in requests.values())
 
@@ -328,7 +329,7 @@ def test_fused_average_writes_the_mean_into_every_output(count):
         requests[req.name] = req
         responses.append(Response(req.name, RequestKind.ALLREDUCE, (req.signature(), req.signature())))
     comm = _DoublingComm()
-    executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
+    executor.run(comm, 0, responses, requests, cycle=0)
     assert comm.calls == [6 * count]  # one fused backend call
     for i in range(count):
         expected = (torch.arange(6, dtype=torch.float32).reshape(2, 3) + i) * 0.5 * 2 * 3.0 / 2
@@ -360,7 +361,7 @@ def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
 
     from hpdl.config import Settings
     from hpdl.engine.engine import Engine
-    from hpdl.engine.process_set import ProcessSet
+    from hpdl.engine.process_set import ProcessSetState
     from hpdl.engine.scheduling import Scheduler
 
     started = []
@@ -368,26 +369,26 @@ def test_queued_allreduces_start_in_order_as_the_flight_window_has_room():
     class _Executor:
         in_flight_bytes = 0
 
-        def run(self, comm, ps_id, responses, requests, cycle, special):
+        def run(self, comm, ps_id, responses, requests, cycle):
             started.append([r.name for r in responses])
             self.in_flight_bytes += sum(r.nbytes for r in responses)
 
     executor = _Executor()
     scheduler = Scheduler(Settings.from_env({}, priority_window=32 * 4096, inplace_threshold=4096))
-    engine = SimpleNamespace(executor=executor, _scheduler=scheduler, cycles=0, _special=None)
-    ps = ProcessSet(0, [0, 1], None)
-    ps.flight_window = 2 * 4096
-    ps.backlog = [_prioritized(f"p{prio}", 1024, prio) for prio in range(4)]
-    scheduler.queue_from_backlog(ps, 32)
+    engine = SimpleNamespace(executor=executor, _scheduler=scheduler, cycles=0)
+    ps = ProcessSetState(0, [0, 1], None, None, paced=True, flight_window=2 * 4096)
+    for prio in range(4):
+        ps.backlog.add(*_prioritized(f"p{prio}", 1024, prio))
+    ps.backlog.queue(32, scheduler.batches_to_queue)
     Engine._start_queued_of(engine, ps, everything=False)
-    assert started == [["p0"], ["p1"]] and scheduler.queued_bytes == 2 * 4096  # the flight window is full
+    assert started == [["p0"], ["p1"]] and ps.backlog.queued_bytes == 2 * 4096  # the flight window is full
     Engine._start_queued_of(engine, ps, everything=False)
     assert len(started) == 2
     executor.in_flight_bytes = 4096  # the first one is done: room for one more
     Engine._start_queued_of(engine, ps, everything=False)
     assert started[-1] == ["p2"]
     Engine._start_queued_of(engine, ps, everything=True)  # before a round's own collectives: all of them
-    assert started[-1] == ["p3"] and not ps.queued and scheduler.queued_bytes == 0
+    assert started[-1] == ["p3"] and not ps.backlog.queued and ps.backlog.queued_bytes == 0
 
 
 def test_priorities_must_agree_across_ranks():
@@ -409,7 +410,7 @@ def test_a_background_collective_is_timed_from_when_the_backend_was_free_of_the_
     executor = Executor(bus, rank=0, fusion_threshold=1 << 20, inplace_threshold=1024)
     comm = _BackgroundComm()
     requests, responses = _average_requests(2, 1024)  # two in-place allreduces, started together
-    executor.run(comm, 0, responses, requests, cycle=0, special=lambda *a: None)
+    executor.run(comm, 0, responses, requests, cycle=0)
     for flight in comm.flights:
         flight.runs_in_order = in_order
     now[0] += 50_000
@@ -466,13 +467,30 @@ def test_a_group_the_ranks_disagree_on_fails_at_once_though_incomplete():
     assert _complete_groups(agreed) == []  # an incomplete group without errors still waits
 
 
-def test_an_allreduce_against_an_allgather_suggests_sparse_as_dense():
-    # What a DistributedOptimizer meets when a sparse gradient was not produced on some rank.
+def test_an_allreduce_against_an_allgather_fails_naming_both_kinds():
+    # What a DistributedOptimizer meets when a sparse gradient was not produced on some rank: the
+    # engine names the operations, and its error carries the kinds, for the optimizer's advice
+    # (hpdl/torch/optimizer_base.py); the engine gives none of its own.
     dense = Request(RequestKind.ALLREDUCE, "allreduce.embed.weight", tensor=torch.zeros(10, 4)).signature()
     gathered = Request(RequestKind.ALLGATHER, "allreduce.embed.weight", tensor=torch.zeros(3, 1)).signature()
     message = validate("allreduce.embed.weight", {0: gathered, 1: dense})
-    assert message.startswith("Mismatched allgather operations for tensor 'allreduce.embed.weight': "
-                              "rank 0 has allgather; rank 1 has allreduce")
-    assert message.endswith("pass sparse_as_dense=True)")
-    broadcast = Request(RequestKind.BROADCAST, "allreduce.embed.weight", tensor=torch.zeros(10, 4)).signature()
-    assert "sparse_as_dense" not in validate("allreduce.embed.weight", {0: broadcast, 1: dense})
+    assert message == ("Mismatched allgather operations for tensor 'allreduce.embed.weight': "
+                       "rank 0 has allgather; rank 1 has allreduce")
+    error = Response("allreduce.embed.weight", RequestKind.ALLGATHER, (gathered, dense), error=message).refused()
+    assert isinstance(error, HorovodInternalError) and str(error) == message
+    assert error.kinds == {"allgather", "allreduce"} and error.joined == ()
+
+
+def test_requests_that_change_the_engine_name_their_member_ranks_and_sets():
+    add = [Request(RequestKind.ADD_PROCESS_SET, "process_set.add.0", ranks=ranks).signature()
+           for ranks in ((0, 1), (0, 2))]
+    assert validate("process_set.add.0", dict(enumerate(add))) == (
+        "Mismatched add_process_set calls ('process_set.add.0'; every rank must make the same calls in the same "
+        "order): member ranks: rank 0 has [0, 1]; rank 1 has [0, 2]")
+    remove = [Request(RequestKind.REMOVE_PROCESS_SET, "process_set.remove.1", removed_set=set_id).signature()
+              for set_id in (1, 2)]
+    assert validate("process_set.remove.1", dict(enumerate(remove))).endswith(
+        "process set ids: rank 0 has 1; rank 1 has 2")
+    assert all(kind.controls_engine == (kind in (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET,
+                                                RequestKind.REMOVE_PROCESS_SET, RequestKind.SPLIT_COMMUNICATOR))
+               for kind in RequestKind)

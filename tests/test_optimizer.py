@@ -278,3 +278,20 @@ def test_a_bad_bytes_to_come_hint_fails_the_call_naming_the_collective(hint):
         mpi_ops.allreduce_async_(torch.ones(4), name="grad.w", bytes_to_come=hint)
     with pytest.raises(ValueError, match=r"grads: bytes_to_come must be"):
         mpi_ops.grouped_allreduce_async_([torch.ones(4)], name="grads", bytes_to_come=hint)
+
+
+def test_the_optimizer_advises_sparse_as_dense_on_the_engines_errors_about_sparse_gradients():
+    # The engine names the operations the ranks disagree on; DistributedOptimizer, which gathers
+    # sparse gradients, says what to change (optimizer_base.py).
+    from hpdl.engine.errors import NegotiationError
+    from hpdl.torch.optimizer_base import _sparse_advice
+
+    mixed = NegotiationError("Mismatched allgather operations for tensor 'e'", frozenset({"allgather", "allreduce"}))
+    advised = mixed.with_advice(_sparse_advice(mixed))
+    assert str(advised).startswith("Mismatched allgather operations for tensor 'e' (for a DistributedOptimizer")
+    assert str(advised).endswith("pass sparse_as_dense=True)") and advised.kinds == mixed.kinds
+    after_join = NegotiationError("allgather of tensor 'e' cannot run after rank 1 called join(); only allreduce can",
+                                  frozenset({"allgather"}), joined=(1,))
+    assert "sparse_as_dense=True" in _sparse_advice(after_join)
+    assert _sparse_advice(NegotiationError("Mismatched allreduce tensor shapes", frozenset({"allreduce"}))) is None
+    assert _sparse_advice(NegotiationError("Mismatched allgather data types", frozenset({"allgather"}))) is None

@@ -76,7 +76,7 @@ class Allreduce:
         """
         Args:
             requests: this rank's requests by name (a joined rank has none of the batch's).
-            join_device: the GPU of the zeros a joined rank contributes (Executor.join_device).
+            join_device: the GPU of the zeros a joined rank contributes (Executor.set_join_device).
             bus, rank, process_set_id, cycle: what the events of its phases carry.
         """
         first = batch[0].signature

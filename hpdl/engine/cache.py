@@ -86,9 +86,5 @@ class ResponseCache:
                 word ^= low
         return positions
 
-    def clear(self) -> None:
-        self._by_name.clear()
-        self._responses = [None] * self.capacity
-
     def names(self) -> Dict[str, int]:
         return dict(self._by_name)

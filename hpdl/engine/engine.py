@@ -8,10 +8,13 @@ negotiation.py), runs them fused (execution.py) and completes the handles. A cyc
 
 When rounds run, when one is held back to gather more allreduces, and which prioritized
 allreduces are queued and started is the scheduling policy's to decide (scheduling.py:
-"Pacing", "Gathering", "Priorities"); this module acts on its decisions. Where the ranks'
-compute fills the CPU cores, the engine thread also runs at the lowest priority
-(``HPDL_ENGINE_NICE``), so its polling and copies use the gaps the compute leaves instead of
-preempting it.
+"Pacing", "Gathering", "Priorities"); this module acts on its decisions. Each part owns its
+state and the engine asks it through its methods: the scheduler (scheduling.py), each process
+set's state and backlog (process_set.py), the executor (execution.py) and the failure handling
+(failure.py). The engine runs itself the requests that change it (join, process sets,
+communicators: ``RequestKind.controls_engine``). Where the ranks' compute fills the CPU cores,
+the engine thread also runs at the lowest priority (``HPDL_ENGINE_NICE``), so its polling and
+copies use the gaps the compute leaves instead of preempting it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import collections
 import logging
 import os
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,10 +34,10 @@ from hpdl.engine import events as ev
 from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
-from hpdl.engine.failure import EngineFailures
+from hpdl.engine.failure import Failures
 from hpdl.engine.handle import Handle
 from hpdl.engine.negotiation import FLAG_SHUTDOWN, TUNING_NONE, Controller, CycleResult, ranks_text
-from hpdl.engine.process_set import ProcessSet
+from hpdl.engine.process_set import ProcessSetState
 from hpdl.engine.request import Request, RequestKind, Response
 from hpdl.engine.scheduling import Scheduler
 
@@ -49,7 +52,7 @@ def _lower_priority(increment: int) -> None:
         log.debug("could not lower the engine thread's priority: %s", err)
 
 
-class Engine(EngineFailures):
+class Engine:
     """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
 
     def __init__(self, settings: Settings, comm: Communicator, data_comm: Optional[Communicator] = None,
@@ -77,9 +80,9 @@ class Engine(EngineFailures):
         self.executor = Executor(self.bus, comm.rank, settings.fusion_threshold, settings.inplace_threshold,
                                  background=settings.background_collectives, on_done=self._collective_done,
                                  clock=clock)
-        world = ProcessSet(0, range(comm.size), self._controller(comm, 0, range(comm.size)), data_comm)
-        self._scheduler.pace(world, self.executor.background)
-        self._sets: Dict[int, ProcessSet] = {0: world}
+        self._failures = Failures(comm, settings.stall_timeout_s, clock, self.executor.oldest_in_flight,
+                                  waiting=self._waiting, fail_requests=self._fail_pending)
+        self._sets: Dict[int, ProcessSetState] = {0: self._process_set(0, range(comm.size), comm, data_comm)}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()
         self._in_flight: set = set()
@@ -89,27 +92,27 @@ class Engine(EngineFailures):
         self._round_wanted = False
         self._collectives_done = False
         self._shutdown_requested = False
-        self._stopped = threading.Event()
-        self._failure: Optional[str] = None
-        self._end_requested: Optional[str] = None  # why the job is being ended (request_end)
-        self._watch_wake = threading.Event()  # the watch thread's pause ends early: stopped, or request_end
-        self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
-        self._main_thread_id = threading.main_thread().ident
         self.cycles = 0
         self._timeline = None
-        self._round_started: Optional[float] = None  # while a round runs: when it started (clock time)
         self._thread = threading.Thread(target=self._run, name="hpdl-engine", daemon=True)
         self._started = threading.Event()
         self._thread.start()
         self._started.wait()  # the thread has set its priority
-        self._watcher = threading.Thread(target=self._watch, name="hpdl-engine-watch", daemon=True)
-        self._watcher.start()
+        self._failures.start_watch()
 
-    def _controller(self, comm: Communicator, set_id: int, ranks: Sequence[int]) -> Controller:
-        s = self.settings
-        comm.control_wait_hook = self._service
-        return Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s, list(ranks),
-                          clock=self.clock)
+    def _process_set(self, set_id: int, ranks: Sequence[int], comm: Optional[Communicator],
+                     data_comm: Optional[Communicator] = None) -> ProcessSetState:
+        """The state of a process set of ``ranks``, negotiated on ``comm`` (None: this rank is
+        not a member) and run on ``data_comm`` (default: ``comm``)."""
+        controller = None
+        if comm is not None:
+            s = self.settings
+            comm.control_wait_hook = self._service
+            controller = Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s,
+                                    list(ranks), clock=self.clock)
+        data = data_comm if data_comm is not None else comm
+        paced, flight_window = self._scheduler.pacing(data, self.executor.background)
+        return ProcessSetState(set_id, ranks, controller, data, paced=paced, flight_window=flight_window)
 
     # -- called from user threads ----------------------------------------------------------
 
@@ -118,12 +121,13 @@ class Engine(EngineFailures):
         key = (request.process_set_id, request.name)
         # No lock here: deque.append and set operations are atomic under the GIL, and a lock
         # shared with the engine thread would make every submission wait for a thread switch.
-        if self._failure is not None:
-            raise HorovodInternalError(self._failure)
+        failures = self._failures
+        if failures.failure is not None:
+            raise HorovodInternalError(failures.failure)
         if self._shutdown_requested:
             raise HorovodInternalError("hpdl has been shut down; call hvd.init() again first")
-        if self._stopped.is_set():  # by another rank: say which
-            raise HorovodInternalError(self._stop_message)
+        if failures.stopped:  # by another rank: say which
+            raise HorovodInternalError(failures.stop_message)
         ps = self._sets.get(request.process_set_id)
         if ps is None:
             raise ValueError(f"process set {request.process_set_id} does not exist (removed or never added)")
@@ -138,7 +142,7 @@ class Engine(EngineFailures):
         in_flight.add(key)
         handle = request.handle = Handle(request.name, in_flight, key, self.expedite)
         self._queue.append(request)
-        if self._stopped.is_set():  # the engine stopped (a peer shut down, a failure) meanwhile
+        if failures.stopped:  # the engine stopped (a peer shut down, a failure) meanwhile
             self._fail_queued()
             return handle
         if self.bus.active:
@@ -159,13 +163,13 @@ class Engine(EngineFailures):
     def _collective_done(self) -> None:
         """From the backend's thread: a collective in flight is done; the engine finishes it."""
         self._collectives_done = True
-        if any(ps.backlog for ps in list(self._sets.values())):  # room for the next prioritized ones: agree on them now
+        if any(ps.backlog.waiting for ps in list(self._sets.values())):  # room for the next prioritized ones: agree on them now
             self._round_wanted = True
         self._wake.set()
 
     @property
     def _backlogged(self) -> bool:
-        return any(ps.backlog or ps.queued for ps in list(self._sets.values()))
+        return any(ps.backlog.waiting or ps.backlog.queued for ps in list(self._sets.values()))
 
     def _service(self) -> None:
         """Drive the backend's progress, finish the collectives in flight that are done and
@@ -186,19 +190,20 @@ class Engine(EngineFailures):
             if ps.paced:
                 self._start_queued_of(ps, everything=False)
 
-    def _start_queued_of(self, ps: ProcessSet, everything: bool) -> None:
+    def _start_queued_of(self, ps: ProcessSetState, everything: bool) -> None:
         """Start ``ps``'s queued allreduces in their agreed order: all of them (before a round's
         own collectives), or while the scheduler lets them start between rounds."""
         executor = self.executor
         scheduler = self._scheduler
-        queued = ps.queued
-        while queued:
-            responses, requests, nbytes = queued[0]
-            if not everything and not scheduler.may_start(executor.in_flight_bytes, nbytes, ps.flight_window):
+        backlog = ps.backlog
+        while True:
+            batch = backlog.head()
+            if batch is None:
                 return
-            queued.popleft()
-            scheduler.dequeued(nbytes)
-            executor.run(ps.data_comm, ps.id, responses, requests, self.cycles, self._special)
+            if not everything and not scheduler.may_start(executor.in_flight_bytes, batch.nbytes, ps.flight_window):
+                return
+            backlog.pop()
+            executor.run(ps.data_comm, ps.id, batch.responses, batch.requests, self.cycles)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine on every rank (the first rank to ask stops all); fail what is pending."""
@@ -206,12 +211,12 @@ class Engine(EngineFailures):
         self._round_wanted = True
         self._wake.set()
         if timeout is None:  # a failed engine's thread may be stuck in the backend for good
-            timeout = 1.0 if self._failure is not None else self.settings.stall_timeout_s + 60
+            timeout = 1.0 if self._failures.failure is not None else self.settings.stall_timeout_s + 60
         self._thread.join(timeout)
         # The watch thread ends with the engine thread. Joined here, not left to end during
         # interpreter exit: a thread that drops the engine's last reference then (its tensors)
         # is ended by the interpreter inside torch's C++ code, which aborts the process.
-        self._watcher.join(2.0)
+        self._failures.join_watch(2.0)
         self.stop_timeline()
         if self.autotuner is not None:
             self.autotuner.close()
@@ -262,6 +267,61 @@ class Engine(EngineFailures):
         """The file this engine writes its timeline to (HPDL_TIMELINE, hvd.start_timeline()), or None."""
         return None if self._timeline is None else self._timeline.path
 
+    # -- failure (failure.py) --------------------------------------------------------------
+
+    def request_end(self, reason: str) -> bool:
+        """Fail the engine as a lost peer would, because the job is being ended (``reason``);
+        return False when it has stopped already.
+
+        Safe in a signal handler, whatever the interrupted code holds: it records the reason
+        and wakes the watch thread, which fails the engine: Open MPI sends SIGKILL 1 s after
+        SIGTERM.
+        """
+        return self._failures.request_end(reason)
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        """Why the engine no longer runs collectives, in the words its callers' errors use (its
+        failure, or a shutdown: "hpdl has been shut down (rank 0 called hvd.shutdown(), or
+        exited)"); None while it runs. For waits outside the engine that depend on every rank
+        going on (a spatial group's halo exchanges)."""
+        return self._failures.stop_reason
+
+    def end_job(self, reason: str) -> None:
+        """End the whole job because a caller's own communication cannot complete (a spatial
+        group's transfer that stalled, or whose peer's engine stopped), and return once its end
+        is armed.
+
+        The engine fails with ``reason`` as for a lost peer, unless it has stopped already; either
+        way the job ends within the abort's grace period (abort.py), so that the caller's error,
+        which it raises and reports itself (nothing is logged here), is followed by the end of
+        the job and not by a normal exit, which would wait for the peers in ``MPI_Finalize``.
+        Not for signal handlers (:meth:`request_end` is).
+        """
+        self._failures.end_job(reason)
+
+    def _waiting(self) -> bool:
+        """Whether some request is pending or queued on this rank (for failures.py)."""
+        return any(ps.pending for ps in self._sets.values()) or bool(self._queue)
+
+    def _fail_pending(self, message: str) -> None:
+        """Fail every request in flight, queued or pending: their handles raise ``message``."""
+        self.executor.fail_in_flight(HorovodInternalError(message))
+        self._drain()
+        for ps in self._sets.values():
+            ps.fail(message)
+
+    def _fail_queued(self) -> None:
+        """Fail what is still in the queue of a stopped engine (from any thread)."""
+        failures = self._failures
+        message = failures.failure or failures.stop_message
+        while True:
+            try:
+                request = self._queue.popleft()
+            except IndexError:
+                return
+            request.handle.set_error(HorovodInternalError(message))
+
     # -- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -271,6 +331,7 @@ class Engine(EngineFailures):
         if self.thread_nice > 0:
             _lower_priority(self.thread_nice)
         self._started.set()
+        failures = self._failures
         try:
             scheduler = self._scheduler
             clock = self.clock
@@ -285,18 +346,18 @@ class Engine(EngineFailures):
                     self._pause(gather_until)
                     scheduler.end_gathering()
                     continue
-                started = self._round_started = clock.monotonic()
+                started = clock.monotonic()
+                failures.round_begins(started)
                 progressed = self._cycle()
-                self._round_started = None
+                failures.round_ends()
                 if progressed is None:
                     break
                 self.cycles += 1
                 self._pause(scheduler.next_round_at(started, progressed, arrived))
         except BaseException as err:  # noqa: BLE001 - surfaces in every caller's thread instead
-            self._fail(f"hpdl engine failed on rank {self.rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
+            failures.fail_on(err)
         finally:
-            self._stopped.set()
-            self._watch_wake.set()
+            failures.mark_stopped()
             self._fail_queued()  # submitted after the last drain: no engine will run them
 
     def _pause(self, until: float) -> None:
@@ -333,17 +394,9 @@ class Engine(EngineFailures):
                 request.handle.set_error(HorovodInternalError(
                     f"process set {request.process_set_id} was removed before {request.name!r} ran"))
                 continue
-            if ps.failed_groups and request.group in ps.failed_groups:
-                left, message = ps.failed_groups[request.group]
-                if left > 1:
-                    ps.failed_groups[request.group] = (left - 1, message)
-                else:
-                    del ps.failed_groups[request.group]
-                request.handle.set_error(HorovodInternalError(message))
-                continue
             if request.kind is RequestKind.JOIN:
-                self.executor.join_device = request.root  # where this rank's zeros go on a GPU
-            ps.pending[request.name] = request
+                self.executor.set_join_device(request.join_device)  # where this rank's zeros go on a GPU
+            ps.admit(request)
         return count
 
     def _cycle(self) -> Optional[bool]:
@@ -359,7 +412,8 @@ class Engine(EngineFailures):
         for ps in self._sets.values():
             if ps.id and ps.pending and ps.id < 32:
                 sets_pending |= 1 << ps.id
-        room = self._scheduler.room(self.executor.in_flight_bytes)
+        room = self._scheduler.room(self.executor.in_flight_bytes,
+                                    sum(ps.backlog.queued_bytes for ps in self._sets.values()))
         tuner = self.autotuner
         tuning = tuner.word() if tuner is not None else TUNING_NONE
         result = world.controller.cycle(world.pending, flags, sets_pending, room, tuning)
@@ -368,11 +422,12 @@ class Engine(EngineFailures):
                 self._start_queued_of(ps, everything=True)
             self.executor.complete(block=True)  # started on every rank: they finish everywhere
             who = ranks_text(result.shutdown_by)  # never empty: the ranks that asked say so
-            self._stop_message = f"hpdl has been shut down ({who} called hvd.shutdown(), or exited)"
-            self._fail_pending(self._stop_message)
+            message = f"hpdl has been shut down ({who} called hvd.shutdown(), or exited)"
+            self._failures.shut_down(message)
+            self._fail_pending(message)
             return None
         if result.abort is not None:
-            self._fail(result.abort, log_it=self.rank == 0)
+            self._failures.fail(result.abort, log_it=self.rank == 0)
             return None
         if result.tuning != self._tuning:
             self._retune(result.tuning)
@@ -388,20 +443,20 @@ class Engine(EngineFailures):
             ps = self._sets.get(set_id)
             if set_id == 0 or ps is None or ps.controller is None:
                 continue
-            if set_id < 32 and not (result.sets_pending >> set_id) & 1 and not ps.backlog:
+            if set_id < 32 and not (result.sets_pending >> set_id) & 1 and not ps.backlog.waiting:
                 continue
             sub = ps.controller.cycle(ps.pending, room=room)
             ran = ran or bool(sub.responses)
             hot = hot or sub.full
             if sub.abort is not None:  # a stall timeout within the set: the job is stuck as a whole
-                self._end_job(sub.abort, stalled=not ps.pending)
-                self._fail_set(ps, sub.abort)
+                self._failures.arm_end(sub.abort, stalled=not ps.pending)
+                ps.fail(sub.abort)
                 continue
             self._execute(ps, sub)
         backlogged = self._backlogged
-        scheduler = self._scheduler
-        hot = scheduler.hot = hot or backlogged  # the backlog starts as room frees: rounds go on
-        idle = scheduler.idle = not backlogged and not any(ps.pending for ps in self._sets.values())
+        hot = hot or backlogged  # the backlog starts as room frees: rounds go on
+        idle = not backlogged and not any(ps.pending for ps in self._sets.values())
+        self._scheduler.after_round(hot, idle)
         if idle and self._queue:  # a submission raced the flag: do not sleep on it
             self._round_wanted = True
             self._wake.set()
@@ -421,7 +476,7 @@ class Engine(EngineFailures):
         if fusion_threshold is not None and fusion_threshold != self.executor.fusion_threshold:
             for ps in list(self._sets.values()):
                 self._start_queued_of(ps, everything=True)
-            self.executor.fusion_threshold = fusion_threshold
+            self.executor.retune(fusion_threshold)
         if cycle_time_ms is not None:
             self._scheduler.set_cycle_time(cycle_time_ms)
 
@@ -433,26 +488,32 @@ class Engine(EngineFailures):
         return {"fusion_threshold": self.executor.fusion_threshold, "cycle_time_ms": self._scheduler.cycle_time_ms,
                 "autotuning": (tuner.active if tuner is not None else False) if self.rank == 0 else None}
 
-    def _execute(self, ps: ProcessSet, result: CycleResult) -> None:
-        if not result.responses and not ps.backlog and not ps.queued:
+    def _execute(self, ps: ProcessSetState, result: CycleResult) -> None:
+        backlog = ps.backlog
+        if not result.responses and not backlog.waiting and not backlog.queued:
             return
-        requests: Dict[str, Request] = {}
-        pending = ps.pending
-        ready: List[Response] = []
-        popped = [pending.pop(response.name, None) for response in result.responses]
-        failed_groups = {request.group: response.error for response, request in zip(result.responses, popped)
+        popped = ps.take(result.responses)
+        failed_groups = {request.group: response for response, request in zip(result.responses, popped)
                          if response.error is not None and request is not None and request.group is not None}
         if failed_groups:
-            self._fail_groups(ps, failed_groups, popped)
+            ps.fail_groups(failed_groups, popped)
+        requests: Dict[str, Request] = {}
+        ready: List[Response] = []
+        controls: List[Tuple[Response, Optional[Request]]] = []  # the requests that change the engine
+        allreduce = RequestKind.ALLREDUCE
         for response, request in zip(result.responses, popped):
-            if (response.priority is not None and response.kind is RequestKind.ALLREDUCE
-                    and response.error is None and response.group is None):
-                ps.backlog.append((response, request))
+            kind = response.kind
+            if kind is allreduce:
+                if response.priority is not None and response.error is None and response.group is None:
+                    backlog.add(response, request)
+                    continue
+            elif response.error is None and kind.controls_engine:
+                controls.append((response, request))
                 continue
             ready.append(response)
             if request is not None:
                 requests[response.name] = request
-        if ready:
+        if ready or controls:
             # What the round agreed runs after what earlier rounds queued, as on every rank
             # (only a paced set keeps a queue from one round to the next).
             self._start_queued_of(ps, everything=True)
@@ -463,58 +524,56 @@ class Engine(EngineFailures):
                 drained = t - (now - request.arrival) * 1e6 if request is not None else t
                 self.bus.emit(ev.Event(ev.NEGOTIATED, response.kind.value, (response.name,), t, rank=self.rank,
                                        process_set_id=ps.id, cycle=self.cycles, drained_us=drained))
-        # The executor emits DONE as each response completes (allreduces may finish rounds later).
-        if ready:
-            self.executor.run(ps.data_comm, ps.id, ready, requests, self.cycles, self._special)
-        if ps.backlog:
-            self._scheduler.queue_from_backlog(ps, result.room)
+            # The executor emits DONE as each collective completes (allreduces may finish rounds
+            # later); the requests that change the engine run after the round's collectives, in
+            # the same order on every rank.
+            if ready:
+                self.executor.run(ps.data_comm, ps.id, ready, requests, self.cycles)
+            for response, request in controls:
+                self._control(ps, response, request)
+        if backlog.waiting:
+            backlog.queue(result.room, self._scheduler.batches_to_queue)
         self._start_queued_of(ps, everything=not ps.paced)
 
-    def _fail_groups(self, ps: ProcessSet, failed: Dict[Any, str], handled: List[Optional[Request]]) -> None:
-        """A member of each group in ``failed`` failed in negotiation (group: error): fail the
-        rest of this rank's members too, pending now or drained later. When the ranks disagree
-        on a group's size, no other rank submits this rank's extra members; left pending, they
-        would end the job at the stall timeout. Done before any handle of the round completes,
-        so a caller that retries at once finds none of the old members in flight."""
-        for group, message in failed.items():
-            left = group[1] - sum(1 for request in handled if request is not None and request.group == group)
-            for name in [name for name, request in ps.pending.items() if request.group == group]:
-                ps.pending.pop(name).handle.set_error(HorovodInternalError(message))
-                left -= 1
-            if left > 0:
-                ps.failed_groups[group] = (left, message)
-
-    def _special(self, response: Response, request: Optional[Request]) -> None:
-        """Run the responses that change the engine itself: join and process-set changes."""
+    def _control(self, ps: ProcessSetState, response: Response, request: Optional[Request]) -> None:
+        """Run a request that changes the engine itself (``RequestKind.controls_engine``): join,
+        process-set changes, a communicator split off; a failure fails the request alone."""
         handle = request.handle if request is not None else None
-        if response.kind == RequestKind.JOIN:
+        try:
+            result = self._change(response)
+        except Exception as err:  # noqa: BLE001 - as a failed collective's
             if handle is not None:
-                handle.set_result(response.last_joined)
-        elif response.kind == RequestKind.ADD_PROCESS_SET:
-            ranks = list(response.signature.splits)
+                handle.set_error(HorovodInternalError(
+                    f"{response.kind.value} of tensor {response.name!r} failed: {err}"))
+        else:
+            if handle is not None:
+                handle.set_result(result)
+            elif isinstance(result, Communicator):  # a communicator split off for the caller that joined
+                result.close()
+        if self.bus.active:
+            self.bus.emit(ev.Event(ev.DONE, response.kind.value, (response.name,), ev.now_us(), rank=self.rank,
+                                   process_set_id=ps.id, cycle=self.cycles))
+
+    def _change(self, response: Response) -> Any:
+        """Carry out ``response``, a request that changes the engine; return the caller's result."""
+        kind = response.kind
+        if kind is RequestKind.JOIN:
+            return response.last_joined
+        if kind is RequestKind.ADD_PROCESS_SET:
+            ranks = list(response.signature.ranks)
             sub = self.comm.split(ranks)  # collective over every rank, in the agreed order
             set_id = self._next_set_id
             self._next_set_id += 1
-            controller = self._controller(sub, set_id, ranks) if sub is not None else None
-            added = ProcessSet(set_id, ranks, controller)
-            self._scheduler.pace(added, self.executor.background)
-            self._sets[set_id] = added
-            if handle is not None:
-                handle.set_result(set_id)
-        elif response.kind == RequestKind.SPLIT_COMMUNICATOR:
-            sub = self.comm.split(list(response.signature.splits))  # collective, in the agreed order
-            if handle is not None:
-                handle.set_result(sub)
-            elif sub is not None:
-                sub.close()
-        elif response.kind == RequestKind.REMOVE_PROCESS_SET:
-            set_id = response.signature.root
+            self._sets[set_id] = self._process_set(set_id, ranks, sub)
+            return set_id
+        if kind is RequestKind.SPLIT_COMMUNICATOR:
+            return self.comm.split(list(response.signature.ranks))  # collective, in the agreed order
+        if kind is RequestKind.REMOVE_PROCESS_SET:
+            set_id = response.signature.removed_set
             ps = self._sets.pop(set_id, None)
             if ps is not None:
-                self._fail_set(ps, f"process set {set_id} was removed")
+                ps.fail(f"process set {set_id} was removed")
                 if ps.controller is not None:
                     ps.controller.comm.close()
-            if handle is not None:
-                handle.set_result(set_id)
-
-    # -- failure ---------------------------------------------------------------------------
+            return set_id
+        raise HorovodInternalError(f"{kind.value} does not change the engine")  # pragma: no cover

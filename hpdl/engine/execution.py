@@ -32,8 +32,6 @@ from hpdl.engine.request import Request, RequestKind, Response
 
 _VIEW_CACHE_SIZE = 256
 _FUSION_SLOTS = 2  # fusion buffers per dtype and device: one filling while one is in flight
-_ENGINE_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET,
-                 RequestKind.SPLIT_COMMUNICATOR)
 
 
 class _Flight:
@@ -52,7 +50,8 @@ class _Flight:
 
 
 class Executor:
-    """Carries out responses for one engine; owns the fusion buffers and the counters."""
+    """Carries out responses for one engine; owns the collectives in flight, the fusion buffers
+    and threshold, the device of a joined rank's zeros, and the counters."""
 
     def __init__(self, bus: ev.EventBus, rank: int, fusion_threshold: int, inplace_threshold: int = 0,
                  background: bool = True, on_done: Optional[Callable[[], None]] = None,
@@ -67,7 +66,7 @@ class Executor:
         """
         self.bus = bus
         self.rank = rank
-        self.fusion_threshold = fusion_threshold
+        self._fusion_threshold = fusion_threshold
         self.inplace_threshold = inplace_threshold
         self.background = background
         self._on_done = on_done
@@ -79,22 +78,37 @@ class Executor:
         # them in order, so a collective's own time starts there, not when it was queued.
         self._backend_free_us: Dict[int, float] = {}
         self.buffers = FusionBuffers()
-        self.join_device = -1  # the GPU of the zeros this rank contributes once joined (hvd.join)
+        self._join_device = -1  # the GPU of the zeros this rank contributes once joined (hvd.join)
         self._view_cache: Dict[tuple, List[torch.Tensor]] = {}
         self.backend_calls = 0
         self.fused_calls = 0  # backend allreduces that carried more than one tensor
         self.tensors_reduced = 0
         self.bytes_reduced = 0
 
+    @property
+    def fusion_threshold(self) -> int:
+        """The most bytes fused into one backend call (autotuning changes it, :meth:`retune`)."""
+        return self._fusion_threshold
+
+    def retune(self, fusion_threshold: int) -> None:
+        """Fuse up to ``fusion_threshold`` bytes per backend call from the next batch on (rank 0's
+        autotuner chose it; every rank applies it in the same round)."""
+        self._fusion_threshold = fusion_threshold
+
+    def set_join_device(self, device: int) -> None:
+        """This rank has joined (hvd.join): the zeros it contributes to CUDA allreduces go on GPU
+        ``device`` (-1: the current one)."""
+        self._join_device = device
+
     def run(self, comm: Communicator, process_set_id: int, responses: List[Response],
-            requests: Dict[str, Request], cycle: int,
-            special: Callable[[Response, Optional[Request]], None]) -> None:
-        """Run ``responses``; complete the handles of this rank's requests.
+            requests: Dict[str, Request], cycle: int) -> None:
+        """Run the collectives of ``responses``; complete the handles of this rank's requests.
+        Those the members agreed not to run (``error``) fail here; requests that change the
+        engine itself (``RequestKind.controls_engine``) are the engine's, never given here.
 
         Args:
             requests: this rank's requests by name (a joined rank has none); each carries its
                 handle.
-            special: runs responses the engine itself handles (join, process sets).
         """
         allreduces: List[Response] = []
         others: List[Response] = []
@@ -102,12 +116,12 @@ class Executor:
             if response.error is not None:
                 request = requests.get(response.name)
                 if request is not None:
-                    request.handle.set_error(HorovodInternalError(response.error))
+                    request.handle.set_error(response.refused())
             elif response.kind is RequestKind.ALLREDUCE:
                 allreduces.append(response)
             else:
                 others.append(response)
-        for batch in plan_fusion(allreduces, self.fusion_threshold, self.inplace_threshold):
+        for batch in plan_fusion(allreduces, self._fusion_threshold, self.inplace_threshold):
             try:
                 self._allreduce(comm, process_set_id, batch, requests, cycle)
             except Exception as err:  # a failed backend call fails its requests, not the engine
@@ -116,9 +130,7 @@ class Executor:
         for response in others:
             request = requests.get(response.name)
             try:
-                if response.kind in _ENGINE_KINDS:
-                    special(response, request)
-                elif request is not None:
+                if request is not None:
                     self._other(comm, process_set_id, response, request, cycle)
             except Exception as err:
                 self._fail([response], requests, err)
@@ -224,9 +236,6 @@ class Executor:
             flights = list(self.in_flight)
             self.in_flight.clear()
             self.in_flight_bytes = 0
-        # Per process set, when its backend finished the last collective in flight: it runs
-        # them in order, so a collective's own time starts there, not when it was queued.
-        self._backend_free_us: Dict[int, float] = {}
         for head in flights:
             for request in head.allreduce.members:
                 if request is not None:
@@ -278,7 +287,7 @@ class Executor:
     def _allreduce(self, comm: Communicator, ps: int, batch: List[Response], requests: Dict[str, Request],
                    cycle: int) -> None:
         """Run one batch of the fusion plan: by Adasum, in place (a lone tensor) or fused."""
-        on = (comm, self.join_device, self.bus, self.rank, ps, cycle)
+        on = (comm, self._join_device, self.bus, self.rank, ps, cycle)
         if batch[0].signature.op == ADASUM:
             allreduce = Adasum(batch, requests, *on)
             allreduce.run(comm)
@@ -290,7 +299,7 @@ class Executor:
             allreduce = fused = Fused(batch, requests, *on)
             key = self._free_buffer(fused.dtype, fused.inputs[0].device)
             buffer = self.buffers.get(fused.dtype, fused.inputs[0].device, sum(r.numel for r in batch),
-                                      self.fusion_threshold, slot=key[2])
+                                      self._fusion_threshold, slot=key[2])
             self.fused_calls += 1
             self._launch(comm, fused, fused.begin(buffer, self._views(buffer, batch, fused.names), key))
         self.backend_calls += 1

@@ -9,21 +9,24 @@ answer where the backend can tell), arms the end of the job (abort.py) so that n
 left waiting on a lost peer, and, on a rank that stopped submitting and so has no handle to
 raise through, raises in the main thread.
 
-``EngineFailures`` is the Engine's half of this; it uses the engine's state (its queue,
-process sets, executor and stop flags, engine.py).
+:class:`Failures` owns this on one engine: whether it has stopped or failed and why, the watch
+thread and the end of the job. The engine (engine.py) holds one and tells it what it needs to
+know (a round begins or ends, the ranks agreed to shut down, the engine thread has stopped);
+it is handed what it asks of the engine: when the oldest collective in flight started,
+whether any request waits, and how to fail them all.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
-from hpdl.comm import CommError
+from hpdl.comm import CommError, Communicator
 from hpdl.engine import abort
+from hpdl.engine.clock import Clock
 from hpdl.engine.errors import HorovodInternalError
-from hpdl.engine.process_set import ProcessSet
 
 log = logging.getLogger("hpdl.engine")
 
@@ -39,8 +42,80 @@ class StallAbort(HorovodInternalError):
         super().__init__(*(args or (self.message,)))
 
 
-class EngineFailures:
-    """The Engine's failure handling (mixed into :class:`hpdl.engine.engine.Engine`)."""
+class Failures:
+    """Whether one engine has stopped or failed, and why; its watch thread; the end of the job.
+    Any thread may ask; only its methods change it."""
+
+    def __init__(self, comm: Communicator, stall_timeout_s: float, clock: Clock,
+                 oldest_in_flight: Callable[[], Optional[float]], waiting: Callable[[], bool],
+                 fail_requests: Callable[[str], None]):
+        """
+        Args:
+            comm: the world communicator (the end of the job aborts it; the ranks that no
+                longer answer are asked through it).
+            oldest_in_flight: when the oldest collective in flight started (clock time), if any.
+            waiting: whether some request is pending or queued on this rank.
+            fail_requests: fail every request pending, queued or in flight with a message.
+        """
+        self._comm = comm
+        self._rank = comm.rank
+        self._limit = stall_timeout_s
+        self._clock = clock
+        self._oldest_in_flight = oldest_in_flight
+        self._waiting = waiting
+        self._fail_requests = fail_requests
+        self._failure: Optional[str] = None
+        self._stopped = threading.Event()
+        self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
+        self._end_requested: Optional[str] = None  # why the job is being ended (request_end)
+        self._wake = threading.Event()  # the watch thread's pause ends early: stopped, or request_end
+        self._main_thread_id = threading.main_thread().ident
+        self._round_started: Optional[float] = None  # while a round runs: when it started (clock time)
+        self._watcher = threading.Thread(target=self._watch, name="hpdl-engine-watch", daemon=True)
+
+    # -- what the engine tells it -----------------------------------------------------------
+
+    def start_watch(self) -> None:
+        """Start the watch thread (once the engine thread runs)."""
+        self._watcher.start()
+
+    def join_watch(self, timeout: float) -> None:
+        """Wait for the watch thread, which ends once the engine thread has stopped."""
+        self._watcher.join(timeout)
+
+    def round_begins(self, now: float) -> None:
+        """A round starts at ``now`` (clock time): the watch fails the engine if it lasts the
+        stall timeout."""
+        self._round_started = now
+
+    def round_ends(self) -> None:
+        self._round_started = None
+
+    def shut_down(self, message: str) -> None:
+        """The ranks agreed to stop: callers' errors say ``message`` from now on."""
+        self._stop_message = message
+
+    def mark_stopped(self) -> None:
+        """The engine thread has stopped (from that thread); the watch ends."""
+        self._stopped.set()
+        self._wake.set()
+
+    @property
+    def failure(self) -> Optional[str]:
+        """What every caller's error says once the engine has failed; None until then."""
+        return self._failure
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the engine thread has stopped (or is about to): it runs nothing more."""
+        return self._stopped.is_set()
+
+    @property
+    def stop_message(self) -> str:
+        """What a caller's error says once the engine has stopped without failing."""
+        return self._stop_message
+
+    # -- the watch thread ----------------------------------------------------------------
 
     def _watch(self) -> None:
         """Fail the engine when one round, or one collective in flight, has run longer than
@@ -52,18 +127,18 @@ class EngineFailures:
         longer be reached, where no error comes (MPI over TCP waits for ever). The engine
         thread cannot notice, being the one stuck, so this thread does.
         """
-        limit = self.settings.stall_timeout_s
+        limit = self._limit
         while True:
-            self._watch_wake.wait(min(1.0, limit / 4))
-            self._watch_wake.clear()
+            self._wake.wait(min(1.0, limit / 4))
+            self._wake.clear()
             if self._stopped.is_set():
                 return
             if self._end_requested is not None and self._failure is None:
-                self._fail(f"hpdl engine failed on rank {self.rank}: {self._end_requested}", ended=True)
+                self.fail(f"hpdl engine failed on rank {self._rank}: {self._end_requested}", ended=True)
                 return
             started = self._round_started
-            oldest = self.executor.oldest_in_flight()
-            now = self.clock.monotonic()
+            oldest = self._oldest_in_flight()
+            now = self._clock.monotonic()
             if started is not None and now - started > limit and self._failure is None:
                 err = CommError(f"a round of collectives has not completed in {limit:g} s (HPDL_STALL_TIMEOUT): "
                                 "a rank has died or its node is unreachable")
@@ -73,8 +148,10 @@ class EngineFailures:
             else:
                 err = None
             if err is not None:
-                self._fail(f"hpdl engine failed on rank {self.rank}: {err}{self._lost(err)}", err)
+                self.fail(f"hpdl engine failed on rank {self._rank}: {err}{self._lost(err)}", err)
                 return
+
+    # -- ending ----------------------------------------------------------------------------
 
     def request_end(self, reason: str) -> bool:
         """Fail the engine as a lost peer would, because the job is being ended (``reason``);
@@ -87,15 +164,13 @@ class EngineFailures:
         if self._stopped.is_set():
             return False
         self._end_requested = reason
-        self._watch_wake.set()
+        self._wake.set()
         return True
 
     @property
     def stop_reason(self) -> Optional[str]:
         """Why the engine no longer runs collectives, in the words its callers' errors use (its
-        failure, or a shutdown: "hpdl has been shut down (rank 0 called hvd.shutdown(), or
-        exited)"); None while it runs. For waits outside the engine that depend on every rank
-        going on (a spatial group's halo exchanges)."""
+        failure, or a shutdown); None while it runs."""
         if self._failure is not None:
             return self._failure
         if self._stopped.is_set():
@@ -103,65 +178,36 @@ class EngineFailures:
         return None
 
     def end_job(self, reason: str) -> None:
-        """End the whole job because a caller's own communication cannot complete (a spatial
-        group's transfer that stalled, or whose peer's engine stopped), and return once its end
-        is armed.
-
-        The engine fails with ``reason`` as for a lost peer, unless it has stopped already; either
-        way the job ends within the abort's grace period (abort.py), so that the caller's error,
-        which it raises and reports itself (nothing is logged here), is followed by the end of
-        the job and not by a normal exit, which would wait for the peers in ``MPI_Finalize``.
-        Not for signal handlers (:meth:`request_end` is).
-        """
-        message = f"hpdl engine failed on rank {self.rank}: {reason}"
+        """End the whole job because a caller's own communication cannot complete, and return
+        once its end is armed (Engine.end_job says when and why)."""
+        message = f"hpdl engine failed on rank {self._rank}: {reason}"
         if self._failure is None and not self._stopped.is_set():
-            self._fail(message, log_it=False, ended=True)
+            self.fail(message, log_it=False, ended=True)
         # Armed here too when the engine had stopped, or another thread is failing it right now
         # (the first arming wins): the caller's exit must find the end armed.
-        abort.arm(self.comm, self.rank, message, stalled=False)
+        abort.arm(self._comm, self._rank, message, stalled=False)
+
+    def fail_on(self, err: BaseException) -> None:
+        """The engine thread raised ``err``: fail with it, naming the ranks that no longer answer
+        after a backend failure."""
+        self.fail(f"hpdl engine failed on rank {self._rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
 
     def _lost(self, err: BaseException) -> str:
         """After a backend failure, the ranks that no longer answer, as words for the message."""
-        if self.size == 1 or not isinstance(err, (CommError, RuntimeError)) or isinstance(err, HorovodInternalError):
+        comm = self._comm
+        if comm.size == 1 or not isinstance(err, (CommError, RuntimeError)) or isinstance(err, HorovodInternalError):
             return ""
         try:
-            lost = self.comm.unanswering(_LIVENESS_WAIT_S)
+            lost = comm.unanswering(_LIVENESS_WAIT_S)
         except Exception:  # noqa: BLE001 - the failure is reported all the same
             return ""
         if not lost:
             return ""
-        world = self._sets[0].ranks
-        names = ", ".join(str(world[r]) for r in lost)
+        names = ", ".join(str(r) for r in lost)  # world ranks: the world communicator's own
         return f" (lost: rank {names} does not answer)" if len(lost) == 1 else f" (lost: ranks {names} do not answer)"
 
-    def _fail_set(self, ps: ProcessSet, message: str) -> None:
-        pending, ps.pending = ps.pending, collections.OrderedDict()
-        backlog, ps.backlog = ps.backlog, []
-        queued, ps.queued = ps.queued, collections.deque()
-        self._scheduler.dequeued(sum(nbytes for _, _, nbytes in queued))
-        waiting = [request for _, request in backlog if request is not None]
-        waiting += [request for _, requests, _ in queued for request in requests.values()]
-        for request in list(pending.values()) + waiting:
-            request.handle.set_error(HorovodInternalError(message))
-
-    def _fail_queued(self) -> None:
-        """Fail what is still in the queue of a stopped engine (from any thread)."""
-        message = self._failure or self._stop_message
-        while True:
-            try:
-                request = self._queue.popleft()
-            except IndexError:
-                return
-            request.handle.set_error(HorovodInternalError(message))
-
-    def _fail_pending(self, message: str) -> None:
-        self.executor.fail_in_flight(HorovodInternalError(message))
-        self._drain()
-        for ps in self._sets.values():
-            self._fail_set(ps, message)
-
-    def _fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True,
-              ended: bool = False) -> None:
+    def fail(self, message: str, cause: Optional[BaseException] = None, log_it: bool = True,
+             ended: bool = False) -> None:
         """Enter the failed state: every pending and future request raises ``message``.
 
         ``ended``: the job is being ended from outside (:meth:`request_end`), not stalled here:
@@ -172,18 +218,19 @@ class EngineFailures:
         if self._failure is not None:  # failed already (the watch thread was first)
             return
         self._failure = message
-        waiting = any(ps.pending for ps in self._sets.values()) or bool(self._queue)
+        waiting = self._waiting()
         if log_it:
             log.error("%s", message)
         # Armed before the waiting callers wake: one that raises and exits at once must find
         # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
         # one that stopped submitting when it had nothing pending.
-        self._end_job(message, stalled=not waiting and cause is None and not ended)
-        self._fail_pending(message)
+        self.arm_end(message, stalled=not waiting and cause is None and not ended)
+        self._fail_requests(message)
 
-    def _end_job(self, message: str, stalled: bool) -> None:
-        """The job cannot go on: make sure it ends, even where no exception can reach."""
-        abort.arm(self.comm, self.rank, message, stalled)
+    def arm_end(self, message: str, stalled: bool) -> None:
+        """The job cannot go on: make sure it ends, even where no exception can reach
+        (``stalled``: this rank stopped submitting, so no handle raises on it)."""
+        abort.arm(self._comm, self._rank, message, stalled)
         if stalled:
             # A stalled rank has no handle to raise through: raise in its main thread, as every
             # surviving rank does (it arrives if that thread is running Python).

@@ -106,9 +106,6 @@ class FusionBuffers:
             self.hits += 1
         return buffer[:numel]
 
-    def clear(self) -> None:
-        self._buffers.clear()
-
     @property
     def allocated_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -43,14 +43,6 @@ ROOM_UNITS = 32  # the room word's resolution: a rank's window is this many unit
 _HEADER_WORDS = 4
 TUNING_NONE = _MASK  # the tuning word of a member other than rank 0: AND leaves rank 0's
 
-# Requests that never enter the response cache.
-_UNCACHED_KINDS = (RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET,
-                   RequestKind.SPLIT_COMMUNICATOR)
-# Requests whose member ranks (``splits``) must agree, and whose mismatch says which calls differ.
-_MEMBERSHIP_KINDS = (RequestKind.ADD_PROCESS_SET.value, RequestKind.REMOVE_PROCESS_SET.value,
-                     RequestKind.SPLIT_COMMUNICATOR.value)
-
-
 @dataclasses.dataclass
 class CycleResult:
     """What one negotiation decided."""
@@ -66,7 +58,7 @@ class CycleResult:
 
 
 def _describe_value(field: str, value: Any) -> str:
-    if field in ("shape", "splits") and value is not None:
+    if field in ("shape", "ranks") and value is not None:
         return str(list(value))
     if field == "scales" and value is not None:
         return f"prescale {value[0]}, postscale {value[1]}"
@@ -79,20 +71,22 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-# Each Signature field in the words of a mismatch message, in the order fields are checked.
+# Each Signature field that must agree, in the words of a mismatch message, in the order fields
+# are checked. Not ``splits``: each rank has its own (alltoall's).
 _FIELD_TEXT = {
     "kind": "operations", "dtype": "data types", "device": "devices", "shape": "tensor shapes",
     "op": "reduction ops", "root": "root ranks", "scales": "scale factors", "group": "groups",
-    "priority": "priorities", "splits": "splits",
+    "priority": "priorities", "ranks": "member ranks", "removed_set": "process set ids",
 }
+# The kinds of request that change the engine itself (RequestKind.controls_engine), by value:
+# a mismatch names the calls, which have no tensor.
+_CONTROL_KINDS = frozenset(kind.value for kind in RequestKind if kind.controls_engine)
 
 
 def validate(name: str, signatures: Dict[int, Signature]) -> Optional[str]:
     """Return a message naming the tensor, the field and the ranks that differ, or None."""
     kind = next(iter(signatures.values())).kind
-    for field in _FIELD_TEXT:
-        if field == "splits" and kind not in _MEMBERSHIP_KINDS:
-            continue  # elsewhere the splits may differ; only the member ranks must agree
+    for field, what in _FIELD_TEXT.items():
         values: Dict[Any, List[int]] = {}
         for rank, sig in sorted(signatures.items()):
             value = getattr(sig, field)
@@ -102,18 +96,12 @@ def validate(name: str, signatures: Dict[int, Signature]) -> Optional[str]:
         if len(values) > 1:
             parts = [f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {_describe_value(field, v)}"
                      for v, ranks in values.items()]
-            if kind in _MEMBERSHIP_KINDS:
-                what = {"splits": "member ranks", "root": "process set ids"}.get(field, _FIELD_TEXT[field])
+            if kind in _CONTROL_KINDS:
                 return (f"Mismatched {kind} calls ({name!r}; every rank must make the same calls in the same "
                         f"order): {what}: " + "; ".join(parts))
-            what = "trailing tensor shapes" if field == "shape" and kind in ("allgather", "alltoall") else _FIELD_TEXT[field]
-            hint = ""
-            if field == "kind" and set(values) == {RequestKind.ALLREDUCE.value, RequestKind.ALLGATHER.value}:
-                # DistributedOptimizer allgathers sparse gradients, and a rank that produced no
-                # gradient for the parameter cannot know it would be sparse: it sends zeros.
-                hint = (" (for a DistributedOptimizer parameter: its gradient is sparse on some ranks and was "
-                        "not produced on the others, which reduce zeros densely; pass sparse_as_dense=True)")
-            return f"Mismatched {kind} {what} for tensor {name!r}: " + "; ".join(parts) + hint
+            if field == "shape" and kind in ("allgather", "alltoall"):
+                what = "trailing tensor shapes"
+            return f"Mismatched {kind} {what} for tensor {name!r}: " + "; ".join(parts)
     return None
 
 
@@ -244,9 +232,7 @@ class Controller:
             absent = tuple(r for r in sorted(joined) if name not in lists[r])  # they contribute zeros
             if error is None and absent and kind != RequestKind.ALLREDUCE:
                 error = (f"{kind.value} of tensor {name!r} cannot run after "
-                         f"{ranks_text(list(absent))} called join(); only allreduce can"
-                         + (" (DistributedOptimizer: pass sparse_as_dense=True for sparse gradients)"
-                            if kind == RequestKind.ALLGATHER else ""))
+                         f"{ranks_text(list(absent))} called join(); only allreduce can")
             signatures = tuple(lists[r].get(name) for r in range(self.size))
             responses.append(Response(name, kind, signatures, error=error, joined=absent))
         responses = _complete_groups(responses)
@@ -257,7 +243,7 @@ class Controller:
         else:
             self._joined_before = joined
         for response in responses:
-            if response.error is None and not response.joined and response.kind not in _UNCACHED_KINDS:
+            if response.error is None and not response.joined and not response.kind.controls_engine:
                 self.cache.put(response)
         self.cache.misses += len(responses)
         result.responses = responses
@@ -302,9 +288,6 @@ class Controller:
             self._abort = (f"collectives stalled for more than {self.stall_timeout_s:g} s "
                            f"(HPDL_STALL_TIMEOUT){where}; ranks that have not submitted them:\n"
                            + _stall_lines(stalled_abort))
-
-    def close(self) -> None:
-        self.cache.clear()
 
 
 def _stall_lines(items: List[Tuple[str, List[int]]]) -> str:

@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from hpdl.comm.dtypes import DTYPES, dtype_name
+from hpdl.engine.errors import NegotiationError
 
 
 class RequestKind(enum.Enum):
@@ -17,13 +18,24 @@ class RequestKind(enum.Enum):
     ALLTOALL = "alltoall"
     REDUCESCATTER = "reducescatter"
     BARRIER = "barrier"
-    JOIN = "join"
-    ADD_PROCESS_SET = "add_process_set"  # ``splits`` carries the member ranks
-    REMOVE_PROCESS_SET = "remove_process_set"  # ``root`` carries the set's id
-    # A communicator of ``splits`` ranks for the caller's own use, apart from the engine's
-    # (spatial parallelism's halo exchanges): made on the engine thread, which alone may use
-    # the world communicator, in the same agreed order on every rank.
+    JOIN = "join"  # ``join_device``: where this rank's zeros go on a GPU
+    ADD_PROCESS_SET = "add_process_set"  # ``ranks``: the new set's members
+    REMOVE_PROCESS_SET = "remove_process_set"  # ``removed_set``: the set's id
+    # A communicator of ``ranks`` for the caller's own use, apart from the engine's (spatial
+    # parallelism's halo exchanges): made on the engine thread, which alone may use the world
+    # communicator, in the same agreed order on every rank.
     SPLIT_COMMUNICATOR = "split_communicator"
+
+    @property
+    def controls_engine(self) -> bool:
+        """Whether the engine itself runs this kind (join, process sets, communicators), not a
+        backend collective: such requests change what the engine is, so they never enter the
+        response cache."""
+        return self in _CONTROLS_ENGINE
+
+
+_CONTROLS_ENGINE = frozenset((RequestKind.JOIN, RequestKind.ADD_PROCESS_SET, RequestKind.REMOVE_PROCESS_SET,
+                              RequestKind.SPLIT_COMMUNICATOR))
 
 
 class Op(enum.Enum):
@@ -42,11 +54,12 @@ class Signature(NamedTuple):
     (a mismatch names the field), part of the response-cache key, and sent in full exchanges.
 
     Fields that do not apply to the request's kind are None (``op`` and ``scales`` outside
-    allreduce and reducescatter, ``root`` outside broadcast, everything about the tensor for
-    requests without one). For allgather and alltoall only the trailing dimensions of
-    ``shape`` must agree; the first dimension and ``splits`` still belong to the signature so
-    that a change invalidates the cache. ``splits`` also carries the member ranks of process
-    set and communicator requests, and ``root`` a removed set's id.
+    allreduce and reducescatter, ``root`` outside broadcast, ``ranks`` outside adding a process
+    set and splitting a communicator, ``removed_set`` outside removing a process set,
+    everything about the tensor for requests without one). For allgather and alltoall only the
+    trailing dimensions of ``shape`` must agree; the first dimension and alltoall's ``splits``,
+    which may differ between ranks, still belong to the signature so that a change
+    invalidates the cache.
     """
 
     kind: str  # RequestKind's value
@@ -59,6 +72,8 @@ class Signature(NamedTuple):
     splits: Optional[Tuple[int, ...]]
     group: Optional[Tuple[str, int]]  # (group name, member count)
     priority: Optional[int]
+    ranks: Optional[Tuple[int, ...]]  # the member ranks of a process set or communicator made
+    removed_set: Optional[int]  # the id of the process set removed
 
 
 _tuple_new = tuple.__new__
@@ -85,18 +100,24 @@ class Request:
     ``bytes_to_come`` (an allreduce's, optional) is how many bytes the caller will submit right
     after it in the same burst (DistributedOptimizer: the step's gradients not yet made); it
     ends a gathering early, so that the last gradients are not held back together (see
-    scheduling.py, Gathering). It is a local hint, not part of the signature. A plain class with
-    slots: one is made per tensor per training step.
+    scheduling.py, Gathering). It is a local hint, not part of the signature. ``root`` is a
+    broadcast's, ``splits`` an alltoall's; ``ranks`` are the members of a process set added or
+    a communicator split, ``removed_set`` the id of a process set removed, and ``join_device``
+    the GPU of the zeros a joined rank contributes (local, as each rank has its own). A plain
+    class with slots: one is made per tensor per training step.
     """
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits",
-                 "process_set_id", "group", "priority", "bytes_to_come", "handle", "arrival", "_signature")
+                 "process_set_id", "group", "priority", "bytes_to_come", "ranks", "removed_set", "join_device",
+                 "handle", "arrival", "_signature")
 
     def __init__(self, kind: RequestKind, name: str, tensor: Optional[torch.Tensor] = None,
                  output: Optional[torch.Tensor] = None, op: Op = Op.SUM, prescale: float = 1.0,
                  postscale: float = 1.0, root: int = 0, splits: Optional[Tuple[int, ...]] = None,
                  process_set_id: int = 0, group: Optional[Tuple[str, int]] = None,
-                 priority: Optional[int] = None, bytes_to_come: Optional[int] = None):
+                 priority: Optional[int] = None, bytes_to_come: Optional[int] = None,
+                 ranks: Optional[Tuple[int, ...]] = None, removed_set: Optional[int] = None,
+                 join_device: int = -1):
         self.kind = kind
         self.name = name
         self.tensor = tensor
@@ -110,6 +131,9 @@ class Request:
         self.group = group
         self.priority = priority
         self.bytes_to_come = bytes_to_come
+        self.ranks = ranks
+        self.removed_set = removed_set
+        self.join_device = join_device
         self.handle = None  # set by the engine at submission
         self.arrival = 0.0  # when the engine thread took it from the queue (the engine clock's time)
         self._signature: Optional[Signature] = None
@@ -127,8 +151,9 @@ class Request:
         t = self.tensor
         kind = self.kind
         if t is None:
-            return Signature(kind=kind._value_, dtype=None, shape=None, device=None, op=None, root=self.root,
-                             scales=None, splits=self.splits, group=self.group, priority=None)
+            return Signature(kind=kind._value_, dtype=None, shape=None, device=None, op=None, root=None,
+                             scales=None, splits=None, group=self.group, priority=None, ranks=self.ranks,
+                             removed_set=self.removed_set)
         reduces = kind is RequestKind.ALLREDUCE or kind is RequestKind.REDUCESCATTER
         return _tuple_new(Signature, (  # signature_of, inlined: in Signature's order
             kind._value_,  # kind
@@ -141,6 +166,8 @@ class Request:
             self.splits,
             self.group,
             self.priority,
+            None,  # ranks
+            None,  # removed_set
         ))
 
     @property
@@ -174,7 +201,7 @@ class Response:
         sig = next((s for s in signatures if s is not None), None)
         if sig is None:
             sig = Signature(kind=kind.value, dtype=None, shape=None, device=None, op=None, root=None, scales=None,
-                            splits=None, group=None, priority=None)
+                            splits=None, group=None, priority=None, ranks=None, removed_set=None)
         self.signature: Signature = sig
         numel = 0
         if sig.shape is not None:
@@ -187,6 +214,11 @@ class Response:
         self.priority = sig.priority
         # Responses with equal keys may share one fused allreduce.
         self.fusion_key = (sig.dtype, sig.device, sig.op, sig.scales, joined)
+
+    def refused(self) -> NegotiationError:
+        """What this rank's request raises when the members agreed not to run it (``error``)."""
+        kinds = frozenset(sig.kind for sig in self.signatures if sig is not None)
+        return NegotiationError(self.error, kinds, self.joined)
 
     def __repr__(self) -> str:
         return f"Response({self.name!r}, {self.kind.value}, error={self.error!r})"

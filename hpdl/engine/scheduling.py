@@ -39,7 +39,7 @@ set's backlog, and each round queues the backlog's most urgent allreduces that f
 room every member has left in its window of ``HPDL_PRIORITY_WINDOW`` bytes in flight or
 queued (the room travels in the negotiation, so every rank queues the same ones in the same
 order). Each rank starts its queue in that order as its window frees (half of it in flight
-where collectives progress side by side, as MPI's do; see :meth:`Scheduler.pace`), without
+where collectives progress side by side, as MPI's do; see :meth:`Scheduler.pacing`), without
 waiting for a round: between rounds, and while a round waits (the backend calls back,
 ``Communicator.control_wait_hook``), since over TCP a round's control message can queue
 behind megabytes of data and a late peer can hold a round for milliseconds, during which the
@@ -49,20 +49,22 @@ the backlog can be overtaken; what is queued or started, cannot, so the window i
 small, just enough to keep the network busy.
 
 The :class:`Scheduler` holds this policy's state on one rank and decides; the engine thread
-(engine.py) acts on its decisions: it runs the round, pauses, starts the allreduce. Each
-decision is a function of that state, of what the engine tells it and of the time on the
-clock it was handed (clock.py), so tests drive it directly, on a clock of their own.
+(engine.py) acts on its decisions: it runs the round, pauses, starts the allreduce, and a
+process set's backlog (process_set.py) queues what the scheduler chose. Each decision is a
+function of that state, of what the engine tells it (:meth:`Scheduler.after_round`) and of the
+time on the clock it was handed (clock.py), so tests drive it directly, on a clock of their
+own.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from hpdl.config import Settings
 from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.handle import Handle
 from hpdl.engine.negotiation import ROOM_UNITS
-from hpdl.engine.process_set import ProcessSet
+from hpdl.engine.process_set import Agreed, ProcessSetState, QueuedBatch
 from hpdl.engine.request import Request, RequestKind, Response
 
 _BUSY_PAUSE_CAP_S = 0.005  # longest pause between fruitless rounds while this rank has requests pending
@@ -81,9 +83,10 @@ _AWAITED_POLL_INTERVAL_S = 5e-5
 class Scheduler:
     """The scheduling policy's state on this rank, and its decisions (see the module's doc).
 
-    ``idle`` and ``gathering`` are read, and ``gathered`` counted, by submitting threads
-    without a lock (:meth:`round_for_submission`): single attribute reads and writes, atomic
-    under the GIL, so that a submission never waits for the engine thread.
+    Its fields change only through its methods; others read them. ``idle`` and ``gathering``
+    are read, and ``gathered`` counted, by submitting threads without a lock
+    (:meth:`round_for_submission`): single attribute reads and writes, atomic under the GIL,
+    so that a submission never waits for the engine thread.
     """
 
     def __init__(self, settings: Settings, clock: Clock = SYSTEM_CLOCK):
@@ -104,8 +107,6 @@ class Scheduler:
         # Gathering
         self.gathering = False  # holding the next round back: submissions are counted
         self.gathered = 0  # while gathering: the bytes pending
-        # Priorities
-        self.queued_bytes = 0  # prioritized allreduces queued to start (every process set)
 
     def set_cycle_time(self, cycle_time_ms: float) -> None:
         """Pace rounds at ``cycle_time_ms`` from now on (rank 0's autotuner chose it)."""
@@ -142,6 +143,14 @@ class Scheduler:
         return False
 
     # -- pacing ----------------------------------------------------------------------------
+
+    def after_round(self, hot: bool, idle: bool) -> None:
+        """What the round just run left: whether the rounds must follow at the cycle time
+        (``hot``: a full exchange or a process set with work is under way, or a backlog is
+        waiting to start as room frees), and whether nothing is pending on this rank
+        (``idle``: the next submission wakes the engine)."""
+        self.hot = hot
+        self.idle = idle
 
     def next_round_at(self, started: float, progressed: bool, arrived: int) -> float:
         """When the next round is due, after one that started at ``started`` (clock time).
@@ -184,7 +193,7 @@ class Scheduler:
 
     # -- gathering -------------------------------------------------------------------------
 
-    def gather_until(self, sets: Iterable[ProcessSet], backlogged: bool, shutting_down: bool,
+    def gather_until(self, sets: Iterable[ProcessSetState], backlogged: bool, shutting_down: bool,
                      stall_check_s: float) -> Optional[float]:
         """Until when (clock time) to hold the next round back to gather more allreduces, or
         None to run it now. From a time on, the engine is gathering (:meth:`end_gathering`).
@@ -235,66 +244,64 @@ class Scheduler:
 
     # -- priorities ------------------------------------------------------------------------
 
-    def pace(self, ps: ProcessSet, background: bool) -> None:
-        """Set how ``ps``'s queued allreduces start (``background``: the executor keeps
-        collectives in flight). Between rounds, as room frees, only where they run in the
-        background: a blocking call started outside the agreed order of rounds could wait for
-        a peer blocked in another process set's collective. Where they progress side by side
-        (MPI), half the window is in flight and half queued, so that the urgent ones are not
-        slowed by many others sharing the network; where they run in order (gloo, nccl) the
-        backend's own queue does that, and the whole window is in flight."""
-        comm = ps.data_comm
-        ps.paced = background and bool(getattr(comm, "background_collectives", False))
-        in_order = getattr(comm, "runs_in_order", True)
-        ps.flight_window = self.window if in_order else max(1, self.window // 2)
+    def pacing(self, data_comm: Any, background: bool) -> Tuple[bool, int]:
+        """How the queued allreduces of a process set whose collectives run on ``data_comm``
+        start (``background``: the executor keeps collectives in flight): whether they start
+        between rounds, as room frees, and how many of their bytes may be in flight at once.
 
-    def room(self, in_flight_bytes: int) -> int:
+        Between rounds only where they run in the background: a blocking call started outside
+        the agreed order of rounds could wait for a peer blocked in another process set's
+        collective. Where they progress side by side (MPI), half the window is in flight and
+        half queued, so that the urgent ones are not slowed by many others sharing the network;
+        where they run in order (gloo, nccl) the backend's own queue does that, and the whole
+        window is in flight."""
+        paced = background and bool(getattr(data_comm, "background_collectives", False))
+        in_order = getattr(data_comm, "runs_in_order", True)
+        return paced, self.window if in_order else max(1, self.window // 2)
+
+    def room(self, in_flight_bytes: int, queued_bytes: int) -> int:
         """This rank's room for prioritized allreduces, in units of the window (``ROOM_UNITS``
-        make a whole one): what is in flight and what is queued to start counts against it."""
-        used = in_flight_bytes + self.queued_bytes
+        make a whole one): what is in flight and what is queued to start (in every process
+        set's backlog) counts against it."""
+        used = in_flight_bytes + queued_bytes
         if used <= 0:
             return ROOM_UNITS
         return max(0, self.window - used) * ROOM_UNITS // self.window
 
-    def queue_from_backlog(self, ps: ProcessSet, room: int) -> None:
-        """Move the most urgent of ``ps.backlog`` that fit in ``room`` units (agreed by every
-        member, so every rank queues the same, in the same order) to ``ps.queued``: tensors of
-        the in-place size or more each alone, smaller ones together, to be fused."""
-        backlog = ps.backlog
-        backlog.sort(key=lambda item: (item[0].priority, item[0].name))
+    def batches_to_queue(self, urgent_first: List[Agreed], room: int) -> List[QueuedBatch]:
+        """Which of a backlog (``urgent_first``: most urgent first) to queue in ``room`` units
+        (agreed by every member, so every rank queues the same, in the same order): the first
+        ones that fit, as batches to start: tensors of the in-place size or more each alone,
+        smaller ones together, to be fused."""
         budget = room * self.window // ROOM_UNITS
         taken, used = 0, 0
-        for response, _ in backlog:
+        for response, _ in urgent_first:
             # A window empty on every rank takes the next one whatever its size.
             if used + response.nbytes > budget and not (taken == 0 and room == ROOM_UNITS):
                 break
             used += response.nbytes
             taken += 1
-        started, ps.backlog = backlog[:taken], backlog[taken:]
         alone = self._alone
+        batches: List[QueuedBatch] = []
         batch: List[Response] = []
         requests: Dict[str, Request] = {}
         nbytes = 0
-        for response, request in started:
+        for response, request in urgent_first[:taken]:
             if response.nbytes >= alone and batch:
-                ps.queued.append((batch, requests, nbytes))
+                batches.append(QueuedBatch(batch, requests, nbytes))
                 batch, requests, nbytes = [], {}, 0
             batch.append(response)
             nbytes += response.nbytes
             if request is not None:
                 requests[response.name] = request
             if nbytes >= alone:
-                ps.queued.append((batch, requests, nbytes))
+                batches.append(QueuedBatch(batch, requests, nbytes))
                 batch, requests, nbytes = [], {}, 0
         if batch:
-            ps.queued.append((batch, requests, nbytes))
-        self.queued_bytes += used
+            batches.append(QueuedBatch(batch, requests, nbytes))
+        return batches
 
     def may_start(self, in_flight_bytes: int, nbytes: int, flight_window: int) -> bool:
         """Whether a queued batch of ``nbytes`` may start between rounds: it fits in the flight
         window beside what is in flight, or nothing is in flight."""
         return in_flight_bytes <= 0 or in_flight_bytes + nbytes <= flight_window
-
-    def dequeued(self, nbytes: int) -> None:
-        """``nbytes`` of queued allreduces left the queue (started, or failed)."""
-        self.queued_bytes -= nbytes

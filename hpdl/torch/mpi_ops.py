@@ -91,8 +91,7 @@ def join(device: int = -1) -> int:
     """
     if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()  # the engine's thread has a current device of its own
-    # ``root`` carries the GPU, as it carries a process set's id in REMOVE_PROCESS_SET.
-    return submit(Request(RequestKind.JOIN, "join", root=int(device))).wait()
+    return submit(Request(RequestKind.JOIN, "join", join_device=int(device))).wait()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -16,14 +16,16 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from hpdl.engine import Op
+from hpdl.engine.errors import NegotiationError
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.compression import CastCompressor
 from hpdl.torch.mpi_ops import Average
+from hpdl.torch.object_ops import broadcast_object
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizerMixin", "Submitted", "check_backward_passes", "local_step"]
@@ -124,8 +126,6 @@ class DistributedOptimizerMixin:
         tracked = set(self._params)
         if isinstance(groups, int):
             # Ranks may list parameters in different orders: use rank 0's (as Horovod does).
-            from hpdl.torch.functions import broadcast_object
-
             order = broadcast_object([self._names[p] for p in self._params], root_rank=self._root(),
                                      name="DistributedOptimizer.groups", process_set=self.process_set)
             by_name = {self._names[p]: p for p in self._params}
@@ -321,10 +321,16 @@ class DistributedOptimizerMixin:
             self._reset_pending()
 
     def _finish(self, submitted: Submitted) -> None:
-        if submitted.sparse:
-            submitted.params[0].grad = submitted.handle()
-            return
-        outputs = mpi_ops.synchronize(submitted.handle)
+        try:
+            if submitted.sparse:
+                submitted.params[0].grad = submitted.handle()
+                return
+            outputs = mpi_ops.synchronize(submitted.handle)
+        except NegotiationError as err:
+            advice = _sparse_advice(err)
+            if advice is None:
+                raise
+            raise err.with_advice(advice) from None
         if not isinstance(outputs, list):
             outputs = [outputs]
         for p, output, ctx in zip(submitted.params, outputs, submitted.ctxs):
@@ -411,6 +417,21 @@ class DistributedOptimizerMixin:
     def apply_pending_updates(self) -> None:
         """Apply every update still waiting for a forward: nothing here; with ``overlap_forward``,
         what ``step()`` left to the next forward (overlap.py)."""
+
+
+def _sparse_advice(err: NegotiationError) -> Optional[str]:
+    """What to change when the ranks disagree on a gradient that DistributedOptimizer gathers
+    sparse on some of them (the engine's error names only the operations), or None."""
+    if "allgather" not in err.kinds:
+        return None
+    if "allreduce" in err.kinds:
+        # A rank that produced no gradient for the parameter cannot know it would be sparse:
+        # it reduces zeros densely.
+        return ("(for a DistributedOptimizer parameter: its gradient is sparse on some ranks and was not "
+                "produced on the others, which reduce zeros densely; pass sparse_as_dense=True)")
+    if err.joined:  # only allreduce runs after a join
+        return "(DistributedOptimizer: pass sparse_as_dense=True for sparse gradients)"
+    return None
 
 
 def check_backward_passes(passes: Any) -> None:

@@ -113,7 +113,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     for other in _registered:
         if other.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} is already registered ({other})")
-    request = Request(RequestKind.ADD_PROCESS_SET, f"process_set.add.{next(_changes)}", splits=tuple(ps.ranks))
+    request = Request(RequestKind.ADD_PROCESS_SET, f"process_set.add.{next(_changes)}", ranks=tuple(ps.ranks))
     ps.process_set_id = engine.submit(request).wait()
     _registered.append(ps)
     return ps
@@ -131,7 +131,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     engine = _runtime.engine()
     set_id = process_set.process_set_id
-    engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{next(_changes)}", root=set_id)).wait()
+    engine.submit(Request(RequestKind.REMOVE_PROCESS_SET, f"process_set.remove.{next(_changes)}",
+                          removed_set=set_id)).wait()
     _registered.remove(process_set)
     process_set._invalidate()
     return True

@@ -402,6 +402,7 @@ def check_sparse_unused_in_the_first_step() -> None:
         opt.step()
     except HorovodInternalError as err:
         assert "Mismatched" in str(err) and "embed.weight" in str(err), err
+        assert "pass sparse_as_dense=True" in str(err), err  # the optimizer's advice on the engine's error
     else:
         raise AssertionError("a parameter reduced sparse on some ranks and dense on others should raise")
     opt.zero_grad()

@@ -37,7 +37,7 @@ from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.request import Request, RequestKind
 from hpdl.torch import runtime
-from hpdl.torch.functions import allgather_object
+from hpdl.torch.object_ops import allgather_object
 from hpdl.torch.process_sets import ProcessSet
 from hpdl.torch.spatial.errors import GroupCommError, report_in_one_line
 from hpdl.torch.spatial.geometry import SpatialError
@@ -224,7 +224,7 @@ class GroupComm:
 
     def _give_up(self, waiting: _Waiting, outcome: str, name_lost: bool = False) -> NoReturn:
         """End the job (every rank ends within the abort's grace period) and raise the one line."""
-        reason = f"{self._describe(waiting)} {outcome}"
+        reason = f"{self._waiting_text(waiting)} {outcome}"
         self._unusable = message = f"hpdl: rank {self._world_rank}: {reason}"
         self._abandoned = True
         try:
@@ -235,7 +235,7 @@ class GroupComm:
             self._unusable = message = message + self._lost()
         raise GroupCommError(message) from None  # the backend's error, if any, is in the line
 
-    def _describe(self, waiting: _Waiting) -> str:
+    def _waiting_text(self, waiting: _Waiting) -> str:
         """What the call was doing, e.g. ``the halo exchange of layer body.0 with group rank 0 (world rank 0)``."""
         phase = " in backward" if _in_backward() else ""
         if waiting.sends or waiting.receives:
@@ -314,7 +314,7 @@ def group_communicator(process_set: ProcessSet) -> GroupComm:
     call = next(_splits)
     mine, my_group = None, ()
     for index, group in enumerate(groups):
-        request = Request(RequestKind.SPLIT_COMMUNICATOR, f"spatial.split.{call}.{index}", splits=group)
+        request = Request(RequestKind.SPLIT_COMMUNICATOR, f"spatial.split.{call}.{index}", ranks=group)
         comm = engine.submit(request).wait()
         if comm is not None:
             mine, my_group = comm, sorted(group)  # the split's ranks, in the order of their group ranks
