@@ -105,6 +105,24 @@ def test_exit_descriptions_name_the_rank_and_the_last_lines():
                                                                       "cannot start /no/python", [], False)
 
 
+def test_the_first_failure_is_a_ranks_own_not_the_error_hpdl_raises_on_the_others():
+    from hpdl.engine import HorovodInternalError
+    from hpdl.spark.driver import first_failures
+    from hpdl.spark.rank import exception_record
+
+    assert exception_record(HorovodInternalError("hpdl has been shut down"), "")["secondary"]
+    own = exception_record(RuntimeError("step 3\nmore"), "Traceback ...")
+    assert (own["type"], own["message"], own["secondary"]) == ("RuntimeError", "step 3\nmore", False)
+    shut_down = {"rank": 0, "secondary": True, "at": 10.0}
+    raised, killed = {"rank": 1, "secondary": False, "at": 11.0}, {"rank": 2, "secondary": False, "at": 12.0}
+    assert [f["rank"] for f in first_failures([shut_down, killed, raised])] == [1, 2, 0]
+    both = [{"rank": 1, "secondary": True, "at": 5.0}, {"rank": 0, "secondary": True, "at": 4.0}]
+    assert [f["rank"] for f in first_failures(both)] == [0, 1]  # a stall raises on every rank: the earliest
+    text = describe_exit("rank 1 (on n2)", None, 9, "Traceback ...\nRuntimeError: step 3\n", [], False,
+                         exception="RuntimeError: step 3")
+    assert text.splitlines()[0] == "rank 1 (on n2) raised RuntimeError: step 3; last lines of its traceback:"
+
+
 def test_prefixed_lines_are_horovods():
     assert prefix_line(3, "stderr", "oops\n") == "[3]<stderr>:oops\n"
     stamped = prefix_line(0, "stdout", "hi\n", timestamp=True)
@@ -144,9 +162,12 @@ def test_a_rank_process_writes_its_result_or_its_traceback(tmp_path):
     done = _start_rank(_rank_workdir(tmp_path / "ok", divmod, 7, 2), os.getpid())
     assert done.returncode == 0 and cloudpickle.loads((tmp_path / "ok" / rank.RESULT).read_bytes()) == (3, 1)
     done = _start_rank(_rank_workdir(tmp_path / "bad", divmod, 1, 0), os.getpid())
-    error = (tmp_path / "bad" / rank.ERROR).read_text()
-    assert done.returncode == 1 and error.rstrip().endswith("ZeroDivisionError: integer division or modulo by zero")
-    assert error in done.stderr and not (tmp_path / "bad" / rank.RESULT).exists()
+    error = json.loads((tmp_path / "bad" / rank.ERROR).read_text())
+    assert done.returncode == 1 and error["traceback"].rstrip().endswith(
+        "ZeroDivisionError: integer division or modulo by zero")
+    assert (error["type"], error["message"], error["secondary"]) == \
+        ("ZeroDivisionError", "integer division or modulo by zero", False)
+    assert error["traceback"] in done.stderr and not (tmp_path / "bad" / rank.RESULT).exists()
 
 
 def test_a_rank_process_dies_with_the_task_that_started_it(tmp_path):
@@ -399,24 +420,49 @@ def test_slots_held_by_another_job_fail_within_the_start_timeout_and_that_job_go
     assert other["result"] == [6]  # only this run's stage was cancelled
 
 
-def raise_on_rank_1():
+def train_until_rank_1_raises_at_step_3():
+    """Rank 1 raises at step 3 of DistributedOptimizer steps, then is slow to exit; rank 0 is told so
+    (hpdl shuts down as rank 1 exits) and raises HorovodInternalError, so its report comes first."""
+    import atexit
     import os
     import time
 
-    if os.environ["RANK"] == "1":  # the rank, as hvd.init() reads it (torch is not needed here)
-        raise ValueError("rank 1 cannot go on")
-    time.sleep(120)  # rank 0 would wait: the run must end it
+    import torch
+
+    import hpdl.torch as hvd
+
+    if os.environ["RANK"] == "1":
+        atexit.register(time.sleep, 5)  # runs after hpdl's own exit handler, registered by init()
+    hvd.init()
+    model = torch.nn.Linear(4, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    for step in range(1, 1000):
+        if step == 3 and hvd.rank() == 1:
+            raise RuntimeError("rank 1 cannot go on at step 3")
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()  # rank 0 waits here for rank 1's gradients: the run must end it
 
 
 @needs_spark
 def test_an_exception_in_rank_1_raises_on_the_driver_with_its_traceback(spark, no_rank_left):
+    # Named though rank 0's secondary error (hpdl shut down by rank 1's exit) reached the driver first.
+    stderr = io.StringIO()
     with pytest.raises(hpdl.spark.RankFailedError) as raised:
-        hpdl.spark.run(raise_on_rank_1, stderr=io.StringIO())
+        hpdl.spark.run(train_until_rank_1_raises_at_step_3, stderr=stderr)
     failure = raised.value
-    assert failure.rank == 1 and failure.exit_code == 1
-    assert "rank 1 (on " in str(failure) and "raised an exception; last lines of its traceback:" in str(failure)
-    assert str(failure).rstrip().endswith("ValueError: rank 1 cannot go on")
-    assert "in raise_on_rank_1" in failure.traceback
+    assert failure.rank == 1, str(failure)
+    assert (failure.exception_type, failure.exception_message) == ("RuntimeError", "rank 1 cannot go on at step 3")
+    lines = str(failure).splitlines()
+    assert lines[0].startswith("hpdl.spark.run: rank 1 (on ") and \
+        lines[0].endswith(") raised RuntimeError: rank 1 cannot go on at step 3; last lines of its traceback:")
+    assert lines[-2] == "    RuntimeError: rank 1 cannot go on at step 3"
+    assert lines[-1].startswith("(then rank 0 failed too: hpdl.engine.errors.HorovodInternalError: hpdl has been "
+                                "shut down (rank 1"), lines[-1]
+    assert "in train_until_rank_1_raises_at_step_3" in failure.traceback
+    assert failure.traceback.rstrip().endswith("RuntimeError: rank 1 cannot go on at step 3")
+    assert "[1]<stderr>:RuntimeError: rank 1 cannot go on at step 3\n" in stderr.getvalue()
 
 
 def write_pid_then_loop(folder):

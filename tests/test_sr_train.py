@@ -310,6 +310,24 @@ def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):
     assert (out / "config.yaml").is_file()
 
 
+def test_the_thread_count_follows_one_rule_and_the_start_line_says_where_it_came_from(tmp_path, monkeypatch):
+    from hpdl.sr.threads import cpu_set, thread_count
+
+    cores = len(cpu_set())
+    assert str(thread_count(3, 1, {"OMP_NUM_THREADS": "1"})) == "3 thread(s) per rank (threads=3)"  # threads= wins
+    assert str(thread_count(0, 1, {"OMP_NUM_THREADS": "1"})) == "1 thread(s) per rank (OMP_NUM_THREADS=1)"
+    assert thread_count(0, 1, {"OMP_NUM_THREADS": "4,2"}).count == 4  # a nested list's first level
+    for unusable in ({}, {"OMP_NUM_THREADS": ""}, {"OMP_NUM_THREADS": "0"}, {"OMP_NUM_THREADS": "many"}):
+        assert thread_count(0, 1, unusable).count == cores
+    assert str(thread_count(0, 2 * cores, {})) == f"1 thread(s) per rank ({cores} core(s) for {2 * cores} rank(s) on this node)"
+    # `hpdl sr train` took its share of the cores whatever OMP_NUM_THREADS said, while upscale followed it.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    proc = tiny_run(tiny_data(tmp_path), tmp_path / "run", "total_updates=1", "val_at_end=false")
+    assert proc.returncode == 0, proc.stderr
+    started = [line for line in proc.stdout.splitlines() if "thread(s) per rank" in line]
+    assert len(started) == 1 and "; 1 thread(s) per rank (OMP_NUM_THREADS=1) on cpu" in started[0], proc.stdout
+
+
 def test_an_earlier_run_is_kept_unless_continued_or_overwritten(tmp_path):
     data, out = tiny_data(tmp_path), tmp_path / "run"
     assert tiny_run(data, out, "total_updates=2", "val_at_end=false").returncode == 0

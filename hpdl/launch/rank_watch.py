@@ -23,6 +23,10 @@ and with the kernel's parent-death signal set to SIGKILL, so that a launcher kil
 process (MPICH's mpiexec ends the survivors of a lost rank with SIGKILL) kills the command
 too. The command keeps the launcher's variables and the descriptors this process inherited
 (the PMI_FD through which MPICH's and Slurm's ranks meet).
+
+Output: the command's stdout and stderr reach the launcher in whole lines (line_relay.py), so
+that Open MPI's --tag-output, which tags every chunk it reads, tags every line, and ranks that
+share a stream do not interleave inside lines.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import sys
 from typing import Callable, List, Optional, Sequence, Set
 
 from hpdl import rank_exit
+from hpdl.launch.line_relay import LineRelay
 
 # Passed on to the command; the first four end it by default, so an end that follows one of
 # them was asked for.
@@ -123,9 +128,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     passed_on: Set[int] = set()
     child: List[subprocess.Popen] = []
     early: List[int] = []  # signals that came before the command started
+    relay = LineRelay.open()
 
     def pass_on(signum: int, _frame) -> None:
         passed_on.add(signum)
+        if signum == signal.SIGWINCH and relay is not None:
+            relay.resized()
         if not child:
             early.append(signum)
             return
@@ -140,16 +148,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         signal.signal(signum, pass_on)
     notes, note_end = rank_exit.pipe()
     env = dict(os.environ, **{rank_exit.ENV: rank_exit.channel(note_end)})
+    outputs = {"stdout": relay.stdout, "stderr": relay.stderr} if relay is not None else {}
     try:
-        child.append(subprocess.Popen(command, close_fds=False, env=env, preexec_fn=_parent_death_signal()))
+        child.append(subprocess.Popen(command, close_fds=False, env=env, preexec_fn=_parent_death_signal(),
+                                      **outputs))
     except OSError as err:
         sys.stderr.write(f"hpdl: error: cannot start {command[0]}: {err.strerror or err}\n")
         return 127
     finally:
         os.close(note_end)
+        if relay is not None:
+            relay.started()
     while early:
         pass_on(early.pop(0), None)
-    returncode = child[0].wait()
+    returncode = relay.run(child[0]) if relay is not None else child[0].wait()
     if returncode != 0 and not asked_for(returncode, passed_on) and \
             not (returncode > 0 and child[0].pid in rank_exit.noted(notes)):
         sys.stderr.write(report_line(returncode))

@@ -25,11 +25,10 @@ from typing import Any, Dict, List, Optional, TextIO
 import cloudpickle
 
 from hpdl.launch.rank_output import prefix_line
-from hpdl.spark import service as events
 from hpdl.spark.cluster import driver_addresses, running_tasks, task_slots
 from hpdl.spark.errors import RankFailedError, SlotsUnavailableError, SparkRunError
-from hpdl.spark.service import DriverService
-from hpdl.spark.task import TaskSpec, describe_exit, run_task
+from hpdl.spark.service import EXITED, REGISTERED, STARTED, DriverService
+from hpdl.spark.task import TaskSpec, describe_exit, exception_line, run_task
 
 # How often the driver looks again at the cluster's slots while too few are there.
 SLOT_POLL_S = 1.0
@@ -167,13 +166,13 @@ class SparkRun:
                     service.stop_all()  # Spark ends the stage's tasks in its own time: end their ranks now
                 # Once the tasks' connections are read to the end, every report and output line is in.
                 service.close(drain_s=DRAIN_S)
-                self._take_events(service, registered, failures)
+                self._take_reports(service, registered, failures)
                 if failures:
                     raise self._rank_failed(failures)
                 if error is not None:
                     raise SparkRunError(f"hpdl.spark.run: Spark failed the barrier stage: {spark_failure(error)}")
                 return rows
-            self._take_events(service, registered, failures)
+            self._take_reports(service, registered, failures)
             if failures and stopped_at is None:
                 stopped_at = time.monotonic()
                 self._cancel(service)
@@ -182,38 +181,48 @@ class SparkRun:
             if not failures and len(registered) < self.num_proc and time.monotonic() >= deadline:
                 raise self._start_timed_out(len(registered))
 
-    def _take_events(self, service: DriverService, registered: Dict[int, str],
-                     failures: List[Dict[str, Any]]) -> None:
-        """Take the tasks' events that arrived: count registrations, collect failures."""
+    def _take_reports(self, service: DriverService, registered: Dict[int, str],
+                      failures: List[Dict[str, Any]]) -> None:
+        """Take the tasks' reports that arrived: count registrations, collect failures."""
         while True:
             try:
-                event = service.events.get_nowait()
+                report = service.reports.get_nowait()
             except queue.Empty:
                 return
-            data = event.data
-            if event.kind == events.REGISTERED:
+            data = report.data
+            if report.kind == REGISTERED:
                 registered[data["partition"]] = data["host"]
                 if len(registered) == self.num_proc:
                     self.say(2, f"all {self.num_proc} tasks reached the driver")
-            elif event.kind == events.STARTED:
+            elif report.kind == STARTED:
                 self.say(2, f"rank {data['rank']} (local rank {data['local_rank']}) started on {data['hostname']} "
                             f"as process {data['pid']}")
-            elif event.kind == events.EXITED:
+            elif report.kind == EXITED:
                 if data.get("exit_code") == 0:
                     self.say(2, f"rank {data['rank']} returned")
                 elif not data.get("stopped"):
                     failures.append(data)
 
     def _rank_failed(self, failures: List[Dict[str, Any]]) -> RankFailedError:
-        first = failures[0]
+        ordered = first_failures(failures)
+        first = ordered[0]
         message = describe_exit(f"rank {first['rank']} (on {first['hostname']})", first.get("exit_code"),
-                                first.get("signal"), first.get("error"), first.get("tail") or [], stopped=False)
-        others = sorted({f["rank"] for f in failures[1:]} - {first["rank"]})
-        if others:
-            message += f"\n(then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)"
+                                first.get("signal"), first.get("error"), first.get("tail") or [], stopped=False,
+                                exception=exception_line(first.get("exception_type"), first.get("message")))
+        others = {}
+        for failure in ordered[1:]:
+            if failure["rank"] != first["rank"]:
+                others.setdefault(failure["rank"], failure)
+        if len(others) == 1:
+            (rank, other), = others.items()
+            line = exception_line(other.get("exception_type"), other.get("message"))
+            message += f"\n(then rank {rank} failed too{': ' + line if line else ''})"
+        elif others:
+            message += f"\n(then ranks {', '.join(map(str, sorted(others)))} failed too)"
         return RankFailedError(f"hpdl.spark.run: {message}", rank=first["rank"], host=first["hostname"],
                                exit_code=first.get("exit_code"), signal=first.get("signal"),
-                               traceback=first.get("error"), tail=first.get("tail") or [])
+                               traceback=first.get("error"), tail=first.get("tail") or [],
+                               exception_type=first.get("exception_type"), exception_message=first.get("message"))
 
     def _cancel(self, service: DriverService) -> None:
         """End the stage and every rank of it; wait (bounded) until the tasks have ended their ranks.
@@ -246,6 +255,19 @@ class SparkRun:
                 raise SparkRunError(f"hpdl.spark.run: the result of rank {rank} cannot be unpickled on the driver: "
                                     f"{type(err).__name__}: {err}") from None
         return results
+
+
+def first_failures(failures: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The ranks' failure reports, first the one that failed the run.
+
+    Reports arrive as the ranks' processes end, not as they fail: a rank that raised still
+    shuts hpdl down as it exits, while the others, told so, raise hpdl's HorovodInternalError
+    ("hpdl has been shut down (rank 1 ... exited)") and may end first. So a failure of the
+    rank's own (its exception, an exit, a signal) comes before such a ``secondary`` one, and
+    among either kind the earlier failure (``at``, on the clock of the rank's host), then the
+    earlier report.
+    """
+    return sorted(failures, key=lambda f: (bool(f.get("secondary")), f.get("at") or float("inf")))
 
 
 def spark_failure(error: BaseException, lines: int = 8) -> str:

@@ -32,11 +32,19 @@ class RankFailedError(SparkRunError):
         exit_code: its exit status, or None when a signal ended it or it never started.
         signal: the signal that ended it, or None.
         traceback: the text of its exception's traceback, when it raised one.
+        exception_type: its exception's class as the traceback names it (``RuntimeError``,
+            ``hpdl.engine.errors.HorovodInternalError``), when it raised one.
+        exception_message: its exception's message, when it raised one.
         tail: the last lines it wrote to stderr.
+
+    The first rank that failed is the one whose own code raised, exited or was killed: the
+    others' HorovodInternalError that follows it ("hpdl has been shut down") is named after it.
     """
 
     def __init__(self, message: str, rank: int, host: str, exit_code: Optional[int], signal: Optional[int],
-                 traceback: Optional[str], tail: List[str]) -> None:
+                 traceback: Optional[str], tail: List[str], exception_type: Optional[str] = None,
+                 exception_message: Optional[str] = None) -> None:
         super().__init__(message)
         self.rank, self.host, self.exit_code, self.signal = rank, host, exit_code, signal
         self.traceback, self.tail = traceback, tail
+        self.exception_type, self.exception_message = exception_type, exception_message

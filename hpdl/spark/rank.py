@@ -7,8 +7,9 @@ would inherit the previous run's process group and report the previous run's ran
 ``WORKDIR`` holds what the task wrote (``payload``: ``fn``, its arguments and keyword
 arguments, by cloudpickle; ``sys_path``: the worker's import path, so that modules Spark
 ships with ``addPyFile`` import here too). The rank writes ``result`` (its return value, by
-cloudpickle) or ``error`` (its traceback) there, and prints the traceback to its stderr as
-well, which reaches the driver's output prefixed with the rank.
+cloudpickle) or ``error`` (its exception: type, message, traceback, when it was raised, and
+whether it is hpdl's error for a job another rank ended, as JSON) there, and prints the
+traceback to its stderr as well, which reaches the driver's output prefixed with the rank.
 """
 
 from __future__ import annotations
@@ -70,6 +71,26 @@ def _exit_code(code: object) -> Optional[int]:
     return code if isinstance(code, int) else 1
 
 
+def exception_record(err: BaseException, text: str) -> dict:
+    """What the driver needs of a rank's exception, for ``error``: its type and message as the
+    traceback's last line names them, the traceback ``text``, when it was caught (this host's
+    clock), and whether it is ``secondary``.
+
+    A rank whose own code raised is where a run failed; hpdl then raises HorovodInternalError on
+    every other rank ("hpdl has been shut down (rank 1 ... exited)", a lost peer, a stall), and
+    that rank may exit and be reported first. The class is known by name: this module runs
+    before hpdl.torch is imported, and the spark layer does not import the engine.
+    """
+    cls = type(err)
+    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else f"{cls.__module__}.{cls.__qualname__}"
+    secondary = any(c.__name__ == "HorovodInternalError" and c.__module__.startswith("hpdl.") for c in cls.__mro__)
+    try:
+        message = str(err)
+    except Exception:  # noqa: BLE001 - its __str__ failed: the traceback says as much
+        message = f"<{name} whose message cannot be printed>"
+    return {"type": name, "message": message, "traceback": text, "at": time.time(), "secondary": secondary}
+
+
 def run(workdir: str) -> int:
     """Load and call ``fn``; write its result or its traceback; return the exit status."""
     import cloudpickle
@@ -97,7 +118,7 @@ def run(workdir: str) -> int:
         text = "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
         sys.stderr.write(text)
         sys.stderr.flush()
-        _write(os.path.join(workdir, ERROR), text.encode("utf-8", "replace"))
+        _write(os.path.join(workdir, ERROR), json.dumps(exception_record(err, text)).encode("utf-8", "replace"))
         return 1
     _write(os.path.join(workdir, RESULT), data)
     return 0

@@ -28,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Deque, Dict, Iterator, List, Optional, Tuple
+import time
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 from hpdl.comm.topology import host_identity
 from hpdl.spark import channel as wire
@@ -204,31 +205,64 @@ class _RankProcess:
                 data = result.read()
             self._report(0, None, None, stopped=False)
             return data
-        error = None
-        error_path = os.path.join(workdir, rank_module.ERROR)
-        if os.path.exists(error_path):
-            with open(error_path, "rb") as text:
-                error = text.read().decode("utf-8", "replace")
+        raised = _read_exception(os.path.join(workdir, rank_module.ERROR))
         exit_code, signal_number = (code, None) if code >= 0 else (None, -code)
-        stopped = self.stopped.is_set()
-        if self._report(exit_code, signal_number, error, stopped):
+        # A rank that raised failed on its own, even when the driver's stop killed it as it exited
+        # (another rank's report of the same failure may have come first).
+        stopped = self.stopped.is_set() and raised is None
+        if self._report(exit_code, signal_number, None, stopped, raised):
             return None
-        raise RankProcessError(describe_exit(f"rank {self.rank}", exit_code, signal_number, error, list(self.tail),
-                                             stopped))
+        raise RankProcessError(describe_exit(f"rank {self.rank}", exit_code, signal_number,
+                                             raised and raised.get("traceback"), list(self.tail), stopped,
+                                             exception=exception_line(*_type_and_message(raised))))
 
     def _report(self, exit_code: Optional[int], signal_number: Optional[int], error: Optional[str],
-                stopped: bool) -> bool:
-        """Tell the driver how the rank ended; return whether it could be told."""
+                stopped: bool, raised: Optional[Dict[str, Any]] = None) -> bool:
+        """Tell the driver how the rank ended; return whether it could be told.
+
+        ``error``: why it could not start; ``raised``: its exception (rank.exception_record), whose
+        traceback goes as ``error``. ``at``: when it failed (its exception's time, else now).
+        """
+        raised = raised or {}
         try:
-            self.driver.send_json(wire.EXITED, {"rank": self.rank, "exit_code": exit_code, "signal": signal_number,
-                                                "error": error, "tail": list(self.tail), "stopped": stopped})
+            self.driver.send_json(wire.EXITED, {
+                "rank": self.rank, "exit_code": exit_code, "signal": signal_number,
+                "error": raised.get("traceback", error), "exception_type": raised.get("type"),
+                "message": raised.get("message"), "secondary": bool(raised.get("secondary")),
+                "at": raised.get("at", time.time()), "tail": list(self.tail), "stopped": stopped})
         except wire.ChannelClosed:
             return False
         return True
 
 
+def _read_exception(path: str) -> Optional[Dict[str, Any]]:
+    """The rank's exception as rank.exception_record wrote it, or None when it raised none."""
+    try:
+        with open(path, "rb") as data:
+            text = data.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    return record if isinstance(record, dict) else {"traceback": text}
+
+
+def _type_and_message(raised: Optional[Dict[str, Any]]) -> Tuple[Optional[str], Optional[str]]:
+    return (raised.get("type"), raised.get("message")) if raised else (None, None)
+
+
+def exception_line(type_name: Optional[str], message: Optional[str]) -> Optional[str]:
+    """``Type: message`` of a rank's exception (its message's first line), or None without a type."""
+    if not type_name:
+        return None
+    lines = (message or "").strip().splitlines()
+    return f"{type_name}: {lines[0]}" if lines else type_name
+
+
 def describe_exit(who: str, exit_code: Optional[int], signal_number: Optional[int], error: Optional[str],
-                  tail: List[str], stopped: bool, lines: int = 10) -> str:
+                  tail: List[str], stopped: bool, lines: int = 10, exception: Optional[str] = None) -> str:
     """One message for a rank that did not return: how it ended and the last lines that say why.
 
     Args:
@@ -236,10 +270,14 @@ def describe_exit(who: str, exit_code: Optional[int], signal_number: Optional[in
         exit_code: its exit status (None: a signal ended it, or it never started).
         error: the traceback of its exception (or why it could not start).
         tail: the last lines of its stderr, shown when there is no traceback.
+        exception: its exception as ``Type: message`` (exception_line), named first: it raised,
+            however its process then ended.
     """
     if stopped:
         return f"{who} was stopped: the run ended (another rank failed, or it was cancelled)"
-    if signal_number is not None:
+    if exception is not None:
+        how = f"{who} raised {exception}"
+    elif signal_number is not None:
         try:
             name = signal.Signals(signal_number).name
         except ValueError:

@@ -251,6 +251,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     guard = OutputRule([("checkpoint", args.ckpt)] + _set_files(opened), args.overwrite)
     if args.grid:
         guard.refuse(args.grid)
+    from hpdl.sr.threads import use_threads
+
+    use_threads(ranks_on_node=1)  # one process's work: the rule of every command (threads.py)
     scored = []
     for (name, data, pairs), space in zip(opened, spaces):
         saver = _result_saver(args, name, model.scale, guard) if args.save_results else None

@@ -105,7 +105,7 @@ class TrainConfig:
 
     # -- machine --
     seed: int = 0
-    threads: int = 0  # torch threads per rank (0: this node's cores / ranks on it)
+    threads: int = 0  # torch threads per rank (0: OMP_NUM_THREADS, else this node's cores / ranks on it)
     # auto (this rank's GPU if CUDA is available, else cpu), cpu, cuda (this rank's GPU) or cuda:N; this
     # rank's GPU is cuda:<local rank>, or cuda:<local rank // K> with K ranks per GPU (HPDL_RANKS_PER_GPU)
     device: str = "auto"

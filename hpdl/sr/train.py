@@ -38,7 +38,7 @@ from hpdl.sr.registry import make_config
 from hpdl.sr.out_dir import OutDirLock, earlier_run_refusal, prepare_out_dir, write_config
 from hpdl.sr.sampler import ShardSampler
 from hpdl.sr.spatial_train import patch_forward, spatial_layout
-from hpdl.sr.threads import share_of_cores, thread_oversubscription
+from hpdl.sr.threads import ThreadCount, thread_oversubscription, use_threads
 from hpdl.sr.train_state import (EMA, MetricsLog, agreed, format_summary, json_ready, lr_at, say, spatial_groups,
                                  validate)
 from hpdl.torch.mixed_precision import MixedPrecision
@@ -127,6 +127,7 @@ class _World:
     size: int
     device: torch.device
     batch_size: int  # per replica: a rank, or a group of `spatial` ranks sharing each patch
+    threads: ThreadCount  # torch's threads on this rank, and where the number came from
     layout: Optional[Any] = None  # hpdl.torch.spatial.Layout of the groups (spatial > 1)
 
     @property
@@ -178,8 +179,8 @@ def _from_rank0(name: str, fn: Callable[[], T]) -> T:
 
 def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
     """Join the job: device, threads, seeds and per-rank batch; refuse an out_dir holding an earlier
-    run, or in use by a live one. Threads: ``threads``, or this rank's share of its node's cores
-    (hpdl/sr/threads.py).
+    run, or in use by a live one. Threads: ``threads``, else ``OMP_NUM_THREADS``, else this rank's
+    share of its node's cores (hpdl/sr/threads.py).
     """
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -199,7 +200,7 @@ def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
         warning = thread_oversubscription(cfg.threads)  # every rank takes part: it gathers
         if warning is not None:
             print(f"hpdl: warning: {warning}; the threads will contend for them", file=sys.stderr, flush=True)
-    torch.set_num_threads(cfg.threads or share_of_cores())
+    threads = use_threads(cfg.threads)
     # Per-rank seeds keep random draws (dropout, say) independent between ranks; the initial
     # weights all come from rank 0, so the models still start identical.
     if cfg.seed + size > 2**32:  # the config left room for MAX_SEED_RANKS ranks; this job has more
@@ -213,7 +214,7 @@ def _join(cfg: TrainConfig, lock: "OutDirLock") -> _World:
         over = f"{size} ranks" if cfg.spatial == 1 else f"{replicas} groups of spatial={cfg.spatial} ranks"
         raise TrainError(f"global_batch_size={cfg.global_batch_size} does not split over {over}")
     batch_size = cfg.global_batch_size // replicas if cfg.global_batch_size else cfg.batch_size
-    return _World(rank, size, device, batch_size, layout)
+    return _World(rank, size, device, batch_size, threads, layout)
 
 
 def _open_data(cfg: TrainConfig, world: _World) -> _Data:
@@ -388,7 +389,7 @@ class _Run:
         ranks = f"{w.size} rank(s)" + spatial_groups(w.size, cfg.spatial)
         return (f"{self.model.config.describe()}, {count_parameters(self.model):,} parameters; {ranks} x "
                 f"batch {w.batch_size} of {cfg.patch_size}px patches; {len(self.data.train_set)} patches per epoch; "
-                f"{torch.get_num_threads()} thread(s) per rank on {w.device}"
+                f"{w.threads} on {w.device}"
                 + (f", amp {cfg.amp}" if self.precision.enabled else ""))
 
     def count_update(self, loss: torch.Tensor, lr: float, epoch: int, seconds: float) -> None:

@@ -72,6 +72,9 @@ def _run_upscale(args: argparse.Namespace) -> int:
         return _run_upscale_spatial(args)
     picture, model, guard = _open_upscale(args)
     from hpdl.sr.inference import upscale_image
+    from hpdl.sr.threads import use_threads
+
+    use_threads(ranks_on_node=1)  # one process's work: the rule of every command (threads.py)
 
     out = upscale_image(model, picture.rgb, tile=args.tile or None, ensemble=args.self_ensemble,
                         progress=args.progress)
@@ -127,19 +130,15 @@ def _write_upscaled(args: argparse.Namespace, picture: Any, scale: int, out: Any
 def _run_upscale_spatial(args: argparse.Namespace) -> int:
     """The upscale on every rank of the job, each computing a band of the rows of tiles; rank 0
     reads, checks and writes as the one-process upscale does (hpdl/sr/spatial_upscale.py)."""
-    import torch
-
     import hpdl.torch as hvd
     from hpdl.sr.config import resolve_device
     from hpdl.sr.models import build_model_from_config
     from hpdl.sr.spatial_upscale import idle_ranks, upscale_image_in_bands
-    from hpdl.sr.threads import share_of_cores
+    from hpdl.sr.threads import use_threads
 
     os.environ.update(spatial_stall_settings(os.environ))
     hvd.init()
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The ranks of a node share its cores, as training's ranks do (threads.py).
-        torch.set_num_threads(share_of_cores())
+    use_threads()  # the ranks of a node share its cores, as training's ranks do (threads.py)
     # Rank 0 alone reads the input and the checkpoint (they need not be on the other nodes) and
     # refuses bad input before any work; every rank then ends with its one line and status.
     picture = model = guard = None

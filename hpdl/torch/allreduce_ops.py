@@ -452,13 +452,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Optional[Op] = N
     # group, so that the values, which that rank never submits, fail with the indices instead
     # of staying in flight (until the stall timeout ends the job).
     group = (name, 2)
-    indices = AsyncHandle([submit(allgather_request(sparse.indices().t().contiguous(), name, process_set,
-                                                      group))], first_result)
-    values = AsyncHandle([submit(allgather_request(sparse.values().contiguous(), f"{name}.values", process_set,
-                                                     group))], first_result)
+    indices = submit(allgather_request(sparse.indices().t().contiguous(), name, process_set, group))
+    values = submit(allgather_request(sparse.values().contiguous(), f"{name}.values", process_set, group))
 
     def result() -> torch.Tensor:
-        all_indices, all_values = synchronize(indices), synchronize(values)
+        # One call of two handles: should one fail, neither is in flight when it raises.
+        all_indices, all_values = synchronize(AsyncHandle([indices, values], list))
         if op == Average:
             all_values = all_values / process_set.size()
         # The indices come from coalesced tensors, so they are valid; saying so also keeps torch

@@ -203,11 +203,32 @@ def synchronize(handle: AsyncHandle) -> Any:
     Raises:
         HorovodInternalError: the operation failed: a call the ranks disagree on, a stall past
             ``HPDL_STALL_TIMEOUT``, a lost rank, a backend error, or hpdl shut down by another rank.
+            A grouped call raises once none of its members is in flight, so that a retry under
+            the same names is accepted.
     """
     if handle.finish is None:
         handle.handles[0].wait()
         return after_engine(handle.inplace)
-    return after_engine(handle.finish([h.wait() for h in handle.handles]))
+    return after_engine(handle.finish(_results(handle.handles)))
+
+
+def _results(handles: Sequence[Handle]) -> List[Any]:
+    """Wait for every handle of one call and return their results, or raise the first error once
+    all of them are done.
+
+    A call of several handles (a group's members) that failed leaves none of them in flight when
+    it raises, so that the caller's retry under the same names is not refused: the engine fails
+    the other members of a failed group too, but maybe a moment later (one still in its queue).
+    """
+    out = []
+    for i, engine_handle in enumerate(handles):
+        try:
+            out.append(engine_handle.wait())
+        except HorovodInternalError:
+            for rest in handles[i + 1:]:
+                rest.wait_done()
+            raise
+    return out
 
 
 def allgather_request(tensor, name, process_set, group=None) -> Request:
