@@ -26,7 +26,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +36,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the checkout's hpdl, however this file was started
+    sys.path.insert(0, str(ROOT))
+
+from hpdl.launch.process_tree import end_processes, end_tree, processes_with_env  # noqa: E402 - after ROOT
+
 SCHEMA = "hpdl.gpu-check/1"
 BUDGET_S = 440.0  # the whole run; with the ends of its last steps, under the 8 minutes a check may take
 MIN_STEP_S = 10.0  # a step with less time left than this is not started
@@ -185,75 +189,12 @@ def shown(argv: Sequence[str]) -> str:
 # -- running a step ------------------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> List[int]:
-    """Every process below ``pid`` (torchrun's workers may sit in sessions of their own)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """End ``proc`` and everything it started: SIGTERM, then SIGKILL 5 s later."""
-    victims = _descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in [proc.pid] + victims:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        try:
-            proc.wait(timeout=5)
-            if not any(_alive(pid) for pid in victims):
-                return
-        except subprocess.TimeoutExpired:
-            pass
-        victims += [p for p in _descendants(proc.pid) if p not in victims]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def end_leftovers(mark: str) -> List[int]:
     """End the live processes whose environment holds ``mark`` (``NAME=value``, set on one step's
     command): what it started in sessions of its own and left running (a test's ranks after its
     timeout) would hold the GPU through the next steps. Returns their pids."""
-    needle = mark.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0") and _alive(int(entry)):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in found:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        while any(_alive(pid) for pid in found) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    found = processes_with_env(mark)
+    end_processes(found)
     return found
 
 
@@ -287,7 +228,7 @@ def run_command(argv: Sequence[str], timeout_s: float, env: Dict[str, str], log:
         proc.wait(timeout=timeout_s)
         timed_out = False
     except subprocess.TimeoutExpired:
-        _end(proc)
+        end_tree(proc)
         timed_out = True
     reader.join(5)
     seconds = time.monotonic() - start
@@ -541,8 +482,6 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
     if not 0 < args.budget <= 3600:
         parser.error(f"--budget must be in (0, 3600] seconds, got {args.budget:g}")
 
-    if str(ROOT) not in sys.path:  # the checkout's hpdl, however this file was started
-        sys.path.insert(0, str(ROOT))
     from hpdl.launch.detect import detect_launchers
 
     python = sys.executable

@@ -15,7 +15,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import pytest
 from cli_in_process import run_hpdl
 
-from ranks import ROOT, SCRIPTS, kill_tree, processes_with_env
+from hpdl.launch.process_tree import kill_tree, processes_with_env
+from ranks import ROOT, SCRIPTS
 
 
 _JOB_TAG = "BAD_INPUT_JOB"  # set in every job's environment, so survivors can be found by it

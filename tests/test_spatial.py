@@ -63,21 +63,43 @@ def simulate(length: int, parts: int, window: Window) -> None:
         assert plan.assembled_length() == z - a
 
 
-def test_plans_give_every_band_exactly_the_rows_its_window_reads():
+def check_random_plans(check, wanted: int = 400, draws: int = 1000) -> None:
+    """Run ``check(length, parts, window)`` on ``wanted`` random cases that can be planned, out
+    of at most ``draws``: a plan_bands that refused (ThinBand) nearly everything fails the test,
+    with its last reason, instead of spinning to pytest's timeout."""
     rng = random.Random(0)
-    tried = 0
-    while tried < 400:
+    tried, refused, empty, reason = 0, 0, 0, None
+    for _ in range(draws):
         kernel, stride, dilation = rng.choice([1, 2, 3, 5, 7]), rng.choice([1, 2, 3]), rng.choice([1, 1, 2])
         padding = rng.randint(0, (dilation * (kernel - 1)) // 2 + 1)
         window = Window(kernel, stride, padding, rng.choice([padding, padding + 1]), dilation)
         length, parts = rng.randint(1, 60), rng.randint(1, 5)
+        if window.output_length(length) < 1:
+            empty += 1
+            continue
         try:
-            if window.output_length(length) < 1:
-                continue
-            simulate(length, parts, window)
-        except ThinBand:
+            check(length, parts, window)
+        except ThinBand as err:
+            refused, reason = refused + 1, f"length {length}, {parts} parts, {window}: {err}"
             continue
         tried += 1
+        if tried == wanted:
+            return
+    pytest.fail(f"only {tried} of {draws} random windows could be planned ({wanted} wanted): {refused} refused "
+                f"as thin bands, {empty} with no output; the last refusal: {reason}")
+
+
+def test_plans_give_every_band_exactly_the_rows_its_window_reads():
+    check_random_plans(simulate)
+
+
+def test_a_planner_that_refuses_everything_fails_the_random_check_naming_why():
+    def refuse(length, parts, window):
+        plan_bands(bands(5, 5), [(b - 2, b + 3) for b in range(5)], 5)  # 5x5 kernel on 1-row bands
+
+    with pytest.raises(pytest.fail.Exception, match=r"only 0 of 50 random windows .* last refusal: length \d+, "
+                                                     r"\d+ parts, Window\(.*\): row band \d of 5"):
+        check_random_plans(refuse, draws=50)
 
 
 def test_a_band_thinner_than_the_halo_is_refused_naming_it():
@@ -166,6 +188,20 @@ def test_element_wise_and_channel_calls_keep_the_part(body, shape):
 def test_global_pooling_makes_a_replicated_result():
     out = dry_forward(Functional(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))), 20, 16)
     assert tuple(out.shape) == (1, 2) and part_of(out) is None
+
+
+def test_layout_is_spatial_by_data_and_grid_is_its_deprecated_name(monkeypatch):
+    from hpdl.torch import process_sets, runtime, spatial
+
+    monkeypatch.setattr(runtime, "size", lambda: 1)
+    monkeypatch.setattr(runtime, "rank", lambda: 0)
+    one = spatial.layout(spatial=1)  # one rank: the global set on both sides, nothing to register
+    assert (one.spatial, one.data, one.replica, one.part) == (1, 1, 0, 0)
+    assert one.spatial_set is one.data_set is process_sets.global_process_set
+    with pytest.warns(DeprecationWarning, match=r"spatial\.layout\(spatial=S, data=D\)"):
+        assert spatial.grid(spatial=1, data=1) == one
+    with pytest.raises(SpatialError, match=r"^layout\(spatial=2, data=0\): expected positive integers"):
+        spatial.layout(spatial=2)
 
 
 # -- several ranks -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import nn
 
 from hpdl.sr.registry import model_names
 
-__all__ = ["Bottleneck", "ResNet", "Workload", "benchmark_models", "build_workload", "count_parameters", "resnet50",
+__all__ = ["Bottleneck", "ResNet", "Workload", "benchmark_models", "build_workload", "gradient_bytes", "resnet50",
            "sr_models"]
 
 
@@ -155,7 +155,8 @@ def build_workload(name: str, batch_size: int, scale: int = 2, patch: int = 48, 
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(benchmark_models())}")
 
 
-def count_parameters(model: nn.Module) -> Tuple[int, int]:
-    """Return (trainable parameters, trainable bytes as float32)."""
-    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return n, 4 * n
+def gradient_bytes(model: nn.Module) -> int:
+    """Return the bytes of gradient a training step reduces: every trainable parameter's.
+
+    (Their number is ``hpdl.sr.models.count_parameters``, one meaning for any model.)"""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

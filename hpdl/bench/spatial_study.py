@@ -170,14 +170,14 @@ def job_environment(opts: SpatialStudyOptions) -> Dict[str, str]:
     """The environment of every job: this one's, with the threads per rank and (unless set) the
     allocator's threshold and a fusion threshold of the model's gradient bytes (see the
     module's docstring)."""
-    from hpdl.bench.models import build_workload, count_parameters
+    from hpdl.bench.models import build_workload, gradient_bytes
 
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(opts.threads)
     env.update(malloc_environment(opts))
     if "HPDL_FUSION_THRESHOLD" not in env and "HOROVOD_FUSION_THRESHOLD" not in env:
-        _, gradient_bytes = count_parameters(build_workload(opts.model, 1, opts.scale, image=(1, 1)).model)
-        env["HPDL_FUSION_THRESHOLD"] = str(max(1, -(-gradient_bytes // 2**20)) * 2**20)
+        nbytes = gradient_bytes(build_workload(opts.model, 1, opts.scale, image=(1, 1)).model)
+        env["HPDL_FUSION_THRESHOLD"] = str(max(1, -(-nbytes // 2**20)) * 2**20)
     return env
 
 

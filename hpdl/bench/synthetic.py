@@ -41,10 +41,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from hpdl.bench.cputime import GROUPS, CpuSnapshot
-from hpdl.bench.models import benchmark_models, build_workload, count_parameters, sr_models
+from hpdl.bench.models import benchmark_models, build_workload, gradient_bytes, sr_models
 from hpdl.bench.stats import median, spread
 from hpdl.formatting import format_table
 from hpdl.sr.config import AMP_MODES, DEVICE_NAMES, is_device_name
+from hpdl.sr.models import count_parameters
 from hpdl.sr.registry import known_scales, scales_of
 from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON, MixedPrecision
 
@@ -422,7 +423,7 @@ def _cpu_lines(cpu: Dict[str, List[Optional[Dict[str, float]]]]) -> List[str]:
 
 def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
     workload = build_workload(opts.model, 1, opts.scale, opts.patch)
-    params, nbytes = count_parameters(workload.model)
+    params, nbytes = count_parameters(workload.model), gradient_bytes(workload.model)
     optimizer = _optimizer_kind(opts)
     return [
         f"Model: {opts.model}" + (f" x{opts.scale}, LR patch {opts.patch}x{opts.patch}" if opts.model in sr_models() else "")

@@ -2,7 +2,7 @@
 
 The one way every layer sends objects through collectives: the communicators' own object
 collectives (comm/base.py, and the MPI backend's negotiation, comm/mpi.py, in numpy buffers),
-``hvd.broadcast_object`` and ``hvd.allgather_object`` (torch/functions.py, by value as
+``hvd.broadcast_object`` and ``hvd.allgather_object`` (torch/object_ops.py, by value as
 Horovod's) and the profile's gather (torch/profiler/session.py). Several objects travel as
 their payloads end to end, with their sizes beside them.
 """

@@ -52,10 +52,6 @@ def send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
         raise ChannelClosed(str(err)) from None
 
 
-def send_json(sock: socket.socket, kind: bytes, message: Dict[str, Any]) -> None:
-    send_frame(sock, kind, json.dumps(message).encode())
-
-
 def _read_exactly(sock: socket.socket, count: int) -> bytes:
     chunks, left = [], count
     while left:

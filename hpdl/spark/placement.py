@@ -28,9 +28,6 @@ class Placement:
         """The rank, local and cross ranks of ``partition``'s rank."""
         return topology_from_ranks(self.ranks[partition], self.hosts, LAUNCHER)
 
-    def partition_of(self, rank: int) -> int:
-        return self.ranks.index(rank)
-
     def node_gpus(self, partition: int, partition_gpus: Sequence[Sequence[str]]) -> List[str]:
         """The GPUs Spark gave the tasks of ``partition``'s node, in local-rank order, each once.
 

@@ -1,7 +1,7 @@
 """The driver's end of the tasks' connections (``hpdl.spark.channel``): a TCP service for one run.
 
 It accepts one connection per task, checks the run's token, and turns what arrives into
-events for the driver's loop (:class:`Event`) and output lines for the driver's streams. It
+reports for the driver's loop (:class:`TaskReport`) and output lines for the driver's streams. It
 can tell every task to stop its rank (a rank failed, the run was cancelled): tasks that
 register afterwards (a stage Spark retries) are told not to start theirs.
 """
@@ -27,7 +27,9 @@ EXITED = "exited"  # its rank ended: the task's EXITED message, plus "partition"
 
 
 @dataclasses.dataclass(frozen=True)
-class Event:
+class TaskReport:
+    """What a task said, for the driver's loop: ``kind`` (REGISTERED, STARTED, EXITED) and its fields."""
+
     kind: str
     data: Dict[str, Any]
 
@@ -52,7 +54,7 @@ class _Task:
 
 
 class DriverService:
-    """Accept the tasks of one run; events go to :attr:`events`, output lines to ``on_output``.
+    """Accept the tasks of one run; their reports go to :attr:`reports`, output lines to ``on_output``.
 
     Args:
         bind_host: the address to listen on (the driver's bind address).
@@ -67,7 +69,7 @@ class DriverService:
         self.address: Tuple[str, int] = (advertised_host, self._server.getsockname()[1])
         self._token = token.encode()
         self._on_output = on_output
-        self.events: "queue.Queue[Event]" = queue.Queue()
+        self.reports: "queue.Queue[TaskReport]" = queue.Queue()
         self._lock = threading.Lock()
         self._tasks: List[_Task] = []
         self._stopping = False
@@ -118,8 +120,8 @@ class DriverService:
             go = not self._stopping
         task.send(wire.GO if go else wire.STOP)
         if go:
-            self.events.put(Event(REGISTERED, {"partition": task.partition, "attempt": int(hello["attempt"]),
-                                               "host": task.host, "hostname": task.hostname}))
+            self.reports.put(TaskReport(REGISTERED, {"partition": task.partition, "attempt": int(hello["attempt"]),
+                                                     "host": task.host, "hostname": task.hostname}))
         return go
 
     def _relay(self, task: _Task) -> None:
@@ -130,10 +132,10 @@ class DriverService:
             elif kind == wire.STARTED:
                 message = wire.decode_json(payload)
                 task.rank = int(message["rank"])
-                self.events.put(Event(STARTED, dict(message, partition=task.partition, hostname=task.hostname)))
+                self.reports.put(TaskReport(STARTED, dict(message, partition=task.partition, hostname=task.hostname)))
             elif kind == wire.EXITED:
                 message = wire.decode_json(payload)
-                self.events.put(Event(EXITED, dict(message, partition=task.partition, hostname=task.hostname)))
+                self.reports.put(TaskReport(EXITED, dict(message, partition=task.partition, hostname=task.hostname)))
 
     def stop_all(self) -> None:
         """Tell every task to end its rank now, and every task that registers later not to start one."""

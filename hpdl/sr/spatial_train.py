@@ -1,6 +1,6 @@
 """Training on patches split over groups of ranks: ``hpdl run -np 4 -- hpdl sr train ... spatial=2``.
 
-With ``spatial=S`` the job's ranks form groups of S consecutive ranks (``hpdl.torch.spatial.grid``):
+With ``spatial=S`` the job's ranks form groups of S consecutive ranks (``hpdl.torch.spatial.layout``):
 every rank of a group takes the same patches, its replica's shard of each epoch, and holds one
 row band of each (``SpatialParallel``), so a patch too large for one process's memory, or a
 whole image, trains on S of them; the size / S groups are data-parallel replicas. The loss is
@@ -55,7 +55,7 @@ def spatial_layout(spatial_ranks: int) -> Optional[spatial.Layout]:
                          "(the ranks must be a multiple of spatial)")
     if spatial_ranks == 1:
         return None
-    return spatial.grid(spatial=spatial_ranks, data=size // spatial_ranks)
+    return spatial.layout(spatial=spatial_ranks, data=size // spatial_ranks)
 
 
 def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size: int, device: Any) -> Any:

@@ -6,7 +6,8 @@ Names and semantics follow Horovod 0.28's ``horovod.torch``; see docs/api.md for
 from hpdl.engine import HorovodInternalError
 from hpdl.torch import process_sets as _process_sets, runtime as _runtime
 from hpdl.torch.compression import Compression, Compressor
-from hpdl.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hpdl.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from hpdl.torch.object_ops import allgather_object, broadcast_object
 from hpdl.torch.mpi_ops import (
     Adasum, Average, Max, Min, Product, Sum,
     allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
@@ -18,8 +19,9 @@ from hpdl.torch.process_sets import ProcessSet, add_process_set, global_process_
 from hpdl.torch.runtime import (
     ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
     is_initialized, local_gpu, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-    profile_step, rank, rocm_built, shutdown, size, start_profile, start_timeline, stop_profile, stop_timeline,
+    profile_step, rank, rocm_built, shutdown, size, start_timeline, stop_timeline,
 )
+from hpdl.torch.profiler.session import start_profile, stop_profile  # and its HPDL_PROFILE start-up hook
 from hpdl.torch.optimizer import DistributedOptimizer
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 from hpdl.torch import elastic  # noqa: E402 - after the functions it wraps

@@ -91,6 +91,22 @@ def remove_shutdown_hook(hook: Callable[[], None]) -> None:
             hooks.remove(hook)
 
 
+_startup_hooks: List[Callable[[], None]] = []
+
+
+def add_startup_hook(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` at the end of each init() of this process, once the engine runs and the
+    process sets given to init() are registered; hooks run in the order they were added.
+
+    What starts with hpdl without this module importing it registers here (the profiler, for
+    ``HPDL_PROFILE``), as what stops with it adds a shutdown hook. A hook added again keeps its
+    place. Every rank's hooks run at its own init(); a hook that submits collectives must be
+    added on every rank. An exception of a hook is raised by init(), hpdl staying initialized.
+    """
+    if hook not in _startup_hooks:
+        _startup_hooks.append(hook)
+
+
 def _require() -> _State:
     if _state is None:
         raise ValueError("hpdl has not been initialized; use hvd.init().")
@@ -171,8 +187,8 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
     if process_sets not in (None, "dynamic"):
         for ps in process_sets:
             _process_sets.add_process_set(ps)
-    if settings.profile:
-        start_profile(settings.profile)
+    for hook in list(_startup_hooks):
+        hook()
 
 
 def _autotuner(settings: Settings) -> Autotuner:
@@ -578,34 +594,6 @@ def stop_timeline() -> None:
         ValueError: hpdl is not initialized (``hvd.init()`` has not run, or ``shutdown()`` has).
     """
     _require().engine.stop_timeline()
-
-
-def start_profile(file_path: str) -> None:
-    """Record every collective and step on every rank until stop_profile() (call it on every rank).
-
-    At stop_profile() and at each shutdown() the ranks' records are gathered and rank 0
-    writes them to ``file_path``; read it with ``hpdl profile report``. HPDL_PROFILE starts
-    the same recording at init().
-
-    Args:
-        file_path: The profile rank 0 writes (JSON); docs/profile.md describes it.
-
-    Raises:
-        ValueError: hpdl is not initialized; a profile is already recording to another file;
-            or rank 0 could not write ``file_path``, or it is the timeline's file (raised on
-            every rank, before recording).
-    """
-    from hpdl.torch.profiler import session
-
-    _require()
-    session.start(file_path)
-
-
-def stop_profile() -> None:
-    """Write the profile started by start_profile() or HPDL_PROFILE and stop recording (every rank)."""
-    from hpdl.torch.profiler import session
-
-    session.stop()
 
 
 def profile_step() -> None:

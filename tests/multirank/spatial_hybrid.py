@@ -65,7 +65,7 @@ def reference_step(twins, twin_opts, step: int, model_name: str, height: int, wi
 
 
 def check(model_name: str, height: int, width: int) -> None:
-    layout = spatial.grid(spatial=2, data=2)
+    layout = spatial.layout(spatial=2, data=2)
     torch.manual_seed(0)
     twins = [build(model_name).double() for _ in range(1)]
     twins.append(copy.deepcopy(twins[0]))

@@ -7,7 +7,7 @@ import copy
 from typing import Any, Callable, List
 
 from hpdl.comm import objects
-from hpdl.torch.functions import broadcast_object
+from hpdl.torch.object_ops import broadcast_object
 from hpdl.torch.runtime import rank
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State"]

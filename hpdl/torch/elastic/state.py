@@ -10,7 +10,8 @@ import torch
 
 from hpdl.torch.elastic.common import ObjectState
 from hpdl.torch.elastic.sampler import ElasticSampler
-from hpdl.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hpdl.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from hpdl.torch.object_ops import broadcast_object
 from hpdl.torch.runtime import rank
 
 __all__ = ["LRSchedulerStateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",

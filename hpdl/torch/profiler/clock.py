@@ -17,6 +17,9 @@ from typing import List
 import torch
 
 from hpdl.engine.events import now_us
+from hpdl.torch import runtime
+from hpdl.torch.mpi_ops import allgather, broadcast_
+from hpdl.torch.object_ops import allgather_object
 
 ROUNDS = 8
 
@@ -36,25 +39,23 @@ class JobClock:
 
 def estimate(rounds: int = ROUNDS) -> JobClock:
     """Measure every rank's clock offset to rank 0 (a collective: every rank must call it)."""
-    import hpdl.torch as hvd
-
-    rank, size = hvd.rank(), hvd.size()
-    hosts = hvd.allgather_object(socket.gethostname(), name="hpdl.profile.hosts")
+    rank, size = runtime.rank(), runtime.size()
+    hosts = allgather_object(socket.gethostname(), name="hpdl.profile.hosts")
     out_delays: List[float] = []
     back_delays: List[List[float]] = [[] for _ in range(size)]
     origin = 0.0
     for i in range(rounds):
         sent = torch.tensor([now_us()], dtype=torch.float64)
-        hvd.broadcast_(sent, root_rank=0, name=f"hpdl.profile.clock.{i}.out")
+        broadcast_(sent, root_rank=0, name=f"hpdl.profile.clock.{i}.out")
         out_delays.append(now_us() - sent.item())
         origin = origin or sent.item()
-        readings = hvd.allgather(torch.tensor([now_us()], dtype=torch.float64), name=f"hpdl.profile.clock.{i}.back")
+        readings = allgather(torch.tensor([now_us()], dtype=torch.float64), name=f"hpdl.profile.clock.{i}.back")
         received = now_us()
         for r, reading in enumerate(readings.tolist()):
             back_delays[r].append(received - reading)
     # Only rank 0's return delays mean anything: it shares them.
     back = torch.tensor([min(d) for d in back_delays], dtype=torch.float64)
-    hvd.broadcast_(back, root_rank=0, name="hpdl.profile.clock.back")
+    broadcast_(back, root_rank=0, name="hpdl.profile.clock.back")
     mine = 0.0 if rank == 0 else (min(out_delays) - back[rank].item()) / 2
-    offsets = hvd.allgather(torch.tensor([mine], dtype=torch.float64), name="hpdl.profile.clock.offsets").tolist()
+    offsets = allgather(torch.tensor([mine], dtype=torch.float64), name="hpdl.profile.clock.offsets").tolist()
     return JobClock(origin, offsets, list(hosts))

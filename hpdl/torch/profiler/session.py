@@ -1,8 +1,9 @@
 """One profile recording: start it on every rank, gather the ranks' records, write the file.
 
-Started by ``HPDL_PROFILE`` (at ``hvd.init()``) or ``hvd.start_profile(path)``; every rank
-records. The recording survives ``hvd.shutdown()`` / ``hvd.init()``: at each shutdown, before
-the engine stops, the ranks' records are gathered to rank 0 through the engine (a collective
+Started by ``HPDL_PROFILE`` (at ``hvd.init()``, through the start-up hook this module adds to
+the runtime, as it adds its shutdown hook) or ``hvd.start_profile(path)``; every rank records.
+The recording survives ``hvd.shutdown()`` / ``hvd.init()``: at each shutdown, before the
+engine stops, the ranks' records are gathered to rank 0 through the engine (a collective
 of every rank: an alltoall in which every rank sends its part to rank 0 alone, so only rank 0
 holds them all) and rank 0 writes the whole recording so far to the file, replacing it
 atomically; ``hvd.stop_profile()`` does the same and ends the recording.
@@ -38,15 +39,23 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from hpdl import __version__
 from hpdl.atomic_file import atomic_write, make_directories
+from hpdl.comm import objects
 from hpdl.engine import abort
 from hpdl.engine import events as ev
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.output_files import same_file
 from hpdl.profile import schema
 from hpdl.profile.recorder import RAW_WINDOW, STEP_WINDOW, Recorder
+from hpdl.torch import runtime
+from hpdl.torch.mpi_ops import alltoall_async, poll, synchronize
+from hpdl.torch.object_ops import broadcast_object
 from hpdl.torch.profiler.clock import JobClock, estimate
+
+__all__ = ["GATHER_DEADLINE_S", "Session", "active", "start_profile", "stop_profile", "write"]
 
 _PART_WAIT_S = 2.0  # within abort's allowance for failure hooks
 # Longer than a healthy gather takes (a few MB per rank) and than ranks usually drift apart
@@ -218,25 +227,36 @@ def active() -> Optional[Session]:
     return _session
 
 
-def start(path: str) -> None:
-    """Start recording to ``path`` on every rank (a collective; hpdl must be initialized)."""
-    global _session
-    import hpdl.torch as hvd
-    from hpdl.torch import runtime
+def start_profile(file_path: str) -> None:
+    """Record every collective and step on every rank until stop_profile() (call it on every rank).
 
+    At stop_profile() and at each shutdown() the ranks' records are gathered and rank 0
+    writes them to ``file_path``; read it with ``hpdl profile report``. HPDL_PROFILE starts
+    the same recording at init().
+
+    Args:
+        file_path: The profile rank 0 writes (JSON); docs/profile.md describes it.
+
+    Raises:
+        ValueError: hpdl is not initialized; a profile is already recording to another file;
+            or rank 0 could not write ``file_path``, or it is the timeline's file (raised on
+            every rank, before recording).
+    """
+    global _session
+    timeline = runtime.engine().timeline_path  # raises when hpdl is not initialized
     if _session is not None:
-        if _session.path == os.path.abspath(path):
+        if _session.path == os.path.abspath(file_path):
             return
         raise ValueError(f"a profile is already recording to {_session.path}; call hvd.stop_profile() first")
     # Rank 0 writes the file, but every rank must learn that it cannot: otherwise the others
     # would wait in the clock's collectives for a rank that has given up. Found now, not after
     # the whole job (when the recording would be lost).
-    unwritable = _unwritable(path, runtime.engine().timeline_path) if hvd.rank() == 0 else None
-    unwritable = hvd.broadcast_object(unwritable, root_rank=0, name="hpdl.profile.path")
+    unwritable = _unwritable(file_path, timeline) if runtime.rank() == 0 else None
+    unwritable = broadcast_object(unwritable, root_rank=0, name="hpdl.profile.path")
     if unwritable is not None:
         raise ValueError(unwritable)
     clock = estimate()
-    _session = Session(path, clock, hvd.rank(), hvd.size(), runtime.backend_name())
+    _session = Session(file_path, clock, runtime.rank(), runtime.size(), runtime.backend_name())
     ev.WAITS.take()
     ev.WAITS.enabled = True
     ev.subscribe(_session.recorder.observe)
@@ -269,10 +289,11 @@ def _unwritable(path: str, timeline: Optional[str] = None) -> Optional[str]:
     return None
 
 
-def stop() -> None:
-    """Write the profile (gathered to rank 0) and stop recording; a no-op when none runs."""
-    from hpdl.torch import runtime
+def stop_profile() -> None:
+    """Write the profile started by start_profile() or HPDL_PROFILE and stop recording (every rank).
 
+    The profile is gathered to rank 0, which writes it; a no-op when none is recording.
+    """
     session = _session
     if session is None:
         return
@@ -285,8 +306,6 @@ def stop() -> None:
 
 def _end(session: Session) -> None:
     global _session
-    from hpdl.torch import runtime
-
     if _session is session:
         _session = None
     ev.unsubscribe(session.recorder.observe)
@@ -303,8 +322,6 @@ def _at_failure() -> None:
     Every rank writes its part; rank 0 then merges the parts it finds. The recording ends here
     (after a failure the job is over), before the job's abort, which no later exit may outrun.
     """
-    from hpdl.torch import runtime
-
     session = _session
     if session is not None:
         _write_parts(session, session.part(session.counters(runtime.engine())), runtime.settings())
@@ -312,8 +329,6 @@ def _at_failure() -> None:
 
 def _at_shutdown() -> None:
     """Write the recording so far before the engine stops; keep recording for a later init()."""
-    from hpdl.torch import runtime
-
     session = _session
     if session is None:
         return
@@ -335,8 +350,6 @@ def _at_shutdown() -> None:
 
 def write(session: Session) -> None:
     """Gather every rank's part to rank 0 through the engine and write the file there."""
-    from hpdl.torch import runtime
-
     part = session.part(session.counters(runtime.engine()))
     session.recorder.paused = True  # the gather is the profiler's, not the job's
     try:
@@ -360,22 +373,17 @@ def _gather_to_rank_0(part: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     and none to the others is one, so no other rank holds every rank's part (an allgather
     would: tens of MB each on a long run).
     """
-    import torch
-
-    import hpdl.torch as hvd
-    from hpdl.comm import objects
-
     payload = objects.to_tensor(part)
-    splits = [payload.numel()] + [0] * (hvd.size() - 1)
-    handle = hvd.alltoall_async(payload, splits=splits, name="hpdl.profile.gather")
+    splits = [payload.numel()] + [0] * (runtime.size() - 1)
+    handle = alltoall_async(payload, splits=splits, name="hpdl.profile.gather")
     deadline = time.monotonic() + GATHER_DEADLINE_S
-    while not hvd.poll(handle):
+    while not poll(handle):
         if time.monotonic() > deadline:
             # Left pending: stopping this rank's engine next fails it here and on the peers.
             raise TimeoutError(f"the profile's gather did not finish within {GATHER_DEADLINE_S:g} s")
         time.sleep(0.005)
-    received, counts = hvd.synchronize(handle)
-    if hvd.rank() != 0:
+    received, counts = synchronize(handle)
+    if runtime.rank() != 0:
         return None
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
     return objects.objects_in(received, counts)
@@ -457,3 +465,13 @@ def _write_json(path: str, document: Dict[str, Any]) -> None:
         OSError: whose message names ``path`` (not the temp file) and says why.
     """
     atomic_write(path, lambda f: f.write(json.dumps(document, separators=(",", ":")).encode()))
+
+
+def _at_init() -> None:
+    """Start the recording ``HPDL_PROFILE`` names, at the end of each ``hvd.init()``."""
+    path = runtime.settings().profile
+    if path:
+        start_profile(path)
+
+
+runtime.add_startup_hook(_at_init)

@@ -1,6 +1,6 @@
 """Spatial and hybrid parallelism: one image split across the ranks of a group (row and column
 bands), every layer exact to one process in forward and backward; combined with data
-parallelism over groups (``grid``). See docs/spatial.md.
+parallelism over groups (``layout``). See docs/spatial.md.
 
     import hpdl.torch as hvd
     from hpdl.torch import spatial
@@ -10,7 +10,7 @@ parallelism over groups (``grid``). See docs/spatial.md.
 """
 
 from hpdl.torch.spatial.geometry import SpatialError, bands
-from hpdl.torch.spatial.hybrid import Layout, grid
+from hpdl.torch.spatial.hybrid import Layout, grid, layout  # grid: layout's deprecated name
 from hpdl.torch.spatial.parallel import SpatialParallel, check_split
 
-__all__ = ["Layout", "SpatialError", "SpatialParallel", "bands", "check_split", "grid"]
+__all__ = ["Layout", "SpatialError", "SpatialParallel", "bands", "check_split", "grid", "layout"]

@@ -189,12 +189,13 @@ class ThinBand(SpatialError):
         if o1 <= o0:
             return f"{at}{band} would hold none of the layer's {self.length} input {what}s"
         if n1 <= n0:
-            return f"{at}{band} gets none of the layer's output {what}s ({_span(what, o0, o1)} of {self.length} in)"
-        return (f"{at}{band} ({_span(what, o0, o1)} of {self.length}) needs "
-                f"{_span(what, max(n0, 0), min(n1, self.length))}, beyond its neighbours' bands")
+            return (f"{at}{band} gets none of the layer's output {what}s "
+                    f"({_range_text(what, o0, o1)} of {self.length} in)")
+        return (f"{at}{band} ({_range_text(what, o0, o1)} of {self.length}) needs "
+                f"{_range_text(what, max(n0, 0), min(n1, self.length))}, beyond its neighbours' bands")
 
 
-def _span(what: str, start: int, stop: int) -> str:
+def _range_text(what: str, start: int, stop: int) -> str:
     return f"{what} {start}" if stop - start == 1 else f"{what}s {start}-{stop - 1}"
 
 

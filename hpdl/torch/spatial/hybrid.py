@@ -11,6 +11,8 @@ sum, and the average over all ranks is then the replicas' mean (see parallel.py)
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Optional
 
 from hpdl.torch import runtime
 from hpdl.torch.process_sets import ProcessSet, add_process_set, global_process_set, registered_with
@@ -35,7 +37,7 @@ class Layout:
     part: int
 
 
-def grid(spatial: int, data: int = None) -> Layout:
+def layout(spatial: int, data: Optional[int] = None) -> Layout:
     """Register the process sets of a ``spatial`` x ``data`` layout of every rank; return this rank's.
 
     Collective: every rank calls it, with the same numbers. ``data`` defaults to the ranks
@@ -45,13 +47,21 @@ def grid(spatial: int, data: int = None) -> Layout:
     if data is None:
         data = size // spatial if isinstance(spatial, int) and spatial > 0 else 0
     if not all(isinstance(n, int) and n > 0 for n in (spatial, data)) or spatial * data != size:
-        raise SpatialError(f"grid(spatial={spatial}, data={data}): expected positive integers whose product is the "
-                           f"number of ranks, {size}")
+        raise SpatialError(f"layout(spatial={spatial}, data={data}): expected positive integers whose product is "
+                           f"the number of ranks, {size}")
     rank = runtime.rank()
     replica, part = divmod(rank, spatial)
     spatial_sets = [_register([g * spatial + p for p in range(spatial)], size) for g in range(data)]
     data_sets = [_register([g * spatial + p for g in range(data)], size) for p in range(spatial)]
     return Layout(spatial, data, spatial_sets[replica], data_sets[part], replica, part)
+
+
+def grid(spatial: int, data: Optional[int] = None) -> Layout:
+    """Deprecated alias of ``layout(spatial, data)``: its name in hpdl 0.1.0, kept for one release
+    (``grid`` is SpatialParallel's rows x columns; docs/spatial.md)."""
+    warnings.warn("hpdl.torch.spatial.grid(spatial=S, data=D) is deprecated: call hpdl.torch.spatial.layout(spatial=S, "
+                  "data=D) (grid= is SpatialParallel's rows x columns)", DeprecationWarning, stacklevel=2)
+    return layout(spatial, data)
 
 
 def _register(ranks, size: int) -> ProcessSet:

@@ -301,7 +301,7 @@ def _region(ctx: Context, x: torch.Tensor, spans: Tuple[Optional[Tuple[int, int]
     return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
 
 
-def _span(s: Optional[slice], length: int) -> Optional[Tuple[int, int]]:
+def _slice_extent(s: Optional[slice], length: int) -> Optional[Tuple[int, int]]:
     """A slice of the whole image's ``length`` rows as (offset, rows), None where it keeps all."""
     if s is None:
         return None
@@ -313,7 +313,7 @@ def _span(s: Optional[slice], length: int) -> Optional[Tuple[int, int]]:
 def crop(ctx: Context, x: torch.Tensor, rows: Optional[slice], cols: Optional[slice]) -> torch.Tensor:
     """``x[..., rows, cols]`` for slices of the whole image (bounds as one process reads them)."""
     part = part_of(x)
-    spans = (_span(rows, part.height), _span(cols, part.width))
+    spans = (_slice_extent(rows, part.height), _slice_extent(cols, part.width))
     if spans == (None, None):
         return x
     return _region(ctx, x, spans, halo.ZEROS)

@@ -85,7 +85,7 @@ def section_lines() -> List[str]:
 
 def document_section(text: str) -> List[str]:
     """The section's lines in ``text`` (docs/spatial.md), markers included; [] if none."""
-    span = _span(text.split("\n"))
+    span = _table_lines(text.split("\n"))
     return text.split("\n")[span[0]:span[1]] if span else []
 
 
@@ -96,13 +96,14 @@ def replace_section(text: str) -> str:
         ValueError: when ``text`` has no section between the markers.
     """
     lines = text.split("\n")
-    span = _span(lines)
+    span = _table_lines(lines)
     if span is None:
         raise ValueError(f"no section between {BEGIN!r} and {END!r}")
     return "\n".join(lines[:span[0]] + section_lines() + lines[span[1]:])
 
 
-def _span(lines: List[str]) -> Optional[Tuple[int, int]]:
+def _table_lines(lines: List[str]) -> Optional[Tuple[int, int]]:
+    """Where the generated table lies in ``lines``: (its BEGIN line, one past its END line), or None."""
     if BEGIN not in lines or END not in lines:
         return None
     return lines.index(BEGIN), lines.index(END) + 1

@@ -160,7 +160,7 @@ class SpatialParallel(nn.Module):
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``x`` (..., H, W), the same tensor on every rank of the group."""
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
-            raise SpatialError(f"scatter expects a tensor (..., H, W), got {_describe(x)}")
+            raise SpatialError(f"scatter expects a tensor (..., H, W), got {_value_text(x)}")
         held = part_of(x)
         if held is not None:
             raise SpatialError(f"scatter: this tensor is already a part of a {held.height} x {held.width} image "
@@ -177,7 +177,7 @@ class SpatialParallel(nn.Module):
         part = self.part(int(height), int(width))
         if not isinstance(x_part, torch.Tensor) or x_part.dim() < 2 or tuple(x_part.shape[-2:]) != part.local_size:
             raise SpatialError(f"mark: rank {self._rank} of the group holds {_rows_and_cols(part)}: "
-                               f"{part.local_size[0]} x {part.local_size[1]}, not {_describe(x_part)}")
+                               f"{part.local_size[0]} x {part.local_size[1]}, not {_value_text(x_part)}")
         return tagged(x_part, part)
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
@@ -206,7 +206,7 @@ class SpatialParallel(nn.Module):
         if part is not None:
             return part
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
-            raise SpatialError(f"expected a part of a map (..., h, w), got {_describe(x)}")
+            raise SpatialError(f"expected a part of a map (..., h, w), got {_value_text(x)}")
         mine = torch.tensor([x.shape[-2], x.shape[-1], _numel(tuple(x.shape[:-2]))], dtype=torch.int64)
         sizes = self._group().allgather(mine.unsqueeze(0), [1] * self.grid.size, "sizes").tolist()
         height = sum(sizes[self.grid.rank_at(i, 0)][0] for i in range(self.grid.rows))
@@ -243,14 +243,14 @@ class SpatialParallel(nn.Module):
         part = part_of(x)
         if part is None:
             raise SpatialError(f"SpatialParallel's input must be this rank's part of the image: net.scatter(x) "
-                               f"makes it (this is {_describe(x)} that scatter did not make; a copy made outside "
+                               f"makes it (this is {_value_text(x)} that scatter did not make; a copy made outside "
                                "the model, such as .to(device), is not one: scatter after the copy, or "
                                "net.mark(x_part, height, width))")
         if part.grid != self.grid or part.rank != self._rank:
             raise SpatialError(f"SpatialParallel's input is a part for group rank {part.rank} of a {part.grid} grid; "
                                f"this is rank {self._rank} of {self.grid}: scatter with this wrapper")
         if x.dim() < 2 or tuple(x.shape[-2:]) != part.local_size:
-            raise SpatialError(f"SpatialParallel's input is {_describe(x)}, but the part it is marked as "
+            raise SpatialError(f"SpatialParallel's input is {_value_text(x)}, but the part it is marked as "
                                f"({_rows_and_cols(part)}) is {part.local_size[0]} x {part.local_size[1]}")
         return part
 
@@ -548,7 +548,7 @@ def _numel(shape: Tuple[int, ...]) -> int:
     return n
 
 
-def _describe(value: Any) -> str:
+def _value_text(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {list(value.shape)}"
     return type(value).__name__
