@@ -211,3 +211,15 @@ def test_the_summary_compares_memory_with_one_rank_and_shows_points_that_do_not_
     out = io.BytesIO()
     spatial_study.plot(record, out)
     assert out.getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_onednn_failing_to_create_a_primitive_is_out_of_memory_only_under_a_budget():
+    # Under RLIMIT_DATA a convolution's scratchpad allocation fails inside oneDNN, which says only
+    # this; without a budget the same text is not read as memory (it may have other causes).
+    from hpdl.bench.memory import out_of_memory
+
+    onednn = RuntimeError("could not create a primitive")
+    assert out_of_memory(onednn, under_budget=True) and not out_of_memory(onednn)
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert out_of_memory(MemoryError()) and not out_of_memory(ValueError("allocate"), under_budget=True)
+    assert not out_of_memory(RuntimeError("shapes do not match"), under_budget=True)

@@ -66,7 +66,19 @@ def limit_data(budget: int) -> Optional[int]:
     return limit
 
 
-def out_of_memory(err: BaseException) -> bool:
+# oneDNN allocates a convolution's scratchpad and reordered weights when it creates the
+# primitive, and says only this when that allocation fails (the status is not in the text).
+_ONEDNN_CREATE_FAILED = "could not create a primitive"
+
+
+def out_of_memory(err: BaseException, under_budget: bool = False) -> bool:
     """Whether ``err`` is an allocation that failed (torch raises RuntimeError for it, naming
-    the bytes it tried to allocate; Python raises MemoryError)."""
-    return isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and "allocate" in str(err))
+    the bytes it tried to allocate; Python raises MemoryError). ``under_budget``: the process
+    runs under :func:`limit_data`, where oneDNN failing to create a primitive is its
+    allocation failing (elsewhere that message may have other causes, so it is not read so)."""
+    if isinstance(err, MemoryError):
+        return True
+    if not isinstance(err, RuntimeError):
+        return False
+    text = str(err)
+    return "allocate" in text or (under_budget and _ONEDNN_CREATE_FAILED in text)

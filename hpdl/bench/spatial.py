@@ -224,7 +224,7 @@ def _not_fitting(rank: int, err: BaseException, opts: JobOptions) -> str:
     """The line a rank that could not allocate prints: how much it tried, within which budget."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
     tried = re.search(r"allocate (\d+) bytes", text)
-    what = f"could not allocate {format_size(int(tried.group(1)))}" if tried else f"ran out of memory ({text})"
+    what = f"could not allocate {format_size(int(tried.group(1)))}" if tried else f"could not allocate ({text})"
     budget = f" beyond the {format_size(opts.max_memory)} of --max-memory" if opts.max_memory is not None else ""
     return f"{DOES_NOT_FIT}rank {rank} {what}{budget}"
 
@@ -240,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         record = measure(opts)
     except (MemoryError, RuntimeError) as err:
-        if not memory.out_of_memory(err):
+        if not memory.out_of_memory(err, under_budget=opts.max_memory is not None):
             raise
         sys.stderr.write(_not_fitting(hvd.rank(), err, opts) + "\n")
         sys.stderr.flush()

@@ -95,6 +95,11 @@ class Executor:
         autotuner chose it; every rank applies it in the same round)."""
         self._fusion_threshold = fusion_threshold
 
+    @property
+    def join_device(self) -> int:
+        """The GPU of the zeros this rank contributes once joined (-1: the current one)."""
+        return self._join_device
+
     def set_join_device(self, device: int) -> None:
         """This rank has joined (hvd.join): the zeros it contributes to CUDA allreduces go on GPU
         ``device`` (-1: the current one)."""
