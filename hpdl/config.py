@@ -437,10 +437,18 @@ def number_text(value: float) -> str:
     return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
+# The job's layout, which horovodrun gives every worker for its script to read, and `hpdl run`
+# too (hpdl/launch/horovod_env.py): the launcher's description of the job, not settings, so no
+# warning that hpdl ignores them (it reads the layout from the launcher's own variables).
+HOROVOD_LAYOUT = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
 def horovod_variables_ignored(env: Optional[Mapping[str, str]] = None) -> List[str]:
-    """Return the ``HOROVOD_*`` variables set in ``env`` that hpdl does not honour, sorted."""
+    """Return the ``HOROVOD_*`` variables set in ``env`` that hpdl does not honour, sorted (the
+    job's layout, :data:`HOROVOD_LAYOUT`, is not among them)."""
     env = os.environ if env is None else env
-    honoured = set(HOROVOD_ALIASES) | {_HOROVOD_STALL_CHECK_DISABLE}
+    honoured = set(HOROVOD_ALIASES) | {_HOROVOD_STALL_CHECK_DISABLE} | set(HOROVOD_LAYOUT)
     return sorted(k for k in env if k.startswith("HOROVOD_") and k not in honoured)
 
 

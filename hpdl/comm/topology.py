@@ -48,15 +48,22 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
-def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> Optional[int]:
-    """Tasks on node ``node_id`` from Slurm's compressed form, e.g. ``"2(x3),1"``."""
+def slurm_tasks_per_node(tasks_per_node: str) -> Optional[List[int]]:
+    """Every node's task count, in node order, from Slurm's compressed form (``"2(x3),1"`` is
+    ``[2, 2, 2, 1]``); None where the text is not of that form."""
     counts: List[int] = []
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match:
             return None
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts[node_id] if 0 <= node_id < len(counts) else None
+    return counts
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> Optional[int]:
+    """Tasks on node ``node_id`` from Slurm's compressed form, e.g. ``"2(x3),1"``."""
+    counts = slurm_tasks_per_node(tasks_per_node)
+    return counts[node_id] if counts is not None and 0 <= node_id < len(counts) else None
 
 
 def discover_topology(env: Optional[Mapping[str, str]] = None) -> Topology:

@@ -24,6 +24,13 @@ process (MPICH's mpiexec ends the survivors of a lost rank with SIGKILL) kills t
 too. The command keeps the launcher's variables and the descriptors this process inherited
 (the PMI_FD through which MPICH's and Slurm's ranks meet).
 
+Environment: the command also gets Horovod's launcher variables, HOROVOD_HOSTNAME, HOROVOD_RANK,
+HOROVOD_SIZE, HOROVOD_LOCAL_RANK/SIZE and HOROVOD_CROSS_RANK/SIZE, as horovodrun gives its
+workers, because scripts written for Horovod read them. The launchers `hpdl run` uses set none
+of them, and this is the one process of `hpdl run` that runs on the rank's host, with the
+launcher's variables, before the command, under every launcher. Only those the launcher's
+variables decide are set, and none that is set already (:mod:`hpdl.launch.horovod_env`).
+
 Output: the command's stdout and stderr reach the launcher in whole lines (line_relay.py), so
 that Open MPI's --tag-output, which tags every chunk it reads, tags every line, and ranks that
 share a stream do not interleave inside lines.
@@ -41,6 +48,7 @@ import sys
 from typing import Callable, List, Optional, Sequence, Set
 
 from hpdl import rank_exit
+from hpdl.launch.horovod_env import horovod_environment
 from hpdl.launch.line_relay import LineRelay
 
 # Passed on to the command; the first four end it by default, so an end that follows one of
@@ -148,6 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         signal.signal(signum, pass_on)
     notes, note_end = rank_exit.pipe()
     env = dict(os.environ, **{rank_exit.ENV: rank_exit.channel(note_end)})
+    env.update(horovod_environment(os.environ))  # for scripts written for Horovod, before they start
     outputs = {"stdout": relay.stdout, "stderr": relay.stderr} if relay is not None else {}
     try:
         child.append(subprocess.Popen(command, close_fds=False, env=env, preexec_fn=_parent_death_signal(),
