@@ -29,7 +29,11 @@ _PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_
                 # where `hpdl run` finds the hosts and how it reaches them (set by `hpdl emulate`)
                 "HPDL_HOSTFILE", "HPDL_RSH",
                 # the pipe through which a rank notes its own exit to `hpdl run`'s wrapper (rank_exit.py)
-                "HPDL_RANK_EXIT"}
+                "HPDL_RANK_EXIT",
+                # an elastic job's worker: the driver's store and the worker's id (hpdl/comm/rendezvous.py)
+                "HPDL_ELASTIC_STORE", "HPDL_ELASTIC_WORKER",
+                # and how long it waits for a generation that lists it (the driver's --elastic-timeout)
+                "HPDL_ELASTIC_TIMEOUT"}
 
 # Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never), and
 # hpdl keeps its own timeout then; a timeline of DYNAMIC is Horovod's "no file until
@@ -194,6 +198,12 @@ class Settings:
             "whole job then ends within 3 s, even a rank stuck in C code (it prints its stack)",
         run=RunOptionSpec(("--stall-timeout-s",), "abort the job when a collective stalls longer than S seconds",
                           metavar="S"))
+    elastic_discovery_interval_s: float = _setting(
+        1.0, "HPDL_ELASTIC_DISCOVERY_INTERVAL", bound=_SECONDS_ABOVE_0,
+        doc="seconds between two runs of an elastic job's --host-discovery-script (horovodrun runs it every second)")
+    elastic_discovery_timeout_s: float = _setting(
+        10.0, "HPDL_ELASTIC_DISCOVERY_TIMEOUT", bound=_SECONDS_ABOVE_0,
+        doc="seconds an elastic job's --host-discovery-script may run before it counts as hung")
     # 0: the backend's rendezvous then waits up to the stall timeout.
     start_timeout_s: float = _setting(
         0.0, "HPDL_START_TIMEOUT", horovod="HOROVOD_START_TIMEOUT", bound=_SECONDS,

@@ -175,13 +175,14 @@ def test_an_unknown_option_points_at_the_help_that_lists_the_right_ones(argv, un
     _one_line_error(capsys, f"unrecognized arguments: {unknown} (see {prog} --help)")
 
 
-@pytest.mark.parametrize("argv", [["--min-np", "2"], ["--max-np", "4"], ["--host-discovery-script", "find.sh"],
-                                  ["--elastic-timeout", "600"], ["--blacklist-cooldown-range", "10"]])
-def test_horovodruns_elastic_options_say_why_they_are_refused(argv, capsys, clean_env):
-    with pytest.raises(SystemExit) as exit_:
-        main(["run", "-np", "2", *argv, "--dry-run", "--", "python", "train.py"])
-    assert exit_.value.code == 2
-    _one_line_error(capsys, f"{argv[0]}: an hpdl job keeps the ranks it starts with")
+@pytest.mark.parametrize("argv, summary", [
+    (["--min-np", "1"], "on 2 worker(s) (--min-np 1, --max-np 2), hosts from the hosts given"),
+    (["--max-np", "4", "-H", "localhost:2,127.0.0.1:2"], "on 2 worker(s) (--min-np 2, --max-np 4)"),
+])
+def test_horovodruns_elastic_options_start_an_elastic_job(argv, summary, capsys, clean_env):
+    assert main(["run", "-np", "2", *argv, "--dry-run", "--", "python", "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("elastic job: python train.py ") and summary in out, out
 
 
 def test_cli_hostfile_error_names_file_and_line(tmp_path, capsys, clean_env):
@@ -407,7 +408,7 @@ def test_horovods_own_config_file_runs_with_a_warning_per_unhonoured_setting(mon
     assert f"HPDL_AUTOTUNE_LOG={tmp_path / 'at.csv'} " in out and "HPDL_AUTOTUNE_WARMUP_SAMPLES=5 " in out
     assert err.splitlines() == [f"hpdl run: warning: {config}: {line}; ignoring it" for line in (
         "params.hierarchical_allgather is not honoured by hpdl",
-        "elastic is not honoured: an hpdl job keeps the ranks it starts with",
+        "the elastic section is not honoured: give them as options (--min-np, --elastic-timeout, ...)",
         "library_options.mpi_threads_disable is not honoured by hpdl",
         "library_options.num_nccl_streams is not honoured by hpdl", "logging.level is not honoured by hpdl")]
 

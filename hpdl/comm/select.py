@@ -93,12 +93,13 @@ def choose_backend(requested: str, topology: Topology, mpi_present: bool, cuda: 
 
 
 def create_world(backend: str, topology: Topology, timeout_s: float = 1800.0, mpi_comm=None,
-                 cuda_aware: Optional[bool] = None) -> Communicator:
+                 cuda_aware: Optional[bool] = None, store=None) -> Communicator:
     """Create the communicator of all ranks for ``backend``.
 
     Args:
         mpi_comm: an mpi4py communicator to use instead of COMM_WORLD (MPI backend only).
         cuda_aware: force the MPI CUDA-awareness decision (None: ask the library).
+        store: the torch.distributed store the ranks meet through (an elastic job's generation).
     """
     if backend == "mpi":
         from hpdl.comm.mpi import MPICommunicator
@@ -109,6 +110,6 @@ def create_world(backend: str, topology: Topology, timeout_s: float = 1800.0, mp
             check_nccl_available()
         from hpdl.comm.torch_dist import TorchCommunicator, init_process_group
 
-        init_process_group(backend, topology.rank, topology.size, timeout_s)
+        init_process_group(backend, topology.rank, topology.size, timeout_s, store=store)
         return TorchCommunicator(backend)
     raise CommError(f"unknown backend {backend!r}")

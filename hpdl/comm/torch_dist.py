@@ -74,7 +74,7 @@ def _from_rows_of_bytes(data: torch.Tensor, like: torch.Tensor, rows: int) -> to
     return data.reshape(-1).view(like.dtype).reshape((rows,) + tuple(like.shape[1:]))
 
 
-def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> None:
+def init_process_group(backend: str, rank: int, size: int, timeout_s: float, store=None) -> None:
     """Initialise torch.distributed's default group unless the user already did.
 
     Rendezvous follows torch's ``env://`` convention (MASTER_ADDR, MASTER_PORT). Under an MPI
@@ -84,11 +84,18 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> 
     atexit runs first since it is registered later): left to the C++ static destructors, gloo
     aborts the process ("terminate called without an active exception") in about one exit in
     ten on a loaded machine. It outlives ``shutdown()`` so that ``init()`` can run again.
+
+    ``store``: meet through it (an elastic job's generation: hpdl/comm/rendezvous.py) instead.
     """
     if dist.is_initialized():
         return
-    atexit.register(_destroy_default_group)
+    if not _exit_registered:
+        atexit.register(_destroy_default_group)
+        _exit_registered.append(True)
     timeout = datetime.timedelta(seconds=timeout_s)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        return
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         # torchrun (or the user) set up the rendezvous; under torchrun the agent's store is reused.
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
@@ -98,6 +105,34 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float) -> 
     else:
         addr, port = _rendezvous_through_mpi(rank)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size, timeout=timeout)
+
+
+_exit_registered: List[bool] = []
+# Groups left with a call in them (an elastic job's generation that ended under a collective):
+# never shut down, since shutting gloo down under a call in flight aborts the process at exit
+# ("terminate called without an active exception"); the calls end at their timeout, or when
+# the peer's process does.
+_ABANDONED_GROUPS: List[Any] = []
+
+
+def leave_world() -> None:
+    """Destroy the default group now (an elastic job's worker leaving its generation), so that
+    the next ``init_process_group`` forms the next one; groups with an abandoned call in them
+    are kept, not shut down (see ``_ABANDONED_GROUPS``)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken generation's group; the next one is what matters
+        pass
+
+
+def _keep_unshut(group) -> None:
+    """Take ``group`` out of torch's registry of groups to shut down, and keep it alive."""
+    _ABANDONED_GROUPS.append(group)
+    names = getattr(dist.distributed_c10d._world, "pg_names", None)  # noqa: SLF001 - see _ABANDONED_GROUPS
+    if names is not None:
+        names.pop(group, None)
 
 
 def _destroy_default_group() -> None:
@@ -228,6 +263,7 @@ class TorchCommunicator(Communicator):
         self._size = dist.get_world_size(self._group)
         self._probes = 0
         self._gloo_caller: Optional[_GlooCaller] = None  # made on the first interruptible call
+        self._abandoned = False  # a call was left running when wait_hook raised
 
     @property
     def rank(self) -> int:
@@ -276,16 +312,18 @@ class TorchCommunicator(Communicator):
         self._all_reduce(tensor, _OPS[op], group)
 
     def _all_reduce(self, tensor: torch.Tensor, op, group) -> None:
-        if self.wait_hook is None or not self._gloo_group(group):
-            dist.all_reduce(tensor, op=op, group=group)
-        else:
-            self._interruptibly(lambda: dist.all_reduce(tensor, op=op, group=group))
+        self._blocking(group, lambda: dist.all_reduce(tensor, op=op, group=group))
 
     def _all_gather(self, parts: List[torch.Tensor], tensor: torch.Tensor, group) -> None:
+        self._blocking(group, lambda: dist.all_gather(parts, tensor, group=group))
+
+    def _blocking(self, group, run: Callable[[], Any]) -> None:
+        """Make the blocking call ``run()`` on ``group``: here, or interruptibly where a
+        ``wait_hook`` is given and the group is gloo's."""
         if self.wait_hook is None or not self._gloo_group(group):
-            dist.all_gather(parts, tensor, group=group)
+            run()
         else:
-            self._interruptibly(lambda: dist.all_gather(parts, tensor, group=group))
+            self._interruptibly(run)
 
     def _gloo_group(self, group) -> bool:
         """Whether ``group`` is one of gloo's: every group under gloo; under nccl, all but the data
@@ -301,7 +339,11 @@ class TorchCommunicator(Communicator):
             self._gloo_caller = _GlooCaller()
         call = self._gloo_caller.call(run)
         while not call.done.acquire(timeout=_HOOK_INTERVAL_S):
-            self.wait_hook()
+            try:
+                self.wait_hook()
+            except BaseException:
+                self._abandoned = True
+                raise
         if call.error is not None:
             raise call.error
 
@@ -309,9 +351,11 @@ class TorchCommunicator(Communicator):
 
     def allreduce_start(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> InFlight:
         """Start the allreduce on the backend's own threads (gloo's workers, nccl's stream);
-        the conversions of :meth:`_allreduce` (bool, int16) run blocking."""
+        the conversions of :meth:`_allreduce` (bool, int16) run blocking, and so does every
+        allreduce of a communicator with a ``wait_hook`` (a gloo work cannot be waited for
+        interruptibly)."""
         if (tensor.dtype == torch.bool or op in (ReduceOp.BAND, ReduceOp.BOR)
-                or tensor.dtype in _WIDEN):
+                or tensor.dtype in _WIDEN or (self.wait_hook is not None and self._gloo_for(tensor))):
             return super().allreduce_start(tensor, op)
         if not self._gloo_for(tensor):
             # nccl: started and waited for on the engine's stream, which queues what follows
@@ -354,7 +398,7 @@ class TorchCommunicator(Communicator):
             self.broadcast(_as_rows_of_bytes(tensor), root)
             return
         group = self._group if tensor.device.type != "cpu" or self._control is self._group else self._control
-        dist.broadcast(tensor, src=self._global(root), group=group)
+        self._blocking(group, lambda: dist.broadcast(tensor, src=self._global(root), group=group))
 
     def alltoall(
         self, tensor: torch.Tensor, splits: Sequence[int], recv_splits: Optional[Sequence[int]] = None
@@ -363,14 +407,15 @@ class TorchCommunicator(Communicator):
         if recv_splits is None:
             sent = torch.tensor(splits, dtype=torch.int64)
             received = torch.empty(self._size, dtype=torch.int64)
-            dist.all_to_all_single(received, sent, group=self._control)
+            self._blocking(self._control, lambda: dist.all_to_all_single(received, sent, group=self._control))
             recv_splits = received.tolist()
         recv_splits = [int(s) for s in recv_splits]
         if not self._movable(tensor):
             out, _ = self.alltoall(_as_rows_of_bytes(tensor), splits, recv_splits)
             return _from_rows_of_bytes(out, tensor, sum(recv_splits)), recv_splits
         out = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_to_all_single(out, tensor, recv_splits, splits, group=self._data_group(tensor))
+        group = self._data_group(tensor)
+        self._blocking(group, lambda: dist.all_to_all_single(out, tensor, recv_splits, splits, group=group))
         return out, recv_splits
 
     def reduce_scatter(
@@ -411,7 +456,7 @@ class TorchCommunicator(Communicator):
                 tensor.copy_(buf)
 
     def barrier(self) -> None:
-        dist.barrier(group=self._control)
+        self._blocking(self._control, lambda: dist.barrier(group=self._control))
 
     def split(self, ranks: Sequence[int]) -> Optional["TorchCommunicator"]:
         # dist.new_group is collective over the whole world: only a group of every rank (the
@@ -450,12 +495,18 @@ class TorchCommunicator(Communicator):
 
     def close(self) -> None:
         if self._gloo_caller is not None:
-            self._gloo_caller.close()
+            if not self._abandoned:  # else the thread is in the abandoned call: not waited for
+                self._gloo_caller.close()
             self._gloo_caller = None
+        groups = (self._group, self._control, self._cpu)
+        if self._abandoned:
+            for group in {id(g): g for g in groups if g is not None}.values():
+                _keep_unshut(group)
+            self._group = self._control = self._cpu = None
+            return
         # The default group outlives this communicator (init_process_group); the groups made
         # for it, the world's control group included, end with it: each holds sockets and
         # threads, which every init()/shutdown() cycle would otherwise add to.
-        groups = (self._group, self._control, self._cpu)
         for group in {id(g): g for g in groups if g is not None and g is not dist.group.WORLD}.values():
             try:
                 dist.destroy_process_group(group)

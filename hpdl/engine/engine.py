@@ -34,7 +34,7 @@ from hpdl.engine import events as ev
 from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
-from hpdl.engine.failure import Failures
+from hpdl.engine.failure import Failures, WorldResets
 from hpdl.engine.handle import Handle
 from hpdl.engine.negotiation import FLAG_SHUTDOWN, TUNING_NONE, Controller, CycleResult, ranks_text
 from hpdl.engine.process_set import ProcessSetState
@@ -56,7 +56,8 @@ class Engine:
     """Owns the world communicator's collectives for one ``init()`` .. ``shutdown()`` span."""
 
     def __init__(self, settings: Settings, comm: Communicator, data_comm: Optional[Communicator] = None,
-                 thread_nice: int = 0, autotuner: Optional[autotune.Autotuner] = None, clock: Clock = SYSTEM_CLOCK):
+                 thread_nice: int = 0, autotuner: Optional[autotune.Autotuner] = None, clock: Clock = SYSTEM_CLOCK,
+                 resets: Optional[WorldResets] = None):
         """Start the engine thread on ``comm`` (the world group).
 
         Args:
@@ -66,6 +67,8 @@ class Engine:
             autotuner: on rank 0, the tuner whose parameters every rank applies (autotune.py).
             clock: what the engine's decisions read the time from and its thread waits on
                 (a test's own clock; clock.py).
+            resets: an elastic job's worker: a failure ends this world, not the job
+                (failure.py's WorldResets).
         """
         self.thread_nice = thread_nice
         self.settings = settings
@@ -81,7 +84,7 @@ class Engine:
                                  background=settings.background_collectives, on_done=self._collective_done,
                                  clock=clock)
         self._failures = Failures(comm, settings.stall_timeout_s, clock, self.executor.oldest_in_flight,
-                                  waiting=self._waiting, fail_requests=self._fail_pending)
+                                  waiting=self._waiting, fail_requests=self._fail_pending, resets=resets)
         self._sets: Dict[int, ProcessSetState] = {0: self._process_set(0, range(comm.size), comm, data_comm)}
         self._next_set_id = 1
         self._queue: "collections.deque[Request]" = collections.deque()

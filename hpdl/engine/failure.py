@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from hpdl.comm import CommError, Communicator
 from hpdl.engine import abort
@@ -31,6 +31,7 @@ from hpdl.engine.errors import HorovodInternalError
 log = logging.getLogger("hpdl.engine")
 
 _LIVENESS_WAIT_S = 2.0  # after a backend failure, how long the survivors listen for each other
+_WORLD_POLL_S = 0.2  # an elastic worker's watch: how often it asks whether its world has ended
 
 
 class StallAbort(HorovodInternalError):
@@ -42,13 +43,25 @@ class StallAbort(HorovodInternalError):
         super().__init__(*(args or (self.message,)))
 
 
+class WorldResets(Protocol):
+    """An elastic job's worker (hpdl/torch/membership.py): a failure ends the world, not the
+    job. Nothing is armed to end the process: the callers' next collective raises, and
+    ``hvd.elastic.run`` forms the next world."""
+
+    def lost_reason(self) -> Optional[str]:
+        """Why this world ended elsewhere (a worker died, another rank failed), or None."""
+
+    def lost(self, message: str) -> None:
+        """This rank failed with ``message``: tell the others that the world has ended."""
+
+
 class Failures:
     """Whether one engine has stopped or failed, and why; its watch thread; the end of the job.
     Any thread may ask; only its methods change it."""
 
     def __init__(self, comm: Communicator, stall_timeout_s: float, clock: Clock,
                  oldest_in_flight: Callable[[], Optional[float]], waiting: Callable[[], bool],
-                 fail_requests: Callable[[str], None]):
+                 fail_requests: Callable[[str], None], resets: Optional[WorldResets] = None):
         """
         Args:
             comm: the world communicator (the end of the job aborts it; the ranks that no
@@ -56,7 +69,10 @@ class Failures:
             oldest_in_flight: when the oldest collective in flight started (clock time), if any.
             waiting: whether some request is pending or queued on this rank.
             fail_requests: fail every request pending, queued or in flight with a message.
+            resets: an elastic job's worker: a failure ends the world (the others are told), and
+                a world ended elsewhere fails this engine within a poll of the watch thread.
         """
+        self._resets = resets
         self._comm = comm
         self._rank = comm.rank
         self._limit = stall_timeout_s
@@ -128,10 +144,17 @@ class Failures:
         thread cannot notice, being the one stuck, so this thread does.
         """
         limit = self._limit
+        pause = min(1.0, limit / 4) if self._resets is None else min(_WORLD_POLL_S, limit / 4)
         while True:
-            self._wake.wait(min(1.0, limit / 4))
+            self._wake.wait(pause)
             self._wake.clear()
             if self._stopped.is_set():
+                return
+            lost = self._resets.lost_reason() if self._resets is not None else None
+            if lost is not None and self._failure is None:
+                # Another rank's failure or a dead worker ended this world: a rank computing meets
+                # it at its next collective, without waiting for a peer that will not come.
+                self.fail(f"hpdl engine failed on rank {self._rank}: the world ended: {lost}", ended=True)
                 return
             if self._end_requested is not None and self._failure is None:
                 self.fail(f"hpdl engine failed on rank {self._rank}: {self._end_requested}", ended=True)
@@ -183,6 +206,9 @@ class Failures:
         message = f"hpdl engine failed on rank {self._rank}: {reason}"
         if self._failure is None and not self._stopped.is_set():
             self.fail(message, log_it=False, ended=True)
+        if self._resets is not None:  # the world ends, not the job
+            self._resets.lost(message)
+            return
         # Armed here too when the engine had stopped, or another thread is failing it right now
         # (the first arming wins): the caller's exit must find the end armed.
         abort.arm(self._comm, self._rank, message, stalled=False)
@@ -195,6 +221,8 @@ class Failures:
     def _lost(self, err: BaseException) -> str:
         """After a backend failure, the ranks that no longer answer, as words for the message."""
         comm = self._comm
+        if self._resets is not None:
+            return ""  # an elastic job's driver names the worker that died; no 2 s spent asking
         if comm.size == 1 or not isinstance(err, (CommError, RuntimeError)) or isinstance(err, HorovodInternalError):
             return ""
         try:
@@ -221,6 +249,12 @@ class Failures:
         waiting = self._waiting()
         if log_it:
             log.error("%s", message)
+        if self._resets is not None:
+            # The others learn that this world has ended; this rank's callers raise, and
+            # hvd.elastic.run forms the next world: nothing ends the process.
+            self._resets.lost(message)
+            self._fail_requests(message)
+            return
         # Armed before the waiting callers wake: one that raises and exits at once must find
         # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
         # one that stopped submitting when it had nothing pending.

@@ -24,6 +24,7 @@ from hpdl.cli_error import CliError
 from hpdl.config import Settings, SettingsError
 from hpdl.launch import horovodrun
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
+from hpdl.launch.elastic.options import add_elastic_options, is_elastic
 from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers, program_problem
 from hpdl.launch.hosts import LaunchError, parse_hosts, read_hostfile
 from hpdl.launch.limits import RUN_SETTINGS, add_setting_options, check_number, flag, numeric_options
@@ -94,16 +95,6 @@ With hosts given, Open MPI refuses more ranks than a host's cores unless told
 HOROVOD_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 # Horovod's timeline "file" that opens none: the script starts it with hvd.start_timeline().
 DYNAMIC_TIMELINE = "DYNAMIC"
-
-
-ELASTIC_OPTIONS = ("--min-np", "--min-num-proc", "--max-np", "--max-num-proc", "--slots-per-host", "--slots",
-                   "--elastic-timeout", "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script")
-
-
-class _RefusedElastic(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string}: an hpdl job keeps the ranks it starts with (no elastic driver adds or "
-                     "removes hosts); hvd.elastic scripts run unchanged with -np N")
 
 
 def register(subparsers) -> None:
@@ -209,9 +200,9 @@ def register(subparsers) -> None:
     horovod.add_argument("--mpi-threads-disable", action="store_true",
                          help="not honoured (a warning): hpdl's engine thread calls MPI")
     horovod.add_argument("--num-nccl-streams", type=int, metavar="N", help="not honoured (a warning)")
-    # horovodrun's elastic options get a line saying why, not argparse's "unrecognized".
-    for option in ELASTIC_OPTIONS:
-        horovod.add_argument(option, nargs="?", action=_RefusedElastic, help=argparse.SUPPRESS)
+    add_elastic_options(run.add_argument_group(
+        "elastic jobs", "workers leave and join while the job runs (horovodrun's elastic mode, docs/elastic.md); "
+        "any of --min-np, --max-np, --host-discovery-script asks for it"))
     run.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
         help="the program each rank runs, after '--', e.g. -- python train.py --lr 0.1",
@@ -301,6 +292,8 @@ def run_command(args: argparse.Namespace) -> int:
         check_numbers(args)
         check_written_files(args)
         options = options_from_args(args)
+        if is_elastic(args):
+            return _run_elastic(args, options, start_env)
         program = options.command[0]
         if args.no_stall_check:
             options = dataclasses.replace(options, settings={**options.settings,
@@ -353,10 +346,45 @@ def run_command(args: argparse.Namespace) -> int:
     return 1  # pragma: no cover - execvpe does not return
 
 
+def _run_elastic(args: argparse.Namespace, options: RunOptions, start_env: Dict[str, str]) -> int:
+    """`hpdl run` with horovodrun's elastic options: check them all, then drive the job here
+    (hpdl/launch/elastic/driver.py) until it ends."""
+    from hpdl.launch.builders import settings_env
+    from hpdl.launch.elastic.driver import run_elastic
+    from hpdl.launch.elastic.options import elastic_options
+
+    cwd = os.getcwd()
+    env = dict(start_env)
+    env.update(settings_env(options, start_env, cwd))
+    try:
+        settings = Settings.from_env(env)
+    except SettingsError as err:
+        raise LaunchError(str(err)) from None
+    command = options.command
+    if args.output_filename:
+        command = tuple(horovodrun.output_wrapper(args.output_filename, command))
+    info = detect_launchers(start_env)
+    elastic = elastic_options(args, command, options.hosts, info.hostnames, settings.elastic_discovery_interval_s,
+                              settings.elastic_discovery_timeout_s)
+    missing = program_problem(options.command[0], env.get("PATH", os.defpath), cwd)
+    if missing is not None:
+        raise LaunchError(missing)
+    if args.dry_run:
+        print(f"elastic job: {shlex.join(command)} on {elastic.np} worker(s) (--min-np {elastic.min_np}, "
+              f"--max-np {elastic.max_np if elastic.max_np < 1 << 30 else 'unbounded'}), hosts from "
+              f"{elastic.hosts.describe()}")
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return run_elastic(elastic, env, cwd)
+
+
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse a numeric option out of its range (:mod:`hpdl.launch.limits`), before anything starts."""
     for option in numeric_options():
-        check_number(flag(option), option, getattr(args, option))
+        value = getattr(args, option)
+        for each in value if isinstance(value, (list, tuple)) else [value]:  # nargs: each number checked
+            check_number(flag(option), option, each)
 
 
 def check_written_files(args: argparse.Namespace) -> None:

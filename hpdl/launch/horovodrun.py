@@ -124,7 +124,8 @@ def read_config_file(path: str) -> Tuple[Dict[str, Any], List[str]]:
 def _unhonoured(section: str, entries: Dict[Any, Any]) -> List[str]:
     """The warning lines for the settings in ``entries`` (of ``section``) that hpdl has no counterpart for."""
     if section == "elastic":
-        return ["elastic is not honoured: an hpdl job keeps the ranks it starts with"] if entries else []
+        return ["the elastic section is not honoured: give them as options (--min-np, --elastic-timeout, ...)"] \
+            if entries else []
     return [f"{section}.{key} is not honoured by hpdl" for key, value in entries.items()
             if value != _HPDL_BEHAVIOUR.get((section, key), _NO_VALUE)]
 

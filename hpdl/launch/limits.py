@@ -38,10 +38,18 @@ LIMITS: Dict[str, Bound] = {
     "stall_shutdown_s": Bound(0, YEAR_S, "seconds", "a year"),
     "ssh_port": Bound(1, 65535),
     "num_nccl_streams": Bound(1, C_INT_MAX, "streams"),
+    # an elastic job's (hpdl/launch/elastic/options.py)
+    "min_np": Bound(1, C_INT_MAX, "workers"),
+    "max_np": Bound(1, C_INT_MAX, "workers"),
+    "slots_per_host": Bound(1, C_INT_MAX, "slots"),
+    "elastic_timeout": Bound(0, YEAR_S, "seconds", "a year", lowest_excluded=True),
+    "reset_limit": Bound(0, C_INT_MAX, "resets"),
+    "cooldown_range": Bound(0, YEAR_S, "seconds", "a year"),
 }
 
 # Options whose command-line name is not "--" and the field name with dashes.
-_FLAGS = {"np": "-np", "stall_shutdown_s": "--stall-check-shutdown-time-seconds"}
+_FLAGS = {"np": "-np", "stall_shutdown_s": "--stall-check-shutdown-time-seconds",
+          "cooldown_range": "--blacklist-cooldown-range"}
 
 # Settings field -> its type (the annotations are text: config.py has postponed evaluation).
 _FIELD_TYPES: Dict[str, type] = {field.name: {"bool": bool, "int": int, "float": float, "str": str}[str(field.type)]

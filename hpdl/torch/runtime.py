@@ -27,6 +27,7 @@ from hpdl.config import Settings, horovod_variables_ignored, settings_given
 from hpdl.engine import Engine, abort
 from hpdl.engine.autotune import Autotuner
 from hpdl.engine import events as ev
+from hpdl.torch import membership
 from hpdl.torch import process_sets as _process_sets
 
 log = logging.getLogger("hpdl")
@@ -147,13 +148,20 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         if _state is not None:
             return  # as Horovod: a second init() is a no-op
         settings = Settings.from_env(backend=backend)
-        topology = discover_topology()
+        member = membership.current()
         mpi_comm = None
         if comm is not None and not isinstance(comm, (list, tuple, range)):
             mpi_comm = comm  # an mpi4py communicator
-        # The launcher's world is checked against the size it announced; a user's comm is not it.
-        with _ranks_meet_within(settings.start_timeout_s):
-            world = _connect(settings, topology, mpi_comm, check_size=mpi_comm is None)
+        if member is not None:
+            if comm is not None:
+                raise ValueError("an elastic job's world is the driver's: init(comm=...) cannot choose its ranks")
+            # Nothing to bound: the join waits for the driver's generation, up to the elastic timeout.
+            world, topology = _join_elastic(settings, member)
+        else:
+            topology = discover_topology()
+            # The launcher's world is checked against the size it announced; a user's comm is not it.
+            with _ranks_meet_within(settings.start_timeout_s):
+                world = _connect(settings, topology, mpi_comm, check_size=mpi_comm is None)
         parent = None
         if isinstance(comm, (list, tuple, range)):
             sub = world.split(list(comm))
@@ -163,7 +171,11 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             parent, world = world, sub
         # Everything that talks to the world communicator from this thread happens before the
         # engine starts: afterwards the engine thread alone uses it.
-        local_rank, local_size, cross_rank, cross_size = world.node_layout()
+        if member is not None:  # the driver's hosts: names of one machine stay hosts of their own
+            local_rank, local_size, cross_rank, cross_size = (topology.local_rank, topology.local_size,
+                                                              topology.cross_rank, topology.cross_size)
+        else:
+            local_rank, local_size, cross_rank, cross_size = world.node_layout()
         topology = Topology(world.rank, world.size, local_rank, local_size, cross_rank, cross_size, topology.launcher)
         homogeneous = len(set(world.allgather_object(local_size))) == 1
         data_comm = None
@@ -174,7 +186,7 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         nice = settings.resolve_engine_nice(local_size, torch.get_num_threads(), os.cpu_count() or 1,
                                             torch.cuda.is_available())
         autotuner = _autotuner(settings) if settings.autotune and world.rank == 0 else None
-        engine = Engine(settings, world, data_comm, thread_nice=nice, autotuner=autotuner)
+        engine = Engine(settings, world, data_comm, thread_nice=nice, autotuner=autotuner, resets=member)
         _state = _State(settings, topology, world, engine, homogeneous, parent)
         if topology.rank == 0:
             for name in horovod_variables_ignored():
@@ -189,6 +201,35 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
             _process_sets.add_process_set(ps)
     for hook in list(_startup_hooks):
         hook()
+
+
+def _join_elastic(settings: Settings, member: "membership.Membership") -> "tuple[Communicator, Topology]":
+    """Join the elastic job's next generation and form its world (over torch.distributed: an
+    MPI world cannot change its size)."""
+    if settings.backend == "mpi":
+        raise ValueError("HPDL_BACKEND=mpi in an elastic job: an MPI world cannot change its size; use gloo, nccl "
+                         "or torch")
+    slot = member.join(_elastic_timeout_s())
+    cuda = torch.cuda.is_available()
+    name = "nccl" if settings.backend == "nccl" or (settings.backend in ("auto", "torch") and cuda) else "gloo"
+    topology = Topology(slot.rank, slot.size, slot.local_rank, slot.local_size, slot.cross_rank, slot.cross_size,
+                        "hpdl-elastic")
+    world = create_world(name, topology, timeout_s=settings.stall_timeout_s, store=member.process_group_store())
+    # Every wait of the world's collectives asks whether the generation still runs.
+    world.wait_hook = member.check
+    if topology.rank == 0:
+        member.updates_seen = member.host_updates()[0]
+    member.updates_seen = world.allgather_object(member.updates_seen)[0]  # rank 0's, on every rank
+    return world, topology
+
+
+def _elastic_timeout_s() -> float:
+    """How long a worker waits for a generation that lists it (the driver's --elastic-timeout, a
+    little longer: the driver, which ends the job then, says why)."""
+    try:
+        return float(os.environ.get("HPDL_ELASTIC_TIMEOUT", "600")) + 30.0
+    except ValueError:
+        return 630.0
 
 
 def _autotuner(settings: Settings) -> Autotuner:
@@ -321,6 +362,11 @@ def _stop(state: _State) -> None:
     if data_comm is not state.comm:
         data_comm.close()
     state.comm.close()
+    if membership.current() is not None:
+        # The next init() forms the next generation's world: this one goes now, not at exit.
+        from hpdl.comm.torch_dist import leave_world
+
+        leave_world()
     if state.parent is not None:  # else each init(comm=[...]) would hold MPI communicators for good
         state.parent.close()
     _process_sets.forget_registered()

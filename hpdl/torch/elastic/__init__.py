@@ -1,21 +1,25 @@
-"""``hvd.elastic``: Horovod's elastic training API, for a job whose ranks stay the same.
+"""``hvd.elastic``: Horovod's elastic training API.
 
 Horovod's elastic scripts keep their training state in a ``State`` (``TorchState(model,
 optimizer, epoch=0, ...)``), wrap their training function in ``@hvd.elastic.run``, call
 ``state.commit()`` every few batches, and read their data through an ``ElasticSampler`` that
-records what each batch consumed. Under Horovod's elastic driver (``horovodrun --min-np``),
-ranks may then leave or join: the survivors restore the last committed state, the world is
-formed again, and rank 0's state is sent to every rank.
+records what each batch consumed.
 
-hpdl runs these scripts unchanged, with the ranks its launcher started: ``run`` sends rank 0's
-state to every rank before the function starts (so every rank begins from the same model,
-optimizer, sampler position and counters), ``commit`` / ``restore`` keep and bring back a copy
-in memory, and the sampler partitions the epoch's remaining indices over the ranks as Horovod's
-does. What it does not do is change the set of ranks: no driver discovers hosts, so hpdl never
-raises ``HostsUpdatedInterrupt`` (a script may), and a lost rank ends the whole job as without
-elastic (docs/api.md, "A failed job ends"). ``run`` then restores the last committed state
-before the error propagates, so a handler in the script (saving a checkpoint, say) sees the
-committed state rather than a half-finished batch. The launcher's elastic options stay refused.
+In an elastic job (`hpdl run --min-np ...`, docs/elastic.md) workers leave and join while it
+runs, with Horovod's semantics: a worker that fails makes every survivor's next collective
+raise ``HorovodInternalError``; ``run`` then restores the last commit, shuts hpdl down and
+initializes it again, which joins the driver's next generation of the world (the survivors,
+oldest first, so rank 0 is one of them), calls the reset callbacks and sends rank 0's state
+to every rank. Hosts added or removed by the driver make ``commit()`` raise
+``HostsUpdatedInterrupt`` on every rank at the same commit: the same reset, without the
+rollback, and without the sync when hosts were only removed. A worker the new world leaves
+out (its host removed) ends with status 0.
+
+In a job whose ranks are fixed (any other launcher), ``run`` sends rank 0's state to every
+rank before the function starts, ``commit`` / ``restore`` keep and bring back a copy in
+memory, and a lost rank ends the whole job (docs/api.md, "A failed job ends"): ``run`` restores
+the last commit before the error propagates, so a handler in the script (saving a checkpoint,
+say) sees the committed state rather than a half-finished batch.
 
 Where a rank is lost, the launchers that let the survivors live a little end them with
 SIGTERM at once (torchrun, srun, Open MPI's mpiexec; SIGKILL follows 30 s, KillWait or 1 s
@@ -35,6 +39,7 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import threading
 from typing import Any, Callable, Iterator, List
 
@@ -42,7 +47,9 @@ from hpdl.engine import HorovodInternalError
 from hpdl.torch.elastic.common import HostsUpdatedInterrupt, ObjectState, State
 from hpdl.torch.elastic.sampler import ElasticSampler
 from hpdl.torch.elastic.state import TorchState
-from hpdl.torch.runtime import engine, is_initialized
+from hpdl.comm.rendezvous import NotInWorld
+from hpdl.torch import membership
+from hpdl.torch.runtime import engine, init, is_initialized, shutdown
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
@@ -51,12 +58,12 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``func(state, ...)`` from rank 0's state, as Horovod's ``hvd.elastic.run``.
 
     Every rank first receives rank 0's state (``state.sync()``), so all start from the same
-    point. A ``HostsUpdatedInterrupt`` raised by the function (Horovod's driver raises it from
-    ``commit``; here only the script can) starts it again as in Horovod: the reset callbacks
-    run, then the state is synced again unless the interrupt says ``skip_sync``. The ranks
-    never change here: when a collective fails (a rank or node lost, or SIGTERM while it
-    runs), the last committed state is restored and the error propagates, and the job ends as
-    any failed hpdl job does.
+    point. In an elastic job, a failed collective (``HorovodInternalError``) restores the last
+    commit and a ``HostsUpdatedInterrupt`` keeps the state as it is; either way the world is
+    formed again (``hvd.shutdown()``, ``hvd.init()``), the reset callbacks run, and the state is
+    synced again (unless the interrupt says ``skip_sync``) before the function starts again.
+    Where the ranks are fixed, a failed collective restores the last commit and propagates,
+    and an interrupt the script raised starts the function again on the same ranks.
     """
 
     @functools.wraps(func)
@@ -67,15 +74,38 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 if not skip_sync:
                     state.sync()
                 try:
-                    return func(state, *args, **kwargs)
+                    result = func(state, *args, **kwargs)
                 except HorovodInternalError:
                     state.restore()
-                    raise
+                    if membership.current() is None:
+                        raise
+                    skip_sync = False
                 except HostsUpdatedInterrupt as interrupt:
                     skip_sync = interrupt.skip_sync
+                else:
+                    member = membership.current()
+                    if member is not None:
+                        member.leave()
+                    return result
+                _form_the_world_again()
                 state.on_reset()
 
     return wrapper
+
+
+def _form_the_world_again() -> None:
+    """Leave this world and join the elastic driver's next one (where the ranks are fixed, the
+    same one stays). A worker the next world leaves out ends here, with status 0."""
+    if membership.current() is None:
+        return
+    shutdown()
+    try:
+        init()
+    except NotInWorld:
+        sys.stderr.write(f"hpdl: worker {membership.current().worker} is not in the job's new world (its host was "
+                         "removed); it ends\n")
+        sys.stderr.flush()
+        raise SystemExit(0) from None
 
 
 # What the collectives raise once SIGTERM has come during ``run``.
@@ -87,7 +117,8 @@ def _sigterm_fails_the_collectives() -> Iterator[None]:
     """While the body runs, SIGTERM fails the engine as a lost peer would (see the module
     docstring); SIGTERM keeps its handler where the script set one, or where this is not the
     main thread (which alone may set handlers)."""
-    if threading.current_thread() is not threading.main_thread() or \
+    # In an elastic job SIGTERM comes from the driver, which is ending this worker: it ends.
+    if threading.current_thread() is not threading.main_thread() or membership.current() is not None or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return

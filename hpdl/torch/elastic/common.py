@@ -7,6 +7,7 @@ import copy
 from typing import Any, Callable, List
 
 from hpdl.comm import objects
+from hpdl.torch import membership
 from hpdl.torch.object_ops import broadcast_object
 from hpdl.torch.runtime import rank
 
@@ -14,8 +15,10 @@ __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State"]
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's signal that the set of hosts changed. hpdl never raises it (the ranks are
-    fixed); a script may, and ``run`` then starts the function again, as Horovod's does."""
+    """Horovod's signal that the set of hosts changed: ``commit()`` raises it on every rank
+    alike in an elastic job whose driver added or removed hosts (``skip_sync``: only removed,
+    so every rank's state is current and nothing is rolled back or sent); ``run`` then forms
+    the new world and starts the function again. A script may raise it too."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__("the hosts of the job changed")
@@ -48,8 +51,17 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod raises HostsUpdatedInterrupt here when hosts came or went; the ranks of an
-        hpdl job never change, so there is nothing to check."""
+        """Raise HostsUpdatedInterrupt on every rank when the elastic driver has changed the
+        hosts since this world formed (rank 0's reading, sent to every rank, decides, so that
+        all raise at the same commit, as Horovod's). Outside an elastic job: nothing to check."""
+        member = membership.current()
+        if member is None or member.generation < 0:
+            return
+        seen = member.host_updates() if self._rank() == 0 else None
+        count, added = self._bcast_object(seen)
+        if count > member.updates_seen:
+            member.updates_seen = count
+            raise HostsUpdatedInterrupt(skip_sync=not added)
 
     def save(self) -> None:
         raise NotImplementedError()

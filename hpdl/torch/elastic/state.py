@@ -33,6 +33,9 @@ class StateHandler:
     def sync(self) -> None:
         raise NotImplementedError()
 
+    def reset(self) -> None:
+        """The world changed (``hvd.elastic.run`` formed a new one): adapt to its ranks."""
+
     def set_value(self, value: Any) -> None:
         """Track ``value`` from now on; its state now is what ``restore`` goes back to."""
         self.value = value
@@ -72,7 +75,11 @@ class LRSchedulerStateHandler(_StateDictHandler):
 
 
 class SamplerStateHandler(_StateDictHandler):
-    """An ElasticSampler, by its ``state_dict()`` (its position in the epoch)."""
+    """An ElasticSampler, by its ``state_dict()`` (its position in the epoch); partitioned
+    again over the new world's ranks at a reset, synced or not."""
+
+    def reset(self) -> None:
+        self.value.reset()
 
 
 # Horovod registers its LRSchedulerStateHandler for torch's _LRScheduler, which the schedulers
@@ -144,6 +151,11 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            handler.reset()
+        super().reset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A model, optimizer or sampler replaced by assignment is tracked from then on, and
