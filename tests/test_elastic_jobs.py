@@ -177,3 +177,19 @@ def test_bad_elastic_input_is_one_line_and_exit_2_with_nothing_started(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert not marker.exists()
+
+
+def test_a_blacklisted_host_is_admitted_again_after_its_cooldown_and_the_world_grows_back(tmp_path):
+    done, rows, final = _elastic(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
+                                            "--blacklist-cooldown-range", "1", "2"],
+                                 ["--fail", "1:3:raise", "--batch-sleep", "0.25", "--epochs", "4"])
+    assert done.returncode == 0, done.stderr
+    _assert_every_rank_agrees(rows)
+    sizes = []
+    for row in rows:
+        if row["rank"] == 0 and (not sizes or sizes[-1] != row["size"]):
+            sizes.append(row["size"])
+    assert sizes == [2, 1, 2], (sizes, done.stderr)
+    assert "host 127.0.0.1 is admitted again after its cooldown" in done.stderr
+    assert {row["worker"] for row in rows if row["size"] == 2 and row["rank"] == 1} == {1, 2}
+    assert final["size"] == 2

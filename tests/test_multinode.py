@@ -4,6 +4,7 @@ discovered inside each node and hierarchical allreduce checked against the refer
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -188,3 +189,32 @@ def test_spatial_upscale_across_nodes_writes_the_bytes_of_one_process(cluster, t
                         str(tmp_path / "four.png"), *options, "--spatial")
     assert out.count("wrote ") == 1  # rank 0 reports
     assert (tmp_path / "four.png").read_bytes() == (tmp_path / "one.png").read_bytes()
+
+
+def test_an_elastic_job_goes_on_when_a_nodes_namespace_is_killed(cluster, tmp_path):
+    # Every process of node n2 killed at once, as a lost host: its two workers' ends blacklist
+    # it, and the job finishes on n1's two workers.
+    log = tmp_path / "log.jsonl"
+    env = cluster.env({k: v for k, v in os.environ.items() if not k.startswith("HPDL_") or k == "HPDL_VENV"})
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "hpdl", "run", "-np", "4", "--min-np", "2", "-H", "n1:2,n2:2", "--",
+               sys.executable, str(SCRIPTS / "elastic_train.py"), "--log", str(log), "--batch-sleep", "0.2",
+               "--epochs", "3"]
+    proc = subprocess.Popen(cluster.nodes[0].argv(command), env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and log.read_text().count('"size": 4') >= 8:
+            break
+        time.sleep(0.2)
+    pids = subprocess.run(["ip", "netns", "pids", cluster.nodes[1].netns], capture_output=True, text=True).stdout.split()
+    assert pids, "node n2 runs no worker"
+    subprocess.run(["kill", "-9", *pids], check=False)
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, err[-4000:]
+    assert "(host n2, rank" in err and "was killed by signal 9 (SIGKILL)" in err, err[-4000:]
+    assert "generation 1: 2 worker(s) on n1" in err
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    last = rows[-1]
+    assert last["size"] == 2 and {row["worker"] for row in rows if row["size"] == 2} == {0, 1}
+    assert "done:" in out and "world of 2" in out
