@@ -44,19 +44,15 @@ def _elastic(tmp_path, options, script_args=(), timeout=150, name="job"):
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), rows, final
 
 
-def _worlds(rows):
-    """Per batch number, in the order the batches were done: (world size, the set of parameter sums)."""
-    by_batch = {}
-    for row in rows:
-        by_batch.setdefault((row["batch"], row["size"], row["t"] // 1000), []).append(row)
-    return by_batch
-
-
 def _assert_every_rank_agrees(rows):
     """Every batch's ranks logged the same parameters, and as many ranks as the world's size."""
     batches = {}
     for row in rows:
         batches.setdefault((row["size"], row["batch"], row["epoch"]), []).append(row)
+    for row in rows:  # Horovod's launcher variables follow the world, and agree with hvd's
+        rank, size, local_rank, local_size, cross_rank, cross_size, _host = row["layout"]
+        assert (rank, size) == (str(row["rank"]), str(row["size"])), row
+        assert [int(local_rank), int(local_size), int(cross_rank), int(cross_size)] == row["local"], row
     for (size, batch, _epoch), seen in batches.items():
         sums = {row["params"] for row in seen}
         assert len(sums) == 1, f"batch {batch}: ranks differ: {seen}"
@@ -122,6 +118,9 @@ def test_hosts_added_then_removed_by_discovery_grow_and_shrink_the_world_without
     assert "host(s) 127.0.0.1 removed by --host-discovery-script" in done.stderr
     assert "is not in the job's new world" in done.stderr
     assert final["size"] == 1
+    # While the world was 3: local ranks count within a host, cross ranks across the hosts.
+    three = {(row["layout"][6], tuple(row["local"])) for row in rows if row["size"] == 3}
+    assert three == {("localhost", (0, 1, 0, 2)), ("127.0.0.1", (0, 2, 1, 2)), ("127.0.0.1", (1, 2, 0, 1))}, three
 
 
 @pytest.mark.parametrize("case", ["every worker", "every host", "reset limit", "min-np timeout"])
@@ -148,6 +147,16 @@ def test_a_job_that_cannot_go_on_ends_with_one_line(tmp_path, case):
     assert time.monotonic() - started < 80
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not leftover, leftover  # no worker outlives the job
+
+
+def test_ranks_go_host_by_host_oldest_first_with_horovods_local_and_cross_ranks():
+    from hpdl.comm.rendezvous import assign_slots
+
+    slots = assign_slots([(5, "b"), (2, "a"), (7, "b"), (3, "c"), (4, "a")])
+    assert [(s.worker, s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in slots] == [
+        (2, "a", 0, 0, 2, 0, 3), (4, "a", 1, 1, 2, 0, 2), (3, "c", 2, 0, 1, 1, 3),
+        (5, "b", 3, 0, 2, 2, 3), (7, "b", 4, 1, 2, 1, 2)]
+    assert {s.size for s in slots} == {5}
 
 
 @pytest.mark.parametrize("argv, expected", [

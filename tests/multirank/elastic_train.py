@@ -62,7 +62,11 @@ state.register_reset_callbacks([on_reset])
 
 def log(**fields):
     with open(args.log, "a") as f:
-        f.write(json.dumps(dict(worker=worker, rank=hvd.rank(), size=hvd.size(), t=round(time.time(), 3), **fields)) + "\n")
+        layout = [os.environ.get(f"HOROVOD_{name}") for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE",
+                                                                   "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")]
+        f.write(json.dumps(dict(worker=worker, rank=hvd.rank(), size=hvd.size(), t=round(time.time(), 3),
+                                layout=layout, local=[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                                                      hvd.cross_size()], **fields)) + "\n")
 
 
 @hvd.elastic.run

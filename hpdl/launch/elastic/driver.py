@@ -209,9 +209,11 @@ class ElasticDriver:
             if limit is not None and self.resets > limit:
                 raise ElasticJobError(f"the job would reset a {self._ordinal(self.resets)} time, past --reset-limit "
                                       f"{limit}{f' ({reason})' if reason else ''}")
-        started = [self._spawn(host) for host in new_places]
-        members = [(w.id, w.host) for w in survivors + started]
-        self.members = assign_slots(members)
+        new_ids = list(range(self._next_id, self._next_id + len(new_places)))
+        self.members = assign_slots([(w.id, w.host) for w in survivors] + list(zip(new_ids, new_places)))
+        places = {slot.worker: slot for slot in self.members}
+        for worker_id in new_ids:
+            self._spawn(places[worker_id])
         self.generation += 1
         self.rendezvous.publish(self.generation, self.members)
         if self.generation == 0:  # every first worker builds the starting state itself
@@ -242,11 +244,13 @@ class ElasticDriver:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def _spawn(self, host: str) -> _Worker:
-        worker_id = self._next_id
-        self._next_id += 1
+    def _spawn(self, slot: Slot) -> _Worker:
+        """Start the worker of ``slot`` (a new id): it reads its place again at every hvd.init()."""
+        worker_id, host = slot.worker, slot.hostname
+        self._next_id = worker_id + 1
         env = dict(self.env)
-        env.update({STORE_VARIABLE: self.store_address, WORKER_VARIABLE: str(worker_id), "HOROVOD_HOSTNAME": host,
+        env.update(slot.horovod_environment())  # for scripts that read them before hvd.init()
+        env.update({STORE_VARIABLE: self.store_address, WORKER_VARIABLE: str(worker_id),
                     "HPDL_ELASTIC_TIMEOUT": f"{self.options.elastic_timeout_s:g}",
                     "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")})
         command = list(self.options.command)
