@@ -71,15 +71,16 @@ def reference(tmp_path_factory):
     return final
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how, at", [("raise", 5), ("kill", 6)])
 def test_a_failed_worker_is_replaced_and_training_ends_with_the_weights_of_a_run_without_failure(
-        tmp_path, reference, how):
-    # Worker 1 fails at batch 5, two batches after the last commit: the survivors restore that
-    # commit, the failed host is blacklisted, a new worker starts on the free host and gets the
-    # state by broadcast, and the world of 2 does the two batches again: the same arithmetic.
+        tmp_path, reference, how, at):
+    # Worker 1 fails at batch 5, two batches after the last commit (raise), or at batch 6, just
+    # after a commit (kill): the survivors restore that commit, the failed host is blacklisted,
+    # a new worker starts on the free host and gets the state by broadcast, and the world of 2
+    # does the batches since the commit again: the same arithmetic.
     done, rows, final = _elastic(tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "2",
                                             "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
-                                 ["--commit-every", "3", "--fail", f"1:5:{how}"])
+                                 ["--commit-every", "3", "--fail", f"1:{at}:{how}"])
     assert done.returncode == 0, done.stderr
     ending = "ended with exit code 1" if how == "raise" else "was killed by signal 9 (SIGKILL)"
     assert f"hpdl run: worker 1 (host 127.0.0.1, rank 1) {ending}; going on without it" in done.stderr
@@ -88,7 +89,10 @@ def test_a_failed_worker_is_replaced_and_training_ends_with_the_weights_of_a_run
     workers = [row["worker"] for row in rows]
     assert 2 in workers and workers.index(2) > max(i for i, w in enumerate(workers) if w == 1)
     redone = [row["batch"] for row in rows if row["worker"] == 0]
-    assert redone.count(4) == 2 and redone.count(5) == 2 and redone.count(3) == 1  # back to the commit at 3
+    if at == 5:  # back to the commit at 3: batches 4 and 5 done twice
+        assert redone.count(4) == 2 and redone.count(5) == 2 and redone.count(3) == 1
+    else:  # the commit at 6 is where it failed: nothing done twice
+        assert redone == list(range(1, len(redone) + 1))
     assert final["size"] == 2 and torch.equal(final["params"], reference["params"])
 
 
