@@ -18,7 +18,7 @@ Keys, all under ``hpdl/elastic/``:
 ``gen/<g>/pg/...``          the keys of generation g's process group (gloo's own rendezvous)
 ``hosts_updated``           ``"<n> <added|removed>"``: the n-th change of hosts the driver has
                             acted on, and whether any host was added (commit() reads it)
-``left/<worker>``           the worker's training function returned: it will not reset again
+``left/<worker>``           the generation in which the worker's training function returned
 ==========================  =================================================================
 
 A worker keeps its ``worker`` id (``HPDL_ELASTIC_WORKER``) for the job's whole life; ids grow
@@ -161,12 +161,15 @@ class Rendezvous:
         count, kind = self.store.get(_key("hosts_updated")).decode().split()
         return int(count), kind == "added"
 
-    def leave(self, worker: int) -> None:
-        """The worker's training function returned: it takes part in no reset from now on."""
-        self.store.set(_key(f"left/{worker}"), "1")
+    def leave(self, worker: int, generation: int) -> None:
+        """The worker's training function returned in ``generation``: it takes part in no reset
+        from now on."""
+        self.store.set(_key(f"left/{worker}"), str(generation))
 
-    def has_left(self, worker: int) -> bool:
-        return self.store.check([_key(f"left/{worker}")])
+    def left_in(self, worker: int) -> Optional[int]:
+        """The generation in which the worker's training function returned, or None."""
+        key = _key(f"left/{worker}")
+        return int(self.store.get(key)) if self.store.check([key]) else None
 
     # -- a worker joining ----------------------------------------------------------------------
 

@@ -89,7 +89,7 @@ class Membership:
     def leave(self) -> None:
         """The training function returned: this worker takes part in no reset from now on."""
         try:
-            self.rendezvous.leave(self.worker)
+            self.rendezvous.leave(self.worker, self.generation)
         except Exception:  # noqa: BLE001 - the driver learns it from the exit status as well
             pass
 

@@ -284,13 +284,9 @@ class ElasticDriver:
                 continue
             if code == 0:
                 if self._finishing is None:
-                    # The training returned: the job ends with the rest of this generation.
-                    self._finishing = [w for w in current if w in self.workers or w == worker.id]
-                    for other in self._active():
-                        if other.id not in current:  # started for a generation that will not form
-                            self._stop(other)
+                    self._finish(worker)
                 continue
-            if self._finishing is not None or worker.id not in current and not self._waiting_for(worker.id):
+            if self._finishing is not None:  # after the training returned: the job's status
                 self._status = self._status or (128 - code if code < 0 else code)
                 self._say(f"worker {worker.id} (host {worker.host}) {ending_words(code)}")
                 continue
@@ -298,9 +294,18 @@ class ElasticDriver:
         if failed and self._finishing is None:
             self._fail(failed)
 
-    def _waiting_for(self, worker_id: int) -> bool:
-        """Whether ``worker_id`` was started and not yet in a formed generation (still counts)."""
-        return worker_id in self._current_ids()
+    def _finish(self, worker: _Worker) -> None:
+        """``worker`` ended with 0: the training returned. The job ends with the rest of the
+        generation it returned in; workers started for a newer one, which will not form now,
+        are ended."""
+        generation = self.rendezvous.left_in(worker.id)
+        if generation is None:  # a script without hvd.elastic.run: the newest world that formed
+            generation = max(self._formed, 0)
+        members = {s.worker for s in self.rendezvous.members(generation)}
+        self._finishing = sorted(members)
+        for other in self._active():
+            if other.id not in members:
+                self._stop(other)
 
     def _fail(self, failed: List[Tuple[_Worker, int]]) -> None:
         """Workers of the current generation failed: blacklist their hosts, go on without them."""
