@@ -204,6 +204,16 @@ class Settings:
     elastic_discovery_timeout_s: float = _setting(
         10.0, "HPDL_ELASTIC_DISCOVERY_TIMEOUT", bound=_SECONDS_ABOVE_0,
         doc="seconds an elastic job's --host-discovery-script may run before it counts as hung")
+    elastic_snapshot: bool = _setting(
+        True, "HPDL_ELASTIC_SNAPSHOT",
+        doc="under torchrun's elastic agent, which restarts every worker on a failure or a change of nodes, "
+            "`state.commit()` also keeps the state on disk (local rank 0 of each node), and `hvd.elastic.run` "
+            "resumes from the newest commit after a restart (0: off, nothing written; "
+            "[docs/elastic.md](docs/elastic.md))")
+    elastic_snapshot_dir: str = _setting(
+        "", "HPDL_ELASTIC_SNAPSHOT_DIR",
+        doc="where those snapshots live: `<this>/hpdl-elastic-<torchrun's run id>/` (default: the temp dir, "
+            "node-local); removed when the training function returns")
     # 0: the backend's rendezvous then waits up to the stall timeout.
     start_timeout_s: float = _setting(
         0.0, "HPDL_START_TIMEOUT", horovod="HOROVOD_START_TIMEOUT", bound=_SECONDS,

@@ -97,7 +97,16 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float, sto
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         return
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        # torchrun (or the user) set up the rendezvous; under torchrun the agent's store is reused.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent hosts the store, and keeps it when it restarts the workers: meet
+            # under keys of this world's own (see _world_prefix).
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            prefix = _world_prefix(store, rank, size, timeout_s)
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,
+                                    timeout=timeout)
+            return
+        # torchrun (or the user) set up the rendezvous.
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
         return
     if size == 1:
@@ -105,6 +114,55 @@ def init_process_group(backend: str, rank: int, size: int, timeout_s: float, sto
     else:
         addr, port = _rendezvous_through_mpi(rank)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size, timeout=timeout)
+
+
+_WORLD_KEYS = "hpdl/world/"
+_PREFIX_POLL_S = 0.01
+
+
+def _world_prefix(store, rank: int, size: int, timeout_s: float) -> str:
+    """A prefix of the store's keys that this world's ranks alone use.
+
+    torchrun's agent (torch 2.5 and later, c10d rendezvous) keeps the store it hosts for its
+    workers when it restarts them after a failure or a change of nodes, and torch's ``env://``
+    no longer puts the restart in the keys (pytorch#135712): the restarted workers would meet
+    their predecessors' addresses there, and gloo fails to connect or hangs. Every key a
+    world's ranks read may be such a leftover, except keys named after something new: so rank
+    0 draws a token, each other rank a nonce, which it announces under its rank; rank 0
+    answers every nonce it reads with the token (under a key named by the nonce, which only
+    this world's rank 0 can have read), until each rank has confirmed the token under a key
+    named by it.
+    """
+    import secrets
+
+    deadline = time.monotonic() + timeout_s
+    if rank != 0:
+        nonce = secrets.token_hex(8)
+        store.set(f"{_WORLD_KEYS}hello/{rank}", nonce)
+        answer = f"{_WORLD_KEYS}welcome/{nonce}"
+        store.wait([answer], datetime.timedelta(seconds=timeout_s))
+        token = store.get(answer).decode()
+        store.set(f"{_WORLD_KEYS}{token}/ready/{rank}", "1")
+        return f"{_WORLD_KEYS}{token}/"
+    token = secrets.token_hex(8)
+    answered = {}  # rank -> the nonce answered last
+    waiting = set(range(1, size))
+    while waiting:
+        for other in sorted(waiting):
+            hello = f"{_WORLD_KEYS}hello/{other}"
+            if store.check([hello]):
+                nonce = store.get(hello).decode()
+                if answered.get(other) != nonce:
+                    store.set(f"{_WORLD_KEYS}welcome/{nonce}", token)
+                    answered[other] = nonce
+            if store.check([f"{_WORLD_KEYS}{token}/ready/{other}"]):
+                waiting.discard(other)
+        if waiting:
+            if time.monotonic() > deadline:
+                raise CommError(f"ranks {sorted(waiting)} did not join rank 0 in torchrun's store within "
+                                f"{timeout_s:g} s")
+            time.sleep(_PREFIX_POLL_S)
+    return f"{_WORLD_KEYS}{token}/"
 
 
 _exit_registered: List[bool] = []

@@ -21,6 +21,14 @@ memory, and a lost rank ends the whole job (docs/api.md, "A failed job ends"): `
 the last commit before the error propagates, so a handler in the script (saving a checkpoint,
 say) sees the committed state rather than a half-finished batch.
 
+Under torchrun's own elastic agent (``torchrun --nnodes=1:2 --rdzv-backend=c10d
+--max-restarts K``), which restarts every worker process on a failure or a change of nodes,
+``commit()`` also keeps the state on disk (local rank 0 of each node, atomically, under
+``<temp dir>/hpdl-elastic-<run id>/``), and ``run`` first loads the newest commit any node kept
+into every rank (``snapshot``; docs/elastic.md, "Under torchrun's elastic agent"), so the
+restarted job goes on from its last commit; the files go when the function returns.
+``HPDL_ELASTIC_SNAPSHOT=0`` turns this off; nothing is written under any other launcher.
+
 Where a rank is lost, the launchers that let the survivors live a little end them with
 SIGTERM at once (torchrun, srun, Open MPI's mpiexec; SIGKILL follows 30 s, KillWait or 1 s
 later), often before the survivors' collectives have failed. So while the function runs, SIGTERM (unless
@@ -30,7 +38,8 @@ which nothing can catch.
 
 The modules follow Horovod's layout: ``state`` (TorchState and its handlers, whose registry a
 script may extend), ``sampler`` (ElasticSampler); State and ObjectState are Horovod's
-``horovod.common.elastic`` ones (``common``).
+``horovod.common.elastic`` ones (``common``); ``snapshot`` keeps commits on disk under torchrun's
+agent.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import threading
 from typing import Any, Callable, Iterator, List
 
 from hpdl.engine import HorovodInternalError
-from hpdl.torch.elastic.common import HostsUpdatedInterrupt, ObjectState, State
+from hpdl.torch.elastic.common import HostsUpdatedInterrupt, ObjectState, State, forget_snapshot, resume_from_snapshot
 from hpdl.torch.elastic.sampler import ElasticSampler
 from hpdl.torch.elastic.state import TorchState
 from hpdl.comm.rendezvous import NotInWorld
@@ -63,12 +72,16 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     formed again (``hvd.shutdown()``, ``hvd.init()``), the reset callbacks run, and the state is
     synced again (unless the interrupt says ``skip_sync``) before the function starts again.
     Where the ranks are fixed, a failed collective restores the last commit and propagates,
-    and an interrupt the script raised starts the function again on the same ranks.
+    and an interrupt the script raised starts the function again on the same ranks. Under
+    torchrun's elastic agent, the first sync is preceded by loading the newest commit kept on
+    disk by the job's earlier workers, if any (see the module's docstring).
     """
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         with _sigterm_fails_the_collectives():
+            # Under torchrun's elastic agent: the last commit of this job's earlier workers.
+            resume_from_snapshot(state, f"{func.__module__}.{func.__qualname__}")
             skip_sync = False
             while True:
                 if not skip_sync:
@@ -83,6 +96,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 except HostsUpdatedInterrupt as interrupt:
                     skip_sync = interrupt.skip_sync
                 else:
+                    forget_snapshot(state)
                     member = membership.current()
                     if member is not None:
                         member.leave()

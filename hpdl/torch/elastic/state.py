@@ -41,6 +41,19 @@ class StateHandler:
         self.value = value
         self.save()
 
+    def snapshot(self) -> Any:
+        """What ``save`` kept, for the snapshot on disk that a job restarted by torchrun's elastic
+        agent resumes from (hpdl's handlers keep it in ``_saved``; a handler that keeps it
+        elsewhere overrides this and ``load_snapshot``)."""
+        try:
+            return self._saved
+        except AttributeError:
+            raise NotImplementedError(f"{type(self).__name__} keeps no _saved copy") from None
+
+    def load_snapshot(self, saved: Any) -> None:
+        """Make ``saved`` (as ``snapshot`` gave it) what ``restore`` brings back."""
+        self._saved = saved
+
 
 class ModelStateHandler(StateHandler):
     def __init__(self, model: torch.nn.Module):
@@ -58,6 +71,11 @@ class ModelStateHandler(StateHandler):
 
 
 class OptimizerStateHandler(ModelStateHandler):
+    def restore(self) -> None:
+        # A copy: an optimizer's load_state_dict keeps the tensors it is given (the momentum
+        # buffers), which its steps then change in place, and the saved copy with them.
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
@@ -114,7 +132,8 @@ class TorchState(ObjectState):
     their ``state_dict``), and any other keyword argument as a plain object (``epoch=0``).
 
     ``sync`` broadcasts rank 0's parameters, optimizer state, sampler position and objects;
-    ``commit`` keeps copies of them in memory; ``restore`` loads the copies back.
+    ``commit`` keeps copies of them in memory (and, under torchrun's elastic agent, on disk);
+    ``restore`` loads the copies back.
     """
 
     unsendable_advice = ("keep such an object by its state_dict() through a StateHandler, added to "
@@ -146,6 +165,16 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
+
+    def _snapshot_payload(self) -> Optional[Dict[str, Any]]:
+        payload = super()._snapshot_payload()
+        payload["handlers"] = {name: handler.snapshot() for name, handler in self._handlers.items()}
+        return payload
+
+    def _load_snapshot(self, payload: Dict[str, Any]) -> None:
+        for name, handler in self._handlers.items():
+            handler.load_snapshot(payload["handlers"][name])
+        super()._load_snapshot(payload)
 
     def sync(self) -> None:
         for handler in self._handlers.values():
