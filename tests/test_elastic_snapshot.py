@@ -54,12 +54,12 @@ def _torchrun(tmp_path, run_id, script_args, timeout=300):
 def _starts(out):
     """(restart, rank, step, epoch) of each start of the training function."""
     return sorted((int(m["restart"]), int(m["rank"]), int(m["step"]), int(m["epoch"]))
-                  for m in re.finditer(r"^start rank=(?P<rank>\d+) restart=(?P<restart>\d+) step=(?P<step>\d+) "
-                                       r"epoch=(?P<epoch>\d+)$", out, re.M))
+                  for m in re.finditer(r"start rank=(?P<rank>\d+) restart=(?P<restart>\d+) step=(?P<step>\d+) "
+                                       r"epoch=(?P<epoch>\d+)", out))
 
 
 def _final(out):
-    found = re.findall(r"^final (step=\d+ params=.*)$", out, re.M)
+    found = re.findall(r"final (step=\d+ params=\[\[.*?\]\])", out)
     assert len(found) == 1, out
     return found[0]
 

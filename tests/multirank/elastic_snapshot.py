@@ -38,6 +38,11 @@ SAMPLES = 16
 BATCH = 2  # per rank and step
 
 
+def say(line: str) -> None:
+    """One line in one write: the workers share torchrun's stdout."""
+    os.write(1, (line + "\n").encode())
+
+
 def train_mode(argv) -> None:
     kill_at = int(option_arg(argv, "--kill-at", "0"))
     marker = argv[0]
@@ -56,8 +61,8 @@ def train_mode(argv) -> None:
 
     @hvd.elastic.run
     def train(state):
-        print(f"start rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} step={state.step} "
-              f"epoch={state.epoch}", flush=True)
+        say(f"start rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} step={state.step} "
+            f"epoch={state.epoch}")
         for state.epoch in range(state.epoch, EPOCHS):
             indices = list(state.sampler)
             for at in range(0, len(indices), BATCH):
@@ -70,7 +75,7 @@ def train_mode(argv) -> None:
                 if state.step % 2 == 0:
                     state.commit()
                     if state.step == 2 and hvd.local_rank() == 0 and os.listdir(directory):
-                        print("snapshot kept", flush=True)
+                        say("snapshot kept")
                 if rank == 1 and state.step == kill_at and not os.path.exists(marker):
                     open(marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -79,7 +84,7 @@ def train_mode(argv) -> None:
     train(state)
     if rank == 0:
         params = [p.detach().flatten().tolist() for p in model.parameters()]
-        print(f"final step={state.step} params={params!r}", flush=True)
+        say(f"final step={state.step} params={params!r}")
     hvd.shutdown()
 
 
