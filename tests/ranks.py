@@ -14,6 +14,20 @@ import pytest
 
 from hpdl.launch.process_tree import kill_tree
 
+_snapshots: list = []
+
+
+def _snapshot_dir() -> str:
+    """A directory for the elastic snapshots the session's torchrun jobs write, removed at exit
+    (a job that fails on purpose leaves its snapshot, as a failed job should)."""
+    if not _snapshots:
+        import atexit
+        import tempfile
+
+        _snapshots.append(tempfile.mkdtemp(prefix="hpdl-test-snapshots-"))
+        atexit.register(shutil.rmtree, _snapshots[0], True)
+    return _snapshots[0]
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "multirank"
 
@@ -125,6 +139,8 @@ def run_ranks(
     for key in [k for k in full_env if k.startswith("HPDL_") and k not in ("HPDL_VENV", "HPDL_TORCH_SPEC")]:
         del full_env[key]
     full_env["HPDL_TEST_TIMEOUT"] = str(timeout)
+    # torchrun jobs keep hvd.elastic snapshots: in a directory of the test session, not /tmp's.
+    full_env["HPDL_ELASTIC_SNAPSHOT_DIR"] = _snapshot_dir()
     full_env.update(env or {})
     argv = launch_argv(launcher, n, [str(SCRIPTS / script), *args])
     proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
