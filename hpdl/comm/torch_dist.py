@@ -24,6 +24,7 @@ point-to-point works cannot be polled, nor waited for with a timeout without bre
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import gc
 import os
@@ -171,6 +172,11 @@ _exit_registered: List[bool] = []
 # ("terminate called without an active exception"); the calls end at their timeout, or when
 # the peer's process does.
 _ABANDONED_GROUPS: List[Any] = []
+_ABANDONED_WORKS: List[Any] = []  # and their works (their tensors), for the same reason
+# How _poll waits: this many yields, then sleeps growing by the step, up to the most.
+_SPINS = 50
+_POLL_STEP_S = 0.00005
+_POLL_MAX_S = 0.001
 
 
 def leave_world() -> None:
@@ -186,8 +192,11 @@ def leave_world() -> None:
 
 
 def _keep_unshut(group) -> None:
-    """Take ``group`` out of torch's registry of groups to shut down, and keep it alive."""
+    """Take ``group`` out of torch's registry of groups to shut down, and keep it alive for
+    good: not even the interpreter's finalization frees it (a reference no one releases), since
+    its destructor, with a gloo thread still in the abandoned call, aborts the process."""
     _ABANDONED_GROUPS.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
     names = getattr(dist.distributed_c10d._world, "pg_names", None)  # noqa: SLF001 - see _ABANDONED_GROUPS
     if names is not None:
         names.pop(group, None)
@@ -321,6 +330,9 @@ class TorchCommunicator(Communicator):
         self._size = dist.get_world_size(self._group)
         self._probes = 0
         self._gloo_caller: Optional[_GlooCaller] = None  # made on the first interruptible call
+        # Interruptible collectives are started and polled rather than made on the gloo caller's
+        # thread (an elastic job's world, whose abandoned calls must need no Python thread).
+        self.polls_works = False
         self._abandoned = False  # a call was left running when wait_hook raised
 
     @property
@@ -370,18 +382,41 @@ class TorchCommunicator(Communicator):
         self._all_reduce(tensor, _OPS[op], group)
 
     def _all_reduce(self, tensor: torch.Tensor, op, group) -> None:
-        self._blocking(group, lambda: dist.all_reduce(tensor, op=op, group=group))
+        self._blocking(group, lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
     def _all_gather(self, parts: List[torch.Tensor], tensor: torch.Tensor, group) -> None:
-        self._blocking(group, lambda: dist.all_gather(parts, tensor, group=group))
+        self._blocking(group, lambda async_op: dist.all_gather(parts, tensor, group=group, async_op=async_op))
 
-    def _blocking(self, group, run: Callable[[], Any]) -> None:
-        """Make the blocking call ``run()`` on ``group``: here, or interruptibly where a
-        ``wait_hook`` is given and the group is gloo's."""
+    def _blocking(self, group, call: Callable[[bool], Any]) -> None:
+        """Make the collective ``call(async_op)`` on ``group`` and return once it is done: here,
+        or interruptibly where a ``wait_hook`` is given and the group is gloo's (started and
+        polled where ``polls_works``, else on the gloo caller's thread)."""
         if self.wait_hook is None or not self._gloo_group(group):
-            run()
+            call(False)
+        elif self.polls_works:
+            self._poll(call(True))
         else:
-            self._interruptibly(run)
+            self._interruptibly(lambda: call(False))
+
+    def _poll(self, work) -> None:
+        """Wait for ``work`` by polling it, calling ``wait_hook`` between polls; raise its error.
+        Should the hook raise, the work is abandoned to gloo's own threads, which need no
+        Python: a call that ends while the interpreter finalizes cannot abort the process, as
+        a Python thread's return into a finalizing interpreter does ("terminate called without
+        an active exception")."""
+        polls = 0
+        while not work.is_completed():
+            try:
+                self.wait_hook()
+            except BaseException:
+                self._abandoned = True
+                _ABANDONED_WORKS.append(work)
+                raise
+            polls += 1
+            # A collective of small messages ends within microseconds: yield at first, then
+            # sleep longer, up to a millisecond, as it goes on.
+            time.sleep(0 if polls < _SPINS else min(_POLL_MAX_S, _POLL_STEP_S * (polls - _SPINS)))
+        work.wait()  # done: raises the collective's error, if any
 
     def _gloo_group(self, group) -> bool:
         """Whether ``group`` is one of gloo's: every group under gloo; under nccl, all but the data
@@ -456,7 +491,8 @@ class TorchCommunicator(Communicator):
             self.broadcast(_as_rows_of_bytes(tensor), root)
             return
         group = self._group if tensor.device.type != "cpu" or self._control is self._group else self._control
-        self._blocking(group, lambda: dist.broadcast(tensor, src=self._global(root), group=group))
+        self._blocking(group, lambda async_op: dist.broadcast(tensor, src=self._global(root), group=group,
+                                                              async_op=async_op))
 
     def alltoall(
         self, tensor: torch.Tensor, splits: Sequence[int], recv_splits: Optional[Sequence[int]] = None
@@ -465,7 +501,8 @@ class TorchCommunicator(Communicator):
         if recv_splits is None:
             sent = torch.tensor(splits, dtype=torch.int64)
             received = torch.empty(self._size, dtype=torch.int64)
-            self._blocking(self._control, lambda: dist.all_to_all_single(received, sent, group=self._control))
+            self._blocking(self._control, lambda async_op: dist.all_to_all_single(
+                received, sent, group=self._control, async_op=async_op))
             recv_splits = received.tolist()
         recv_splits = [int(s) for s in recv_splits]
         if not self._movable(tensor):
@@ -473,7 +510,8 @@ class TorchCommunicator(Communicator):
             return _from_rows_of_bytes(out, tensor, sum(recv_splits)), recv_splits
         out = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         group = self._data_group(tensor)
-        self._blocking(group, lambda: dist.all_to_all_single(out, tensor, recv_splits, splits, group=group))
+        self._blocking(group, lambda async_op: dist.all_to_all_single(out, tensor, recv_splits, splits, group=group,
+                                                                      async_op=async_op))
         return out, recv_splits
 
     def reduce_scatter(
@@ -514,7 +552,7 @@ class TorchCommunicator(Communicator):
                 tensor.copy_(buf)
 
     def barrier(self) -> None:
-        self._blocking(self._control, lambda: dist.barrier(group=self._control))
+        self._blocking(self._control, lambda async_op: dist.barrier(group=self._control, async_op=async_op))
 
     def split(self, ranks: Sequence[int]) -> Optional["TorchCommunicator"]:
         # dist.new_group is collective over the whole world: only a group of every rank (the

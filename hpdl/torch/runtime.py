@@ -217,6 +217,7 @@ def _join_elastic(settings: Settings, member: "membership.Membership") -> "tuple
     world = create_world(name, topology, timeout_s=settings.stall_timeout_s, store=member.process_group_store())
     # Every wait of the world's collectives asks whether the generation still runs.
     world.wait_hook = member.check
+    world.polls_works = True  # no Python thread left in a call a reset abandons (torch_dist._poll)
     if topology.rank == 0:
         member.updates_seen = member.host_updates()[0]
     member.updates_seen = world.allgather_object(member.updates_seen)[0]  # rank 0's, on every rank

@@ -84,9 +84,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             resume_from_snapshot(state, f"{func.__module__}.{func.__qualname__}")
             skip_sync = False
             while True:
-                if not skip_sync:
-                    state.sync()
                 try:
+                    if not skip_sync:  # a worker lost during the sync is a failure like any other
+                        state.sync()
                     result = func(state, *args, **kwargs)
                 except HorovodInternalError:
                     state.restore()
