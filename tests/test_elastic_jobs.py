@@ -206,3 +206,16 @@ def test_a_blacklisted_host_is_admitted_again_after_its_cooldown_and_the_world_g
     assert "host 127.0.0.1 is admitted again after its cooldown" in done.stderr
     assert {row["worker"] for row in rows if row["size"] == 2 and row["rank"] == 1} == {1, 2}
     assert final["size"] == 2
+
+
+def test_a_failed_worker_of_a_discovered_host_is_blacklisted_though_the_script_still_lists_it(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost\necho 127.0.0.1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    done, rows, final = _elastic(tmp_path, ["-np", "2", "--min-np", "1", "--host-discovery-script", str(script)],
+                                 ["--fail", "1:3:raise", "--batch-sleep", "0.1"])
+    assert done.returncode == 0, done.stderr
+    assert "worker 1 (host 127.0.0.1, rank 1) ended with exit code 1; going on without it" in done.stderr
+    _assert_every_rank_agrees(rows)
+    assert {row["worker"] for row in rows if row["size"] == 1} == {0}  # never re-admitted: no cooldown
+    assert rows[-1]["size"] == 1 and final["size"] == 1
