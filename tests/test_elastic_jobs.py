@@ -11,7 +11,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -138,8 +137,7 @@ def test_a_job_that_cannot_go_on_ends_with_one_line(tmp_path, case):
         "min-np timeout": (["-np", "2", "--min-np", "2", "--elastic-timeout", "2", "-H", "localhost:1,127.0.0.1:1"],
                            ["--fail", "1:3:exit"]),
     }[case]
-    started = time.monotonic()
-    done, _rows, final = _elastic(tmp_path, options, fail + ["--batch-sleep", "0.1"], timeout=90)
+    done, _rows, final = _elastic(tmp_path, options, fail + ["--batch-sleep", "0.1"], timeout=90)  # else a hang
     assert done.returncode == 1 and final is None, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("hpdl run: error:")]
     assert len(errors) == 1, done.stderr
@@ -148,7 +146,6 @@ def test_a_job_that_cannot_go_on_ends_with_one_line(tmp_path, case):
                 "reset limit": "past --reset-limit 0",
                 "min-np timeout": "fewer than --min-np 2 workers for --elastic-timeout 2 s"}[case]
     assert expected in errors[0], errors
-    assert time.monotonic() - started < 80
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not leftover, leftover  # no worker outlives the job
 
