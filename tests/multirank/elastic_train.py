@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -73,7 +72,6 @@ def log(**fields):
 def train(state):
     while state.epoch < args.epochs:
         indices = list(iter(state.sampler))
-        position = state.sampler.processed_num // max(1, state.sampler.num_replicas)
         # This rank's indices still to do in the epoch, a batch at a time.
         for start in range(0, len(indices), args.batch):
             batch = indices[start:start + args.batch]

@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hpdl.comm.rendezvous import STORE_VARIABLE, WORKER_VARIABLE, Rendezvous, Slot, assign_slots
 from hpdl.launch.elastic.discovery import DiscoveryError, DiscoveryScript, FixedHosts
@@ -65,7 +65,7 @@ class ElasticOptions:
     cooldown_range_s: Optional[Tuple[float, float]] = None
     discovery_interval_s: float = 1.0
     remote_shell: str = "ssh"
-    is_local: "callable" = None  # whether a host name is this machine
+    is_local: Optional[Callable[[str], bool]] = None  # whether a host name is this machine
     verbose: bool = False
 
 
@@ -119,7 +119,6 @@ class ElasticDriver:
         """Run the job to its end; return its exit status."""
         from torch.distributed import TCPStore
 
-        all_local = None  # decided with the first hosts
         self.hosts = self._find_hosts(first=True)
         all_local = all(self._local(h) for h in self.hosts)
         address = "127.0.0.1" if all_local else socket.gethostname()
@@ -229,9 +228,7 @@ class ElasticDriver:
 
     def _try_to_form(self) -> None:
         """Fewer than --min-np could be had: try again with the hosts found since."""
-        survivors = sorted(self._active(), key=lambda w: w.id)
-        if self._new_generation(survivors, reason="workers came back"):
-            pass
+        self._new_generation(sorted(self._active(), key=lambda w: w.id), reason="hosts came back")
 
     def _note_formed(self) -> None:
         """Mark the members of the current generation as holders of the state once it formed."""
@@ -273,7 +270,6 @@ class ElasticDriver:
 
     def _reap(self) -> None:
         """Act on the workers that ended since the last look."""
-        current = set(self._current_ids())
         failed: List[Tuple[_Worker, int]] = []
         for worker in list(self.workers.values()):
             code = worker.proc.poll()

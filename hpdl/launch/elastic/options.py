@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from typing import Callable, Dict, FrozenSet, Optional
+from typing import Callable, FrozenSet, Optional
 
 from hpdl.launch.elastic.discovery import DiscoveryScript, FixedHosts
 from hpdl.launch.elastic.driver import ElasticOptions
