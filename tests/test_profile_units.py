@@ -3,6 +3,7 @@ the comparison, the timeline and the HTML page."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Optional, Sequence
@@ -119,6 +120,7 @@ def test_recorder_phases_of_a_fused_message_and_its_step():
     part = recorder.snapshot()
     (c,) = list(schema.records(part, "collectives"))
     assert c["ready_us"] == 1001.0  # the last member's submission
+    assert c["member_ready_us"] == [1000.0, 1001.0]  # each member's: a gradient's ready time
     assert (c["queue_us"], c["negotiate_us"], c["copy_in_us"], c["backend_us"], c["copy_out_us"]) == (10, 20, 5, 100, 7)
     assert c["bytes"] == 6 * MiB and c["sizes"] == [4 * MiB, 2 * MiB] and c["tensors"] == 2
     assert [part["tensors"][i] for i in c["names"]] == ["g0", "g1"]
@@ -655,3 +657,16 @@ def test_a_version_1_profile_reads_with_the_wait_unknown():
     a = Analysis(profile)
     assert a.steps.core_wait_us is None and "for a core" not in " ".join(findings(a))
     assert next(line for line in render(a, "old.json", []).splitlines() if line.startswith("all ranks")).endswith("-")
+
+
+def test_a_version_2_profile_reads_with_its_members_ready_times_unknown(tmp_path):
+    recorder = Recorder(rank=0, zero_us=0.0)
+    recorder._step_start = 0.0
+    feed_step(recorder, 1000.0, [4 * MiB, 2 * MiB], blocked=40.0)
+    part = recorder.snapshot()
+    columns = part["collectives"]["columns"]
+    part["collectives"] = schema.table(columns[:-1], [row[:-1] for row in part["collectives"]["rows"]])
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps({"format": schema.FORMAT, "version": 2, "job": {"size": 1}, "ranks": [part]}))
+    (c,) = list(schema.records(schema.load(str(path))["ranks"][0], "collectives"))
+    assert c["member_ready_us"] == [] and c["ready_us"] == 1001.0

@@ -66,6 +66,8 @@ def tensor_key(name: str) -> str:
 _CALLS, _BACKEND, _COPY_IN, _COPY_OUT, _QUEUE, _NEGOTIATE, _MIN, _MAX = range(8)
 # Indexes of the member names and sizes in a raw row (schema.COLLECTIVE_COLUMNS).
 _NAMES, _SIZES = schema.COLLECTIVE_COLUMNS.index("names"), schema.COLLECTIVE_COLUMNS.index("sizes")
+_MEMBER_READY = schema.COLLECTIVE_COLUMNS.index("member_ready_us")
+_COPY_OUT_US = schema.COLLECTIVE_COLUMNS.index("copy_out_us")
 
 
 class Recorder:
@@ -144,8 +146,10 @@ class Recorder:
         # The member submitted last decides when this rank was ready, and its waits are the message's.
         ready, drained, negotiated = event.time_us, event.time_us, event.time_us
         latest = None
+        submitted = []  # each member's submission (None: not seen, as before recording began)
         for name in event.names:
             queued = self._queued.pop((ps, name), None)
+            submitted.append(queued)
             if queued is not None and (latest is None or queued > latest):
                 latest = queued
                 drained, negotiated = self._negotiated.pop((ps, name), (queued, queued))
@@ -153,6 +157,9 @@ class Recorder:
                 self._negotiated.pop((ps, name), None)
         if latest is not None:
             ready = latest
+        # When each member was ready (a gradient's moment in backward), for replaying the step's
+        # schedule (`hpdl profile predict`); a member not seen counts as ready with the last.
+        member_ready = array.array("d", [(ready if t is None else t) - zero for t in submitted])
         copy_in = self._copy_in.pop(event.names, 0.0)
         queue_us, negotiate_us = max(0.0, drained - ready), max(0.0, negotiated - drained)
         backend_us = event.duration_us
@@ -163,7 +170,7 @@ class Recorder:
         # recorder's memory (names become indices into the name table in snapshot()).
         row = [seq, step, ps, event.kind, event.backend, event.dtype, event.nbytes, event.fused,
                event.names, array.array("q", event.sizes), ready - zero, queue_us, negotiate_us,
-               event.time_us - zero, copy_in, backend_us, 0.0]
+               event.time_us - zero, copy_in, backend_us, 0.0, member_ready]
         self._raw.append(row)
         self.collectives_seen += 1
         key = (event.kind, event.backend, event.dtype, event.nbytes, event.fused)
@@ -225,7 +232,7 @@ class Recorder:
         if self._last is None or self._last[0] != event.names:
             return
         _, row, totals = self._last
-        row[-1] = event.duration_us
+        row[_COPY_OUT_US] = event.duration_us
         totals[_COPY_OUT] += event.duration_us
         self._step_comm[0] += event.duration_us
         self._last = None
@@ -274,6 +281,7 @@ class Recorder:
                 if sizes is None:
                     sizes = member_sizes[packed] = row[_SIZES].tolist()
                 row[_SIZES] = sizes
+                row[_MEMBER_READY] = [round(t, 1) for t in row[_MEMBER_READY]]
                 raw.append(row)
             if len(self._layers) > self.tensor_rows:
                 self.layers_folded += _fold(self._layers, self.tensor_rows, OTHER_LAYERS)

@@ -9,7 +9,7 @@ A profile is one JSON object (docs/profile.md describes every field):
   table and four tables stored by columns (``{"columns": [...], "rows": [[...], ...]}``):
   ``messages`` (per distinct backend message, totals over the whole run), ``tensors_time``
   (per tensor, totals), ``steps`` (the last steps) and ``collectives`` (the last raw
-  collectives); and, of a spatial-parallel job, three tables of the communication its
+  collectives, with when each member tensor was submitted: a gradient's ready time); and, of a spatial-parallel job, three tables of the communication its
   spatial groups did outside the engine (halo exchanges and the groups' collectives):
   ``spatial_layers`` (per layer, totals), ``spatial_steps`` (per step and kind) and
   ``spatial_events`` (the last raw ones). Files without them (older, or of other jobs) read
@@ -27,7 +27,7 @@ import stat
 from typing import Any, Dict, Iterator, List, Sequence
 
 FORMAT = "hpdl-profile"
-VERSION = 2  # 2: steps.core_wait_us
+VERSION = 3  # 2: steps.core_wait_us; 3: collectives.member_ready_us
 
 MESSAGE_COLUMNS = ("kind", "backend", "dtype", "bytes", "tensors", "calls", "backend_us", "copy_in_us",
                    "copy_out_us", "queue_us", "negotiate_us", "min_us", "max_us")
@@ -37,7 +37,9 @@ STEP_COLUMNS = ("step", "start_us", "end_us", "blocked_us", "comm_us", "messages
 _STEP_COLUMNS_V1 = STEP_COLUMNS[:-1]
 COLLECTIVE_COLUMNS = ("seq", "step", "process_set", "kind", "backend", "dtype", "bytes", "tensors", "names",
                       "sizes", "ready_us", "queue_us", "negotiate_us", "start_us", "copy_in_us", "backend_us",
-                      "copy_out_us")
+                      "copy_out_us", "member_ready_us")
+# Version 2's collectives, read as version 3's with each member's submission unknown ([]).
+_COLLECTIVE_COLUMNS_V2 = COLLECTIVE_COLUMNS[:-1]
 # A spatial group's communication outside the engine (events.GROUP_KINDS): per layer (the
 # event's name, its path in the model) and kind, totals; per step and kind; raw events.
 SPATIAL_LAYER_COLUMNS = ("kind", "name", "op", "bytes", "calls", "time_us")
@@ -60,7 +62,7 @@ _RANK_COUNTS = ("steps_dropped", "collectives_dropped", "tensors_folded", "layer
 # of the right shape but the wrong types is refused here, with the cell named.
 _TEXT_COLUMNS = {"kind", "backend", "dtype", "op"}
 _INTEGER_COLUMNS = {"name"}  # an index into the rank's name table
-_LIST_COLUMNS = {"names": "integers", "sizes": "numbers"}
+_LIST_COLUMNS = {"names": "integers", "sizes": "numbers", "member_ready_us": "numbers"}
 # Numbers that may be unknown (null): where the platform cannot tell.
 _OPTIONAL_COLUMNS = {"core_wait_us"}
 # job.settings that readers compute with; the others are only shown.
@@ -194,6 +196,8 @@ def check(data: Any, path: str) -> None:
             raise ProfileError(f"{path}: ranks[{i}].engine must be an object of counters (numbers)")
         if version == 1:
             _upgrade_steps_v1(rank)
+        if version <= 2:
+            _upgrade_collectives_v2(rank)
         for name in OPTIONAL_TABLES:
             if name not in rank:
                 rank[name] = table(TABLES[name], [])
@@ -220,6 +224,16 @@ def _upgrade_steps_v1(rank: Dict[str, Any]) -> None:
             and isinstance(stored.get("rows"), list):
         stored["columns"] = list(STEP_COLUMNS)
         stored["rows"] = [row + [None] if isinstance(row, list) else row for row in stored["rows"]]
+
+
+def _upgrade_collectives_v2(rank: Dict[str, Any]) -> None:
+    """Read a version 2 rank's collectives as version 3's: when each member was submitted was
+    not recorded (an empty list: readers that need it, as `hpdl profile predict`, refuse)."""
+    stored = rank.get("collectives")
+    if isinstance(stored, dict) and stored.get("columns") == list(_COLLECTIVE_COLUMNS_V2) \
+            and isinstance(stored.get("rows"), list):
+        stored["columns"] = list(COLLECTIVE_COLUMNS)
+        stored["rows"] = [row + [[]] if isinstance(row, list) else row for row in stored["rows"]]
 
 
 def _check_job(job: Dict[str, Any], path: str) -> None:
