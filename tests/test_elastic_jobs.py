@@ -103,11 +103,11 @@ def test_hosts_added_then_removed_by_discovery_grow_and_shrink_the_world_without
     script.write_text("#!/bin/sh\n"
                       f"p=$(cat {progress} 2>/dev/null || echo 0)\n"
                       "echo localhost:1\n"
-                      'if [ "$p" -ge 3 ] && [ "$p" -lt 9 ]; then echo 127.0.0.1:2; fi\n')
+                      'if [ "$p" -ge 3 ] && [ "$p" -lt 6 ]; then echo 127.0.0.1:2; fi\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     done, rows, final = _elastic(tmp_path, ["-np", "1", "--min-np", "1", "--host-discovery-script", str(script)],
-                                 ["--progress", str(progress), "--batch-sleep", "0.25", "--slow-start", "1.5",
-                                  "--epochs", "3", "--samples", "36"])
+                                 ["--progress", str(progress), "--slow-start", "1.5", "--epochs", "3",
+                                  "--samples", "36", "--hold", "3:3", "--hold", "6:1"])
     assert done.returncode == 0, done.stderr
     _assert_every_rank_agrees(rows)
     sizes = []
@@ -192,7 +192,7 @@ def test_bad_elastic_input_is_one_line_and_exit_2_with_nothing_started(tmp_path,
 def test_a_blacklisted_host_is_admitted_again_after_its_cooldown_and_the_world_grows_back(tmp_path):
     done, rows, final = _elastic(tmp_path, ["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
                                             "--blacklist-cooldown-range", "1", "2"],
-                                 ["--fail", "1:3:raise", "--batch-sleep", "0.25", "--epochs", "4"])
+                                 ["--fail", "1:3:raise", "--hold", "5:2"])
     assert done.returncode == 0, done.stderr
     _assert_every_rank_agrees(rows)
     sizes = []

@@ -1,4 +1,4 @@
-"""An elastic training script for the tests (tests/test_elastic.py): a float64 linear model on
+"""An elastic training script for the tests (tests/test_elastic_jobs.py): a float64 linear model on
 deterministic data, read through an ElasticSampler, committed every --commit-every batches.
 
 Each rank appends one JSON line per batch to --log (worker, rank, size, epoch, batch, the
@@ -6,7 +6,8 @@ parameters' sum), so a test can follow the worlds the job went through; rank 0 s
 parameters to --out. --fail WORKER:BATCH:HOW makes that worker fail once when it reaches that
 batch of the whole run (HOW: raise, kill (SIGKILL), exit (os._exit(3))); --progress FILE gets
 the number of batches done (a discovery script reads it); --slow-start S delays a worker that
-is not worker 0 before hvd.init().
+is not worker 0 before hvd.init(); --hold BATCH:SIZE waits after that batch, committing, until
+the world has SIZE workers (so a test's schedule of hosts does not depend on this machine's speed).
 """
 
 import argparse
@@ -30,6 +31,9 @@ parser.add_argument("--fail", action="append", default=[])
 parser.add_argument("--progress", default=None)
 parser.add_argument("--slow-start", type=float, default=0.0)
 parser.add_argument("--batch-sleep", type=float, default=0.0)
+parser.add_argument("--hold", action="append", default=[],
+                    help="BATCH:SIZE: after that batch, commit until the world has SIZE workers (whatever the "
+                         "machine's speed, the job waits there for the driver's change)")
 args = parser.parse_args()
 
 worker = int(os.environ.get("HPDL_ELASTIC_WORKER", "-1"))
@@ -53,6 +57,20 @@ for text in args.fail:
 def on_reset():
     for group in optimizer.param_groups:
         group["lr"] = 0.01 * hvd.size()
+
+
+holds = {int(b): int(n) for b, n in (text.split(":") for text in args.hold)}
+
+
+def _hold(state, size):
+    """Commit until the world has ``size`` workers: a commit raises HostsUpdatedInterrupt when
+    the driver has changed the hosts, and the world is formed again."""
+    deadline = time.monotonic() + 240
+    while hvd.size() != size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the world did not become {size} workers within 240 s")
+        state.commit()
+        time.sleep(0.1)
 
 
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, done=0)
@@ -98,6 +116,8 @@ def train(state):
                 time.sleep(args.batch_sleep)
             if state.done % args.commit_every == 0:
                 state.commit()
+            if state.done in holds:
+                _hold(state, holds[state.done])
         state.epoch += 1
         state.sampler.set_epoch(state.epoch)
         state.commit()
