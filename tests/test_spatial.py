@@ -210,11 +210,12 @@ EXACTNESS = [
     ("mpiexec", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17",
                            "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint", "unet:37x29",
                            "unet-crop:37x29:checkpoint", "seghead:64x32"]),
-    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "srresnet:23x19", "unet:37x29"]),
+    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29"]),
     ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64"]),
-    ("openmpi", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19"]),
+    # Open MPI's halo exchanges, a middle band with two neighbours; the models are MPICH's above.
+    ("openmpi", 3, "3x1", ["edsr-baseline:23x19"]),
 ]
 
 
