@@ -1,4 +1,4 @@
-"""`hpdl profile`: read a communication profile (report, compare, timeline)."""
+"""`hpdl profile`: read a communication profile (report, compare, timeline, predict)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,39 @@ def register(subparsers) -> None:
     timeline.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write ('-': stdout)")
     timeline.add_argument("--overwrite", action="store_true", help="replace the trace file if it exists (never the profile)")
     timeline.set_defaults(func=_timeline)
+    predict = sub.add_parser(
+        "predict", help="predict step time, img/s and scaling efficiency at other rank counts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Predict how the profiled job scales: each of the profile's last steps is replayed through the "
+        "engine's own scheduling and fusion, its gradients at their recorded moments in backward, over a model of "
+        "the network at each rank count (docs/predict.md). Prints what it assumed, then per rank count the step "
+        "time, img/s, scaling efficiency and the exposed communication; --what-if adds variants beside the baseline.",
+        epilog="examples:\n"
+        "  hpdl profile predict p.json --batch-size 16 --ranks 1,2,4,8 --network intra=shm\n"
+        "  hpdl profile predict p.json --batch-size 16 --ranks 1,4,16,64,512 --gpus-per-node 4 \\\n"
+        "      --network intra=nvlink2,inter=ib-edr --compute-rate 11 --what-if fp16 --what-if 'bandwidth>=16MB:x2'\n\n"
+        "network: LEVEL=PRESET, LEVEL=LABEL:BANDWIDTH:LATENCY or LEVEL=measured:FILE, comma-separated, LEVEL intra or "
+        "inter (docs/predict.md lists the presets)\n"
+        "what-ifs: fp16, hierarchical, fusion-threshold=SIZE, batch-size=Nx, bandwidth>=SIZE:xN")
+    predict.add_argument("file", help="profile JSON file (schema 3: recorded by this hpdl)")
+    predict.add_argument("--ranks", default="1,2,4,8,16,32,64,128,256,512", metavar="N,N,...",
+                         help="rank counts to predict (default 1,2,4,...,512)")
+    predict.add_argument("--gpus-per-node", type=int, default=1, metavar="G", help="ranks per node (default 1)")
+    predict.add_argument("--nics-per-node", type=int, default=1, metavar="K",
+                         help="network adapters a node's ranks share between nodes (default 1)")
+    predict.add_argument("--network", required=True, metavar="SPEC", help="the network's levels (see below)")
+    predict.add_argument("--algorithm", choices=("auto", "ring", "tree", "hierarchical"), default="auto",
+                         help="the allreduce algorithm (default auto: the cheapest by the model, per message)")
+    predict.add_argument("--batch-size", type=int, required=True, metavar="B", help="images per rank per step")
+    predict.add_argument("--compute-rate", type=float, metavar="IMG_PER_S",
+                         help="another device's measured images per second on one device: the profile's compute "
+                              "scaled to it, the gradients' moments with it")
+    predict.add_argument("--what-if", action="append", default=[], metavar="CHANGE",
+                         help="a variant predicted beside the baseline (repeatable)")
+    predict.add_argument("--json", metavar="FILE", help="also write the prediction as JSON ('-': stdout only)")
+    predict.add_argument("--plot", metavar="FILE", help="also plot img/s and efficiency against ranks, ideal beside")
+    predict.add_argument("--overwrite", action="store_true", help="replace --json or --plot files if they exist")
+    predict.set_defaults(func=_predict)
     profile.set_defaults(func=lambda args: profile.print_help() or 2)
 
 
@@ -124,12 +157,12 @@ def _report(args) -> int:
     return 0
 
 
-def _require_matplotlib() -> None:
-    """Refuse --html before the analysis where matplotlib, which draws its figures, is missing."""
+def _require_matplotlib(option: str = "--html") -> None:
+    """Refuse ``option`` before the analysis where matplotlib, which draws its figures, is missing."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError("--html needs matplotlib: pip install 'hpdl[profile]'") from None
+        raise CliError(f"{option} needs matplotlib: pip install 'hpdl[profile]'") from None
 
 
 def _compare(args) -> int:
@@ -159,3 +192,112 @@ def _timeline(args) -> int:
     print(f"wrote {args.output}: {len(document['traceEvents'])} trace events, one track per rank (open in "
           "ui.perfetto.dev or chrome://tracing)")
     return 0
+
+
+def _predict(args) -> int:
+    import dataclasses
+    import json
+
+    from hpdl.config import Settings
+    from hpdl.profile.predict import predictor
+    from hpdl.profile.predict.network import parse_network
+    from hpdl.profile.schema import ProfileError, load
+
+    ranks = _rank_counts(args.ranks)
+    for option, value in (("--gpus-per-node", args.gpus_per_node), ("--nics-per-node", args.nics_per_node),
+                          ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise CliError(f"{option} {value}: give at least 1")
+    if args.compute_rate is not None and not args.compute_rate > 0:
+        raise CliError(f"--compute-rate {args.compute_rate:g}: give images per second above 0")
+    outputs = OutputRule([("input", args.file)], args.overwrite, make_directories=False)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and path != "-":
+            outputs.refuse(path, option)
+    if args.plot:
+        _require_matplotlib("--plot")
+    try:
+        network = parse_network(args.network)
+        what_ifs = [predictor.BASELINE] + [predictor.parse_what_if(w) for w in args.what_if]
+        profile = load(args.file)
+    except (ValueError, ProfileError) as err:
+        raise CliError(str(err)) from None
+    with _reading(args.file):
+        shapes, recorded = predictor.step_shapes(profile, args.file)
+    settings = Settings()
+    known = {f.name for f in dataclasses.fields(Settings)}
+    settings = dataclasses.replace(settings, **{k: v for k, v in recorded.items() if k in known
+                                                and isinstance(v, type(getattr(settings, k)))})
+    try:
+        points = predictor.predict(shapes, settings, network, ranks, args.gpus_per_node, args.batch_size,
+                                   args.algorithm, args.nics_per_node, what_ifs, args.compute_rate)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    assumed = predictor.assumptions(shapes, settings, network, args.gpus_per_node, args.algorithm, args.batch_size,
+                                    args.compute_rate)
+    record = {"profile": args.file, "assumptions": assumed,
+              "points": [dataclasses.asdict(p) for p in points]}
+    if args.json == "-":
+        print(json.dumps(record, indent=1))
+        return 0
+    print(_prediction_text(assumed, points))
+    if args.json:
+        outputs.write(args.json, lambda f: f.write(json.dumps(record, indent=1) + "\n"), option="--json")
+        print(f"wrote {args.json}")
+    if args.plot:
+        outputs.write(args.plot, lambda f: _plot_prediction(points, f), option="--plot", binary=True)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _rank_counts(text: str):
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or any(r < 1 for r in ranks):
+        raise CliError(f"--ranks {text!r}: give positive whole numbers, comma-separated (e.g. 1,2,4,8)")
+    return sorted(set(ranks))
+
+
+def _prediction_text(assumed, points) -> str:
+    from hpdl.formatting import format_table
+
+    lines = ["assumed:"] + [f"  {line}" for line in assumed] + [""]
+    rows = []
+    for p in points:
+        worst = max(p.exposed_by_class.items(), key=lambda kv: kv[1], default=None)
+        rows.append([p.what_if, p.ranks, f"{p.step_s * 1e3:.1f}", f"{p.img_per_s:.1f}", f"{100 * p.efficiency:.0f} %",
+                     f"{p.exposed_s * 1e3:.1f}", f"{worst[0]} ({worst[1] * 1e3:.1f} ms)" if worst else "-",
+                     p.algorithm])
+    lines.append(format_table(["variant", "ranks", "step ms", "img/s", "efficiency", "exposed ms",
+                               "exposed most", "algorithm at 1 MiB"], rows))
+    return "\n".join(lines)
+
+
+def _plot_prediction(points, stream) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (rate, efficiency) = plt.subplots(1, 2, figsize=(10, 4))
+    variants = list(dict.fromkeys(p.what_if for p in points))
+    for name in variants:
+        mine = [p for p in points if p.what_if == name]
+        xs = [p.ranks for p in mine]
+        rate.plot(xs, [p.img_per_s for p in mine], marker="o", label=name)
+        efficiency.plot(xs, [100 * p.efficiency for p in mine], marker="o", label=name)
+        if name == variants[0]:
+            single = mine[0].img_per_s / (mine[0].ranks * mine[0].efficiency)
+            rate.plot(xs, [single * x for x in xs], linestyle="--", color="grey", label="ideal")
+    efficiency.axhline(100, linestyle="--", color="grey")
+    for axes, title in ((rate, "img/s"), (efficiency, "scaling efficiency (%)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("ranks")
+        axes.set_title(title)
+        axes.legend()
+    rate.set_yscale("log")
+    figure.tight_layout()
+    figure.savefig(stream, format="png")
+    plt.close(figure)
