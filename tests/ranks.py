@@ -143,22 +143,15 @@ def run_ranks(
     full_env["HPDL_ELASTIC_SNAPSHOT_DIR"] = _snapshot_dir()
     full_env.update(env or {})
     argv = launch_argv(launcher, n, [str(SCRIPTS / script), *args])
-    result = run_job(argv, full_env, str(ROOT), timeout, f"{script} on {n} ranks ({launcher})")
-    if expect_ok and result.returncode != 0:
-        pytest.fail(f"{script} on {n} ranks ({launcher}) exited {result.returncode}\n{result.stdout[-3000:]}\n"
-                    f"{result.stderr[-5000:]}")
-    return result
-
-
-def run_job(argv: Sequence[str], env: Dict[str, str], cwd: str, timeout: float, what: str) -> subprocess.CompletedProcess:
-    """Run a job's command in a session of its own; on timeout end everything it started and fail
-    the test, naming ``what`` with the end of its output."""
-    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(ROOT), start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        pytest.fail(f"{what} did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+        pytest.fail(f"{script} on {n} ranks ({launcher}) did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    result = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{script} on {n} ranks ({launcher}) exited {proc.returncode}\n{out[-3000:]}\n{err[-5000:]}")
+    return result

@@ -17,7 +17,7 @@ import torch
 
 from hpdl.torch import elastic
 from hpdl.torch.elastic import snapshot
-from ranks import ROOT, SCRIPTS, run_job, run_plain_ranks
+from ranks import ROOT, SCRIPTS, kill_tree, run_plain_ranks
 
 
 def _free_port() -> int:
@@ -38,8 +38,16 @@ def _torchrun(tmp_path, run_id, script_args, timeout=300):
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", f"--rdzv-id={run_id}",
             "--max-restarts=2", "--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=1",
             str(SCRIPTS / "elastic_snapshot.py"), *script_args]
-    done = run_job(argv, env, str(tmp_path), timeout, "the torchrun job")
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    proc = subprocess.Popen(argv, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"the torchrun job did not end within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    assert done.returncode == 0, f"{out[-3000:]}\n{err[-6000:]}"
     return done
 
 

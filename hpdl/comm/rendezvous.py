@@ -34,8 +34,6 @@ import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from hpdl.config import HOROVOD_LAYOUT
-
 PREFIX = "hpdl/elastic/"
 # What a worker finds in its environment (the driver sets them).
 STORE_VARIABLE = "HPDL_ELASTIC_STORE"  # host:port of the driver's TCPStore
@@ -66,9 +64,9 @@ class Slot:
 
     def horovod_environment(self) -> Dict[str, str]:
         """The variables horovodrun gives a worker (HOROVOD_RANK, ...)."""
-        values = (self.hostname, self.rank, self.size, self.local_rank, self.local_size, self.cross_rank,
-                  self.cross_size)
-        return dict(zip(HOROVOD_LAYOUT, map(str, values)))
+        return {"HOROVOD_HOSTNAME": self.hostname, "HOROVOD_RANK": str(self.rank), "HOROVOD_SIZE": str(self.size),
+                "HOROVOD_LOCAL_RANK": str(self.local_rank), "HOROVOD_LOCAL_SIZE": str(self.local_size),
+                "HOROVOD_CROSS_RANK": str(self.cross_rank), "HOROVOD_CROSS_SIZE": str(self.cross_size)}
 
 
 def assign_slots(workers: List[Tuple[int, str]]) -> List[Slot]:
