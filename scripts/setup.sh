@@ -20,7 +20,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "$torch_spec" >&2
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$root[mpi,sr,test,profile,spark]" >&2
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$root[mpi,sr,test,profile,spark,ray]" >&2
     echo "$want" > "$stamp"
 fi
 # shellcheck disable=SC1091

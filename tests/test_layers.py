@@ -10,9 +10,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "hpdl"
 ALLOWED = {  # each layer and the layers it may import, besides its own
     "cli": {"bench", "launch", "profile", "sr", "comm", "base"},
-    "bench": {"sr", "launch", "torch", "engine", "comm", "base"},  # engine: its public event stream (halo traffic)
+    "bench": {"sr", "launch", "torch", "profile", "engine", "comm", "base"},  # engine: its public event stream (halo traffic)
     "sr": {"torch", "comm", "base"},
     "spark": {"launch", "comm", "base"},
+    "ray": {"launch", "torch", "engine", "comm", "base"},
     "launch": {"comm", "base"},
     "torch": {"profile", "engine", "comm", "base"},
     "profile": {"engine", "base"},

@@ -122,3 +122,13 @@ def test_the_plot_is_written_and_an_existing_file_is_kept_without_overwrite(tmp_
     assert _predict(capsys, *argv)[0] == 0 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = _predict(capsys, *argv)
     assert code == 2 and "--plot" in err and "--overwrite" in err
+
+
+def test_the_backend_is_the_profiles_unless_given_and_says_whether_collectives_block(tmp_path, capsys):
+    path = _profile(tmp_path / "p.json")  # recorded over gloo
+    code, out, _ = _predict(capsys, path, "--batch-size", "8", "--ranks", "2", "--gpus-per-node", "2",
+                            "--network", "intra=shm")
+    assert code == 0 and "backend gloo: collectives in the background, rounds beside them" in out
+    code, out, _ = _predict(capsys, path, "--batch-size", "8", "--ranks", "2", "--gpus-per-node", "2",
+                            "--network", "intra=shm", "--backend", "mpi")
+    assert code == 0 and "backend mpi: the engine's thread waits for each collective within a node" in out

@@ -66,3 +66,31 @@ def test_small_gradients_are_gathered_into_a_round_worth_having():
     no_gathering = simulate_step(StepShape(grads, backward_end_s=0.5), dataclasses.replace(Settings(), gather_bytes=0),
                                  _cost(), 0.0)
     assert no_gathering.rounds == 32
+
+
+def test_a_collective_that_blocks_the_engine_gathers_what_comes_meanwhile_into_the_next_round():
+    # 2 MiB gradients (each at least the in-place threshold: a round of its own when the engine is
+    # free) made every 10 ms, each allreduce taking 50 ms. In the background (gloo, NCCL, MPI
+    # across nodes) every gradient is its own collective, queued on the backend; with MPI's
+    # blocking calls within a node the engine's thread is in the first collective while the next
+    # gradients come, and its next round takes them all at once, fused.
+    grads = tuple(Gradient(f"g{i}", 2 * MiB, 0.01 * (i + 1)) for i in range(4))
+    shape = StepShape(grads, backward_end_s=0.04)
+    cost = _cost(per_byte_s=0.0, per_call_s=0.05)
+    settings = dataclasses.replace(Settings(), inplace_threshold=64 * MiB)  # fused when agreed together
+    background = simulate_step(shape, settings, cost, 0.0)
+    blocking = simulate_step(shape, settings, cost, 0.0, collectives_block=True)
+    assert [len(c.names) for c in background.collectives] == [1, 1, 1, 1]
+    assert background.step_s == pytest.approx(0.01 + 4 * 0.05)
+    assert [len(c.names) for c in blocking.collectives] == [1, 3]  # the three made during the first
+    assert blocking.collectives[1].start_s == pytest.approx(0.06) and blocking.step_s == pytest.approx(0.11)
+
+
+def test_the_engine_runs_one_round_at_a_time_each_after_its_negotiation():
+    # Two gradients 1 ms apart, a negotiation of 5 ms: the second cannot have a round of its own
+    # while the first round negotiates; it waits for the next, which negotiates after it.
+    grads = (Gradient("a", 2 * MiB, 0.0), Gradient("b", 2 * MiB, 0.001))
+    result = simulate_step(StepShape(grads, backward_end_s=0.001), Settings(), _cost(per_byte_s=0.0, per_call_s=0.0),
+                           negotiation_s=0.005)
+    starts = [c.start_s for c in result.collectives]
+    assert starts == pytest.approx([0.005, 0.010])

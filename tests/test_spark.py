@@ -25,7 +25,7 @@ import hpdl.spark
 from hpdl.launch.rank_output import prefix_line
 from hpdl.spark.driver import spark_failure
 from hpdl.launch.detect import java_needed, spark_unusable_reason
-from hpdl.spark.placement import place_ranks, rank_environment
+from hpdl.launch.placement import place_ranks, rank_environment
 from hpdl.spark.task import describe_exit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -88,6 +88,9 @@ def register(subparsers) -> None:
     predict.add_argument("--network", required=True, metavar="SPEC", help="the network's levels (see below)")
     predict.add_argument("--algorithm", choices=("auto", "ring", "tree", "hierarchical"), default="auto",
                          help="the allreduce algorithm (default auto: the cheapest by the model, per message)")
+    predict.add_argument("--backend", choices=("mpi", "gloo", "nccl"), default=None,
+                         help="the target job's backend: with mpi the engine waits for each collective among the "
+                              "ranks of one node (blocking calls); default: the profile's")
     predict.add_argument("--batch-size", type=int, required=True, metavar="B", help="images per rank per step")
     predict.add_argument("--compute-rate", type=float, metavar="IMG_PER_S",
                          help="another device's measured images per second on one device: the profile's compute "
@@ -198,7 +201,6 @@ def _predict(args) -> int:
     import dataclasses
     import json
 
-    from hpdl.config import Settings
     from hpdl.profile.predict import predictor
     from hpdl.profile.predict.network import parse_network
     from hpdl.profile.schema import ProfileError, load
@@ -224,17 +226,15 @@ def _predict(args) -> int:
         raise CliError(str(err)) from None
     with _reading(args.file):
         shapes, recorded = predictor.step_shapes(profile, args.file)
-    settings = Settings()
-    known = {f.name for f in dataclasses.fields(Settings)}
-    settings = dataclasses.replace(settings, **{k: v for k, v in recorded.items() if k in known
-                                                and isinstance(v, type(getattr(settings, k)))})
+    settings = predictor.job_settings(recorded)
+    backend = args.backend or str(profile.get("job", {}).get("backend") or "nccl")
     try:
         points = predictor.predict(shapes, settings, network, ranks, args.gpus_per_node, args.batch_size,
-                                   args.algorithm, args.nics_per_node, what_ifs, args.compute_rate)
+                                   args.algorithm, args.nics_per_node, what_ifs, args.compute_rate, backend)
     except ValueError as err:
         raise CliError(str(err)) from None
     assumed = predictor.assumptions(shapes, settings, network, args.gpus_per_node, args.algorithm, args.batch_size,
-                                    args.compute_rate)
+                                    args.compute_rate, backend)
     record = {"profile": args.file, "assumptions": assumed,
               "points": [dataclasses.asdict(p) for p in points]}
     if args.json == "-":

@@ -34,7 +34,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 from hpdl.comm.topology import host_identity
 from hpdl.spark import channel as wire
 from hpdl.spark import rank as rank_module
-from hpdl.spark.placement import place_ranks, rank_environment
+from hpdl.launch.placement import place_ranks, rank_environment
 
 # Lines of a rank's stderr kept to explain its failure.
 TAIL_LINES = 20

@@ -128,6 +128,15 @@ def step_shapes(profile: Dict[str, Any], path: str) -> Tuple[List[StepShape], Di
     return shapes, dict(profile.get("job", {}).get("settings", {}))
 
 
+def job_settings(recorded: Dict[str, Any]) -> Settings:
+    """The engine settings in force when the profile was recorded: hpdl's defaults, with each
+    value the profile's ``job.settings`` holds (those of a known name and type)."""
+    settings = Settings()
+    known = {f.name for f in dataclasses.fields(Settings)}
+    return dataclasses.replace(settings, **{k: v for k, v in recorded.items() if k in known
+                                            and isinstance(v, type(getattr(settings, k)))})
+
+
 def scaled(shape: StepShape, compute: float, gradient_scale: float = 1.0) -> StepShape:
     """``shape`` with its compute ``compute`` times as long and its gradients' bytes scaled."""
     return StepShape(tuple(Gradient(g.name, max(1, int(g.nbytes * gradient_scale)), g.ready_s * compute)
@@ -169,8 +178,12 @@ def exposed_by_class(result: StepResult, backward_end_s: float) -> Dict[str, flo
 
 def predict(shapes: Sequence[StepShape], settings: Settings, network: Network, ranks: Sequence[int],
             ranks_per_node: int, batch_size: int, algorithm: str = "auto", nics_per_node: int = 1,
-            what_ifs: Sequence[WhatIf] = (BASELINE,), compute_rate: Optional[float] = None) -> List[Point]:
+            what_ifs: Sequence[WhatIf] = (BASELINE,), compute_rate: Optional[float] = None,
+            backend: str = "nccl") -> List[Point]:
     """Predict every rank count for every variant (the baseline first).
+
+    ``backend`` decides whether the engine's thread waits for each collective: MPI among the
+    ranks of one node runs them as blocking calls (schedule.py).
 
     Raises:
         PredictError, and the network model's errors (one line each).
@@ -191,7 +204,8 @@ def predict(shapes: Sequence[StepShape], settings: Settings, network: Network, r
                 check_allreduce(network, placement, chosen)
             cost = _cost(network, placement, chosen, what_if)
             negotiation = cost(NEGOTIATION_BYTES, negotiation=True) if p > 1 else 0.0
-            results = [simulate_step(s, job_settings, cost, negotiation) for s in variant]
+            blocking = collectives_block(backend, placement)
+            results = [simulate_step(s, job_settings, cost, negotiation, collectives_block=blocking) for s in variant]
             middle = sorted(range(len(results)), key=lambda i: results[i].step_s)[len(results) // 2]
             result, shape = results[middle], variant[middle]
             rate = p * images / result.step_s
@@ -199,6 +213,12 @@ def predict(shapes: Sequence[StepShape], settings: Settings, network: Network, r
             points.append(Point(what_if.name, p, result.step_s, rate, rate / (p * single), result.exposed_s,
                                 exposed_by_class(result, shape.backward_end_s), used))
     return points
+
+
+def collectives_block(backend: str, placement: Placement) -> bool:
+    """Whether the engine runs each allreduce as a blocking call: MPI among the ranks of one
+    node (hpdl/comm/mpi.py's ``background_collectives``); elsewhere they run in the background."""
+    return backend == "mpi" and placement.nodes == 1
 
 
 def _cost(network: Network, placement: Placement, algorithm: str, what_if: WhatIf) -> Callable[..., float]:
@@ -218,7 +238,7 @@ def _cost(network: Network, placement: Placement, algorithm: str, what_if: WhatI
 
 
 def assumptions(shapes: Sequence[StepShape], settings: Settings, network: Network, ranks_per_node: int,
-                algorithm: str, batch_size: int, compute_rate: Optional[float]) -> List[str]:
+                algorithm: str, batch_size: int, compute_rate: Optional[float], backend: str = "nccl") -> List[str]:
     """What the prediction assumed, in lines for its output."""
     compute = statistics.median(compute_seconds(s) for s in shapes)
     gradients = statistics.median(len(s.gradients) for s in shapes)
@@ -232,6 +252,9 @@ def assumptions(shapes: Sequence[StepShape], settings: Settings, network: Networ
              f"{settings.inplace_threshold / 2**20:g} MiB, gathering up to {settings.gather_bytes / 2**20:g} MiB or "
              f"{settings.gather_time_ms:g} ms, cycle {settings.cycle_time_ms:g} ms (the engine's own scheduling and "
              "fusion, replayed)",
+             f"backend {backend}: " + ("the engine's thread waits for each collective within a node (MPI's blocking "
+                                       "calls), not across nodes" if backend == "mpi" else
+                                       "collectives in the background, rounds beside them"),
              "every rank alike; collectives one after another on the backend; compute not slowed by communication"]
     lines += [f"network: {line}" for line in network.describe()]
     return lines

@@ -12,7 +12,13 @@ change to the engine's policy changes the prediction.
 What is modelled, and what is not:
 - every rank is alike (data parallelism): a round agrees every request pending on this rank,
   since every rank submits the same gradients at about the same moment; a round costs the
-  negotiation's time (a small allreduce at the job's scale) before its collectives start;
+  negotiation's time (a small allreduce at the job's scale) before its collectives start, and
+  the engine's one thread runs one round at a time: what is submitted meanwhile waits for the
+  next round;
+- with ``collectives_block`` (MPI among the ranks of one node, where the engine runs each
+  allreduce as a blocking call: hpdl/comm/mpi.py) the engine's thread is also busy while each
+  collective runs, so the requests made meanwhile gather into the next round; otherwise
+  (across nodes, gloo, NCCL) collectives run in the background and rounds go on beside them;
 - the backend runs collectives one after another (gloo's and nccl's queues), each taking the
   time the network model gives for its bytes (``allreduce_seconds``);
 - compute does not slow down while communication runs (the GPU case); on CPU-bound nodes the
@@ -95,13 +101,15 @@ def _request(gradient: Gradient, bytes_to_come: int, arrival: float) -> Request:
 
 
 def simulate_step(shape: StepShape, settings: Settings, allreduce_seconds: Callable[[int], float],
-                  negotiation_s: float, stall_check_s: float = 60.0) -> StepResult:
+                  negotiation_s: float, stall_check_s: float = 60.0, collectives_block: bool = False) -> StepResult:
     """Replay ``shape``'s gradients through the engine's scheduling and fusion; return when the
     step ends and what ran.
 
     Args:
         allreduce_seconds: the time of one allreduce of so many bytes at the job's scale.
         negotiation_s: the time of a round's negotiation before its collectives start.
+        collectives_block: the engine's thread runs each collective to its end (MPI within a
+            node) instead of leaving it to the backend.
     """
     clock = SimulatedClock()
     scheduler = Scheduler(settings, clock)
@@ -118,10 +126,11 @@ def simulate_step(shape: StepShape, settings: Settings, allreduce_seconds: Calla
     backend_free = 0.0
     rounds = 0
     round_due: Optional[float] = None  # when the engine thread runs its next round
+    engine_free = 0.0  # when the engine thread ends its round (the negotiation, blocking collectives)
     waiting = False  # the optimizer waits (backward ended)
 
     def run_round(now: float) -> None:
-        nonlocal backend_free, rounds, round_due
+        nonlocal backend_free, rounds, round_due, engine_free
         rounds += 1
         scheduler.end_gathering()
         agreed = list(process_set.pending.values())
@@ -134,6 +143,7 @@ def simulate_step(shape: StepShape, settings: Settings, allreduce_seconds: Calla
             end = start + allreduce_seconds(nbytes)
             backend_free = end
             collectives.append(Collective(tuple(r.name for r in batch), nbytes, start, end))
+        engine_free = backend_free if collectives_block else started
         scheduler.after_round(hot=False, idle=not process_set.pending)
         round_due = None
 
@@ -142,14 +152,14 @@ def simulate_step(shape: StepShape, settings: Settings, allreduce_seconds: Calla
         nonlocal round_due
         until = scheduler.gather_until([process_set], backlogged=False, shutting_down=False,
                                        stall_check_s=stall_check_s)
-        round_due = now if until is None else until
+        round_due = max(engine_free, now if until is None else until)
 
     while submissions or process_set.pending:
         next_submission = submissions[0][0] if submissions else None
         wait_at = shape.backward_end_s if not waiting else None
         candidates = [t for t in (next_submission, round_due, wait_at) if t is not None]
         if not candidates:  # requests pending, no round due: the engine's pause brings one
-            round_due = clock.now + scheduler.cycle_s
+            round_due = max(engine_free, clock.now + scheduler.cycle_s)
             continue
         clock.now = now = max(clock.now, min(candidates))
         if next_submission is not None and next_submission <= now:  # submissions first at a tie
@@ -161,7 +171,7 @@ def simulate_step(shape: StepShape, settings: Settings, allreduce_seconds: Calla
         elif wait_at is not None and wait_at <= now:
             waiting = True  # the optimizer waits: a gathering is cut short
             if process_set.pending and scheduler.round_for_waiter(None):
-                round_due = now
+                round_due = max(engine_free, now)
         elif round_due is not None and round_due <= now:
             run_round(now)
     end_of_communication = max((c.end_s for c in collectives), default=0.0)

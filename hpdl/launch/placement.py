@@ -1,8 +1,9 @@
-"""Where each rank of a Spark run sits, and the environment its process starts with.
+"""Where each rank sits when an engine starts the ranks (Spark's barrier tasks, Ray's actors),
+and the environment its process starts with.
 
-Pure functions of what the barrier tasks told each other (their hosts, partition 0's address
-and port), so they are tested without Spark. Every task computes the same placement from the
-same gathered list, so no task needs to ask another.
+Pure functions of what the ranks' hosts are (and rank 0's address and port), so they are
+tested without Spark or Ray. Under Spark every task computes the same placement from the same
+gathered list, so no task needs to ask another; under Ray the executor computes it.
 """
 
 from __future__ import annotations

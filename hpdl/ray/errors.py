@@ -1,0 +1,24 @@
+"""What ``hpdl.ray`` raises: each error's message is one line that names what went wrong."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class RayMissingError(ImportError):
+    """Ray is not installed."""
+
+    def __init__(self) -> None:
+        super().__init__('hpdl.ray needs Ray: pip install "hpdl[ray]"')
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the workers asked for (within the settings' timeout)."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A rank's function raised, or its actor or node died; ``rank`` names it (None: unknown)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None):
+        super().__init__(message)
+        self.rank = rank

@@ -1,0 +1,178 @@
+"""hpdl.ray.RayExecutor on a real local Ray (ray.init(num_cpus=4): logical CPUs, so four
+one-CPU workers fit on 2 cores): results in rank order, ranks that meet, failures that end the
+run naming the rank (no hang), an infeasible placement refused in one line, nothing left behind."""
+
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason='hpdl.ray needs Ray: pip install "hpdl[ray]"')
+
+from hpdl.ray import PlacementError, RayExecutor, WorkerFailedError  # noqa: E402
+
+pytestmark = [pytest.mark.multirank, pytest.mark.ray]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    # The workers import this module's functions by name, as a user's workers import the
+    # driver script's modules: the tests' directory goes on their path.
+    path = os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+def _cpus_free():
+    # Resources come back as Ray frees them, a moment after the actors end.
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0)
+
+
+def _meet():
+    import torch
+
+    import hpdl.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+    place = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), total)
+    hvd.shutdown()
+    return place
+
+
+def test_run_returns_every_ranks_result_in_rank_order_and_the_ranks_meet():
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=3)
+    executor.start()
+    try:
+        places = executor.run(_meet)
+        again = executor.run(lambda x, y=0: x + y + 0, args=[1], kwargs={"y": 2})  # the actors live on
+    finally:
+        executor.shutdown()
+    # One Ray node: every rank is local to it.
+    assert places == [(r, 3, r, 3, 0, 1, 3.0) for r in range(3)]
+    assert again == [3, 3, 3]
+    assert _cpus_free() == 4  # the actors and the placement group are gone
+
+
+class _Counter:
+    def __init__(self, start):
+        self.value = start
+
+
+def test_execute_passes_each_ranks_executable_and_execute_single_runs_on_rank_0():
+    executor = RayExecutor(num_workers=2)
+    executor.start(executable_cls=_Counter, executable_args=[10])
+    try:
+        def bump(counter):
+            counter.value += int(os.environ["RANK"])
+            return counter.value
+
+        assert executor.execute(bump) == [10, 11]
+        assert executor.execute_single(lambda counter: counter.value) == 10
+        refs = executor.run_remote(lambda: int(os.environ["RANK"]))
+        assert [value for _, value in ray.get(refs)] == [0, 1]
+    finally:
+        executor.shutdown()
+
+
+def _fails_on_rank_1():
+    import torch
+
+    import hpdl.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("bad batch on rank 1")
+    hvd.allreduce(torch.ones(1), name="never.complete")  # waits for rank 1, which raised
+    return "unreachable"
+
+
+def test_a_rank_that_raises_ends_the_run_naming_it_within_a_bounded_time():
+    executor = RayExecutor(RayExecutor.create_settings(failure_grace_s=20), num_workers=3)
+    executor.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError, match=r"_fails_on_rank_1 failed on rank 1: ValueError: bad batch on rank 1") as info:
+        executor.run(_fails_on_rank_1)
+    assert info.value.rank == 1
+    assert time.monotonic() - started < 60  # the others ended with hpdl's error, not a stall timeout
+    with pytest.raises(RuntimeError, match="not started"):  # a failed run ends the executor
+        executor.run(_meet)
+    assert _cpus_free() == 4
+
+
+def _dies_on_rank_2():
+    import torch
+
+    import hpdl.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 2:
+        os._exit(3)  # the actor's process ends, as a killed worker's would
+    hvd.allreduce(torch.ones(1), name="never.complete")
+    return "unreachable"
+
+
+def test_an_actor_that_dies_ends_the_run_naming_its_rank():
+    executor = RayExecutor(RayExecutor.create_settings(failure_grace_s=10), num_workers=3)
+    executor.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError, match=r"failed on rank 2: its actor died") as info:
+        executor.run(_dies_on_rank_2)
+    assert info.value.rank == 2 and time.monotonic() - started < 90
+    assert _cpus_free() == 4
+
+
+def test_a_placement_the_cluster_cannot_hold_is_refused_naming_what_was_asked_and_what_it_has():
+    executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=8)
+    with pytest.raises(PlacementError) as info:
+        executor.start()
+    message = str(info.value)
+    assert "8 bundle(s) of {CPU: 1} (PACK)" in message and "within 2 s" in message
+    assert "1 node(s), {CPU: 4} in all" in message and "\n" not in message
+    assert _cpus_free() == 4  # the pending group was removed
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(), "num_workers or num_hosts"),
+    (dict(num_workers=2, num_hosts=1), "num_workers or num_hosts"),
+    (dict(num_workers=0), "num_workers must be a whole number of at least 1"),
+    (dict(num_workers=2, min_workers=1, max_workers=2), "elastic jobs on Ray are not built yet"),
+    (dict(num_workers=2, gpus_per_worker=1), "use_gpu is False"),
+])
+def test_bad_arguments_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayExecutor(**kwargs)
+
+
+def _train_loop(config):
+    import json
+
+    import torch
+
+    import hpdl.torch as hvd
+
+    hvd.init()  # takes the process group Ray Train set up
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+    seen = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(), "sum": total}
+    with open(os.path.join(config["out"], f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(seen, f)
+    hvd.shutdown()
+
+
+def test_an_unchanged_hpdl_loop_trains_under_ray_trains_torch_trainer(tmp_path):
+    import json
+
+    train = pytest.importorskip("ray.train.torch", reason="Ray Train: pip install 'ray[train]'")
+    from ray.train import RunConfig, ScalingConfig
+
+    trainer = train.TorchTrainer(_train_loop, train_loop_config={"out": str(tmp_path)},
+                                 scaling_config=ScalingConfig(num_workers=2),
+                                 run_config=RunConfig(storage_path=str(tmp_path / "ray")))
+    trainer.fit()
+    seen = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda s: s["rank"])
+    assert seen == [{"rank": r, "size": 2, "local_rank": r, "sum": 1.0} for r in range(2)]
