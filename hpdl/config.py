@@ -33,7 +33,10 @@ _PASSTHROUGH = {"HPDL_VENV", "HPDL_TORCH_SPEC", "HPDL_TEST_TIMEOUT", "HPDL_TEST_
                 # an elastic job's worker: the driver's store and the worker's id (hpdl/comm/rendezvous.py)
                 "HPDL_ELASTIC_STORE", "HPDL_ELASTIC_WORKER",
                 # and how long it waits for a generation that lists it (the driver's --elastic-timeout)
-                "HPDL_ELASTIC_TIMEOUT"}
+                "HPDL_ELASTIC_TIMEOUT",
+                # the node a rank runs on, where its launcher knows it (hpdl.ray: Ray's node id;
+                # hpdl/comm/topology.py's host_identity)
+                "HPDL_NODE_ID"}
 
 # Horovod's values that mean "not set": a shutdown time of 0 is Horovod's default (never), and
 # hpdl keeps its own timeout then; a timeline of DYNAMIC is Horovod's "no file until

@@ -176,3 +176,25 @@ def test_an_unchanged_hpdl_loop_trains_under_ray_trains_torch_trainer(tmp_path):
     trainer.fit()
     seen = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda s: s["rank"])
     assert seen == [{"rank": r, "size": 2, "local_rank": r, "sum": 1.0} for r in range(2)]
+
+
+def test_the_example_trains_each_rank_on_its_shard_and_the_driver_scores_it(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from hpdl.sr.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ray_sr_example", root / "examples" / "ray_sr.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    cfg = load_config("demo", {"total_updates": 2})
+    checkpoint = tmp_path / "model.pt"
+    paths, ranks = example.train_on_ray(checkpoint, cfg, tmp_path / "cache", ranks=2)
+    assert len(paths) == 7
+    assert [(r["rank"], r["size"], r["updates"]) for r in ranks] == [(0, 2, 2), (1, 2, 2)]
+    shards = [set(r["images"]) for r in ranks]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == {Path(p).name for p in paths}
+    result = example.spark_sr.score(checkpoint, cfg, tmp_path / "cache", ["chelsea"])
+    (record,) = result.records
+    assert record.name == "chelsea" and record.bicubic_psnr > 30 and 0 < record.psnr < 100

@@ -197,15 +197,22 @@ def check_world_size(size: int, env: Mapping[str, str]) -> None:
     )
 
 
+# A launcher that knows the nodes better than host names do sets this (hpdl.ray: Ray's node
+# id, so that two raylets of one machine are two nodes, as Ray places them).
+NODE_VARIABLE = "HPDL_NODE_ID"
+
+
 def host_identity() -> str:
     """Return the node this process runs on, as ranks are grouped into nodes.
 
     The host name plus, where Linux shows it, the network namespace (as Horovod's host hash):
     two containers of one machine that share its host name but each have a network of their
     own reach each other only over the network, not through loopback or shared memory, so
-    they are two nodes.
+    they are two nodes. ``HPDL_NODE_ID``, where the launcher sets it, is added: ranks with
+    different ids are different nodes.
     """
-    name = socket.gethostname()
+    given = os.environ.get(NODE_VARIABLE)
+    name = socket.gethostname() + (f"/{given}" if given else "")
     try:
         namespace = os.readlink("/proc/self/ns/net")  # "net:[4026531840]"
     except OSError:  # not Linux, or /proc not mounted

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hpdl.ray.errors import PlacementError, RayMissingError, WorkerFailedError
 from hpdl.ray.worker import Failure, RankWorker
+from hpdl.comm.topology import NODE_VARIABLE
 from hpdl.launch.placement import Placement, place_ranks, rank_variables
 
 # The driver's variables every rank gets, so that a job's settings do not depend on how Ray
@@ -195,6 +196,7 @@ class RayExecutor:
                 env.update(GLOO_SOCKET_IFNAME=names, NCCL_SOCKET_IFNAME=names)
             env.update(extra_env)
             env.update(rank_variables(placement.topology(partition), address, port))
+            env[NODE_VARIABLE] = where[partition]["node"]  # hpdl's nodes are Ray's
             configured.append(worker.configure.remote(env))
         ray.get(configured, timeout=self.settings.timeout_s)
         self._workers, self._placement = ranked, placement

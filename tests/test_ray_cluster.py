@@ -1,0 +1,84 @@
+"""hpdl.ray.RayExecutor on a two-node Ray cluster (ray.cluster_utils.Cluster: two raylets on
+this machine, two Ray nodes): one bundle per node with num_hosts, ranks numbered by node (local
+and cross ranks are the Ray node's), and a node removed during a run ends it, naming a rank,
+within a bounded time."""
+
+import os
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason='hpdl.ray needs Ray: pip install "hpdl[ray]"')
+
+from hpdl.ray import RayExecutor, WorkerFailedError  # noqa: E402
+
+pytestmark = [pytest.mark.multirank, pytest.mark.ray]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    path = os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))])
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}}
+    two = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    two.add_node(num_cpus=2)
+    ray.init(address=two.address, runtime_env=env, log_to_driver=False)
+    yield two
+    ray.shutdown()
+    two.shutdown()
+
+
+def _place():
+    import torch
+
+    import hpdl.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    place = (hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), total,
+             ray.get_runtime_context().get_node_id())
+    hvd.shutdown()
+    return place
+
+
+def test_num_hosts_puts_a_bundle_on_each_node_and_ranks_follow_the_nodes(cluster):
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=2, num_workers_per_host=2)
+    executor.start()
+    try:
+        places = executor.run(_place)
+    finally:
+        executor.shutdown()
+    assert [p[:6] for p in places] == [(0, 0, 2, 0, 2, 4.0), (1, 1, 2, 0, 2, 4.0), (2, 0, 2, 1, 2, 4.0),
+                                       (3, 1, 2, 1, 2, 4.0)]
+    nodes = [p[6] for p in places]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # each node's ranks consecutive
+
+
+def _train_until_stopped():
+    import torch
+
+    import hpdl.torch as hvd
+
+    hvd.init()
+    while True:  # ends only when a rank's node goes
+        hvd.allreduce(torch.ones(1000), name="step")
+        time.sleep(0.05)
+
+
+def test_a_node_removed_during_a_run_ends_it_naming_a_rank(cluster):
+    node = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60, failure_grace_s=15), num_hosts=3)
+    executor.start()
+    removing = threading.Timer(5.0, cluster.remove_node, args=(node,))
+    removing.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailedError, match=r"failed on rank \d") as info:
+            executor.run(_train_until_stopped)
+    finally:
+        removing.join()
+        executor.shutdown()
+    assert info.value.rank is not None and time.monotonic() - started < 120
