@@ -69,6 +69,15 @@ def test_mixed_precision_runs_through_the_benchmark(amp, breakdown, capsys):
     assert ("phases_ms" in record) == bool(breakdown)
 
 
+def test_compile_runs_every_compared_mode_through_torch_compile(capsys):
+    # One process: hpdl at one rank beside the plain loop, both forwards compiled (inductor).
+    assert main(["bench", "synthetic", *TINY, "--compile", "--compare", "plain,hpdl", "--repeats", "1",
+                 "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["compile"] is True and record["compare"] == ["plain"]
+    assert sorted(record["runs"]) == ["hpdl", "plain"] and all(v[0] > 0 for v in record["runs"].values())
+
+
 @pytest.mark.multirank
 def test_single_run_prints_horovod_lines_on_rank_0_only():
     out = run_ranks("bench_synthetic.py", 2, "mpiexec", args=TINY, timeout=180).stdout
@@ -103,7 +112,20 @@ def test_lockstep_batch_waits_between_backward_and_update(timed):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["ddp", "ceiling", "lockstep"]),
+def test_the_compare_order_rotates_so_that_no_mode_always_runs_first():
+    from hpdl.bench.synthetic import run_order
+
+    modes = ["hpdl", "plain", "ddp"]
+    orders = [run_order(modes, repeat) for repeat in range(6)]
+    assert orders[:3] == [["hpdl", "plain", "ddp"], ["plain", "ddp", "hpdl"], ["ddp", "hpdl", "plain"]]
+    assert orders[3:] == orders[:3]  # and round again
+    assert all(sorted(order) == sorted(modes) for order in orders)  # every mode once per repeat
+    firsts = [order[0] for order in orders[:3]]
+    assert sorted(firsts) == sorted(modes)  # each first once in len(modes) repeats
+    assert run_order(["hpdl"], 4) == ["hpdl"]
+
+
+@pytest.mark.parametrize("launcher,n,compare", [("mpiexec", 2, ["plain", "ddp", "ceiling", "lockstep"]),
                                                 ("torchrun", 2, ["ddp", "lockstep", "profiled"])])
 def test_compare_json_reports_medians_and_ratios(launcher, n, compare):
     args = TINY + ["--compare", ",".join(compare), "--repeats", "2", "--json", "--breakdown"]

@@ -94,6 +94,7 @@ def test_unknown_key_in_a_file_names_the_key_and_the_file(tmp_path):
     ("data=", "data"),  # the current directory, else
     ("amp=half", "amp"), ("amp=fp16 overlap_forward=true", "overlap_forward"),
     ("spatial=0", "spatial"), ("spatial=two", "spatial"), ("spatial=1.5", "spatial"),
+    ("compile=true spatial=2", "compile"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^command line: {key}: "):
@@ -288,6 +289,17 @@ def test_on_bad_image_skip_skips_validation_images_too_small_to_score(tmp_path):
     assert warned == [f"hpdl: warning: skipping {data / 'val' / 'strip.png'}: image of 8x30 is too small to measure "
                       "at x2 on Y: 2 px shaved from each border must leave the 11x11 SSIM window, so each side needs "
                       "at least 15 px"], proc.stderr
+
+
+def test_compile_trains_through_torch_compile_and_saves_the_models_own_weights(tmp_path):
+    out = tmp_path / "run"
+    proc = tiny_run(tiny_data(tmp_path), out, "total_updates=2", "compile=true", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["updates"] == 2
+    import torch
+
+    weights = torch.load(out / "model.pt", map_location="cpu", weights_only=False)["model"]
+    assert not any(name.startswith("_orig_mod.") for name in weights)  # the model's names, not the wrapper's
 
 
 def test_tiny_training_run_writes_checkpoints_logs_and_a_summary(tmp_path):

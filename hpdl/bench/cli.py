@@ -184,7 +184,9 @@ def _register_synthetic(sub) -> None:
                         "default: adam for the SR models, sgd for resnet50")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     p.add_argument("--compare", default="",
-                   help="comma-separated baselines to alternate with: ddp (DistributedDataParallel over gloo), "
+                   help="comma-separated baselines to alternate with (the order rotated each repeat; hpdl itself "
+                        "always runs, and may be listed): plain (a plain PyTorch loop, no hpdl, no DDP), "
+                        "ddp (DistributedDataParallel over gloo), "
                         "ceiling (no communication, every rank alone), lockstep (the ceiling with the ranks "
                         "waiting for each other after each backward), profiled (hpdl with the communication "
                         "profiler recording: hpdl/profiled is its cost)")
@@ -193,6 +195,9 @@ def _register_synthetic(sub) -> None:
                    help="also report per rank where a batch's time goes: forward, backward, the wait after "
                         "backward (for the gradients' allreduces, or lockstep's barrier), and the optimizer update; "
                         "and the CPU time per batch of the training thread, hpdl's engine and the backend's threads")
+    p.add_argument("--compile", action="store_true",
+                   help="run the forward through torch.compile in every mode (DDP: the DDP module compiled); "
+                        "the warm-up batches take the compilation")
     p.add_argument("--json", action="store_true", help="print the record as JSON instead of text")
     p.set_defaults(func=_run_synthetic)
 
@@ -216,8 +221,9 @@ def _run_synthetic(args) -> int:
             num_iters=args.num_iters, num_batches_per_iter=args.num_batches_per_iter, num_warmup=args.num_warmup,
             fp16_allreduce=args.fp16_allreduce, overlap_forward=args.overlap_forward, optimizer=args.optimizer,
             threads=args.threads,
-            compare=tuple(c.strip() for c in args.compare.split(",") if c.strip()), repeats=args.repeats,
-            breakdown=args.breakdown, device=args.device, amp=args.amp,
+            compare=tuple(c.strip() for c in args.compare.split(",") if c.strip() and c.strip() != "hpdl"),
+            repeats=args.repeats,
+            breakdown=args.breakdown, device=args.device, amp=args.amp, compile=args.compile,
         )
         # The device exists and takes the precision: checked before any rank meets the others.
         MixedPrecision(opts.amp, device_of(opts))

@@ -6,8 +6,11 @@ after warm-up batches it times ``num_iters`` iterations of ``num_batches_per_ite
 and reports images per second per rank (mean and 1.96 sigma over iterations, as Horovod).
 
 With ``compare`` it alternates runs of hpdl with runs of one or more baselines in the same job
-layout (hpdl, ddp, ceiling, lockstep, hpdl, ...), ``repeats`` times each, and reports the medians and
-the ratios hpdl/baseline:
+layout, ``repeats`` times each, the order rotated from one repeat to the next (hpdl, ddp, plain;
+ddp, plain, hpdl; plain, hpdl, ddp; ...: no mode always runs first, on a machine still warming
+up, or always after the same one), and reports the medians and the ratios hpdl/baseline:
+- ``plain``: a plain PyTorch loop, no hpdl and no DDP (what a user starts from: hpdl/plain is
+  what hpdl costs at one rank); at several ranks every rank runs it alone, as the ceiling;
 - ``ddp``: the same training with ``torch.nn.parallel.DistributedDataParallel`` over gloo;
 - ``ceiling``: every rank trains its own model with no communication at all, at the same time
   as the others (N independent single-process runs): the most the machine can do;
@@ -51,7 +54,7 @@ from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON, MixedPrecision
 
 __all__ = ["COMPARE", "SyntheticOptions", "device_of", "run_synthetic"]
 
-COMPARE = ("ddp", "ceiling", "lockstep", "profiled")
+COMPARE = ("plain", "ddp", "ceiling", "lockstep", "profiled")
 # The most --threads per rank: torch's OpenMP pool of 100,000,000 threads ends the process
 # with a segmentation fault, not an error.
 MAX_THREADS = 1024
@@ -108,6 +111,7 @@ class SyntheticOptions:
     breakdown: bool = False  # time the phases of every timed batch
     device: str = "auto"  # auto (this rank's GPU if CUDA is available, else cpu), cpu, cuda or cuda:N
     amp: str = "none"  # mixed precision: none, bf16 or fp16 (hpdl/torch/mixed_precision.py)
+    compile: bool = False  # the forward through torch.compile (DDP: the DDP module compiled, as PyTorch advises)
 
     def __post_init__(self) -> None:
         if self.model not in benchmark_models():
@@ -278,6 +282,12 @@ def _workload(opts: SyntheticOptions, device: torch.device):
     return workload
 
 
+def _compiled(model: torch.nn.Module, opts: SyntheticOptions):
+    """What runs the forward: ``model``, or with ``opts.compile`` its torch.compile'd self (the
+    optimizers and hooks stay on ``model``'s own parameters and modules)."""
+    return torch.compile(model) if opts.compile else model
+
+
 def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
               trace: Optional[BatchTrace] = None) -> List[float]:
     import hpdl.torch as hvd
@@ -294,7 +304,7 @@ def _run_hpdl(opts: SyntheticOptions, log: Callable[[str], None],
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     # With overlap_forward the wait for the gradients falls in the next forward (the updates
     # wait there): synchronizing apart would undo the overlap.
-    loop = _train_loop(model, optimizer, workload, trace.phases if trace else None,
+    loop = _train_loop(_compiled(model, opts), optimizer, workload, trace.phases if trace else None,
                        synchronize=not opts.overlap_forward, precision=MixedPrecision(opts.amp, device),
                        sync=_sync(device))
     return _timed(opts, loop, log, trace, _sync(device))
@@ -317,7 +327,7 @@ def _run_ddp(opts: SyntheticOptions, log: Callable[[str], None],
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = make_optimizer(_optimizer_kind(opts), model.parameters(), dist.get_world_size())
-    loop = _train_loop(model, optimizer, workload, trace.phases if trace else None,
+    loop = _train_loop(_compiled(model, opts), optimizer, workload, trace.phases if trace else None,
                        precision=MixedPrecision(opts.amp, device), sync=_sync(device))
     return _timed(opts, loop, log, trace, _sync(device))
 
@@ -328,7 +338,8 @@ def _run_ceiling(opts: SyntheticOptions, log: Callable[[str], None],
     device = device_of(opts)
     workload = _workload(opts, device)
     optimizer = make_optimizer(_optimizer_kind(opts), workload.model.parameters(), 1)
-    loop = _train_loop(workload.model, optimizer, workload, trace.phases if trace else None, barrier=barrier,
+    loop = _train_loop(_compiled(workload.model, opts), optimizer, workload, trace.phases if trace else None,
+                       barrier=barrier,
                        precision=MixedPrecision(opts.amp, device), sync=_sync(device))
     return _timed(opts, loop, log, trace, _sync(device))
 
@@ -432,7 +443,8 @@ def _header(opts: SyntheticOptions, size: int, backend: str) -> List[str]:
         f"{'fp16' if opts.fp16_allreduce else 'no'} compression"
         + ("; hpdl overlaps the next forward" if opts.overlap_forward else ""),
         f"Number of ranks: {size} ({backend}), {opts.threads} thread(s) per rank",
-        f"Device: {_describe_device(device_of(opts))}; {'no mixed precision' if opts.amp == 'none' else 'amp ' + opts.amp}",
+        f"Device: {_describe_device(device_of(opts))}; {'no mixed precision' if opts.amp == 'none' else 'amp ' + opts.amp}"
+        + ("; torch.compile" if opts.compile else ""),
     ]
 
 
@@ -490,6 +502,13 @@ def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any
     return record if rank == 0 else None
 
 
+def run_order(modes: List[str], repeat: int) -> List[str]:
+    """The order of the modes' runs in repeat ``repeat`` (from 0): ``modes`` rotated by it, so
+    that over len(modes) repeats each mode runs first once and after each other mode alike."""
+    shift = repeat % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
 def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any]]:
     """Alternate hpdl and the baselines; report medians over ``repeats`` runs and the ratios."""
     import hpdl.torch as hvd
@@ -507,6 +526,7 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
     barrier = _polite_barrier(control)
     baselines = {"ddp": functools.partial(_run_ddp, group=ddp_comm.process_group if ddp_comm else None),
+                 "plain": _run_ceiling,  # the same loop: no communication, each rank alone
                  "ceiling": _run_ceiling,
                  "lockstep": functools.partial(_run_ceiling, barrier=barrier),
                  "profiled": functools.partial(_run_profiled, control=control)}
@@ -515,7 +535,7 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
     trace_log: Dict[str, List[BatchTrace]] = {mode: [BatchTrace() for _ in range(size)] for mode in runs}
     quiet = lambda _line: None  # noqa: E731 - iteration lines only in single runs
     for repeat in range(opts.repeats):
-        for mode in runs:
+        for mode in run_order(list(runs), repeat):
             control.barrier()
             trace = BatchTrace() if opts.breakdown else None
             if mode == "hpdl":

@@ -85,6 +85,8 @@ class TrainConfig:
     # Let the gradients' exchange overlap the next forward (DistributedOptimizer's
     # overlap_forward): for networks slower than the compute, e.g. across nodes over TCP.
     overlap_forward: bool = False
+    # Run the training forward through torch.compile (whole patches only: spatial=1).
+    compile: bool = False
     ema_decay: float = 0.0  # exponential moving average of the weights (0: off; BasicSR 0.999)
     # Ranks that share each patch, split into row bands (hpdl.torch.spatial, exact to one process);
     # the job's ranks / spatial data-parallel replicas take different patches. 1: data parallel only.
@@ -168,6 +170,8 @@ def _check_ranges(c: TrainConfig) -> None:
     need(0 <= c.ema_decay < 1, "ema_decay", "in [0, 1)")
     need(c.compression in COMPRESSIONS, "compression", " or ".join(COMPRESSIONS))
     need(c.amp in AMP_MODES, "amp", " or ".join(AMP_MODES))
+    if c.compile and c.spatial > 1:  # SpatialParallel dispatches the model's eager calls one by one
+        need(False, "compile", "false with spatial > 1 (spatial parallelism runs the model's calls eagerly)")
     if c.amp == "fp16" and c.overlap_forward:  # overlap_forward leaves each update to the next forward
         from hpdl.torch.mixed_precision import FP16_OVERLAP_REASON
 

@@ -28,16 +28,21 @@ __all__ = ["WholePatches", "patch_forward", "spatial_layout"]
 
 
 class WholePatches:
-    """A model's forward on whole patches, with SpatialParallel's interface: nothing is split."""
+    """A model's forward on whole patches, with SpatialParallel's interface: nothing is split.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``compiled``: the forward runs through ``torch.compile(model)`` (the optimizer, its hooks and
+    the checkpoints stay on ``model``'s own parameters).
+    """
+
+    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
         self.module = model
+        self._forward = torch.compile(model) if compiled else model
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
+        return self._forward(x)
 
     def whole_mean(self, value: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         return value.detach()
@@ -58,7 +63,8 @@ def spatial_layout(spatial_ranks: int) -> Optional[spatial.Layout]:
     return spatial.layout(spatial=spatial_ranks, data=size // spatial_ranks)
 
 
-def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size: int, device: Any) -> Any:
+def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size: int, device: Any,
+                  compiled: bool = False) -> Any:
     """The forward the training loop runs: on this rank's band of each patch (``layout``), or on
     whole patches. Collective with a layout.
 
@@ -66,7 +72,7 @@ def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size
     refused now, with the layer's own message, on every rank alike: before out_dir is touched.
     """
     if layout is None:
-        return WholePatches(model)
+        return WholePatches(model, compiled)
     net = spatial.SpatialParallel(model, process_set=layout.spatial_set)
     training = model.training
     model.eval()  # the check's forward leaves batch norm's running statistics as they are

@@ -32,8 +32,12 @@ from hpdl.torch.optimizer_base import DistributedOptimizerMixin, Submitted, chec
 __all__ = ["OverlapForwardMixin", "check_overlap_forward"]
 
 
+@torch.compiler.disable
 def _before_forward(owner: "weakref.ReferenceType", params: Tuple[torch.Tensor, ...], module, args) -> None:
-    # overlap_forward: a module's parameters get their pending update before it runs.
+    # overlap_forward: a module's parameters get their pending update before it runs. Never
+    # compiled: under torch.compile the hook would be traced once, when nothing was pending, and
+    # the graph would then run without it (updates lagging a step, silently); disabled, it
+    # runs eagerly at every call, between the compiled graph's pieces.
     optimizer = owner()
     if optimizer is not None and optimizer._deferred:
         optimizer._apply_deferred(params)
@@ -92,6 +96,11 @@ def _finish_at_shutdown() -> None:
             optimizer.apply_pending_updates()
 
 
+SKIPPED_HOOKS = ("overlap_forward: the model's forward ran without hpdl's forward hooks (a torch.compile'd graph "
+                 "that skipped them?), on weights a step old; compile without overlap_forward, or call "
+                 "optimizer.apply_pending_updates() before each forward")
+
+
 def check_overlap_forward(model: Any, backward_passes_per_step: int, groups: Any, op: Op) -> None:
     """DistributedOptimizer's checks of ``overlap_forward`` and the options it excludes."""
     if not isinstance(model, torch.nn.Module):
@@ -143,6 +152,11 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if self._deferred and p in self._deferred:  # p's update still waits
+            if len(self._deferred) == len(self._priority):
+                # Not one module's hook ran since the last step, yet a new gradient came: the
+                # forward ran without the hooks (a torch.compile'd graph that kept none of them)
+                # on weights a step old. Every rank sees the same, and refuses alike.
+                raise RuntimeError(SKIPPED_HOOKS)
             self._apply_before_new_gradient(p)
         super()._grad_ready(p)
 
