@@ -27,7 +27,7 @@ import spark_sr  # noqa: E402 - the rank function and the scoring, shared with t
 def train_on_ray(checkpoint: Path, cfg: Any, cache: Path, ranks: int,
                  cpus_per_worker: float = 1) -> Tuple[List[str], List[Dict[str, Any]]]:
     """Train on ``ranks`` Ray actors; return the training paths and every rank's report."""
-    import cloudpickle
+    from ray import cloudpickle  # Ray's own copy pickles the calls: the registration is its
 
     from hpdl.ray import RayExecutor
     from hpdl.sr import prepare_embedded

@@ -56,8 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    import cloudpickle
     import ray
+    from ray import cloudpickle  # Ray's own copy pickles the calls: the registration is its
 
     from hpdl.ray import RayExecutor
 
