@@ -32,12 +32,11 @@ from hpdl.torch.optimizer_base import DistributedOptimizerMixin, Submitted, chec
 __all__ = ["OverlapForwardMixin", "check_overlap_forward"]
 
 
-@torch.compiler.disable
 def _before_forward(owner: "weakref.ReferenceType", params: Tuple[torch.Tensor, ...], module, args) -> None:
     # overlap_forward: a module's parameters get their pending update before it runs. Never
-    # compiled: under torch.compile the hook would be traced once, when nothing was pending, and
-    # the graph would then run without it (updates lagging a step, silently); disabled, it
-    # runs eagerly at every call, between the compiled graph's pieces.
+    # compiled (see _overlap): under torch.compile the hook would be traced once, when nothing
+    # was pending, and the graph would then run without it (updates lagging a step, silently);
+    # disabled, it runs eagerly at every call, between the compiled graph's pieces.
     optimizer = owner()
     if optimizer is not None and optimizer._deferred:
         optimizer._apply_deferred(params)
@@ -135,8 +134,10 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         for module in model.modules():
             own = tuple(p for p in module.parameters(recurse=False) if p in tracked)
             if own:
+                # torch.compiler.disable here, not at import: it imports torch._dynamo (slow,
+                # and memory every rank would carry without overlap_forward).
                 self._overlap_hooks.append(module.register_forward_pre_hook(
-                    functools.partial(_before_forward, self._ref, own)))
+                    torch.compiler.disable(functools.partial(_before_forward, self._ref, own))))
         self._overlap_hooks.append(model.register_state_dict_pre_hook(functools.partial(_before_state_dict, self._ref)))
         # Loading the model (a rollback) comes after the last step: its updates first, then
         # the loaded values over them (never the updates over the loaded values).
