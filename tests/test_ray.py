@@ -1,6 +1,7 @@
 """hpdl.ray.RayExecutor on a real local Ray (ray.init(num_cpus=4): logical CPUs, so four
 one-CPU workers fit on 2 cores): results in rank order, ranks that meet, failures that end the
-run naming the rank (no hang), an infeasible placement refused in one line, nothing left behind."""
+run naming the rank (no hang), an infeasible placement refused in one line, nothing left behind; elastic jobs grow into free
+slots, and one node's failure ends the job naming the worker."""
 
 import os
 import time
@@ -141,12 +142,54 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_naming_what_was_asked_an
     (dict(), "num_workers or num_hosts"),
     (dict(num_workers=2, num_hosts=1), "num_workers or num_hosts"),
     (dict(num_workers=0), "num_workers must be a whole number of at least 1"),
-    (dict(num_workers=2, min_workers=1, max_workers=2), "elastic jobs on Ray are not built yet"),
+    (dict(num_hosts=1, min_workers=1), "hosts are the Ray cluster's alive nodes"),
+    (dict(min_workers=3, max_workers=2), "min_workers 3 is above max_workers 2"),
+    (dict(num_workers=5, min_workers=1, max_workers=4), "num_workers 5 is outside min_workers 1 and max_workers 4"),
+    (dict(min_workers=0), "min_workers must be a whole number of at least 1"),
+    (dict(min_workers=1, cooldown_range=(5, 1)), "cooldown_range must be"),
     (dict(num_workers=2, gpus_per_worker=1), "use_gpu is False"),
 ])
 def test_bad_arguments_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RayExecutor(**kwargs)
+
+
+def test_an_elastic_job_grows_into_the_free_slots_and_returns_the_last_worlds_results(tmp_path, capfd):
+    from ray_elastic_training import train
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2, max_workers=4, num_workers=2)
+    executor.start()
+    with pytest.raises(RuntimeError, match=r"execute\(\) with min_workers/max_workers.*use run\(\)"):
+        executor.execute(lambda state: state)
+    try:
+        results = executor.run(train, kwargs=dict(marks=str(tmp_path), stop_at_size=4))
+    finally:
+        executor.shutdown()
+    assert len(results) == 4
+    steps, sizes, parameters = results[0]
+    # Started with 2; the next look at the nodes found 4 slots (the 2 may not have trained yet).
+    assert "hpdl.ray: hosts added: 2 -> 4 worker(s) at the next commit" in capfd.readouterr().err
+    assert sizes[-1] == 4 and sizes in ([4], [2, 4])
+    assert all(r[:2] == (steps, sizes) and r[2] == parameters for r in results)  # one state on every rank
+    assert _cpus_free() == 4
+
+
+def test_an_elastic_worker_that_raises_on_a_one_node_cluster_ends_the_job_naming_it(tmp_path):
+    from ray_elastic_training import train
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2, max_workers=3, num_workers=3)
+    executor.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailedError) as info:
+            executor.run(train, kwargs=dict(marks=str(tmp_path), fail_on_rank=1))
+    finally:
+        executor.shutdown()
+    message = str(info.value)
+    # Its node is blacklisted (Horovod's rule), and it is the only one: nothing is left to go on with.
+    assert message.startswith("train: every host is blacklisted (worker ") and "\n" not in message
+    assert "rank 1) raised ValueError: rank 1 fails at step 3" in message
+    assert time.monotonic() - started < 90 and _cpus_free() == 4
 
 
 def _train_loop(config):

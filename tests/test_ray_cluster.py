@@ -1,7 +1,8 @@
 """hpdl.ray.RayExecutor on a two-node Ray cluster (ray.cluster_utils.Cluster: two raylets on
 this machine, two Ray nodes): one bundle per node with num_hosts, ranks numbered by node (local
 and cross ranks are the Ray node's), and a node removed during a run ends it, naming a rank,
-within a bounded time."""
+within a bounded time; an elastic job (min_workers/max_workers) instead shrinks when a node is
+removed and grows when one is added, its state kept."""
 
 import os
 import threading
@@ -82,3 +83,53 @@ def test_a_node_removed_during_a_run_ends_it_naming_a_rank(cluster):
         removing.join()
         executor.shutdown()
     assert info.value.rank is not None and time.monotonic() - started < 120
+
+
+def test_elastic_a_node_removed_shrinks_the_world_and_a_node_added_grows_it(cluster, tmp_path):
+    from ray_elastic_training import progress, train
+
+    marks = str(tmp_path)
+    steps_seen = []
+
+    def when(condition, timeout_s=120.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = progress(marks)
+            if now is not None and condition(*now):
+                steps_seen.append(now)
+                return now
+            time.sleep(0.1)
+        raise AssertionError(f"the training did not get there within {timeout_s:g} s (last: {progress(marks)})")
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2, max_workers=4, num_workers=4,
+                           elastic_timeout=120)
+    executor.start()
+    outcome = {}
+
+    def run():  # the driver's loop; the test's thread adds nodes (Ray's cluster_utils needs the main thread)
+        try:
+            outcome["results"] = executor.run(train, kwargs=dict(marks=marks))
+        except BaseException as err:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = err
+
+    running = threading.Thread(target=run)
+    running.start()
+    try:
+        when(lambda step, size: size == 4 and step >= 5)
+        cluster.remove_node(next(iter(cluster.worker_nodes)))  # 2 of the 4 workers go with it
+        at = when(lambda step, size: size == 2)[0]
+        when(lambda step, size: size == 2 and step >= at + 5)
+        cluster.add_node(num_cpus=2)
+        at = when(lambda step, size: size == 4)[0]
+        when(lambda step, size: size == 4 and step >= at + 5)
+    finally:
+        open(os.path.join(marks, "stop"), "w").close()
+        running.join(timeout=120)
+        executor.shutdown()
+    assert "error" not in outcome, outcome.get("error")
+    results = outcome["results"]
+    assert len(steps_seen) == 5, steps_seen
+    assert len(results) == 4
+    steps, sizes, parameters = results[0]
+    assert sizes == [4, 2, 4]  # the survivors went on from their last commit; the new node's workers joined
+    assert all(r[:2] == (steps, sizes) and r[2] == parameters for r in results)

@@ -351,7 +351,7 @@ def _run_elastic(args: argparse.Namespace, options: RunOptions, start_env: Dict[
     (hpdl/launch/elastic/driver.py) until it ends."""
     from hpdl.launch.builders import settings_env
     from hpdl.launch.elastic.driver import run_elastic
-    from hpdl.launch.elastic.options import elastic_options
+    from hpdl.launch.elastic.options import elastic_job
 
     cwd = os.getcwd()
     env = dict(start_env)
@@ -364,8 +364,8 @@ def _run_elastic(args: argparse.Namespace, options: RunOptions, start_env: Dict[
     if args.output_filename:
         command = tuple(horovodrun.output_wrapper(args.output_filename, command))
     info = detect_launchers(start_env)
-    elastic = elastic_options(args, command, options.hosts, info.hostnames, settings.elastic_discovery_interval_s,
-                              settings.elastic_discovery_timeout_s)
+    elastic, workers = elastic_job(args, command, options.hosts, info.hostnames,
+                                   settings.elastic_discovery_interval_s, settings.elastic_discovery_timeout_s, env, cwd)
     missing = program_problem(options.command[0], env.get("PATH", os.defpath), cwd)
     if missing is not None:
         raise LaunchError(missing)
@@ -376,7 +376,7 @@ def _run_elastic(args: argparse.Namespace, options: RunOptions, start_env: Dict[
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
-    return run_elastic(elastic, env, cwd)
+    return run_elastic(elastic, workers)
 
 
 def check_numbers(args: argparse.Namespace) -> None:

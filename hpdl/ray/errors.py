@@ -22,3 +22,9 @@ class WorkerFailedError(RuntimeError):
     def __init__(self, message: str, rank: Optional[int] = None):
         super().__init__(message)
         self.rank = rank
+
+
+def first_line(err: Optional[BaseException]) -> str:
+    """The first line of an error's message (its type's name where it has none)."""
+    text = str(err).strip() if err is not None else ""
+    return text.splitlines()[0] if text else type(err).__name__

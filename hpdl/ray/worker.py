@@ -43,13 +43,24 @@ def call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any])
     """``(True, fn(*args, **kwargs))``, or ``(False, Failure)`` if it raised."""
     try:
         return True, fn(*args, **kwargs)
+    except SystemExit as err:
+        if err.code in (None, 0):  # ended as a process ends well (an elastic worker left out of the world)
+            _end_hpdl()
+            return True, None
+        return _failed(err)
     except BaseException as err:  # noqa: BLE001 - every failure goes back to the driver
-        from hpdl.engine import HorovodInternalError
+        return _failed(err)
 
-        failure = Failure(type(err).__name__, str(err).strip().splitlines()[0] if str(err).strip() else "",
-                          traceback.format_exc(), isinstance(err, HorovodInternalError))
-        _end_hpdl()
-        return False, failure
+
+def _failed(err: BaseException) -> Tuple[bool, Failure]:
+    """``(False, Failure)`` for what ``err`` says, once hpdl is shut down on this rank (called
+    while ``err`` is being handled, for its traceback)."""
+    from hpdl.engine import HorovodInternalError
+
+    failure = Failure(type(err).__name__, str(err).strip().splitlines()[0] if str(err).strip() else "",
+                      traceback.format_exc(), isinstance(err, HorovodInternalError))
+    _end_hpdl()
+    return False, failure
 
 
 class RankWorker:

@@ -1,7 +1,8 @@
 """The elastic driver: starts workers on the hosts found, forms each generation of the world,
 and keeps the job going as workers fail and hosts come and go (horovodrun's elastic mode).
 
-It owns processes and the assignment of ranks, nothing else: the store is torch's
+It owns the workers (started, polled and ended through a :class:`WorkerStarter`: processes
+for `hpdl run`, Ray actors for hpdl.ray) and the assignment of ranks, nothing else: the store is torch's
 ``TCPStore`` (hosted here), the keys are :mod:`hpdl.comm.rendezvous`'s, and each generation's
 process group meets through gloo's (or nccl's) own rendezvous on that store. One thread runs
 the loop below every ``_TICK_S``:
@@ -28,45 +29,55 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import random
-import shlex
 import signal
-import socket
-import subprocess
 import sys
+import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from hpdl.comm.rendezvous import STORE_VARIABLE, WORKER_VARIABLE, Rendezvous, Slot, assign_slots
-from hpdl.launch.elastic.discovery import DiscoveryError, DiscoveryScript, FixedHosts
-from hpdl.launch.rank_watch import ending_words
+from hpdl.launch.elastic.discovery import DiscoveryError
+from hpdl.launch.elastic.workers import WorkerHandle, WorkerStarter, WorkerStartError
 
 _TICK_S = 0.05
 _KILL_AFTER_S = 5.0  # from SIGTERM to SIGKILL when the driver ends workers
 _QUIET_DEATHS_S = 0.5  # a generation a worker ended: how long to look for a death that explains it
-# Launcher variables of the driver's own environment that would tell a worker another world.
-_NOT_PASSED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK",
-               "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID")
+
+# How `hpdl run` spells the options the driver's messages name (hpdl.ray gives its own).
+RUN_SPELLING = {"min_np": "--min-np", "max_np": "--max-np", "elastic_timeout": "--elastic-timeout",
+                "reset_limit": "--reset-limit"}
+
+
+class HostSource(Protocol):
+    """Where workers may run: hosts in order with their slots (discovery.py, hpdl.ray)."""
+
+    def find(self) -> Dict[str, int]:
+        """The hosts now, each with its slots.
+
+        Raises:
+            DiscoveryError: the hosts cannot be told now.
+        """
+
+    def describe(self) -> str:
+        """What finds the hosts, for messages ("--host-discovery-script ./hosts.sh")."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ElasticOptions:
-    """What `hpdl run` was asked for, checked (options.py builds it)."""
+    """What the job was asked for, checked (options.py builds `hpdl run`'s, hpdl.ray its own)."""
 
-    command: Tuple[str, ...]
     np: int  # the world's size at the start, where the hosts have the slots
     min_np: int
     max_np: int
-    hosts: Union[FixedHosts, DiscoveryScript]
+    hosts: HostSource
     elastic_timeout_s: float = 600.0
     reset_limit: Optional[int] = None
     cooldown_range_s: Optional[Tuple[float, float]] = None
     discovery_interval_s: float = 1.0
-    remote_shell: str = "ssh"
-    is_local: Optional[Callable[[str], bool]] = None  # whether a host name is this machine
     verbose: bool = False
+    speaker: str = "hpdl run"  # what the driver's lines start with
+    spelling: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(RUN_SPELLING))
 
 
 class ElasticJobError(RuntimeError):
@@ -77,7 +88,7 @@ class ElasticJobError(RuntimeError):
 class _Worker:
     id: int
     host: str
-    proc: subprocess.Popen
+    proc: WorkerHandle
     removed: bool = False  # left out of the newest generation: its end is no failure
     ended_by_driver: bool = False
     kill_at: Optional[float] = None  # ended by the driver: SIGKILL then, if still running
@@ -90,10 +101,9 @@ class _Blacklisted:
 
 
 class ElasticDriver:
-    def __init__(self, options: ElasticOptions, env: Dict[str, str], cwd: str):
+    def __init__(self, options: ElasticOptions, starter: WorkerStarter):
         self.options = options
-        self.env = {k: v for k, v in env.items() if k not in _NOT_PASSED}
-        self.cwd = cwd
+        self.starter = starter
         self.workers: Dict[int, _Worker] = {}
         self._next_id = 0
         self.generation = -1
@@ -112,21 +122,43 @@ class ElasticDriver:
         self._ending_signal: Optional[int] = None
         self._formed = -1  # the newest generation seen formed (every member came)
         self.holders: set = set()  # workers that were in a formed generation: they hold the training state
+        self.final_members: List[Slot] = []  # the generation the training returned in, once it has
 
     # -- the job ---------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Run the job to its end; return its exit status."""
+        """Run the job to its end; return its exit status (an end that is no worker's: one
+        line on stderr and status 1, or 130 after Ctrl-C)."""
+        try:
+            return self.run_job()
+        except ElasticJobError as err:
+            sys.stderr.write(f"{self.options.speaker}: error: {err}\n")
+            sys.stderr.flush()
+            return 130 if self._ending_signal == signal.SIGINT else 1
+
+    @property
+    def ending_signal(self) -> Optional[int]:
+        """The signal (SIGINT, SIGTERM) that ended the job, if one did."""
+        return self._ending_signal
+
+    def run_job(self) -> int:
+        """Run the job to its end; return the status of its workers' end (0, or the first
+        failure's after the training returned).
+
+        Raises:
+            ElasticJobError: the job cannot go on (every worker has been ended).
+        """
         from torch.distributed import TCPStore
 
         self.hosts = self._find_hosts(first=True)
-        all_local = all(self._local(h) for h in self.hosts)
-        address = "127.0.0.1" if all_local else socket.gethostname()
-        self._store = TCPStore("0.0.0.0" if not all_local else "127.0.0.1", 0, is_master=True,
-                               timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+        bind, address = self.starter.store_address(self.hosts)
+        self._store = TCPStore(bind, 0, is_master=True, timeout=datetime.timedelta(seconds=30),
+                               wait_for_workers=False)
         self.store_address = f"{address}:{self._store.port}"
         self.rendezvous = Rendezvous(self._store)
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():  # only it may set handlers
+            handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start()
             next_discovery = time.monotonic() + self.options.discovery_interval_s
@@ -148,11 +180,9 @@ class ElasticDriver:
                     if self._short_since is not None:
                         self._try_to_form()
                 time.sleep(_TICK_S)
-        except ElasticJobError as err:
-            sys.stderr.write(f"hpdl run: error: {err}\n")
-            sys.stderr.flush()
+        except BaseException:
             self._end_all()
-            return 130 if self._ending_signal == signal.SIGINT else 1
+            raise
         finally:
             for s, handler in handlers.items():
                 signal.signal(s, handler)
@@ -206,7 +236,8 @@ class ElasticDriver:
             self.resets += 1
             limit = self.options.reset_limit
             if limit is not None and self.resets > limit:
-                raise ElasticJobError(f"the job would reset a {self._ordinal(self.resets)} time, past --reset-limit "
+                raise ElasticJobError(f"the job would reset a {self._ordinal(self.resets)} time, past "
+                                      f"{self.options.spelling['reset_limit']} "
                                       f"{limit}{f' ({reason})' if reason else ''}")
         new_ids = list(range(self._next_id, self._next_id + len(new_places)))
         self.members = assign_slots([(w.id, w.host) for w in survivors] + list(zip(new_ids, new_places)))
@@ -245,28 +276,16 @@ class ElasticDriver:
         """Start the worker of ``slot`` (a new id): it reads its place again at every hvd.init()."""
         worker_id, host = slot.worker, slot.hostname
         self._next_id = worker_id + 1
-        env = dict(self.env)
-        env.update(slot.horovod_environment())  # for scripts that read them before hvd.init()
-        env.update({STORE_VARIABLE: self.store_address, WORKER_VARIABLE: str(worker_id),
-                    "HPDL_ELASTIC_TIMEOUT": f"{self.options.elastic_timeout_s:g}",
-                    "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")})
-        command = list(self.options.command)
-        if self._local(host):
-            argv, env_for_popen = command, env
-        else:
-            passed = {k: v for k, v in env.items() if k.startswith(("HPDL_", "HOROVOD_", "PYTHON")) or k == "PATH"}
-            line = f"cd {shlex.quote(self.cwd)} && exec env {shlex.join([f'{k}={v}' for k, v in sorted(passed.items())] + command)}"
-            argv, env_for_popen = [*shlex.split(self.options.remote_shell), host, line], dict(self.env)
+        variables = dict(slot.horovod_environment())  # for scripts that read them before hvd.init()
+        variables.update({STORE_VARIABLE: self.store_address, WORKER_VARIABLE: str(worker_id),
+                          "HPDL_ELASTIC_TIMEOUT": f"{self.options.elastic_timeout_s:g}"})
         try:
-            proc = subprocess.Popen(argv, env=env_for_popen, cwd=self.cwd, start_new_session=True)
-        except OSError as err:
-            raise ElasticJobError(f"cannot start {argv[0]}: {err.strerror or err}") from None
-        worker = _Worker(worker_id, host, proc)
+            handle = self.starter.start(worker_id, host, variables)
+        except WorkerStartError as err:
+            raise ElasticJobError(str(err)) from None
+        worker = _Worker(worker_id, host, handle)
         self.workers[worker_id] = worker
         return worker
-
-    def _local(self, host: str) -> bool:
-        return self.options.is_local(host) if self.options.is_local is not None else False
 
     def _reap(self) -> None:
         """Act on the workers that ended since the last look."""
@@ -284,7 +303,7 @@ class ElasticDriver:
                 continue
             if self._finishing is not None:  # after the training returned: the job's status
                 self._status = self._status or (128 - code if code < 0 else code)
-                self._say(f"worker {worker.id} (host {worker.host}) {ending_words(code)}")
+                self._say(f"worker {worker.id} (host {worker.host}) {worker.proc.ending(code)}")
                 continue
             failed.append((worker, code))
         if failed and self._finishing is None:
@@ -297,7 +316,8 @@ class ElasticDriver:
         generation = self.rendezvous.left_in(worker.id)
         if generation is None:  # a script without hvd.elastic.run: the newest world that formed
             generation = max(self._formed, 0)
-        members = {s.worker for s in self.rendezvous.members(generation)}
+        self.final_members = list(self.rendezvous.members(generation))
+        members = {s.worker for s in self.final_members}
         self._finishing = sorted(members)
         for other in self._active():
             if other.id not in members:
@@ -310,7 +330,7 @@ class ElasticDriver:
         for worker, code in failed:
             rank = next((s.rank for s in self.members if s.worker == worker.id), None)
             at = f", rank {rank}" if rank is not None else ""
-            words.append(f"worker {worker.id} (host {worker.host}{at}) {ending_words(code)}")
+            words.append(f"worker {worker.id} (host {worker.host}{at}) {worker.proc.ending(code)}")
             self._blacklist(worker.host, now)
         reason = "; ".join(words)
         self.rendezvous.end(self.generation, reason)
@@ -367,7 +387,7 @@ class ElasticDriver:
                 self._discovery_warned = True
             return self.hosts
         if first and not hosts:
-            raise DiscoveryError(f"{self.options.hosts.describe()} printed no host")
+            raise DiscoveryError(f"{self.options.hosts.describe()} gave no host")
         self._discovery_warned = False
         return hosts
 
@@ -402,7 +422,8 @@ class ElasticDriver:
 
     def _too_few(self) -> str:
         usable = self._available_slots()
-        return (f"fewer than --min-np {self.options.min_np} workers for --elastic-timeout "
+        names = self.options.spelling
+        return (f"fewer than {names['min_np']} {self.options.min_np} workers for {names['elastic_timeout']} "
                 f"{self.options.elastic_timeout_s:g} s ({usable} slot(s) usable on the hosts "
                 f"{self.options.hosts.describe()} gives{', some blacklisted' if self.blacklist else ''})")
 
@@ -412,13 +433,13 @@ class ElasticDriver:
         """End ``worker`` (SIGTERM, SIGKILL ``_KILL_AFTER_S`` later: see :meth:`_kill_the_stopped`)."""
         worker.ended_by_driver = worker.removed = True
         worker.kill_at = time.monotonic() + _KILL_AFTER_S
-        _signal_group(worker.proc, signal.SIGTERM)
+        worker.proc.terminate()
 
     def _kill_the_stopped(self) -> None:
         now = time.monotonic()
         for worker in self.workers.values():
             if worker.kill_at is not None and now > worker.kill_at and worker.proc.poll() is None:
-                _signal_group(worker.proc, signal.SIGKILL)
+                worker.proc.kill()
                 worker.kill_at = None
 
     def _end_all(self) -> None:
@@ -431,24 +452,19 @@ class ElasticDriver:
             time.sleep(_TICK_S)
         for worker in running:
             if worker.proc.poll() is None:
-                _signal_group(worker.proc, signal.SIGKILL)
-                worker.proc.wait()
+                worker.proc.kill()
+        deadline = time.monotonic() + _KILL_AFTER_S
+        while any(w.proc.poll() is None for w in running) and time.monotonic() < deadline:
+            time.sleep(_TICK_S)
 
     def _say(self, line: str) -> None:
-        sys.stderr.write(f"hpdl run: {line}\n")
+        sys.stderr.write(f"{self.options.speaker}: {line}\n")
         sys.stderr.flush()
 
 
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)  # the worker and what it started (its session)
-    except OSError:
-        pass
-
-
-def run_elastic(options: ElasticOptions, env: Dict[str, str], cwd: str) -> int:
+def run_elastic(options: ElasticOptions, starter: WorkerStarter) -> int:
     """Run an elastic job (``hpdl run --min-np ...``) to its end; return its exit status."""
-    return ElasticDriver(options, env, cwd).run()
+    return ElasticDriver(options, starter).run()
 
 
 __all__: Sequence[str] = ("ElasticDriver", "ElasticJobError", "ElasticOptions", "run_elastic")

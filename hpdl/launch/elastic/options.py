@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from typing import Callable, FrozenSet, Optional
+from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 from hpdl.launch.elastic.discovery import DiscoveryScript, FixedHosts
 from hpdl.launch.elastic.driver import ElasticOptions
+from hpdl.launch.elastic.workers import ProcessWorkers
 from hpdl.launch.hosts import HostList, LaunchError
 
 # horovodrun's spellings, each with hpdl's name for it.
@@ -51,10 +52,12 @@ def is_elastic(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) is not None for name in ("min_np", "max_np", "discovery_script"))
 
 
-def elastic_options(args: argparse.Namespace, command: tuple, host_list: Optional[HostList],
-                    local_names: FrozenSet[str], discovery_interval_s: float,
-                    discovery_timeout_s: float) -> ElasticOptions:
-    """Check the elastic options given to `hpdl run` and turn them into :class:`ElasticOptions`.
+def elastic_job(args: argparse.Namespace, command: tuple, host_list: Optional[HostList],
+                local_names: FrozenSet[str], discovery_interval_s: float, discovery_timeout_s: float,
+                env: Dict[str, str], cwd: str) -> Tuple[ElasticOptions, ProcessWorkers]:
+    """Check the elastic options given to `hpdl run`; return the job's :class:`ElasticOptions`
+    and the starter of its workers (``command`` in ``cwd`` with ``env``, over the remote shell
+    on other hosts).
 
     Raises:
         LaunchError: one line naming the option; nothing has started.
@@ -102,12 +105,14 @@ def elastic_options(args: argparse.Namespace, command: tuple, host_list: Optiona
     if args.discovery_script is None and min_np > slots:
         raise LaunchError(f"--min-np {min_np} is more than the {slots} slot(s) of the hosts given")
     names = set(local_names) | _addresses()
-    return ElasticOptions(
-        command=tuple(command), np=np, min_np=min_np, max_np=max_np, hosts=hosts,
+    options = ElasticOptions(
+        np=np, min_np=min_np, max_np=max_np, hosts=hosts,
         elastic_timeout_s=args.elastic_timeout if args.elastic_timeout is not None else 600.0,
         reset_limit=args.reset_limit, cooldown_range_s=cooldown, discovery_interval_s=discovery_interval_s,
-        remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or "ssh",
-        is_local=_is_local_to(frozenset(names)), verbose=bool(getattr(args, "verbose", False)))
+        verbose=bool(getattr(args, "verbose", False)))
+    workers = ProcessWorkers(command, env, cwd, remote_shell=args.remote_shell or os.environ.get("HPDL_RSH") or "ssh",
+                             is_local=_is_local_to(frozenset(names)))
+    return options, workers
 
 
 def _addresses() -> set:
