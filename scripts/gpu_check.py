@@ -1,10 +1,20 @@
 """Validate hpdl on a GPU machine in one run (scripts/gpu-check.sh; docs/gpu.md says what it covers).
 
-Steps, in order: the machine (GPU, driver, PyTorch, NCCL), `hpdl check`, the tests marked gpu
-(pytest -m gpu), `hpdl bench synthetic` on the GPU at 1 rank (ResNet-50 at batch 64 and EDSR x2,
-float32 and float16 mixed precision), then EDSR-baseline's total img/s at 1, 2 and 4 ranks per
-GPU (`hpdl run --ranks-per-gpu K`), without NVIDIA MPS and, where `nvidia-cuda-mps-control`
-is installed, with it (the daemon started and stopped here).
+Steps, in order (what the first run proved, the tests and the single-mode figures, comes last or
+is shortened, so that the side-by-side figures fit the budget):
+
+- the machine (GPU, driver, PyTorch, NCCL) and `hpdl check`;
+- ``compare-*``: `hpdl bench synthetic --compare plain,ddp` at 1 rank over nccl (hpdl against a
+  plain PyTorch loop and DDP, alternating, the order rotated each repeat) for ResNet-50 at batch
+  256 and EDSR x2 at batch 16, in float32, bf16 and fp16 mixed precision;
+- ``share-gpu-K``: hpdl against DDP (both over gloo) with K = 2 and 4 ranks on the one GPU,
+  EDSR-baseline, and again under NVIDIA MPS where `nvidia-cuda-mps-control` is installed (the
+  daemon started and stopped here);
+- ``spatial-cuda``: `hpdl bench spatial --device cuda`, one EDSR-baseline image over 1, 2 and 4
+  ranks sharing the GPU under a cap of GPU memory that one rank's step exceeds;
+- ``compile-*``: `hpdl bench synthetic --compile` for both models (against the eager hpdl figure
+  of the compare step);
+- the tests marked gpu (pytest -m gpu), with the time left.
 
 Nothing hangs and nothing stops the rest: every step runs in a process group of its own under
 a time limit, its own and what is left of the whole run's budget (``--budget``, under 8
@@ -41,21 +51,27 @@ if str(ROOT) not in sys.path:  # the checkout's hpdl, however this file was star
 
 from hpdl.launch.process_tree import end_processes, end_tree, processes_with_env  # noqa: E402 - after ROOT
 
-SCHEMA = "hpdl.gpu-check/1"
+SCHEMA = "hpdl.gpu-check/2"
 BUDGET_S = 440.0  # the whole run; with the ends of its last steps, under the 8 minutes a check may take
 MIN_STEP_S = 10.0  # a step with less time left than this is not started
 MPS_STOP_RESERVE_S = 20.0  # kept back for stopping the MPS daemon, once started
-RANKS_PER_GPU = (1, 2, 4)
+SHARED_GPU_RANKS = (2, 4)  # ranks sharing the one GPU in the share-gpu steps
 STEP_MARK = "GPU_CHECK_STEP"  # in every step's environment: what it leaves running is found by it
 # The seeds' single-V100 figure: what the ResNet-50 float32 number is read against.
 V100_RESNET50_IMG_S = 334.0
 # Short benchmark runs: the figures settle within a few batches on a GPU (docs/gpu.md).
-BENCH_ARGS = ["--num-warmup", "3", "--num-iters", "3", "--num-batches-per-iter", "5", "--json"]
-SYNTHETIC = {
-    "resnet50": ["--model", "resnet50", "--batch-size", "64"],
+BENCH_ARGS = ["--num-warmup", "3", "--num-iters", "2", "--num-batches-per-iter", "5", "--json"]
+COMPARE_ARGS = ["--repeats", "3"]  # three modes, each first once as the order rotates
+MODELS = {
+    "resnet50": ["--model", "resnet50", "--batch-size", "256"],
     "edsr-x2": ["--model", "edsr", "--scale", "2", "--batch-size", "16", "--patch", "48"],
 }
-RANKS_MODEL = ["--model", "edsr-baseline", "--scale", "2", "--batch-size", "16", "--patch", "48"]
+PRECISIONS = {"fp32": [], "bf16": ["--amp", "bf16"], "fp16": ["--amp", "fp16"]}
+SHARED_MODEL = ["--model", "edsr-baseline", "--scale", "2", "--batch-size", "16", "--patch", "48"]
+# One EDSR-baseline image of 1024x1024 (LR) needs about 14 GiB for a step on one rank (862 MiB
+# at 256x256 on the CPU, times 16), 2 ranks about half: a cap of 10 GiB refuses 1 rank, holds 2 and 4.
+SPATIAL_ARGS = ["--model", "edsr-baseline", "--image", "1024", "--ranks", "1,2,4", "--max-memory", "10G",
+                "--warmup", "1", "--rounds", "2", "--timeout", "110", "--overwrite"]
 
 
 @dataclasses.dataclass
@@ -94,13 +110,47 @@ def gpu_test_workers(xdist_found: bool, cores: int) -> int:
 
 
 def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytest_found: bool,
-         pytest_timeout_found: bool, mps_dir: str, test_workers: int = 1) -> List[Step]:
+         pytest_timeout_found: bool, mps_dir: str, test_workers: int = 1, out_dir: str = "gpu-check-out") -> List[Step]:
     """The steps of a check, in order (a pure function of what this machine has)."""
     hpdl = [python, "-m", "hpdl"]
     steps = [
         Step("environment", [python, "-c", ENVIRONMENT_PROBE], 60, kind="environment"),
         Step("hpdl-check", hpdl + ["check"], 60),
     ]
+    for model, args in MODELS.items():
+        for precision, amp in PRECISIONS.items():
+            bench = ["bench", "synthetic", "--device", "cuda", *args, *amp, "--compare", "plain,ddp", *COMPARE_ARGS,
+                     *BENCH_ARGS]
+            steps.append(Step(f"compare-{model}-{precision}", _ranks_argv(python, torchrun, 1, bench, "nccl"), 60,
+                              kind="compare", env=_ranks_env(torchrun, 1, "nccl"),
+                              meta={"figure": f"{model}-{precision}", "ranks": 1}))
+    mps_env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(mps_dir, "pipe"),
+               "CUDA_MPS_LOG_DIRECTORY": os.path.join(mps_dir, "log")}
+    shared = ["bench", "synthetic", "--device", "cuda", *SHARED_MODEL, "--compare", "ddp", *COMPARE_ARGS, *BENCH_ARGS]
+
+    def share_gpu(mps: bool) -> List[Step]:
+        return [Step(f"share-gpu-{ranks}" + ("-mps" if mps else ""), _ranks_argv(python, torchrun, ranks, shared),
+                     75, kind="compare", env={**(mps_env if mps else {}), **_ranks_env(torchrun, ranks)},
+                     meta={"ranks": ranks, "mps": mps}, needs="mps-start" if mps else None)
+                for ranks in SHARED_GPU_RANKS]
+
+    steps += share_gpu(mps=False)
+    spatial_json = os.path.join(out_dir, "spatial-cuda.json")
+    steps.append(Step("spatial-cuda", hpdl + ["bench", "spatial", "--device", "cuda", *SPATIAL_ARGS,
+                                              "--json", spatial_json], 120, kind="spatial",
+                      meta={"json": spatial_json}))
+    for model, args in MODELS.items():
+        steps.append(Step(f"compile-{model}", hpdl + ["bench", "synthetic", "--device", "cuda", *args, "--compile",
+                                                      *BENCH_ARGS], 120, kind="bench", meta={"compiled": model}))
+    if mps_control is None:
+        steps.append(Step("mps", [], 0, cannot="nvidia-cuda-mps-control is not installed here: no MPS runs"))
+    else:
+        steps.append(Step("mps-start", [mps_control, "-d"], 20, kind="mps-start", env=mps_env))
+        steps += share_gpu(mps=True)
+        steps.append(Step("mps-servers", [mps_control], 15, kind="mps-servers", env=mps_env,
+                          stdin="get_server_list\n", needs="mps-start"))
+        steps.append(Step("mps-stop", [mps_control], 20, env=mps_env, stdin="quit\n", needs="mps-start",
+                          meta={"reserved": True}))
     # A test module that fails to import here (a package this machine lacks) must not stop the rest.
     tests = [python, "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
              "--continue-on-collection-errors"]
@@ -112,30 +162,6 @@ def plan(python: str, torchrun: Optional[str], mps_control: Optional[str], pytes
         tests += ["-n", str(test_workers), "--dist", "load"]
     steps.append(Step("gpu-tests", tests + ["tests"], 240, kind="tests",
                       cannot=None if pytest_found else "pytest is not installed here (pip install pytest)"))
-    for model, args in SYNTHETIC.items():
-        for precision in ("fp32", "fp16"):
-            amp = ["--amp", "fp16"] if precision == "fp16" else []
-            steps.append(Step(f"synthetic-{model}-{precision}",
-                              hpdl + ["bench", "synthetic", "--device", "cuda", *args, *amp, *BENCH_ARGS], 75,
-                              kind="bench", meta={"figure": f"{model}-{precision}"}))
-    mps_env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(mps_dir, "pipe"),
-               "CUDA_MPS_LOG_DIRECTORY": os.path.join(mps_dir, "log")}
-    for mps in (False, True):
-        if mps and mps_control is None:
-            steps.append(Step("mps", [], 0, cannot="nvidia-cuda-mps-control is not installed here: no MPS runs"))
-            break
-        if mps:
-            steps.append(Step("mps-start", [mps_control, "-d"], 20, kind="mps-start", env=mps_env))
-        for ranks in RANKS_PER_GPU:
-            name = f"ranks-per-gpu-{ranks}" + ("-mps" if mps else "")
-            steps.append(Step(name, _ranks_argv(python, torchrun, ranks), 90, kind="bench",
-                              env={**(mps_env if mps else {}), "HPDL_RANKS_PER_GPU": str(ranks)},
-                              meta={"ranks": ranks, "mps": mps}, needs="mps-start" if mps else None))
-        if mps:
-            steps.append(Step("mps-servers", [mps_control], 15, kind="mps-servers", env=mps_env,
-                              stdin="get_server_list\n", needs="mps-start"))
-            steps.append(Step("mps-stop", [mps_control], 20, env=mps_env, stdin="quit\n", needs="mps-start",
-                              meta={"reserved": True}))
     return steps
 
 
@@ -151,15 +177,23 @@ def select_steps(steps: List[Step], wanted: Sequence[str]) -> List[Step]:
     return chosen
 
 
-def _ranks_argv(python: str, torchrun: Optional[str], ranks: int) -> List[str]:
-    """K ranks of EDSR-baseline on the one GPU: through `hpdl run --ranks-per-gpu K` (torchrun,
-    as the machine has no mpiexec), or torch's own launcher module where no torchrun is found."""
-    bench = ["bench", "synthetic", *RANKS_MODEL, "--device", "cuda", *BENCH_ARGS]
+def _ranks_argv(python: str, torchrun: Optional[str], ranks: int, bench: List[str],
+                backend: Optional[str] = None) -> List[str]:
+    """K ranks of ``hpdl bench`` on the one GPU: through `hpdl run --ranks-per-gpu K` (torchrun,
+    as the machine has no mpiexec), or torch's own launcher module where no torchrun is found
+    (told the ranks per GPU and the backend by :func:`_ranks_env`)."""
     if torchrun is not None:
-        return [python, "-m", "hpdl", "run", "-np", str(ranks), "--ranks-per-gpu", str(ranks), "--launcher",
-                "torchrun", "--", python, "-m", "hpdl", *bench]
+        chosen = ["--backend", backend] if backend else []
+        return [python, "-m", "hpdl", "run", "-np", str(ranks), "--ranks-per-gpu", str(ranks), *chosen,
+                "--launcher", "torchrun", "--", python, "-m", "hpdl", *bench]
     return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone",
             "-m", "hpdl", *bench]
+
+
+def _ranks_env(torchrun: Optional[str], ranks: int, backend: Optional[str] = None) -> Dict[str, str]:
+    if torchrun is not None:  # hpdl run sets them
+        return {}
+    return {"HPDL_RANKS_PER_GPU": str(ranks), **({"HPDL_BACKEND": backend} if backend else {})}
 
 
 ENVIRONMENT_PROBE = """\
@@ -290,9 +324,27 @@ def read_test_results(output: str) -> Dict[str, Any]:
 
 def bench_figures(record: Dict[str, Any]) -> Dict[str, Any]:
     """The figures of a synthetic benchmark record."""
-    keys = ("model", "batch_size", "amp", "ranks", "backend", "device", "gpu", "img_sec_per_rank",
+    keys = ("model", "batch_size", "amp", "compile", "ranks", "backend", "device", "gpu", "img_sec_per_rank",
             "img_sec_per_rank_conf", "total_img_sec", "total_img_sec_conf")
     return {key: record[key] for key in keys if key in record}
+
+
+def compare_figures(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The figures of a synthetic benchmark record with --compare: each mode's median img/s per
+    rank and runs, and hpdl's ratios to the others (of the medians, and the median of each
+    repeat's own ratio)."""
+    keys = ("model", "batch_size", "amp", "ranks", "backend", "ddp_backend", "device", "gpu", "median", "runs",
+            "ratio", "paired_ratio")
+    return {key: record[key] for key in keys if key in record}
+
+
+def spatial_figures(record: Dict[str, Any]) -> Dict[str, Any]:
+    """What `hpdl bench spatial`'s record says per point (img/s, memory per rank, fit or not)."""
+    keys = ("ranks", "grid", "status", "reason", "img_sec", "bound_img_sec", "efficiency", "memory",
+            "memory_vs_1_rank", "peak_resident")
+    return {"model": record.get("model"), "image": record.get("image"), "device": record.get("device"),
+            "max_memory": record.get("max_memory"),
+            "points": [{k: row[k] for k in keys if k in row} for row in record.get("summary", [])]}
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -311,7 +363,7 @@ class Check:
         self.records: List[Dict[str, Any]] = []
         self.environment: Dict[str, Any] = {}
         self.tests: Optional[Dict[str, Any]] = None
-        self.figures: Dict[str, Any] = {"synthetic": {}, "ranks_per_gpu": {}}
+        self.figures: Dict[str, Any] = {"compare": {}, "share_gpu": {}, "compile": {}}
         out_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = out_dir / "gpu-check.log"
         self.summary_path = out_dir / "gpu-check.json"
@@ -387,17 +439,25 @@ class Check:
                 outcome.status, outcome.reason = "failed", f"no test marked gpu passed ({skips})"
         elif step.kind == "environment" and outcome.status == "passed":
             self.environment = json_record(outcome.output) or {}
-        elif step.kind == "bench" and outcome.status == "passed":
+        elif step.kind in ("bench", "compare") and outcome.status == "passed":
             record = json_record(outcome.output)
             if record is None:
                 outcome.status, outcome.reason = "failed", "no JSON record in its output"
                 return
-            figures = bench_figures(record)
-            if "figure" in step.meta:
-                self.figures["synthetic"][step.meta["figure"]] = figures
+            if step.kind == "bench":
+                self.figures["compile"][step.meta["compiled"]] = bench_figures(record)
+            elif "figure" in step.meta:
+                self.figures["compare"][step.meta["figure"]] = compare_figures(record)
             else:
                 mode = "with MPS" if step.meta["mps"] else "without MPS"
-                self.figures["ranks_per_gpu"].setdefault(mode, {})[str(step.meta["ranks"])] = figures
+                self.figures["share_gpu"].setdefault(mode, {})[str(step.meta["ranks"])] = compare_figures(record)
+        elif step.kind == "spatial" and outcome.status == "passed":
+            try:
+                record = json.loads(Path(step.meta["json"]).read_text())
+            except (OSError, ValueError) as err:
+                outcome.status, outcome.reason = "failed", f"no record in {step.meta['json']}: {err}"
+                return
+            self.figures["spatial"] = spatial_figures(record)
         elif step.kind == "mps-servers" and outcome.status == "passed":
             # Whether the ranks went through MPS: the servers the daemon runs, and its log's
             # lines about servers and clients (a server may end once its clients have).
@@ -429,24 +489,34 @@ class Check:
 
     def _figures(self) -> Dict[str, Any]:
         figures = dict(self.figures)
-        resnet = figures["synthetic"].get("resnet50-fp32")
-        if resnet and "img_sec_per_rank" in resnet:
+        resnet = figures["compare"].get("resnet50-fp32", {}).get("median", {}).get("hpdl")
+        if resnet:
             figures["resnet50_fp32_vs_v100_reference"] = {
-                "reference_img_s": V100_RESNET50_IMG_S, "ratio": round(resnet["img_sec_per_rank"] / V100_RESNET50_IMG_S, 2)}
-        for mode, by_ranks in self.figures["ranks_per_gpu"].items():
-            one = by_ranks.get("1", {}).get("total_img_sec")
-            if one:
-                figures.setdefault("ranks_per_gpu_gain", {})[mode] = {
-                    k: round(v["total_img_sec"] / one, 2) for k, v in by_ranks.items() if "total_img_sec" in v}
+                "reference_img_s": V100_RESNET50_IMG_S, "ratio": round(resnet / V100_RESNET50_IMG_S, 2)}
+        for model, compiled in self.figures["compile"].items():
+            eager = figures["compare"].get(f"{model}-fp32", {}).get("median", {}).get("hpdl")
+            if eager and "img_sec_per_rank" in compiled:
+                figures.setdefault("compiled_vs_eager", {})[model] = round(compiled["img_sec_per_rank"] / eager, 3)
         return figures
 
     def figure_lines(self) -> List[str]:
         lines = []
-        for name, f in self.figures["synthetic"].items():
-            lines.append(f"gpu-check: {name}: {f['img_sec_per_rank']:.1f} img/s (+-{f['img_sec_per_rank_conf']:.1f})")
-        for mode, by_ranks in self.figures["ranks_per_gpu"].items():
-            cells = ", ".join(f"{k} ranks {v['total_img_sec']:.1f}" for k, v in by_ranks.items())
-            lines.append(f"gpu-check: EDSR-baseline total img/s per GPU {mode}: {cells}")
+        for name, f in self.figures["compare"].items():
+            median = f.get("median", {})
+            ratios = ", ".join(f"hpdl/{k} {v:.3f}" for k, v in f.get("paired_ratio", {}).items())
+            lines.append(f"gpu-check: {name}: hpdl {median.get('hpdl', 0):.1f} img/s; {ratios}")
+        for mode, by_ranks in self.figures["share_gpu"].items():
+            cells = "; ".join(f"{k} ranks: hpdl {v['median']['hpdl'] * v['ranks']:.1f}, ddp "
+                              f"{v['median']['ddp'] * v['ranks']:.1f} img/s (hpdl/ddp {v['paired_ratio']['ddp']:.3f})"
+                              for k, v in by_ranks.items())
+            lines.append(f"gpu-check: EDSR-baseline ranks sharing the GPU {mode}: {cells}")
+        if "spatial" in self.figures:
+            cells = "; ".join(f"{p['ranks']} ranks " + (f"{p['img_sec']:.3g} img/s, {p['memory'] / 2**30:.2f} GiB/rank"
+                                                        if p["status"] == "ok" else p["status"])
+                              for p in self.figures["spatial"]["points"])
+            lines.append(f"gpu-check: spatial on the GPU: {cells}")
+        for model, f in self.figures["compile"].items():
+            lines.append(f"gpu-check: {model} compiled: {f['img_sec_per_rank']:.1f} img/s")
         return lines
 
 
@@ -488,10 +558,12 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     mps_dir = os.path.join(tempfile.gettempdir(), f"hpdl-gpu-check-mps-{os.getpid()}")
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-check-out")
     steps = plan(python, detect_launchers(env).torchrun, _mps_control(),
                  importlib.util.find_spec("pytest") is not None,
                  importlib.util.find_spec("pytest_timeout") is not None, mps_dir,
-                 gpu_test_workers(importlib.util.find_spec("xdist") is not None, os.cpu_count() or 1))
+                 gpu_test_workers(importlib.util.find_spec("xdist") is not None, os.cpu_count() or 1),
+                 out_dir=str(out_dir))
     if args.steps:
         try:
             steps = select_steps(steps, [w.strip() for w in args.steps.split(",") if w.strip()])
@@ -514,7 +586,6 @@ def main(argv: Optional[Sequence[str]] = None, cuda_reason: Optional[Callable[[]
         return 0
     for sub in ("pipe", "log"):  # the MPS daemon's folders, out of $OUT (whose files all come back)
         os.makedirs(os.path.join(mps_dir, sub), exist_ok=True)
-    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-check-out")
     try:
         return Check(steps, out_dir, args.budget, env).run()
     finally:  # what the daemon's log said is in the summary by now

@@ -51,6 +51,7 @@ def no_jobs(monkeypatch, tmp_path):
     (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     (["--timeout", "0"], "--timeout takes seconds above 0"),
     (["--allocator", "tcmalloc"], "--allocator takes release, keep, default, got 'tcmalloc'"),
+    (["--device", "tpu"], "--device takes cpu or cuda, got 'tpu'"),
     (["--json", "no/such/dir/s.json"], "--json no/such/dir/s.json: its directory does not exist"),
     (["--plot", "s.xyz"], "--plot s.xyz: matplotlib writes no .xyz files"),
     (["--json", "s.json", "--plot", "s.json"], "--json and --plot name the same file, s.json"),
@@ -58,12 +59,46 @@ def no_jobs(monkeypatch, tmp_path):
      "--grid 4x1 of a 64x64 image: layer4.0.downsample.0 (Conv2d): row band 3 of 4"),
 ], ids=["ranks-text", "ranks-zero", "ranks-twice", "grid-not-in-ranks", "grid-text", "grid-twice", "image-zero",
         "image-text", "model", "scale-resnet", "scale-unknown", "memory-fraction", "memory-text", "memory-zero",
-        "threads", "rounds", "warmup", "timeout", "allocator", "json-dir", "plot-format", "same-file", "band-too-thin"])
+        "threads", "rounds", "warmup", "timeout", "allocator", "device", "json-dir", "plot-format", "same-file", "band-too-thin"])
 def test_bad_requests_are_refused_in_one_line_before_any_job(no_jobs, capsys, tmp_path, args, message):
     assert main(["bench", "spatial", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hpdl: error: ") and message in err and err.count("\n") == 1, err
     assert no_jobs == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_the_gpu_is_refused_in_one_line_where_there_is_none(no_jobs, capsys):
+    assert main(["bench", "spatial", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == "hpdl: error: --device cuda: this machine has no CUDA device PyTorch can use\n"
+    assert no_jobs == []
+
+
+def test_on_the_gpu_ranks_share_the_gpus_there_are(monkeypatch):
+    monkeypatch.setattr(spatial_study, "gpu_count", lambda: 2)
+    opts = SpatialStudyOptions(ranks=(1, 2, 4, 8), device="cuda")
+    assert [opts.ranks_per_gpu(n) for n in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    four = job_argv(opts, 4, (4, 1))
+    assert four[3:8] == ["run", "-np", "4", "--ranks-per-gpu", "2"] and "--ranks-per-gpu" not in job_argv(opts, 2, (2, 1))
+    assert json.loads(four[-1])["device"] == "cuda"  # the job puts its model and image on its GPU
+    assert SpatialStudyOptions().ranks_per_gpu(4) == 1 and "--ranks-per-gpu" not in job_argv(SpatialStudyOptions(), 4, (4, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+def test_a_study_on_the_gpu_measures_gpu_memory_and_enforces_its_cap(tmp_path):
+    done = _study(tmp_path, "--device", "cuda", "--model", "edsr-baseline", "--image", "64", "--ranks", "1,2",
+                  "--rounds", "1", "--warmup", "0", "--json", "s.json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "s.json").read_text())
+    one, two = record["runs"]
+    assert record["device"] == "cuda" and one["status"] == two["status"] == "ok"
+    assert 0 < two["memory"] < one["memory"] and "peak GPU MiB" in done.stdout
+    tight = _study(tmp_path, "--device", "cuda", "--model", "edsr-baseline", "--image", "64", "--ranks", "1",
+                   "--rounds", "1", "--warmup", "0", "--max-memory", str(one["memory"] // 4), "--json", "t.json")
+    assert tight.returncode == 0, tight.stderr
+    (refused,) = json.loads((tmp_path / "t.json").read_text())["runs"]
+    assert refused["status"] == "does not fit" and "on its GPU" in refused["reason"], refused
 
 
 def test_an_existing_output_is_kept_without_overwrite(no_jobs, capsys, tmp_path):

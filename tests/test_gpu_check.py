@@ -54,17 +54,25 @@ def _names(steps):
 
 
 def test_the_plan_covers_the_issue_in_budgeted_order():
-    steps = plan("py", "/bin/torchrun", "/usr/bin/nvidia-cuda-mps-control", True, True, "/tmp/m")
+    steps = plan("py", "/bin/torchrun", "/usr/bin/nvidia-cuda-mps-control", True, True, "/tmp/m", out_dir="/o")
+    compares = [f"compare-{m}-{p}" for m in ("resnet50", "edsr-x2") for p in ("fp32", "bf16", "fp16")]
     assert _names(steps) == [
-        "environment", "hpdl-check", "gpu-tests",
-        "synthetic-resnet50-fp32", "synthetic-resnet50-fp16", "synthetic-edsr-x2-fp32", "synthetic-edsr-x2-fp16",
-        "ranks-per-gpu-1", "ranks-per-gpu-2", "ranks-per-gpu-4",
-        "mps-start", "ranks-per-gpu-1-mps", "ranks-per-gpu-2-mps", "ranks-per-gpu-4-mps", "mps-servers", "mps-stop"]
+        "environment", "hpdl-check", *compares, "share-gpu-2", "share-gpu-4", "spatial-cuda",
+        "compile-resnet50", "compile-edsr-x2",
+        "mps-start", "share-gpu-2-mps", "share-gpu-4-mps", "mps-servers", "mps-stop", "gpu-tests"]
     by_name = {s.name: s for s in steps}
     assert by_name["gpu-tests"].argv[:8] == ["py", "-m", "pytest", "-v", "-rfEs", "-m", "gpu", "-p"]
-    mps = by_name["ranks-per-gpu-2-mps"]
+    compare = by_name["compare-resnet50-bf16"].argv
+    assert compare[:11] == ["py", "-m", "hpdl", "run", "-np", "1", "--ranks-per-gpu", "1", "--backend", "nccl",
+                            "--launcher"]
+    assert compare[compare.index("--compare") + 1] == "plain,ddp" and compare[compare.index("--amp") + 1] == "bf16"
+    assert compare[compare.index("--batch-size") + 1] == "256"
+    spatial = by_name["spatial-cuda"].argv
+    assert spatial[spatial.index("--device") + 1] == "cuda" and spatial[-2:] == ["--json", "/o/spatial-cuda.json"]
+    assert "--compile" in by_name["compile-edsr-x2"].argv
+    mps = by_name["share-gpu-2-mps"]
     assert mps.env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/m/pipe" == by_name["mps-start"].env["CUDA_MPS_PIPE_DIRECTORY"]
-    assert "CUDA_MPS_PIPE_DIRECTORY" not in by_name["ranks-per-gpu-2"].env  # the runs without MPS come first
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in by_name["share-gpu-2"].env  # the runs without MPS come first
     assert by_name["mps-stop"].stdin == "quit\n" and by_name["mps-start"].argv[1:] == ["-d"]
     # the caps of a full run fit the budget only as it is spent: the deadline cuts what is left
     assert sum(s.cap_s for s in steps) > gpu_check["BUDGET_S"] < 480
@@ -76,15 +84,17 @@ def test_what_this_machine_lacks_is_skipped_with_the_reason():
     assert by_name["gpu-tests"].cannot == "pytest is not installed here (pip install pytest)"
     assert by_name["mps"].cannot.startswith("nvidia-cuda-mps-control is not installed here")
     assert not any(name.endswith("-mps") for name in by_name)
-    # no torchrun on PATH: torch's launcher module, told the ranks per GPU through the environment
-    ranks = by_name["ranks-per-gpu-4"]
+    # no torchrun on PATH: torch's launcher module, told the ranks per GPU and backend through the environment
+    ranks = by_name["share-gpu-4"]
     assert ranks.argv[:6] == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone"]
-    assert ranks.env["HPDL_RANKS_PER_GPU"] == "4"
+    assert ranks.env == {"HPDL_RANKS_PER_GPU": "4"}
+    assert by_name["compare-edsr-x2-fp16"].env == {"HPDL_RANKS_PER_GPU": "1", "HPDL_BACKEND": "nccl"}
 
 
 def test_every_hpdl_command_of_the_plan_is_one_hpdl_accepts(monkeypatch):
     steps = plan(sys.executable, "/bin/torchrun", None, True, True, "/tmp/m")
     parser = build_parser()
+    seen = set()
     for step in steps:
         if step.argv[1:3] != ["-m", "hpdl"]:
             continue
@@ -95,16 +105,21 @@ def test_every_hpdl_command_of_the_plan_is_one_hpdl_accepts(monkeypatch):
             assert commands[0][:3] == ["/bin/torchrun", "--nproc-per-node", str(ranks)]
             assert env["HPDL_RANKS_PER_GPU"] == str(ranks)
             bench = parser.parse_args(args.command[4:] if args.command[0] == "--" else args.command[3:])
-            assert (bench.model, bench.batch_size, bench.patch, bench.device) == ("edsr-baseline", 16, 48, "cuda")
+            assert bench.device == "cuda" and bench.repeats == 3
+            seen.add((bench.model, bench.batch_size, bench.compare))
+        elif hasattr(args, "model"):
+            seen.add((args.model, getattr(args, "compile", None)))
+    assert {("resnet50", 256, "plain,ddp"), ("edsr", 16, "plain,ddp"), ("edsr-baseline", 16, "ddp"),
+            ("edsr-baseline", None), ("resnet50", True), ("edsr", True)} <= seen
 
 
 def test_steps_are_chosen_by_name_with_the_mps_daemon_around_mps_runs():
     steps = plan("py", "/bin/torchrun", "/usr/bin/nvidia-cuda-mps-control", True, True, "/tmp/m")
     select = gpu_check["select_steps"]
-    assert _names(select(steps, ["gpu-tests", "synthetic-resnet50"])) == [
-        "gpu-tests", "synthetic-resnet50-fp32", "synthetic-resnet50-fp16"]
-    assert _names(select(steps, ["ranks-per-gpu-4-mps"])) == [
-        "mps-start", "ranks-per-gpu-4-mps", "mps-servers", "mps-stop"]
+    assert _names(select(steps, ["gpu-tests", "compare-resnet50"])) == [
+        "compare-resnet50-fp32", "compare-resnet50-bf16", "compare-resnet50-fp16", "gpu-tests"]
+    assert _names(select(steps, ["share-gpu-4-mps"])) == [
+        "mps-start", "share-gpu-4-mps", "mps-servers", "mps-stop"]
     with pytest.raises(ValueError, match="no step named 'resnet'"):
         select(steps, ["resnet"])
 
@@ -176,9 +191,9 @@ FAILED tests/test_gpu.py::test_engine_collectives_on_cuda_tensors[gloo-2-on-one-
 def test_the_gpu_tests_run_side_by_side_where_xdist_and_the_cores_are():
     workers = gpu_check["gpu_test_workers"]
     assert [workers(True, cores) for cores in (2, 8, 16, 64)] == [1, 2, 4, 4] and workers(False, 16) == 1
-    side_by_side = plan("py", None, None, True, True, "/tmp/m", test_workers=4)[2]
+    side_by_side = plan("py", None, None, True, True, "/tmp/m", test_workers=4)[-1]
     assert side_by_side.argv[-5:] == ["-n", "4", "--dist", "load", "tests"]
-    assert "-n" not in plan("py", None, None, True, True, "/tmp/m", test_workers=1)[2].argv
+    assert "-n" not in plan("py", None, None, True, True, "/tmp/m", test_workers=1)[-1].argv
 
 
 def test_pytest_xdist_results_are_read_per_test():
@@ -203,17 +218,17 @@ def test_pytest_results_are_read_per_test_wherever_the_tests_are():
 def test_a_run_records_each_step_and_goes_on_after_a_failure(tmp_path, capsys):
     # Run here as if CUDA were present: the environment probe and `hpdl check` pass, the tests
     # run (and skip here), the benchmark on cuda fails and the run goes on to the next, which fails too.
-    steps = "environment,hpdl-check,synthetic-resnet50-fp32,gpu-tests,ranks-per-gpu-1"
+    steps = "environment,hpdl-check,compare-resnet50-fp32,share-gpu-2,gpu-tests"
     code = gpu_check["main"](["--steps", steps, "--out", str(tmp_path), "--budget", "400"], cuda_reason=lambda: None)
     assert code == 1
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert summary["schema"] == "hpdl.gpu-check/1" and summary["finished"] and summary["ok"] is False
+    assert summary["schema"] == "hpdl.gpu-check/2" and summary["finished"] and summary["ok"] is False
     status = {s["name"]: s["status"] for s in summary["steps"]}
     assert status == {"environment": "passed", "hpdl-check": "passed", "gpu-tests": status["gpu-tests"],
-                      "synthetic-resnet50-fp32": "failed", "ranks-per-gpu-1": "failed"}
+                      "compare-resnet50-fp32": "failed", "share-gpu-2": "failed"}
     assert summary["environment"]["torch"] == torch.__version__
-    failed = next(s for s in summary["steps"] if s["name"] == "synthetic-resnet50-fp32")
-    assert failed["reason"].startswith("hpdl: error: --device")
+    failed = next(s for s in summary["steps"] if s["name"] == "compare-resnet50-fp32")
+    assert "--device" in failed["reason"] or "nccl" in failed["reason"], failed["reason"]
     if not torch.cuda.is_available():  # every test marked gpu skipped, saying why: none passed, a failure
         assert status["gpu-tests"] == "failed" and set(summary["tests"]["counts"]) == {"skipped"}
         tests = next(s for s in summary["steps"] if s["name"] == "gpu-tests")
@@ -221,7 +236,7 @@ def test_a_run_records_each_step_and_goes_on_after_a_failure(tmp_path, capsys):
     log = (tmp_path / "gpu-check.log").read_text()
     assert "=== hpdl-check: " in log and "Available backends:" in log and "--- gpu-tests: " in log
     out = capsys.readouterr().out
-    assert "gpu-check: [4/5] synthetic-resnet50-fp32 failed" in out and "gpu-check: [5/5] ranks-per-gpu-1 failed" in out
+    assert "gpu-check: [3/5] compare-resnet50-fp32 failed" in out and "gpu-check: [4/5] share-gpu-2 failed" in out
 
 
 def test_steps_past_the_budget_are_skipped_saying_so(tmp_path):
@@ -234,29 +249,44 @@ def test_steps_past_the_budget_are_skipped_saying_so(tmp_path):
     assert skipped.reason.endswith("s of the 60 s budget left")
 
 
-def test_benchmark_figures_reach_the_summary_with_the_gain_per_gpu(tmp_path):
-    # The plan's benchmark steps, run here on the CPU: the figures and the gain over 1 rank.
+def test_benchmark_figures_reach_the_summary_with_the_ratios(tmp_path):
+    # The plan's kinds of benchmark step, run here on the CPU: a compare at 1 rank, ranks side by
+    # side against DDP, a compiled run (its ratio to the compare's eager hpdl) and a spatial study.
     Step = gpu_check["Step"]
-    bench = ["bench", "synthetic", "--model", "edsr-baseline", "--batch-size", "1", "--patch", "8",
-             "--num-warmup", "1", "--num-iters", "2", "--num-batches-per-iter", "1", "--device", "cpu", "--json"]
+    tiny = ["--model", "edsr-baseline", "--batch-size", "1", "--patch", "8", "--device", "cpu"]
+    short = ["--num-warmup", "1", "--num-iters", "1", "--num-batches-per-iter", "1", "--json"]
     hpdl = [sys.executable, "-m", "hpdl"]
-    steps = [Step("synthetic-tiny", hpdl + bench, 120, kind="bench", meta={"figure": "edsr-baseline-fp32"})]
-    for ranks in (1, 2):
-        steps.append(Step(f"ranks-per-gpu-{ranks}", hpdl + ["run", "-np", str(ranks), "--launcher", "torchrun", "--",
-                                                           *hpdl, *bench], 180, kind="bench",
-                          meta={"ranks": ranks, "mps": False}))
+    compare = ["bench", "synthetic", *tiny, "--compare", "plain,ddp", "--repeats", "3", *short]
+    shared = ["bench", "synthetic", *tiny, "--compare", "ddp", "--repeats", "3", *short]
+    spatial_json = str(tmp_path / "spatial.json")
+    steps = [Step("compare-edsr-baseline-fp32", hpdl + ["run", "-np", "1", "--launcher", "torchrun", "--", *hpdl,
+                                                        *compare], 180, kind="compare",
+                  meta={"figure": "edsr-baseline-fp32", "ranks": 1}),
+             Step("share-gpu-2", hpdl + ["run", "-np", "2", "--launcher", "torchrun", "--", *hpdl, *shared], 180,
+                  kind="compare", meta={"ranks": 2, "mps": False}),
+             Step("compile-edsr-baseline", hpdl + ["bench", "synthetic", *tiny, *short], 120, kind="bench",
+                  meta={"compiled": "edsr-baseline"}),
+             Step("spatial-cuda", hpdl + ["bench", "spatial", "--image", "16", "--ranks", "1,2", "--rounds", "1",
+                                          "--warmup", "0", "--json", spatial_json], 180, kind="spatial",
+                  meta={"json": spatial_json})]
     lines = []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    assert Check(steps, tmp_path, budget_s=400, env=env, echo=lines.append).run() == 0
+    assert Check(steps, tmp_path, budget_s=600, env=env, echo=lines.append).run() == 0
     figures = json.loads((tmp_path / "gpu-check.json").read_text())["figures"]
-    single = figures["synthetic"]["edsr-baseline-fp32"]
-    assert single["device"] == "cpu" and single["img_sec_per_rank"] > 0 and single["ranks"] == 1
-    by_ranks = figures["ranks_per_gpu"]["without MPS"]
-    assert sorted(by_ranks) == ["1", "2"] and by_ranks["2"]["ranks"] == 2
-    gain = figures["ranks_per_gpu_gain"]["without MPS"]
-    assert gain["1"] == 1.0 and gain["2"] == round(by_ranks["2"]["total_img_sec"] / by_ranks["1"]["total_img_sec"], 2)
-    assert any(line.startswith("gpu-check: edsr-baseline-fp32: ") for line in lines)
-    assert any(line.startswith("gpu-check: EDSR-baseline total img/s per GPU without MPS: 1 ranks ") for line in lines)
+    one = figures["compare"]["edsr-baseline-fp32"]
+    assert one["ranks"] == 1 and one["ddp_backend"] == "gloo" and sorted(one["median"]) == ["ddp", "hpdl", "plain"]
+    assert one["ratio"]["plain"] == pytest.approx(one["median"]["hpdl"] / one["median"]["plain"])
+    shared_two = figures["share_gpu"]["without MPS"]["2"]
+    assert shared_two["ranks"] == 2 and len(shared_two["runs"]["ddp"]) == 3
+    assert figures["compiled_vs_eager"]["edsr-baseline"] == round(
+        figures["compile"]["edsr-baseline"]["img_sec_per_rank"] / one["median"]["hpdl"], 3)
+    spatial = figures["spatial"]
+    assert spatial["device"] == "cpu" and [p["ranks"] for p in spatial["points"]] == [1, 2]
+    assert all(p["status"] == "ok" and p["memory"] > 0 for p in spatial["points"])
+    assert any(line.startswith("gpu-check: edsr-baseline-fp32: hpdl ") and "hpdl/plain" in line for line in lines)
+    assert any(line.startswith("gpu-check: EDSR-baseline ranks sharing the GPU without MPS: 2 ranks: hpdl ")
+               for line in lines)
+    assert any(line.startswith("gpu-check: spatial on the GPU: 1 ranks ") for line in lines)
 
 
 def test_the_mps_daemon_is_started_before_the_mps_runs_and_stopped_after(tmp_path):
@@ -271,8 +301,8 @@ def test_the_mps_daemon_is_started_before_the_mps_runs_and_stopped_after(tmp_pat
     mps_dir = tmp_path / "mps"
     (mps_dir / "log").mkdir(parents=True)
     steps = gpu_check["select_steps"](plan(sys.executable, None, str(control), True, False, str(mps_dir)),
-                                      ["ranks-per-gpu-1-mps"])
-    assert [s.name for s in steps] == ["mps-start", "ranks-per-gpu-1-mps", "mps-servers", "mps-stop"]
+                                      ["share-gpu-2-mps"])
+    assert [s.name for s in steps] == ["mps-start", "share-gpu-2-mps", "mps-servers", "mps-stop"]
     run = steps[1]
     run.argv, run.kind = [sys.executable, "-c", "import os; print(os.environ['CUDA_MPS_PIPE_DIRECTORY'])"], "command"
     check = Check(steps, tmp_path / "out", budget_s=120, env=dict(os.environ), echo=lambda line: None)
@@ -280,7 +310,7 @@ def test_the_mps_daemon_is_started_before_the_mps_runs_and_stopped_after(tmp_pat
     pipe = str(mps_dir / "pipe")
     assert calls.read_text().splitlines() == [f"-d stdin= pipe={pipe}", f" stdin=get_server_list pipe={pipe}",
                                               f" stdin=quit pipe={pipe}"]
-    assert pipe in check.outcomes["ranks-per-gpu-1-mps"].output  # the ranks reach the daemon's folders
+    assert pipe in check.outcomes["share-gpu-2-mps"].output  # the ranks reach the daemon's folders
     mps = json.loads((tmp_path / "out" / "gpu-check.json").read_text())["figures"]["mps"]
     # read when the servers are listed, before the stop: the start and the listing logged a line each
     assert mps == {"servers": ["4321"], "control_log": ["[t] Starting new server 4321 for user 0"] * 2}

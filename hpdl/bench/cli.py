@@ -146,7 +146,7 @@ def _register_synthetic(sub) -> None:
             "hvd.DistributedOptimizer, as Horovod's pytorch_synthetic_benchmark.py: warm-up batches,\n"
             "then --num-iters timed iterations of --num-batches-per-iter batches; img/sec per rank is\n"
             "the mean over iterations +- 1.96 sigma. --compare alternates hpdl with DistributedDataParallel\n"
-            "(ddp, over gloo), the no-communication ceiling (every rank trains alone, all at once) or\n"
+            "(ddp: over nccl with a GPU per rank, else gloo), the no-communication ceiling (every rank trains alone, all at once) or\n"
             "lockstep (the ceiling plus a barrier after each backward: the most any synchronous\n"
             "data-parallel method can reach) or profiled (hpdl with the communication profiler on)\n"
             "and reports medians over --repeats runs and the ratios.\n\n"
@@ -186,7 +186,7 @@ def _register_synthetic(sub) -> None:
     p.add_argument("--compare", default="",
                    help="comma-separated baselines to alternate with (the order rotated each repeat; hpdl itself "
                         "always runs, and may be listed): plain (a plain PyTorch loop, no hpdl, no DDP), "
-                        "ddp (DistributedDataParallel over gloo), "
+                        "ddp (DistributedDataParallel: over nccl with a GPU per rank, else gloo), "
                         "ceiling (no communication, every rank alone), lockstep (the ceiling with the ranks "
                         "waiting for each other after each backward), profiled (hpdl with the communication "
                         "profiler recording: hpdl/profiled is its cost)")
@@ -398,7 +398,11 @@ def _register_spatial(sub) -> None:
     p.add_argument("--steps", type=int, default=1, help="steps per round (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of real and bound steps (default 3)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory each rank may allocate beyond what it held at its start, e.g. 1.5G (enforced)")
+                   help="memory each rank may allocate beyond what it held at its start, e.g. 1.5G (enforced; "
+                        "with --device cuda, the GPU memory PyTorch's allocator may take)")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda",
+                   help="cpu (default), or cuda: each rank on its node's GPU, ranks sharing the GPUs where there "
+                        "are more ranks than GPUs (hpdl run --ranks-per-gpu); the memory is then the GPU's")
     p.add_argument("--allocator", default="release", metavar="release|keep|default",
                    help="release (default): the jobs' malloc maps every block of 1 MiB or more on its own and "
                         "returns it when freed (MALLOC_MMAP_THRESHOLD_=1048576), so that feature maps freed out of "
@@ -452,7 +456,8 @@ def _run_spatial(args) -> int:
         opts = SpatialStudyOptions(model=args.model, image=image, ranks=ranks, grids=grids, batch_size=args.batch_size,
                                    scale=2 if args.scale is None else args.scale, checkpoint=args.checkpoint,
                                    threads=args.threads, warmup=args.warmup, steps=args.steps, rounds=args.rounds,
-                                   max_memory=max_memory, allocator=args.allocator, timeout_s=args.timeout)
+                                   max_memory=max_memory, allocator=args.allocator, timeout_s=args.timeout,
+                                   device=args.device)
         # Outputs and layouts are checked before the study's minutes of jobs, not after them.
         outputs = [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot)) if path]
         rule = OutputRule(overwrite=args.overwrite, make_directories=False)

@@ -8,6 +8,11 @@ and whether it fits a budget (Linux; elsewhere the figures are unknown and no li
   anonymous mapping malloc and PyTorch's allocator make, since Linux 4.7) set to what the
   process holds now plus the budget, so that an allocation past it fails (PyTorch raises,
   naming the bytes it tried to allocate) instead of being measured afterwards.
+
+On a GPU (:class:`CudaMemory`) the same three come from PyTorch's CUDA caching allocator: the
+memory allocated now, its peak since a reset, and a budget set as the allocator's share of
+the device (``set_per_process_memory_fraction``), past which an allocation raises CUDA's
+out-of-memory error, naming the size it tried.
 """
 
 from __future__ import annotations
@@ -64,6 +69,48 @@ def limit_data(budget: int) -> Optional[int]:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     return limit
+
+
+class CudaMemory:
+    """This process's memory on one CUDA device, as PyTorch's caching allocator counts it."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def _cuda(self):
+        import torch
+
+        return torch.cuda
+
+    def resident(self) -> int:
+        """The bytes of tensors allocated on the device now."""
+        return self._cuda().memory_allocated(self.device)
+
+    def reset_peak(self) -> bool:
+        self._cuda().reset_peak_memory_stats(self.device)
+        return True
+
+    def peak_resident(self) -> int:
+        """The most bytes allocated since the last :meth:`reset_peak`."""
+        return self._cuda().max_memory_allocated(self.device)
+
+    def limit(self, budget: int) -> int:
+        """Let the allocator hold at most what it reserves now plus ``budget`` bytes (its share of
+        the device's memory); return that limit."""
+        cuda = self._cuda()
+        total = cuda.get_device_properties(self.device).total_memory
+        limit = min(total, cuda.memory_reserved(self.device) + budget)
+        cuda.set_per_process_memory_fraction(limit / total, self.device)
+        return limit
+
+
+class HostMemory:
+    """This process's memory in the host's RAM (the functions above), with CudaMemory's methods."""
+
+    resident = staticmethod(resident)
+    reset_peak = staticmethod(reset_peak)
+    peak_resident = staticmethod(peak_resident)
+    limit = staticmethod(limit_data)
 
 
 # oneDNN allocates a convolution's scratchpad and reordered weights when it creates the

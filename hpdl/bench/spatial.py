@@ -26,6 +26,10 @@ progress lines on stderr (jobs.PROGRESS).
   for it in their next halo exchange: the driver reports the point as not fitting.
 - Halo exchanges and group collectives per step are counted from the engine's event bus
   (events.GROUP_KINDS) over the real steps.
+- On a GPU (``device`` cuda: each rank on its local GPU, ``hpdl run --ranks-per-gpu K`` for K
+  ranks sharing one), the memory is the device's as PyTorch's allocator counts it (allocated
+  at the start, the peak allocated during the real steps), the budget is the allocator's share
+  of the device (memory.CudaMemory), and each round's clock stops after the device is done.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class JobOptions:
     steps: int = 1  # per round
     rounds: int = 3
     max_memory: Optional[int] = None  # bytes each rank may allocate beyond what it holds at the start
+    device: str = "cpu"  # or "cuda": this rank's GPU
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -120,17 +125,19 @@ def _bound_step(net, step: Callable[[], None]) -> Callable[[], None]:
     return alone
 
 
-def _round(hvd, step: Callable[[], None], steps: int, peaks: List[int]) -> Tuple[float, float]:
+def _round(hvd, step: Callable[[], None], steps: int, peaks: List[int], meter, sync: Callable[[], None]
+           ) -> Tuple[float, float]:
     """``steps`` steps from a barrier; return the slowest rank's seconds per step, and the CPU
     seconds per step the ranks' processes used (all their threads; the mean over ranks). The
-    rank's peak resident memory over them is added to ``peaks``."""
+    rank's peak memory over them (``meter``'s: resident, or the GPU's) is added to ``peaks``."""
     hvd.barrier()
-    memory.reset_peak()
+    meter.reset_peak()
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
+    sync()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = memory.peak_resident()
+    peak = meter.peak_resident()
     if peak is not None:
         peaks.append(peak)
     ranks = hvd.allgather_object((elapsed, cpu), name="bench.spatial.round")
@@ -143,10 +150,14 @@ def measure(opts: JobOptions) -> Optional[Dict[str, Any]]:
     from hpdl.torch import spatial
 
     rank, size = hvd.rank(), hvd.size()
-    start_resident = memory.resident()
-    limit = memory.limit_data(opts.max_memory) if opts.max_memory is not None else None
+    device, meter, sync = _device(opts, hvd)
+    start_resident = meter.resident()
+    limit = meter.limit(opts.max_memory) if opts.max_memory is not None else None
     image = tuple(opts.image)
     workload = build_workload(opts.model, opts.batch_size, opts.scale, image=image)
+    if device.type != "cpu":  # before the copy for the bound and the split: both follow the model
+        workload.model.to(device)
+        workload.inputs, workload.targets = workload.inputs.to(device), workload.targets.to(device)
     classifier = opts.model not in sr_models()
     bound_model = copy.deepcopy(workload.model)  # before the real one's blocks are wrapped (checkpoint)
     net = spatial.SpatialParallel(workload.model, grid=opts.grid, checkpoint=opts.checkpoint)
@@ -177,7 +188,7 @@ def measure(opts: JobOptions) -> Optional[Dict[str, Any]]:
         for r in range(opts.rounds):
             for mode in (("real", "bound") if r % 2 == 0 else ("bound", "real")):
                 traffic.on = mode == "real"
-                wall, cpu_s = _round(hvd, steps[mode], opts.steps, peaks[mode])
+                wall, cpu_s = _round(hvd, steps[mode], opts.steps, peaks[mode], meter, sync)
                 times[mode].append(wall)
                 cpu[mode].append(cpu_s)
                 traffic.on = False
@@ -194,6 +205,15 @@ def measure(opts: JobOptions) -> Optional[Dict[str, Any]]:
     if rank != 0:
         return None
     return _record(opts, size, times, cpu, ranks)
+
+
+def _device(opts: JobOptions, hvd) -> Tuple[torch.device, Any, Callable[[], None]]:
+    """This rank's device, what measures its memory there, and the wait for it to finish."""
+    if opts.device == "cpu":
+        return torch.device("cpu"), memory.HostMemory, lambda: None
+    device = torch.device("cuda", hvd.local_gpu())
+    torch.cuda.set_device(device)
+    return device, memory.CudaMemory(device), lambda: torch.cuda.synchronize(device)
 
 
 def _record(opts: JobOptions, size: int, times: Dict[str, List[float]], cpu: Dict[str, List[float]],
@@ -224,7 +244,9 @@ def _not_fitting(rank: int, err: BaseException, opts: JobOptions) -> str:
     """The line a rank that could not allocate prints: how much it tried, within which budget."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
     tried = re.search(r"allocate (\d+) bytes", text)
-    what = f"could not allocate {format_size(int(tried.group(1)))}" if tried else f"could not allocate ({text})"
+    on_gpu = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)  # CUDA's out-of-memory error
+    what = (f"could not allocate {format_size(int(tried.group(1)))}" if tried else
+            f"could not allocate {on_gpu.group(1)} on its GPU" if on_gpu else f"could not allocate ({text})")
     budget = f" beyond the {format_size(opts.max_memory)} of --max-memory" if opts.max_memory is not None else ""
     return f"{DOES_NOT_FIT}rank {rank} {what}{budget}"
 

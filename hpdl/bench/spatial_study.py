@@ -97,6 +97,7 @@ class SpatialStudyOptions:
     max_memory: Optional[int] = None
     allocator: str = "release"  # or "keep", "default": see the module's docstring
     timeout_s: float = 3600.0  # per job
+    device: str = "cpu"  # or "cuda": each rank on its node's GPUs, several ranks sharing one where needed
 
     def __post_init__(self) -> None:
         if self.model not in benchmark_models():
@@ -127,6 +128,10 @@ class SpatialStudyOptions:
             raise ValueError(f"--allocator takes {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         if self.max_memory is not None and self.max_memory < 1:
             raise ValueError(f"--max-memory must be above 0, got {self.max_memory}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device takes cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and gpu_count() == 0:
+            raise ValueError("--device cuda: this machine has no CUDA device PyTorch can use")
         check_timeout(self.timeout_s)
 
     @property
@@ -144,7 +149,18 @@ class SpatialStudyOptions:
     def job(self, grid: Grid) -> JobOptions:
         return JobOptions(model=self.model, image=self.input_size, grid=grid, batch_size=self.batch_size,
                           scale=self.scale, checkpoint=self.checkpoint, threads=self.threads, warmup=self.warmup,
-                          steps=self.steps, rounds=self.rounds, max_memory=self.max_memory)
+                          steps=self.steps, rounds=self.rounds, max_memory=self.max_memory, device=self.device)
+
+    def ranks_per_gpu(self, ranks: int) -> int:
+        """How many of a job's ``ranks`` share each GPU (1 on the CPU, or with a GPU per rank)."""
+        return -(-ranks // gpu_count()) if self.device == "cuda" else 1
+
+
+def gpu_count() -> int:
+    """This machine's CUDA devices (none without CUDA); CUDA itself is not initialized here."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_layouts(opts: SpatialStudyOptions) -> None:
@@ -191,7 +207,9 @@ def malloc_environment(opts: SpatialStudyOptions) -> Dict[str, str]:
 
 def job_argv(opts: SpatialStudyOptions, ranks: int, grid: Grid) -> List[str]:
     """The `hpdl run` command of one job of the study."""
-    return [sys.executable, "-m", "hpdl", "run", "-np", str(ranks), "--",
+    sharing = opts.ranks_per_gpu(ranks)
+    per_gpu = ["--ranks-per-gpu", str(sharing)] if sharing > 1 else []
+    return [sys.executable, "-m", "hpdl", "run", "-np", str(ranks), *per_gpu, "--",
             sys.executable, "-m", "hpdl.bench.spatial", opts.job(grid).to_json()]
 
 
@@ -245,6 +263,7 @@ def _record(opts: SpatialStudyOptions, runs: List[Dict[str, Any]], failure: Opti
               "scale": opts.scale if opts.model in sr_models() else None, "batch_size": opts.batch_size,
               "checkpoint": opts.checkpoint, "threads": opts.threads, "warmup": opts.warmup, "steps": opts.steps,
               "rounds": opts.rounds, "max_memory": opts.max_memory, "allocator": opts.allocator,
+              "device": opts.device,
               "malloc_environment": malloc_environment(opts), "ranks": list(opts.ranks),
               "runs": runs, "summary": summarize(runs)}
     if failure is not None:
@@ -290,18 +309,21 @@ def format_summary(record: Dict[str, Any]) -> str:
                      f"{s['group_ms']:.1f}"])
     height, width = record["image"]
     model = record["model"] + (f" x{record['scale']}" if record["scale"] else "")
+    on_gpu = record.get("device") == "cuda"
     budget = f"; --max-memory {format_size(record['max_memory'])} per rank" if record["max_memory"] else ""
     settings = " ".join(f"{k}={v}" for k, v in sorted(record["malloc_environment"].items()))
-    budget += f"; malloc: {record['allocator']}" + (f" ({settings})" if settings else "")
+    budget += "; on the GPU" if on_gpu else f"; malloc: {record['allocator']}" + (f" ({settings})" if settings else "")
     head = (f"# spatial: {model}, {height}x{width} input, batch {record['batch_size']}, {record['threads']} thread(s) "
             f"per rank{', checkpointed blocks' if record['checkpoint'] else ''}{budget}; medians of "
             f"{record['rounds']} alternating rounds of {record['steps']} step(s) against the no-communication bound "
             "in the same job (efficiency: bound's step time / real step time; paired: the rounds' own ratios; cpu: "
             "a rank's CPU time per real step / per bound step, apart from waiting); "
-            "memory per rank: the most any rank held above its start during the real steps; halo: bytes sent and "
+            f"memory per rank: the most any rank held above its start during the real steps"
+            f"{' (on the GPU: memory allocated, as PyTorch counts it, as is the peak)' if on_gpu else ''}; "
+            "halo: bytes sent and "
             "received, and time, per step and rank")
     header = ["ranks", "grid", "img/s", "bound img/s", "efficiency", "paired", "cpu", "MiB/rank", "vs 1 rank",
-              "peak RSS MiB", "halo/step", "halo ms", "group ms"]
+              "peak GPU MiB" if on_gpu else "peak RSS MiB", "halo/step", "halo ms", "group ms"]
     lines = [head, format_table(header, rows)]
     lines += [f"{s['ranks']} rank(s), {s['grid'][0]}x{s['grid'][1]}: does not fit: {s['reason']}"
               for s in record["summary"] if s["status"] != "ok"]

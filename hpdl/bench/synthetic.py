@@ -11,7 +11,8 @@ ddp, plain, hpdl; plain, hpdl, ddp; ...: no mode always runs first, on a machine
 up, or always after the same one), and reports the medians and the ratios hpdl/baseline:
 - ``plain``: a plain PyTorch loop, no hpdl and no DDP (what a user starts from: hpdl/plain is
   what hpdl costs at one rank); at several ranks every rank runs it alone, as the ceiling;
-- ``ddp``: the same training with ``torch.nn.parallel.DistributedDataParallel`` over gloo;
+- ``ddp``: the same training with ``torch.nn.parallel.DistributedDataParallel``, over nccl
+  where each rank has a GPU of its own, else over gloo (:func:`ddp_backend`);
 - ``ceiling``: every rank trains its own model with no communication at all, at the same time
   as the others (N independent single-process runs): the most the machine can do;
 - ``lockstep``: as the ceiling, but after each backward every rank waits for all the others
@@ -502,6 +503,20 @@ def _single(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, Any
     return record if rank == 0 else None
 
 
+def ddp_backend(device: torch.device, size: int) -> str:
+    """DDP's backend here: nccl where each rank has a GPU of its own (as DDP runs on GPUs), else
+    gloo (on the CPU, and where ranks share a GPU: nccl refuses two ranks on one device)."""
+    from hpdl.comm.devices import ranks_share_gpus
+    from hpdl.comm import discover_topology
+    from hpdl.config import Settings
+
+    if device.type != "cuda" or not torch.distributed.is_nccl_available():
+        return "gloo"
+    local_size = discover_topology().local_size
+    shared = ranks_share_gpus(Settings.from_env().ranks_per_gpu, local_size, torch.cuda.device_count())
+    return "gloo" if shared else "nccl"
+
+
 def run_order(modes: List[str], repeat: int) -> List[str]:
     """The order of the modes' runs in repeat ``repeat`` (from 0): ``modes`` rotated by it, so
     that over len(modes) repeats each mode runs first once and after each other mode alike."""
@@ -514,15 +529,17 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
     import hpdl.torch as hvd
     from hpdl.torch.runtime import job_backend, job_communicator
 
-    # For barriers and results, apart from hpdl's engine; DDP gets a gloo group of its own.
+    # For barriers and results, apart from hpdl's engine; DDP gets a group of its own.
     control = job_communicator()
-    ddp_comm = job_communicator("gloo") if "ddp" in opts.compare else None
+    ddp_over = ddp_backend(device_of(opts), control.size)
+    ddp_comm = job_communicator(ddp_over) if "ddp" in opts.compare else None
     rank, size = control.rank, control.size
     log = print if rank == 0 and not json_output else (lambda _line: None)
     backend = job_backend()
     for line in _header(opts, size, backend):
         log(line)
-    log(f"Comparing hpdl with {' and '.join(opts.compare)}: {opts.repeats} alternating runs each of "
+    log(f"Comparing hpdl with {' and '.join(opts.compare)}{f' (DDP over {ddp_over})' if ddp_comm else ''}: "
+        f"{opts.repeats} alternating runs each of "
         f"{opts.num_warmup} warm-up batches + {opts.num_iters} x {opts.num_batches_per_iter} timed batches")
     barrier = _polite_barrier(control)
     baselines = {"ddp": functools.partial(_run_ddp, group=ddp_comm.process_group if ddp_comm else None),
@@ -571,6 +588,8 @@ def _compare(opts: SyntheticOptions, json_output: bool) -> Optional[Dict[str, An
         log(f"Ratio hpdl/{name}: {ratio:.3f} (median of the {opts.repeats} runs' ratios: {paired[name]:.3f})")
     record = _base_record(opts, size, backend)
     record.update(runs=runs, median=medians, spread=spreads, ratio=ratios, paired_ratio=paired)
+    if ddp_comm is not None:
+        record["ddp_backend"] = ddp_over
     if opts.breakdown:
         breakdowns = {mode: _breakdown([t.phases for t in per_rank]) for mode, per_rank in trace_log.items()}
         cpu = _cpu_per_batch(trace_log)
