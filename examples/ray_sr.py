@@ -14,7 +14,6 @@ then scores the checkpoint on the held-out photos against bicubic upscaling and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -49,10 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="ray_sr.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default=None, help="a Ray cluster's address (default: start a local Ray)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks, one Ray actor each (default 2)")
-    parser.add_argument("--updates", type=int, default=None, help="training updates (default: the demo's)")
-    parser.add_argument("--out", default="runs/ray_sr", help="where model.pt and summary.json go")
-    parser.add_argument("--cache-dir", default=None, help="photos and decode cache (default ~/.cache/hpdl/sr)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's model.pt")
+    spark_sr.add_run_arguments(parser, "runs/ray_sr")
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be at least 1, got {args.ranks}")
@@ -60,21 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     import ray
 
     from hpdl.ray import PlacementError, WorkerFailedError
-    from hpdl.sr import format_table
-    from hpdl.sr.config import ConfigError, load_config
-    from hpdl.sr.images import default_cache_dir
 
-    try:
-        cfg = load_config("demo", {} if args.updates is None else {"total_updates": args.updates})
-    except ConfigError as err:
-        parser.error(str(err))
-    out = Path(args.out).resolve()
-    checkpoint = out / "model.pt"
-    if checkpoint.exists() and not args.overwrite:
-        parser.error(f"{checkpoint} exists (an earlier run's): pass --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
-    cache = Path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir()
-
+    cfg, checkpoint, cache = spark_sr.prepare_run(parser, args)
     start = time.perf_counter()
     if args.address:
         ray.init(address=args.address, log_to_driver=True)
@@ -88,17 +71,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         ray.shutdown()
     ray_seconds = time.perf_counter() - start
-
-    result = spark_sr.score(checkpoint, cfg, cache)
-    print(format_table(result))
-    means = result.means()
-    gain = means["psnr"] - means["bicubic_psnr"]
-    summary = {"address": args.address or "local", "paths": paths, "ranks": ranks, "checkpoint": str(checkpoint),
-               "ray_seconds": ray_seconds, "eval": result.to_dict(), "gain_db": gain}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\n{len(ranks)} ranks on Ray, {ranks[0]['updates']} updates ({ray_seconds:.0f} s with Ray's start): "
-          f"held-out PSNR {means['psnr']:.2f} dB against bicubic {means['bicubic_psnr']:.2f} dB ({gain:+.2f} dB)")
-    return 0 if gain > 0 else 1
+    return spark_sr.report(checkpoint, cfg, cache, {"address": args.address or "local", "paths": paths,
+                                                    "ranks": ranks, "ray_seconds": ray_seconds}, "Ray", ray_seconds)
 
 
 if __name__ == "__main__":

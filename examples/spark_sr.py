@@ -122,18 +122,17 @@ def score(checkpoint: Path, cfg: Any, cache: Path, names: Sequence[str] = ()):
     return evaluate(model, held_out, cfg.scale, cfg.val_space)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="spark_sr.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--master", default="local[2]", help="Spark master URL (default local[2])")
-    parser.add_argument("--ranks", type=int, default=None, help="ranks (default: the default parallelism)")
+def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """The options every engine's example shares (this one's and ray_sr.py's)."""
     parser.add_argument("--updates", type=int, default=None, help="training updates (default: the demo's)")
-    parser.add_argument("--out", default="runs/spark_sr", help="where model.pt and summary.json go")
+    parser.add_argument("--out", default=default_out, help="where model.pt and summary.json go")
     parser.add_argument("--cache-dir", default=None, help="photos and decode cache (default ~/.cache/hpdl/sr)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's model.pt")
-    args = parser.parse_args(argv)
 
-    import hpdl.spark
-    from hpdl.sr import format_table
+
+def prepare_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[Any, Path, Path]:
+    """The demo recipe (with --updates), the checkpoint's path in --out (refused if an earlier
+    run's is there without --overwrite) and the cache folder; bad input ends in parser.error."""
     from hpdl.sr.config import ConfigError, load_config
     from hpdl.sr.images import default_cache_dir
 
@@ -147,7 +146,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"{checkpoint} exists (an earlier run's): pass --overwrite to replace it")
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir()
+    return cfg, checkpoint, cache
 
+
+def report(checkpoint: Path, cfg: Any, cache: Path, summary: Dict[str, Any], where: str, seconds: float) -> int:
+    """Score the checkpoint on the driver, print the table and a line, write summary.json beside
+    the checkpoint (``summary`` plus the scores); 0 if the model beats bicubic, else 1."""
+    from hpdl.sr import format_table
+
+    # The driver reads what rank 0 wrote, and scores it on photos no rank trained on.
+    result = score(checkpoint, cfg, cache)
+    print(format_table(result))
+    means = result.means()
+    gain = means["psnr"] - means["bicubic_psnr"]
+    ranks = summary["ranks"]
+    summary = {**summary, "checkpoint": str(checkpoint), "eval": result.to_dict(), "gain_db": gain}
+    (checkpoint.parent / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\n{len(ranks)} ranks on {where}, {ranks[0]['updates']} updates ({seconds:.0f} s with its start): "
+          f"held-out PSNR {means['psnr']:.2f} dB against bicubic {means['bicubic_psnr']:.2f} dB ({gain:+.2f} dB)")
+    return 0 if gain > 0 else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="spark_sr.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--master", default="local[2]", help="Spark master URL (default local[2])")
+    parser.add_argument("--ranks", type=int, default=None, help="ranks (default: the default parallelism)")
+    add_run_arguments(parser, "runs/spark_sr")
+    args = parser.parse_args(argv)
+
+    import hpdl.spark
+
+    cfg, checkpoint, cache = prepare_run(parser, args)
     start = time.perf_counter()
     spark = _session(args.master)
     try:
@@ -158,19 +187,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         spark.stop()
     spark_seconds = time.perf_counter() - start
-
-    # The driver reads what rank 0 wrote, and scores it on photos no rank trained on.
-    result = score(checkpoint, cfg, cache)
-    print(format_table(result))
-    means = result.means()
-    gain = means["psnr"] - means["bicubic_psnr"]
-    summary = {"master": args.master, "paths": paths, "ranks": ranks, "checkpoint": str(checkpoint),
-               "spark_seconds": spark_seconds, "eval": result.to_dict(), "gain_db": gain}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\n{len(ranks)} ranks on {args.master}, {ranks[0]['updates']} updates "
-          f"({spark_seconds:.0f} s with Spark's start): held-out PSNR {means['psnr']:.2f} dB against "
-          f"bicubic {means['bicubic_psnr']:.2f} dB ({gain:+.2f} dB)")
-    return 0 if gain > 0 else 1
+    return report(checkpoint, cfg, cache, {"master": args.master, "paths": paths, "ranks": ranks,
+                                           "spark_seconds": spark_seconds}, args.master, spark_seconds)
 
 
 if __name__ == "__main__":

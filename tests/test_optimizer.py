@@ -75,6 +75,30 @@ def test_local_step_and_state_dict_round_trip():
     assert type(fresh).step.__qualname__ == "DistributedOptimizerMixin.step"
 
 
+def test_a_rollback_over_a_step_the_failed_world_left_half_done_loads_the_state(monkeypatch):
+    # hvd.elastic.run restores the last commit after a lost rank: the step in progress had
+    # allreduces under way, whose waits now raise the world's failure. The rollback must load
+    # the state and forget that step, not raise again from inside the recovery.
+    from hpdl.engine import HorovodInternalError
+    from hpdl.torch import optimizer_base
+
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    saved = opt.state_dict()
+    first = next(model.parameters())
+    first.grad = torch.ones_like(first)
+    opt._pending[first] = optimizer_base.Submitted("a handle of the failed world", (first,), (None,))
+
+    def failed(*_args, **_kwargs):
+        raise HorovodInternalError("the world of generation 0 ended: worker 1 died")
+
+    monkeypatch.setattr(optimizer_base.mpi_ops, "synchronize", failed)
+    monkeypatch.setattr(opt, "_submit", failed)  # the unfired gradients: the failed engine refuses them
+    opt.load_state_dict(saved)
+    assert not opt._pending and opt.param_groups[0]["lr"] == 0.1
+
+
 def test_zero_grad_without_pending_work_is_fine():
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

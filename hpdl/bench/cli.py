@@ -687,16 +687,20 @@ def _run_replay(args) -> int:
     from hpdl.bench.replay import ReplayOptions, format_record, run_replay
     from hpdl.cli_error import CliError
     from hpdl.profile.predict.predictor import step_shapes
-    from hpdl.profile.schema import ProfileError, load
+    from hpdl.profile.schema import UNUSABLE, ProfileError, load, unusable
 
     try:  # every rank reads and checks the same file before any meets the others
         opts = ReplayOptions(steps=args.steps, warmup=args.warmup, fp16=args.fp16,
                              compute_scale=args.compute_scale, batch_size=args.batch_size)
-        shapes, recorded = step_shapes(load(args.profile), args.profile)
-    except (ValueError, ProfileError) as err:  # PredictError is a ValueError
+        profile = load(args.profile)
+    except (ValueError, ProfileError) as err:
         raise CliError(str(err)) from None
-    except (KeyError, TypeError) as err:
-        raise CliError(f"{args.profile}: profile has an unusable value ({type(err).__name__}: {err})") from None
+    try:
+        shapes, recorded = step_shapes(profile, args.profile)
+    except ValueError as err:  # PredictError (a ValueError) names the file and what it lacks
+        raise CliError(str(err)) from None
+    except UNUSABLE as err:
+        raise CliError(unusable(args.profile, err)) from None
     record = run_replay(args.profile, shapes, recorded, opts)
     if record is not None:
         print(json.dumps(record, indent=1) if args.json else format_record(record))

@@ -8,10 +8,10 @@ from typing import Iterator
 
 from hpdl.cli_error import CliError
 from hpdl.output_files import OutputRule
+from hpdl.profile.schema import UNUSABLE, unusable
 
 # What reading a damaged profile can raise in the arithmetic and formatting of its values
 # (the schema check catches what it can name; these are the rest).
-_UNUSABLE = (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, AttributeError, OverflowError)
 
 _DESCRIPTION = """\
 Read a communication profile: record one with `hpdl run --profile p.json -- ...`,
@@ -125,8 +125,8 @@ def _reading(path: str) -> Iterator[None]:
     """Turn an error while analysing or rendering the profile ``path`` into one line naming it."""
     try:
         yield
-    except _UNUSABLE as err:
-        raise CliError(f"{path}: profile has an unusable value ({type(err).__name__}: {err})") from None
+    except UNUSABLE as err:
+        raise CliError(unusable(path, err)) from None
 
 
 def _report(args) -> int:

@@ -95,6 +95,16 @@ class ProfileError(ValueError):
     """A file that is not a readable hpdl profile."""
 
 
+# What reading a loaded profile raises where one of its values is not what its schema says
+# (a hand-edited or truncated file): the commands that read one turn them into one line.
+UNUSABLE = (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, AttributeError, OverflowError)
+
+
+def unusable(path: str, err: BaseException) -> str:
+    """The one line for a profile ``path`` whose reading raised ``err`` (one of :data:`UNUSABLE`)."""
+    return f"{path}: profile has an unusable value ({type(err).__name__}: {err})"
+
+
 def table(columns: Sequence[str], rows: List[list]) -> Dict[str, Any]:
     """Store ``rows`` by columns, as the file does."""
     return {"columns": list(columns), "rows": rows}

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from hpdl.engine import Op
+from hpdl.engine import HorovodInternalError, Op
 from hpdl.engine.errors import NegotiationError
 from hpdl.torch import mpi_ops, runtime
 from hpdl.torch.compression import CastCompressor
@@ -317,6 +317,11 @@ class DistributedOptimizerMixin:
                     submitted.handle()
                 else:
                     mpi_ops.synchronize(submitted.handle)
+        except HorovodInternalError:
+            # The world failed under the step being dropped (hvd.elastic.run's rollback after a
+            # lost rank): its results were to be discarded anyway. Raised here, from inside the
+            # rollback, it would escape the recovery and end this worker as well.
+            pass
         finally:
             self._reset_pending()
 
