@@ -2,8 +2,9 @@
 
 For each configuration (profile, ranks, emulated nodes, link rate and delay, fp16 or not,
 backend) it runs, on the same placement:
-1. `hpdl bench allreduce --json`: the allreduce curve a user would measure on the target
-   cluster at the target scale (float16 for the fp16 configurations: the allreduce they run);
+1. `hpdl bench allreduce --paths backend,engine --json`: the allreduce curve a user would
+   measure on the target cluster at the target scale (float16 for the fp16 configurations: the
+   allreduce they run), the engine's path beside it for the engine's overhead per round;
 2. `hpdl bench replay PROFILE --json`: the profile's communication through the real engine,
    its compute slept;
 3. `hpdl profile predict PROFILE --json -` from that curve (both levels: the curve is the whole
@@ -122,8 +123,11 @@ def _curve(config: Config, profile: str, fusion_threshold: int, workdir: str, ti
     """Measure the allreduce curve on ``config``'s placement up to the profile's largest message
     (float16 for fp16 configurations); return the file it is in and the command."""
     largest = _largest_message(profile, fusion_threshold)
+    # The engine's path beside the raw backend's: the prediction takes the engine's own overhead
+    # per round at this placement from their difference.
     bench = ["hpdl", "bench", "allreduce", "--json", "--max-size", str(largest), "--iterations", "100",
-             "--iterations-large", "5" if largest > (16 << 20) else "20", "--warmup", "10", "--warmup-large", "2"]
+             "--iterations-large", "5" if largest > (16 << 20) else "20", "--warmup", "10", "--warmup-large", "2",
+             "--paths", "backend,engine"]
     if config.fp16:
         bench += ["--dtype", "float16"]
     command = _launch(config, bench)

@@ -274,6 +274,33 @@ def test_bench_curve_takes_the_backend_path_and_its_rank_count():
     assert read_bench_curve(BENCH, bench_path="mpi4py").time(65536) == approx(50 * US)
 
 
+def test_the_engines_overhead_is_the_median_difference_of_its_path_over_the_backends(tmp_path):
+    # Without the engine's path, none is known; with it, the median over the sizes both timed.
+    assert read_bench_curve(BENCH).engine_overhead_s is None
+    data = json.loads(Path(BENCH).read_text())
+    extra_us = {4096: 900.0, 65536: 1000.0, 1048576: 1500.0}
+    backend = {r["size"]: r["avg_us"] for r in data["records"] if r["path"] == "backend"}
+    data["records"] += [{"path": "engine", "size": size, "tensors": 1, "avg_us": backend[size] + extra}
+                        for size, extra in extra_us.items()]
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(data))
+    curve = read_bench_curve(str(both))
+    assert curve.engine_overhead_s == approx(1000 * US) and "the engine's overhead 1 ms" in curve.source
+    assert curve.time(65536) == approx(40 * US)  # the curve itself is still the backend's
+
+
+def test_a_round_costs_the_measured_engine_overhead_at_the_placement_measured(tmp_path):
+    from hpdl.profile.predict.predictor import NEGOTIATION_BYTES, round_overhead
+
+    measured = MeasuredCurve("c", 4, (4, 1024), (10 * US, 20 * US), "test", engine_overhead_s=0.003)
+    network = Network(intra=measured, inter=measured)
+    cost = lambda nbytes, negotiation=False: measured.time_at_ranks(nbytes, 4, extrapolate=True)  # noqa: E731
+    assert round_overhead(network, Placement(4, 4), cost) == 0.003
+    assert round_overhead(network, Placement(4, 2), cost) == 0.003  # across nodes: inter's, the same file
+    # At another rank count the overhead measured does not hold: the negotiation alone, from the curve.
+    assert round_overhead(network, Placement(8, 8), cost) == cost(NEGOTIATION_BYTES) != 0.003
+
+
 def test_bench_curve_interpolates_log_log():
     curve = read_bench_curve(BENCH)
     # Between (4096 B, 20 us) and (65536 B, 40 us) the exponent is log(2)/log(16) = 1/4; at

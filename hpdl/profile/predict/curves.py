@@ -72,6 +72,10 @@ class MeasuredCurve:
     sizes: Tuple[int, ...]
     seconds: Tuple[float, ...]
     source: str  # the file and what it holds, for the assumptions
+    # What hpdl's engine adds to each allreduce at this placement (its negotiation, its thread's
+    # wake-ups, the fusion copies, the completion), where the file timed the engine's path beside
+    # the raw backend's in one run: the median over sizes of the difference. None: not measured.
+    engine_overhead_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
@@ -191,8 +195,24 @@ def _bench_curve(text: str, file: str, bench_path: Optional[str]) -> MeasuredCur
         # Several tensors per timed call are several allreduces (or one fused): not one message's time.
         raise CurveError(f"{file}: path {chosen} timed {max(tensors)} tensors per call; "
                          "a curve needs one allreduce per call (--tensors 1)")
+    overhead = _engine_overhead(records, points) if chosen == "backend" and "engine" in paths else None
     return MeasuredCurve(os.path.basename(file), ranks, *_columns(file, points),
-                         source=f"{file}: hpdl bench allreduce, path {chosen}, {data.get('backend', '?')}")
+                         source=f"{file}: hpdl bench allreduce, path {chosen}, {data.get('backend', '?')}"
+                                + (f", the engine's overhead {overhead * 1e3:.3g} ms" if overhead is not None else ""),
+                         engine_overhead_s=overhead)
+
+
+def _engine_overhead(records: List[dict], backend: List[Tuple[int, float]]) -> Optional[float]:
+    """The median over the sizes both paths timed of the engine's time less the backend's (at
+    least 0), or None where they share no size."""
+    raw = dict(backend)
+    differences = sorted(float(r["avg_us"]) * 1e-6 - raw[int(r["size"])] for r in records
+                         if r.get("path") == "engine" and int(r.get("tensors", 1)) == 1 and int(r["size"]) in raw)
+    if not differences:
+        return None
+    middle = len(differences) // 2
+    median = differences[middle] if len(differences) % 2 else (differences[middle - 1] + differences[middle]) / 2
+    return max(0.0, median)
 
 
 def _choose_path(file: str, paths: List[str], wanted: Optional[str]) -> str:

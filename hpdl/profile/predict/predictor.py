@@ -203,7 +203,7 @@ def predict(shapes: Sequence[StepShape], settings: Settings, network: Network, r
             if p > 1:
                 check_allreduce(network, placement, chosen)
             cost = _cost(network, placement, chosen, what_if)
-            negotiation = cost(NEGOTIATION_BYTES, negotiation=True) if p > 1 else 0.0
+            negotiation = round_overhead(network, placement, cost) if p > 1 else 0.0
             blocking = collectives_block(backend, placement)
             results = [simulate_step(s, job_settings, cost, negotiation, collectives_block=blocking) for s in variant]
             middle = sorted(range(len(results)), key=lambda i: results[i].step_s)[len(results) // 2]
@@ -213,6 +213,20 @@ def predict(shapes: Sequence[StepShape], settings: Settings, network: Network, r
             points.append(Point(what_if.name, p, result.step_s, rate, rate / (p * single), result.exposed_s,
                                 exposed_by_class(result, shape.backward_end_s), used))
     return points
+
+
+def round_overhead(network: Network, placement: Placement, cost: Callable[..., float]) -> float:
+    """What a round of the engine costs before its collectives start: where the curve of the
+    level that spans the job was measured through the engine beside the raw backend (``hpdl
+    bench allreduce --paths backend,engine``), the engine's own overhead measured there (its
+    negotiation, and on a node with more ranks than cores, its threads waiting for one);
+    otherwise the negotiation alone, a small allreduce at the job's scale."""
+    level = network.level("inter" if placement.nodes > 1 else "intra") or network.level("intra") \
+        or network.level("inter")
+    measured = getattr(level, "engine_overhead_s", None)
+    if measured is not None and getattr(level, "ranks", None) == placement.ranks:
+        return measured
+    return cost(NEGOTIATION_BYTES, negotiation=True)
 
 
 def collectives_block(backend: str, placement: Placement) -> bool:
