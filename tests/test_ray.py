@@ -122,33 +122,6 @@ def test_a_failed_rank_ends_the_run_naming_it_within_a_bounded_time(fn, rank, me
     assert _cpus_free() == 4
 
 
-def test_ctrl_c_in_the_driver_ends_the_ranks_fixed_and_elastic(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
-    from ray_elastic_training import progress
-
-    for mode in ("fixed", "elastic"):
-        (tmp_path / mode).mkdir()
-    driver = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "ray_interrupted.py"),
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for mode in ("fixed", "elastic"):
-            deadline = time.monotonic() + 90
-            while (progress(str(tmp_path / mode)) or (0, 0))[0] < 3:  # the ranks train
-                assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
-                time.sleep(0.2)
-            driver.send_signal(signal.SIGINT)
-            line = driver.stdout.readline()
-            assert line.startswith(f"INTERRUPTED {mode} after ") and line.endswith("CPUs free 4\n"), line
-        assert driver.wait(timeout=60) == 0
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-
-
 def test_a_placement_the_cluster_cannot_hold_is_refused_naming_what_was_asked_and_what_it_has():
     executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=8)
     with pytest.raises(PlacementError) as info:
