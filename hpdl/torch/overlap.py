@@ -42,6 +42,16 @@ def _before_forward(owner: "weakref.ReferenceType", params: Tuple[torch.Tensor, 
         optimizer._apply_deferred(params)
 
 
+def _before_gradient(owner: "weakref.ReferenceType", param_ref: "weakref.ReferenceType", grad: torch.Tensor) -> None:
+    # overlap_forward: a parameter's hook that runs before a new gradient accumulates into its
+    # .grad, which, while the parameter's update is deferred, is the buffer its allreduce is
+    # still writing into (the engine reduces in place). After the accumulation (the optimizer's
+    # other hook) would be too late: the sum would race the allreduce, differently on each rank.
+    optimizer, param = owner(), param_ref()
+    if optimizer is not None and param is not None and optimizer._deferred and param in optimizer._deferred:
+        optimizer._before_new_gradient(param)
+
+
 def _before_state_dict(owner: "weakref.ReferenceType", *args) -> None:
     optimizer = owner()
     if optimizer is not None and optimizer._deferred:
@@ -118,6 +128,7 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         # right after step() must not change the update being deferred.
         self._deferred_settings: List[Dict[str, Any]] = []
         self._overlap_hooks: List[Any] = []
+        self._gradient_hooks: List[Any] = []  # on the parameters themselves: compiling a model keeps them
         self._warned_tied = False
         super()._setup(*args, **kwargs)
         if self._included:
@@ -143,6 +154,8 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         # the loaded values over them (never the updates over the loaded values).
         self._overlap_hooks.append(model.register_load_state_dict_pre_hook(
             functools.partial(_before_state_dict, self._ref)))
+        for p in self._priority:
+            self._gradient_hooks.append(p.register_hook(functools.partial(_before_gradient, self._ref, weakref.ref(p))))
         _OVERLAP_OWNERS[model] = self
         # The same dict for the optimizer's whole life (_defer fills it in place), so that the
         # finalizer sees what is deferred when the optimizer goes.
@@ -151,15 +164,15 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         _LIVE.append(self._ref)
         runtime.add_shutdown_hook(_finish_at_shutdown, runtime.ShutdownStage.FINISH_WORK)
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        if self._deferred and p in self._deferred:  # p's update still waits
-            if len(self._deferred) == len(self._priority):
-                # Not one module's hook ran since the last step, yet a new gradient came: the
-                # forward ran without the hooks (a torch.compile'd graph that kept none of them)
-                # on weights a step old. Every rank sees the same, and refuses alike.
-                raise RuntimeError(SKIPPED_HOOKS)
-            self._apply_before_new_gradient(p)
-        super()._grad_ready(p)
+    def _before_new_gradient(self, p: torch.Tensor) -> None:
+        """A new gradient of ``p`` is about to accumulate while ``p``'s update still waits."""
+        if len(self._deferred) == len(self._priority):
+            # Not one module's hook ran since the last step, yet a new gradient came: the
+            # forward ran without the hooks (a torch.compile'd graph that kept none of them)
+            # on weights a step old. Every rank sees the same, and refuses alike, before the
+            # gradient touches what the allreduces still write.
+            raise RuntimeError(SKIPPED_HOOKS)
+        self._apply_before_new_gradient(p)
 
     def _apply_before_new_gradient(self, p: torch.Tensor) -> None:
         # p's module never ran its forward since the step that deferred p's update: p was

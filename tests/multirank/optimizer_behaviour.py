@@ -303,6 +303,37 @@ def check_overlap_forward_rollback() -> None:
     assert_ranks_equal(model, "overlap_forward after a rollback")
 
 
+def check_overlap_forward_refuses_a_forward_without_its_hooks() -> None:
+    """A forward that ran none of overlap_forward's hooks (a compiled graph that dropped them)
+    used weights a step old: the next gradient is refused, on every rank, in one line, before
+    it reaches the gradients the last step's allreduces still write into (without zero_grad()
+    between, they are the same tensors): the parameters then hold exactly the last step's
+    update, on every rank."""
+    from hpdl.torch.overlap import SKIPPED_HOOKS
+
+    model, reference = make_pair(seed=700)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), overlap_forward=model)
+    _train_step(model, opt, 0)
+    x, y = batch(0)
+    loss_fn(reference, x, y).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for hook in opt._overlap_hooks:  # as a torch.compile'd graph that kept none of them
+        hook.remove()
+    x, y = batch(1)
+    loss = loss_fn(model, shard(x, hvd.rank(), hvd.size()), shard(y, hvd.rank(), hvd.size()))
+    try:
+        loss.backward()  # no zero_grad() since the step: its gradients would add to the reduced ones
+    except RuntimeError as err:
+        assert str(err) == SKIPPED_HOOKS, err
+    else:
+        raise AssertionError("a forward without overlap_forward's hooks was not refused")
+    opt.apply_pending_updates()  # nothing was submitted: leave the job clean for the next check
+    opt.zero_grad()
+    assert_ranks_equal(model, "after the refusal")
+    assert_close(model, reference, "after the refusal: the last step's update alone", 1e-5, 1e-6)
+
+
 class SparseNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -538,6 +569,7 @@ CHECKS = {
     "adasum-optimizer": check_adasum_optimizer,
     "process-set": check_process_set,
     "sparse-first-step-unused": check_sparse_unused_in_the_first_step,
+    "overlap-forward-without-hooks": check_overlap_forward_refuses_a_forward_without_its_hooks,
 }
 
 
