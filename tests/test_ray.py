@@ -122,6 +122,56 @@ def test_a_failed_rank_ends_the_run_naming_it_within_a_bounded_time(fn, rank, me
     assert _cpus_free() == 4
 
 
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_ctrl_c_in_the_driver_ends_every_rank(tmp_path, elastic):
+    """SIGINT reaches the driver, as the terminal's Ctrl-C does, while the ranks train a loop
+    that never ends: run() raises KeyboardInterrupt and no actor is left holding a CPU."""
+    import signal
+    import threading
+
+    from ray_elastic_training import progress, train
+
+    executor = (RayExecutor(min_workers=2, max_workers=3, num_workers=3) if elastic
+                else RayExecutor(num_workers=3))
+    executor.start()
+    in_run = threading.Event()
+    sent = []
+
+    def interrupt_once_the_ranks_train():
+        deadline = time.monotonic() + 120
+        while (progress(str(tmp_path)) or (0, 0))[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if in_run.is_set():
+            sent.append(progress(str(tmp_path)))
+            os.kill(os.getpid(), signal.SIGINT)
+        else:  # the run ended by itself: nothing to interrupt
+            (tmp_path / "stop").touch()
+
+    def on_sigint(signum, frame):  # Python's own handler, but never outside run()
+        if in_run.is_set():
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    sender = threading.Thread(target=interrupt_once_the_ranks_train, daemon=True)
+    started = time.monotonic()
+    try:
+        in_run.set()
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            executor.run(train, kwargs=dict(marks=str(tmp_path)))
+        in_run.clear()
+        took = time.monotonic() - started
+        free = _cpus_free()  # run() itself ended the actors: no shutdown() of the test's yet
+    finally:
+        in_run.clear()
+        (tmp_path / "stop").touch()  # whatever happened, the ranks' loop ends
+        sender.join(timeout=130)
+        signal.signal(signal.SIGINT, previous)
+        executor.shutdown()
+    assert sent and sent[0][0] >= 3, "the ranks never trained"
+    assert took < 180 and free == 4  # every actor (and the placement group) gone
+
+
 def test_a_placement_the_cluster_cannot_hold_is_refused_naming_what_was_asked_and_what_it_has():
     executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_workers=8)
     with pytest.raises(PlacementError) as info:

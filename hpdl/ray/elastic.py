@@ -143,6 +143,7 @@ class RayWorkers:
         self._ray = ray
         self.nodes = nodes
         self._fn = ray.put(fn)  # sent once, not with every worker
+        self._actor_class = ray.remote(RankWorker)  # made once: each call would register it anew
         self._args = tuple(args)
         self._kwargs = dict(kwargs)
         self.env = dict(env)
@@ -161,7 +162,7 @@ class RayWorkers:
                                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
         if self.nodes.gpus_per_worker:
             options["num_gpus"] = self.nodes.gpus_per_worker
-        actor = ray.remote(RankWorker).options(**options).remote()
+        actor = self._actor_class.options(**options).remote()
         env = dict(self.env)
         env.update(variables)
         env[NODE_VARIABLE] = node
