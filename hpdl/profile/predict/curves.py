@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import statistics
 from typing import List, Optional, Sequence, Tuple
 
 from hpdl.profile.schema import ProfileError, read_file
@@ -206,13 +207,9 @@ def _engine_overhead(records: List[dict], backend: List[Tuple[int, float]]) -> O
     """The median over the sizes both paths timed of the engine's time less the backend's (at
     least 0), or None where they share no size."""
     raw = dict(backend)
-    differences = sorted(float(r["avg_us"]) * 1e-6 - raw[int(r["size"])] for r in records
-                         if r.get("path") == "engine" and int(r.get("tensors", 1)) == 1 and int(r["size"]) in raw)
-    if not differences:
-        return None
-    middle = len(differences) // 2
-    median = differences[middle] if len(differences) % 2 else (differences[middle - 1] + differences[middle]) / 2
-    return max(0.0, median)
+    differences = [float(r["avg_us"]) * 1e-6 - raw[int(r["size"])] for r in records
+                   if r.get("path") == "engine" and int(r.get("tensors", 1)) == 1 and int(r["size"]) in raw]
+    return max(0.0, statistics.median(differences)) if differences else None
 
 
 def _choose_path(file: str, paths: List[str], wanted: Optional[str]) -> str:
