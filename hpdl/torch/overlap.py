@@ -52,6 +52,11 @@ def _before_gradient(owner: "weakref.ReferenceType", param_ref: "weakref.Referen
         optimizer._before_new_gradient(param)
 
 
+def _remove_hooks(handles: List[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 def _before_state_dict(owner: "weakref.ReferenceType", *args) -> None:
     optimizer = owner()
     if optimizer is not None and optimizer._deferred:
@@ -128,7 +133,6 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         # right after step() must not change the update being deferred.
         self._deferred_settings: List[Dict[str, Any]] = []
         self._overlap_hooks: List[Any] = []
-        self._gradient_hooks: List[Any] = []  # on the parameters themselves: compiling a model keeps them
         self._warned_tied = False
         super()._setup(*args, **kwargs)
         if self._included:
@@ -154,8 +158,11 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         # the loaded values over them (never the updates over the loaded values).
         self._overlap_hooks.append(model.register_load_state_dict_pre_hook(
             functools.partial(_before_state_dict, self._ref)))
-        for p in self._priority:
-            self._gradient_hooks.append(p.register_hook(functools.partial(_before_gradient, self._ref, weakref.ref(p))))
+        # On the parameters themselves, apart from the model's hooks: compiling a model keeps them.
+        gradient_hooks = [p.register_hook(functools.partial(_before_gradient, self._ref, weakref.ref(p)))
+                          for p in self._priority]
+        # Gone with the optimizer: no backward of the model pays for them after it.
+        weakref.finalize(self, _remove_hooks, gradient_hooks).atexit = False
         _OVERLAP_OWNERS[model] = self
         # The same dict for the optimizer's whole life (_defer fills it in place), so that the
         # finalizer sees what is deferred when the optimizer goes.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any, Callable, Type
 
 
 def size_option(flag: str, text: str) -> int:
@@ -16,7 +17,7 @@ def size_option(flag: str, text: str) -> int:
         raise CliError(f"{flag}: {err}") from None
 
 
-def keep_partial(args, record) -> str:
+def _keep_partial(args, record) -> str:
     """Write the record of a study that ended early to --json (its runs took minutes each);
     return what to add to the error line about it."""
     from hpdl.output_files import OutputError, OutputRule
@@ -32,3 +33,17 @@ def keep_partial(args, record) -> str:
         return f"; the {len(record['runs'])} run(s) done were not written ({err})"
     return f"; wrote the {len(record['runs'])} run(s) done to {args.json} (no plot)"
 
+
+
+def run_keeping_partial(args, run: Callable[[], Any], failed: Type[Exception], stopped: Type[BaseException]) -> Any:
+    """``run()`` a study that starts jobs for minutes and return its record; its failure
+    (``failed``) or a signal (``stopped``) ends the command in one line, the runs already done
+    written to --json first. Both exceptions carry the partial ``record``, ``stopped`` its ``signum``."""
+    from hpdl.cli_error import CliError
+
+    try:
+        return run()
+    except failed as err:
+        raise CliError(f"{err}{_keep_partial(args, err.record)}") from None
+    except stopped as stop:
+        raise CliError(f"{stop}{_keep_partial(args, stop.record)}", code=128 + stop.signum) from None

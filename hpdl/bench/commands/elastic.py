@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hpdl.bench.commands.common import keep_partial
+from hpdl.bench.commands.common import run_keeping_partial
 
 
 def register(sub) -> None:
@@ -91,12 +91,7 @@ def run(args) -> int:
         sys.stderr.write(f"hpdl bench elastic: {line}\n")
         sys.stderr.flush()
 
-    try:
-        record = run_elastic_bench(opts, progress)
-    except ElasticBenchError as err:
-        raise CliError(f"{err}{keep_partial(args, err.record)}") from None
-    except ElasticBenchStopped as stop:
-        raise CliError(f"{stop}{keep_partial(args, stop.record)}", code=128 + stop.signum) from None
+    record = run_keeping_partial(args, lambda: run_elastic_bench(opts, progress), ElasticBenchError, ElasticBenchStopped)
     print(format_summary(record))
     if args.json:
         rule.write(args.json, lambda f: json.dump(record, f, indent=1), option="--json")

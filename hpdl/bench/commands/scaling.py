@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from hpdl.bench.commands.common import keep_partial
+from hpdl.bench.commands.common import run_keeping_partial
 
 
 def register(sub) -> None:
@@ -88,12 +88,7 @@ def run(args) -> int:
         image_format = plot_format(args.plot)
     except (ValueError, LaunchError) as err:
         raise CliError(str(err)) from None
-    try:
-        record = run_scaling(opts)
-    except ScalingError as err:
-        raise CliError(f"{err}{keep_partial(args, err.record)}") from None
-    except ScalingStopped as stop:
-        raise CliError(f"{stop}{keep_partial(args, stop.record)}", code=128 + stop.signum) from None
+    record = run_keeping_partial(args, lambda: run_scaling(opts), ScalingError, ScalingStopped)
     print(format_summary(record))
     # Checked again right before each rename: a file made there during the study is not replaced either.
     outputs.write(args.json, lambda f: json.dump(record, f, indent=1), option="--json")

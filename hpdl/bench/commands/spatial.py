@@ -7,7 +7,7 @@ import json
 import os
 from typing import Tuple
 
-from hpdl.bench.commands.common import keep_partial, size_option
+from hpdl.bench.commands.common import run_keeping_partial, size_option
 
 
 def register(sub) -> None:
@@ -127,12 +127,7 @@ def run(args) -> int:
         check_layouts(opts)
     except ValueError as err:
         raise CliError(str(err)) from None
-    try:
-        record = run_study(opts)
-    except SpatialStudyError as err:
-        raise CliError(f"{err}{keep_partial(args, err.record)}") from None
-    except SpatialStudyStopped as stop:
-        raise CliError(f"{stop}{keep_partial(args, stop.record)}", code=128 + stop.signum) from None
+    record = run_keeping_partial(args, lambda: run_study(opts), SpatialStudyError, SpatialStudyStopped)
     print(format_summary(record))
     # Checked again right before each rename: a file made there during the study is not replaced either.
     if args.json:
