@@ -50,12 +50,24 @@ def _timed(fn, totals, key):
     return wrapper
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {text!r}")
+    return value
+
+
 def main() -> None:
+    from hpdl.bench.models import benchmark_models
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="edsr-baseline")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--patch", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model", default="edsr-baseline", choices=benchmark_models())
+    parser.add_argument("--batch-size", type=_positive, default=2, help="images per step (default 2)")
+    parser.add_argument("--patch", type=_positive, default=24, help="LR patch size of the SR models (default 24)")
+    parser.add_argument("--steps", type=_positive, default=40, help="timed steps of each model (default 40)")
     args = parser.parse_args()
 
     import hpdl.torch as hvd

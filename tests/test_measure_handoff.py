@@ -1,6 +1,7 @@
 """scripts/measure_handoff.py, scripts/measure_mpi_polling.py, scripts/measure_mpi_progress.py,
-scripts/measure_half_reduction.py and scripts/link_use.py, whose figures docs/perf-notes/ quotes, still run and report sanely."""
+scripts/measure_half_reduction.py, scripts/link_use.py and scripts/measure_one_rank.py, whose figures docs/perf-notes/ quotes, still run and report sanely."""
 
+import os
 import runpy
 import shutil
 import subprocess
@@ -111,3 +112,22 @@ def test_link_use_refuses_a_file_it_cannot_read_in_one_line(tmp_path):
     bad.write_text("{not json")
     out = subprocess.run([sys.executable, str(LINK_USE), str(bad)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and str(bad) in out.stderr
+
+
+ONE_RANK = SCRIPT.parent / "measure_one_rank.py"
+
+
+def test_one_rank_script_reports_both_models_phase_by_phase_and_the_hooks():
+    out = subprocess.run([sys.executable, str(ONE_RANK), "--steps", "2", "--patch", "8", "--batch-size", "1"],
+                         capture_output=True, text=True, timeout=180, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("edsr-baseline, batch 1 of 8 px, 1 thread(s), 2 steps each")
+    assert [line.split()[0] for line in lines[1:3]] == ["plain", "hpdl"]
+    assert 0 < float(lines[3].rsplit(": ", 1)[1]) < 10  # hpdl/plain
+    hooks = lines[4].split("the 72 gradient hooks ")[1].split(" ms")[0]
+    assert float(hooks) > 0
+
+
+def test_one_rank_script_refuses_bad_settings_in_one_line():
+    out = subprocess.run([sys.executable, str(ONE_RANK), "--steps", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--steps" in out.stderr and "Traceback" not in out.stderr
