@@ -62,10 +62,11 @@ def test_init_on_some_of_the_ranks_refuses_the_others(launcher):
     assert "OK init subset: launched=3 members=[0, 2]" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("mode,launcher,cycles", [("subset", "mpiexec", 800), ("whole", "torchrun", 5),
+@pytest.mark.parametrize("mode,launcher,cycles", [("subset", "mpiexec", 40), ("whole", "torchrun", 5),
                                                  ("subset", "torchrun", 5)])
 def test_init_and_shutdown_cycles_give_back_what_they_took(mode, launcher, cycles):
-    # MPI has about 2048 communicators per process: 800 cycles that each kept three ran out.
+    # MPI has about 2048 communicators per process: 800 cycles that each kept three ran out;
+    # 40 show such a leak (the script compares the handles MPI gives new communicators).
     # Under torch, each cycle kept a gloo group: 5 more open files a cycle (the script checks).
     result = run_ranks("init_subset.py", 2, launcher, args=[mode, str(cycles)])
     assert f"OK init {mode}: launched=2 members=[0, 1] cycles={cycles}" in result.stdout, result.stdout
