@@ -318,6 +318,13 @@ def test_inputs_that_are_not_the_groups_parts_of_one_image_are_refused_on_every_
                         ("dtype", "17 x 8 image with leading dimensions [2, 3], float32")):
         assert (f"OK inputs {what}: the ranks of the spatial group got different inputs (group rank 0: a part of a "
                 f"{rank0}") in result.stdout, result.stdout
+    assert ("OK inputs grad mode: the ranks of the spatial group got different inputs (group rank 0: a part of a "
+            "17 x 8 image with leading dimensions [2, 3], float64 on cpu, under no_grad; group rank 1: a part of a "
+            "17 x 8 image with leading dimensions [2, 3], float64 on cpu; ") in result.stdout, result.stdout
+    assert "in the same grad mode" in result.stdout
+    assert ("OK inputs requires_grad: the ranks of the spatial group got different inputs (group rank 0: a part of "
+            "a 17 x 8 image with leading dimensions [2, 3], float64 on cpu, requiring grad; group rank 1: a part of a "
+            "17 x 8 image with leading dimensions [2, 3], float64 on cpu; ") in result.stdout, result.stdout
     assert "OK inputs: the group works after the refusals" in result.stdout
 
 

@@ -219,6 +219,14 @@ def inputs() -> None:
     for what, image in variants.items():
         model = net if what != "dtype" else spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1)))
         print_ok(f"inputs {what}: {refusal_of(lambda: model(model.scatter(image)))}")
+    # The same image, but rank 0 alone builds no graph, or alone wants the input's gradient:
+    # the backward halo exchanges would pair wrongly and wait until the stall timeout.
+    def without_grad_on_rank_0():
+        with torch.set_grad_enabled(rank != 0):
+            net(net.scatter(x))
+
+    print_ok(f"inputs grad mode: {refusal_of(without_grad_on_rank_0)}")
+    print_ok(f"inputs requires_grad: {refusal_of(lambda: net(net.scatter(x).requires_grad_(rank == 0)))}")
     # the group goes on after a refusal: the next forward runs
     with torch.no_grad():
         out = net.gather(net(net.scatter(x)))

@@ -256,19 +256,22 @@ class SpatialParallel(nn.Module):
 
     def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part) -> int:
         """Check that every rank of the group got a part of the same image (size, batch, type,
-        mode), before any exchange: a rank with another image would wait for ever in the first
-        halo exchange. Returns the forward's base for the random streams (randomness.py)."""
+        mode) and builds the same graph (grad mode, whether the input needs a gradient), before
+        any exchange: a rank with another image would wait for ever in the first halo exchange,
+        and one whose backward exchanges other halos than the others' would pair them wrongly
+        and stall. Returns the forward's base for the random streams (randomness.py)."""
         base = randomness.draw_base()
         if self.grid.size == 1 or not comm.communicating:
             return base
         lead = list(x.shape[:-2])[:_LEAD_DIMS]
         mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
-                _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training), base]
+                _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training),
+                int(torch.is_grad_enabled()), int(x.requires_grad), base]
         rows = comm.allgather(torch.tensor([mine], dtype=torch.int64), [1] * self.grid.size, "inputs").tolist()
         if any(row[:-1] != rows[0][:-1] for row in rows):
             described = "; ".join(f"group rank {r}: {_input_text(row)}" for r, row in enumerate(rows))
             raise SpatialError(f"the ranks of the spatial group got different inputs ({described}): every rank of "
-                               "the group must pass net.scatter(x) of the same x")
+                               "the group must pass net.scatter(x) of the same x, in the same grad mode")
         return rows[0][-1]
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
@@ -296,10 +299,11 @@ def _input_text(row: List[int]) -> str:
     names = {i: k for k, i in _CODES.items()}
     height, width = row[0], row[1]
     lead = [d for d in row[3:3 + _LEAD_DIMS] if d >= 0]
-    dtype, device, training = row[4 + _LEAD_DIMS], row[5 + _LEAD_DIMS], row[6 + _LEAD_DIMS]
+    dtype, device, training, grad_mode, needs_grad = row[4 + _LEAD_DIMS:9 + _LEAD_DIMS]
     dtype_name = str(names.get(dtype, "?")).replace("torch.", "")
     return (f"a part of a {height} x {width} image with leading dimensions {lead}, {dtype_name} on "
-            f"{names.get(device, '?')}{'' if training else ', eval mode'}")
+            f"{names.get(device, '?')}{'' if training else ', eval mode'}{'' if grad_mode else ', under no_grad'}"
+            f"{', requiring grad' if needs_grad else ''}")
 
 
 def _close_open() -> None:
