@@ -257,7 +257,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
     assert "OK spatial hybrid edsr-baseline 21x17" in result.stdout
 
 
-_THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime"]
+_THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward"]
 
 
 def _checks_on_three_ranks():
@@ -326,6 +326,14 @@ def test_inputs_that_are_not_the_groups_parts_of_one_image_are_refused_on_every_
             "a 17 x 8 image with leading dimensions [2, 3], float64 on cpu, requiring grad; group rank 1: a part of a "
             "17 x 8 image with leading dimensions [2, 3], float64 on cpu; ") in result.stdout, result.stdout
     assert "OK inputs: the group works after the refusals" in result.stdout
+
+
+@pytest.mark.multirank
+def test_a_backward_that_builds_a_graph_is_refused_on_every_rank():
+    result = _checks_on_three_ranks()
+    assert ("OK double backward: layer 2: a backward that builds a graph (create_graph=True, as a gradient penalty "
+            "or a Hessian-vector product needs) is not supported through a spatial layer") in result.stdout, result.stdout
+    assert "OK double backward: first-order gradients still exact" in result.stdout
 
 
 @pytest.mark.multirank

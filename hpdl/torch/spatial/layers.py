@@ -107,6 +107,7 @@ class HaloConv2d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        halo.refuse_graph_in_backward(ctx.spec.label)
         x, weight, row_before, row_after, col_before, col_after = ctx.saved_tensors
         spec = ctx.spec
         assembled = halo.assemble_both(x, spec, (row_before, row_after), (col_before, col_after))
@@ -143,6 +144,7 @@ class BandConv2d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        halo.refuse_graph_in_backward(ctx.spec.label)
         x, weight, before, after = ctx.saved_tensors
         p, q = ctx.padding
         grad_output = grad_output.contiguous()
@@ -498,6 +500,7 @@ class SpatialBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        halo.refuse_graph_in_backward(ctx.label)
         x, weight, mean, invstd = ctx.saved_tensors
         xs = x.to(stats.stat_dtype(x.dtype))
         dims = xs.dim()
@@ -546,6 +549,7 @@ class GlobalSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        halo.refuse_graph_in_backward(ctx.label)
         total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label) / ctx.divisor
         if not ctx.keepdim:
             for d in sorted(ctx.dims):
