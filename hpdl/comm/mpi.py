@@ -99,6 +99,7 @@ def _mpi_types() -> Dict[torch.dtype, Any]:
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_NAN_AWARE = (torch.float32, torch.float64)
 _TORCH_REDUCE = {
     ReduceOp.SUM: torch.Tensor.add_,
     ReduceOp.PRODUCT: torch.Tensor.mul_,
@@ -107,11 +108,12 @@ _TORCH_REDUCE = {
 }
 
 
-def _make_half_op(dtype: torch.dtype, op: ReduceOp):
+def _make_torch_op(dtype: torch.dtype, op: ReduceOp):
+    """An MPI operation that reduces with torch's own arithmetic on ``dtype``'s values."""
     reduce = _TORCH_REDUCE[op]
 
     def apply(inbuf, inoutbuf, datatype) -> None:
-        # inoutbuf = inbuf (op) inoutbuf, on the 16-bit values themselves.
+        # inoutbuf = inbuf (op) inoutbuf, on the values themselves.
         into = torch.frombuffer(inoutbuf, dtype=dtype)
         reduce(into, torch.frombuffer(inbuf, dtype=dtype))
 
@@ -128,7 +130,13 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp):
     if dtype in _HALF:
         if op in (ReduceOp.BAND, ReduceOp.BOR):
             raise CommError(f"bitwise reduction {op.value} is not defined for {dtype}")
-        result = _make_half_op(dtype, op)
+        result = _make_torch_op(dtype, op)
+    elif dtype in _NAN_AWARE and op in (ReduceOp.MIN, ReduceOp.MAX):
+        # MPI's MIN and MAX of floats compare with < and >, which a NaN never passes: the
+        # result depends on where the NaN sits in the reduction, and ranks can end up with
+        # different values (a NaN on one, a number on the other). torch.minimum and maximum
+        # propagate NaN, as gloo and one process do.
+        result = _make_torch_op(dtype, op)
     elif dtype == torch.bool:
         # Sum and max of booleans are "any", product and min are "all" (as torch computes them).
         result = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.BOR: MPI.LOR,

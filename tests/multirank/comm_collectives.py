@@ -116,6 +116,16 @@ def main() -> None:
                 comm.allreduce_control(t, op)
                 assert_equal(t, expected, f"allreduce_control {op.value} {dtype} {shape}")
 
+        if dtype.is_floating_point and size > 1:
+            # A NaN on one rank: every rank gets NaN from MIN and MAX, as one process (torch.minimum
+            # and maximum) and gloo give; MPI's own MIN and MAX left it to the NaN's place in the
+            # reduction, and the ranks disagreed.
+            for op in (ReduceOp.MIN, ReduceOp.MAX):
+                for flavour in ("allreduce", "allreduce_control"):
+                    t = torch.tensor([float("nan") if rank == 0 else 1.0, 2.0], dtype=dtype)
+                    getattr(comm, flavour)(t, op)
+                    assert torch.isnan(t[0]) and t[1].item() == 2.0, f"{flavour} {op.value} {dtype} with a NaN: {t}"
+
         # allgather with different first dims
         first = [r + 1 for r in range(size)]
         parts = [rank_tensor(r, (first[r], 3), dtype, seed=7) for r in range(size)]
