@@ -423,9 +423,11 @@ class ElasticDriver:
     def _too_few(self) -> str:
         usable = self._available_slots()
         names = self.options.spelling
+        source = self.options.hosts.describe()  # "the hosts given" or "--host-discovery-script PATH"
+        where = source if source.startswith("the ") else f"the hosts {source} lists"
         return (f"fewer than {names['min_np']} {self.options.min_np} workers for {names['elastic_timeout']} "
-                f"{self.options.elastic_timeout_s:g} s ({usable} slot(s) usable on the hosts "
-                f"{self.options.hosts.describe()} gives{', some blacklisted' if self.blacklist else ''})")
+                f"{self.options.elastic_timeout_s:g} s ({usable} slot(s) usable on {where}"
+                f"{', some blacklisted' if self.blacklist else ''})")
 
     # -- ending ------------------------------------------------------------------------------
 
