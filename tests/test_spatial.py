@@ -257,7 +257,8 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
     assert "OK spatial hybrid edsr-baseline 21x17" in result.stdout
 
 
-_THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward"]
+_THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
+                      "gather-replicated"]
 
 
 def _checks_on_three_ranks():
@@ -334,6 +335,11 @@ def test_a_backward_that_builds_a_graph_is_refused_on_every_rank():
     assert ("OK double backward: layer 2: a backward that builds a graph (create_graph=True, as a gradient penalty "
             "or a Hessian-vector product needs) is not supported through a spatial layer") in result.stdout, result.stdout
     assert "OK double backward: first-order gradients still exact" in result.stdout
+
+
+@pytest.mark.multirank
+def test_gathering_a_replicated_output_gives_it_back():
+    assert "OK gather replicated: (3, 2)" in _checks_on_three_ranks().stdout
 
 
 @pytest.mark.multirank

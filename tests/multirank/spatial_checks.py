@@ -295,6 +295,20 @@ def double_backward() -> None:
     net.close()
 
 
+def gather_replicated() -> None:
+    # A classifier's logits are whole on every rank: gathering them gives them back, not the
+    # ranks' copies side by side as the parts of a map (a 3 x 2 "map" of 3 x 2 copies).
+    torch.manual_seed(0)
+    net = spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1),
+                                                nn.Flatten(), nn.Linear(4, 2)).double())
+    x = torch.randn(3, 3, 17, 8, dtype=torch.float64)
+    logits = net(net.scatter(x))
+    gathered = net.gather(logits)
+    assert gathered.shape == (3, 2) and torch.allclose(gathered, net.module(x), rtol=1e-10), gathered.shape
+    print_ok(f"gather replicated: {tuple(gathered.shape)}")
+    net.close()
+
+
 def lifetime() -> None:
     model = build("edsr-baseline")
     before = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__)
@@ -335,7 +349,7 @@ def print_ok(text: str) -> None:
 
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
-          "double-backward": double_backward}
+          "double-backward": double_backward, "gather-replicated": gather_replicated}
 
 
 def main() -> None:

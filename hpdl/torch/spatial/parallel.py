@@ -40,7 +40,7 @@ from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.errors import report_in_one_line
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand
-from hpdl.torch.spatial.parts import part_of, tagged
+from hpdl.torch.spatial.parts import is_replicated, mark_replicated, part_of, tagged
 
 __all__ = ["SpatialParallel", "check_split"]
 
@@ -181,7 +181,11 @@ class SpatialParallel(nn.Module):
         return tagged(x_part, part)
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
-        """The whole of a map whose parts the ranks hold, on every rank (for results: no gradient)."""
+        """The whole of a map whose parts the ranks hold, on every rank (for results: no gradient).
+        A replicated output of the model (after global pooling) is whole already: it comes back
+        as it is."""
+        if part_of(y) is None and is_replicated(y):
+            return y.detach().clone()
         part = self._part_of(y)
         lead = tuple(y.shape[:-2])
         pieces = [Part(self.grid, r, part.height, part.width) for r in range(self.grid.size)]
@@ -277,7 +281,7 @@ class SpatialParallel(nn.Module):
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
         part = part_of(out)
         if part is None:  # replicated: the same loss on every rank counts once
-            return dispatch.scale_gradient(out, 1.0 / self.grid.size)
+            return mark_replicated(dispatch.scale_gradient(out, 1.0 / self.grid.size))
         share = part.numel_share if self.loss_reduction == "mean" else 1.0
         return tagged(dispatch.scale_gradient(out, share), part)
 

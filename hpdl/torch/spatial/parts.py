@@ -10,6 +10,7 @@ import torch
 from hpdl.torch.spatial.geometry import Part
 
 _ATTRIBUTE = "_hpdl_part"
+_REPLICATED = "_hpdl_replicated"
 
 
 def part_of(value: Any) -> Optional[Part]:
@@ -21,6 +22,18 @@ def tagged(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     """Mark ``tensor`` as ``part`` (in place; returns it)."""
     setattr(tensor, _ATTRIBUTE, part)
     return tensor
+
+
+def mark_replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as a whole value, the same on every rank of the group (a model's output
+    after global pooling), so that gathering it gives it back instead of its copies side by side."""
+    setattr(tensor, _REPLICATED, True)
+    return tensor
+
+
+def is_replicated(value: Any) -> bool:
+    """Whether ``value`` was marked by :func:`mark_replicated`."""
+    return isinstance(value, torch.Tensor) and getattr(value, _REPLICATED, False)
 
 
 def tag_outputs(result: Any, part: Part) -> Any:
