@@ -363,3 +363,16 @@ def test_a_refusal_that_ends_the_program_is_one_line_per_rank():
                              "(it normalizes over each sample's pixels, which this rank holds only part of)"
                              for r in range(3)], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("what,message", [
+    ("grid", "grid=(4, 1): expected (rows, cols) of positive integers whose product is the process set's size, 3"),
+    ("script", "0 (RecursiveScriptModule): a TorchScript module (torch.jit.script or torch.jit.trace) cannot be "
+               "split; wrap the module it was made from")])
+def test_a_wrapper_refused_at_construction_is_one_line_per_rank(what, message):
+    result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["uncaught", what], timeout=120, expect_ok=False)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if message in line]
+    assert sorted(lines) == [f"hpdl: rank {r}: {message}" for r in range(3)], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

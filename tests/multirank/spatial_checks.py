@@ -336,10 +336,17 @@ def lifetime() -> None:
     print_ok("lifetime: 200 made and closed, the model as it was")
 
 
-def uncaught() -> None:
-    """A refusal that ends the program: SpatialParallel's own one line on each rank."""
-    net = spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3)))
-    net(net.scatter(torch.randn(1, 3, 16, 16)))
+def uncaught(what: str) -> None:
+    """A refusal that ends the program: SpatialParallel's own one line on each rank (from the
+    first forward, or from the wrapper's construction)."""
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3))
+    if what == "grid":
+        spatial.SpatialParallel(model, grid=(hvd.size() + 1, 1))
+    elif what == "script":
+        spatial.SpatialParallel(nn.Sequential(torch.jit.script(nn.Conv2d(3, 3, 3, padding=1))))
+    else:
+        net = spatial.SpatialParallel(model)
+        net(net.scatter(torch.randn(1, 3, 16, 16)))
 
 
 def print_ok(text: str) -> None:
@@ -360,8 +367,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["uncaught"]:
+    if sys.argv[1] == "uncaught":
         hvd.init()
-        uncaught()
+        uncaught(sys.argv[2] if len(sys.argv) > 2 else "forward")
     else:
         run_main(main)

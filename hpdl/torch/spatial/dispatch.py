@@ -477,6 +477,15 @@ def _find_part(args, kwargs) -> Optional[Part]:
 
 # -- the running module's path -------------------------------------------------------------
 
+def refuse_script_modules(model: nn.Module) -> None:
+    """Refuse a model holding a TorchScript module: its calls run in TorchScript's interpreter,
+    where no layer of it can be split (nor a hook be put on it)."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            raise SpatialError(f"{path or '(the model)'} ({type(module).__name__}): a TorchScript module "
+                               "(torch.jit.script or torch.jit.trace) cannot be split; wrap the module it was made from")
+
+
 def track_modules(model: nn.Module) -> list:
     """Hooks on every module of ``model`` that keep the running module's path in the active
     context, and keep batch norm's batch count when backward recomputes a checkpointed block."""

@@ -76,6 +76,7 @@ class SpatialParallel(nn.Module):
                  process_set: ProcessSet = global_process_set, checkpoint: Union[bool, Iterable[str]] = False,
                  loss_reduction: str = "mean"):
         super().__init__()
+        report_in_one_line()  # the refusals below end the program in one line too
         size = process_set.size()
         layout = (size, 1) if grid is None else tuple(grid)
         if len(layout) != 2 or any(not isinstance(n, int) or n < 1 for n in layout) or layout[0] * layout[1] != size:
@@ -84,7 +85,7 @@ class SpatialParallel(nn.Module):
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise SpatialError(f"loss_reduction={loss_reduction!r}: expected one of {', '.join(_LOSS_REDUCTIONS)}")
         blocks = _checkpointed_blocks(module, checkpoint) if checkpoint else []
-        report_in_one_line()
+        dispatch.refuse_script_modules(module)
         self.module = module
         self.grid = Grid(*layout)
         self.process_set = process_set
