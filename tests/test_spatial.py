@@ -258,7 +258,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated"]
+                      "gather-replicated", "two-inputs"]
 
 
 def _checks_on_three_ranks():
@@ -335,6 +335,11 @@ def test_a_backward_that_builds_a_graph_is_refused_on_every_rank():
     assert ("OK double backward: layer 2: a backward that builds a graph (create_graph=True, as a gradient penalty "
             "or a Hessian-vector product needs) is not supported through a spatial layer") in result.stdout, result.stdout
     assert "OK double backward: first-order gradients still exact" in result.stdout
+
+
+@pytest.mark.multirank
+def test_a_second_scattered_input_is_split_with_the_first():
+    assert "OK two inputs: an image and its mask, both scattered, equal one process" in _checks_on_three_ranks().stdout
 
 
 @pytest.mark.multirank

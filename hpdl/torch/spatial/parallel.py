@@ -451,6 +451,17 @@ def _call_text(call: Optional[tuple]) -> str:
 def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> List[tuple]:
     state = {name: t.to("meta") for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
     meta = tagged(torch.empty(x.shape[:-2] + part.local_size, dtype=x.dtype, device="meta"), part)
+
+    def as_this_part(value: torch.Tensor) -> torch.Tensor:
+        # Other inputs that are parts of a map (an image's mask, scattered too): the dry run's
+        # rank's part of the same map, as the first input is.
+        other = part_of(value)
+        if other is None or other.grid != part.grid:
+            return value
+        theirs = dataclasses.replace(other, rank=part.rank)
+        return tagged(torch.empty(value.shape[:-2] + theirs.local_size, dtype=value.dtype, device="meta"), theirs)
+
+    args, kwargs = _map_tensors(tuple(args), as_this_part), _map_tensors(dict(kwargs), as_this_part)
     ctx = Context(part.grid, part.rank, None, names, trace=[])
     with dispatch.running(ctx), torch.no_grad(), _random_states_kept():
         torch.func.functional_call(module, state, (meta,) + tuple(args), kwargs)
