@@ -258,7 +258,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated", "two-inputs"]
+                      "gather-replicated", "two-inputs", "unbatched"]
 
 
 def _checks_on_three_ranks():
@@ -340,6 +340,11 @@ def test_a_backward_that_builds_a_graph_is_refused_on_every_rank():
 @pytest.mark.multirank
 def test_a_second_scattered_input_is_split_with_the_first():
     assert "OK two inputs: an image and its mask, both scattered, equal one process" in _checks_on_three_ranks().stdout
+
+
+@pytest.mark.multirank
+def test_convolutions_of_unbatched_parts_equal_one_process():
+    assert "OK unbatched: convolutions of (C, H, W) parts equal one process" in _checks_on_three_ranks().stdout
 
 
 @pytest.mark.multirank

@@ -343,6 +343,40 @@ def two_inputs() -> None:
     net.close()
 
 
+class _Unbatched(nn.Module):
+    """Convolutions of one sample, (C, H, W), as PyTorch's take."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(4, 2, 4, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.up(self.conv(x[1]))
+
+
+def unbatched() -> None:
+    torch.manual_seed(0)
+    model = _Unbatched().double()
+    reference = _Unbatched().double()
+    reference.load_state_dict(model.state_dict())
+    net = spatial.SpatialParallel(model)
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
+    part = net.scatter(x).requires_grad_()
+    out = net(part)
+    out.square().mean().backward()
+    whole = x.clone().requires_grad_()
+    expected = reference(whole)
+    expected.square().mean().backward()
+    assert torch.allclose(net.gather(out), expected, rtol=1e-12, atol=1e-14), "the output differs"
+    assert torch.allclose(net.gather(part.grad), whole.grad, rtol=1e-10, atol=1e-14), "the input gradient differs"
+    for name, p in model.named_parameters():
+        average = hvd.allreduce(p.grad, op=hvd.Average, name=f"unbatched.{name}")
+        assert torch.allclose(average, dict(reference.named_parameters())[name].grad, rtol=1e-10, atol=1e-14), name
+    print_ok("unbatched: convolutions of (C, H, W) parts equal one process")
+    net.close()
+
+
 def lifetime() -> None:
     model = build("edsr-baseline")
     before = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__)
@@ -391,7 +425,7 @@ def print_ok(text: str) -> None:
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
-          "two-inputs": two_inputs}
+          "two-inputs": two_inputs, "unbatched": unbatched}
 
 
 def main() -> None:

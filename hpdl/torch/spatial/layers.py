@@ -203,7 +203,21 @@ def _band_padding(spec: halo.HaloSpec, windows: Tuple[Window, Window], rows: int
     return p, q
 
 
+def _unbatched(layer, ctx: Context, func, a: dict):
+    """``layer`` of an unbatched input (C, H, W), which PyTorch's convolutions take: as a batch
+    of one (the halo plans and the backward kernels are written for (N, C, H, W)); None for a
+    batched input."""
+    x = a["input"]
+    if x.dim() != 3:
+        return None
+    out = layer(ctx, func, {**a, "input": tagged(x.unsqueeze(0), part_of(x))})
+    return tagged(out.squeeze(0), part_of(out))
+
+
 def conv2d(ctx: Context, func, a: dict):
+    unbatched = _unbatched(conv2d, ctx, func, a)
+    if unbatched is not None:
+        return unbatched
     x, weight, bias = a["input"], a["weight"], a["bias"]
     stride, padding = _pair(a["stride"]), a["padding"]
     dilation, groups = _pair(a["dilation"]), a["groups"]
@@ -230,6 +244,9 @@ def conv_transpose2d(ctx: Context, func, a: dict):
     ``i * stride + k * dilation = o + padding``; the band's output rows gather from a range of
     input rows, which the band receives (zeros beyond the image add nothing), then PyTorch's
     own transposed convolution of them (no padding) and a crop to the band's rows."""
+    unbatched = _unbatched(conv_transpose2d, ctx, func, a)
+    if unbatched is not None:
+        return unbatched
     x, weight, bias = a["input"], a["weight"], a["bias"]
     stride, padding, extra = _pair(a["stride"]), _pair(a["padding"]), _pair(a["output_padding"])
     dilation, groups = _pair(a["dilation"]), a["groups"]
