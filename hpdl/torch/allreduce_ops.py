@@ -62,7 +62,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     op = resolve_op(average, op)
     source = contiguous(tensor, "allreduce")
     output = torch.empty_like(source)
-    handle = submit(_allreduce_request(source, output, call_name("allreduce", name), op, prescale_factor,
+    handle = submit(_allreduce_request(source, output, call_name("allreduce", name, process_set), op, prescale_factor,
                                         postscale_factor, process_set))
     return AsyncHandle([handle], first_result)
 
@@ -115,7 +115,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     # This runs once per gradient per step: the common case (contiguous) is kept short.
     work = tensor.detach() if tensor.requires_grad else tensor
     if name is None:
-        name = call_name("allreduce", None)
+        name = call_name("allreduce", None, process_set)
     if bytes_to_come is not None:
         bytes_to_come = byte_count(bytes_to_come, name)
     if op is Adasum:
@@ -229,7 +229,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, process_
     tensors = list(tensors)
     if not tensors:
         raise ValueError("grouped_allreduce needs at least one tensor")
-    base = call_name("grouped_allreduce", name)
+    base = call_name("grouped_allreduce", name, process_set)
     check_dtypes(tensors, "grouped_allreduce", base)
     requests, finishers = [], []
     hints = [None] * len(tensors)

@@ -26,7 +26,12 @@ Average, Sum, Adasum, Min, Max, Product = Op.AVERAGE, Op.SUM, Op.ADASUM, Op.MIN,
 # numbers, or keep an op as an int, get the same reduction here.
 _OPS_BY_NUMBER = {0: Average, 1: Sum, 2: Adasum, 3: Min, 4: Max, 5: Product}
 
-_counters: Dict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
+# The numbers of unnamed calls, per kind and process set: a rank outside a process set makes
+# none of its calls, and must not fall behind its members in the names of the others' calls.
+# Each init() starts them again, on every rank of the new world alike (an elastic job's new
+# workers start from 1, as the survivors then do).
+_counters: Dict[Tuple[str, int], itertools.count] = defaultdict(lambda: itertools.count(1))
+runtime.add_startup_hook(_counters.clear)
 
 
 class AsyncHandle:
@@ -45,9 +50,13 @@ class AsyncHandle:
         self.inplace = inplace
 
 
-def call_name(kind: str, name: Optional[str]) -> str:
-    # Unnamed ops get a per-kind counter: ranks issuing them in the same order agree on names.
-    return name if name is not None else f"{kind}.noname.{next(_counters[kind])}"
+def call_name(kind: str, name: Optional[str], process_set: Optional[ProcessSet] = None) -> str:
+    """``name``, or for an unnamed call the next of its kind on ``process_set`` (default: every
+    rank): ranks issuing them in the same order agree on names."""
+    if name is not None:
+        return name
+    key = (kind, 0 if process_set is None else process_set_id(process_set))
+    return f"{kind}.noname.{next(_counters[key])}"
 
 
 def resolve_op(average: Optional[bool], op: Optional[Op]) -> Op:

@@ -42,7 +42,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
         HorovodInternalError: from ``synchronize``, trailing shapes or dtypes that differ between
             ranks, a rank that has called ``join()``, a stall or a lost rank.
     """
-    handle = submit(allgather_request(tensor, call_name("allgather", name), process_set))
+    handle = submit(allgather_request(tensor, call_name("allgather", name, process_set), process_set))
     return AsyncHandle([handle], first_result)
 
 
@@ -113,7 +113,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
         HorovodInternalError: from ``synchronize``, a group the ranks disagree on: the whole group
             fails on every rank.
     """
-    base = call_name("grouped_allgather", name)
+    base = call_name("grouped_allgather", name, process_set)
     tensors = list(tensors)
     check_dtypes(tensors, "grouped_allgather", base)
     handles = [submit(allgather_request(t, f"{base}.{i}", process_set, group=(base, len(tensors))))
@@ -186,7 +186,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     """
     source = contiguous(tensor, "broadcast")
     output = torch.empty_like(source)
-    request = Request(RequestKind.BROADCAST, call_name("broadcast", name), tensor=source, output=output,
+    request = Request(RequestKind.BROADCAST, call_name("broadcast", name, process_set), tensor=source, output=output,
                       root=_set_root(root_rank, process_set), process_set_id=process_set_id(process_set))
     return AsyncHandle([submit(request)], first_result)
 
@@ -213,7 +213,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
             ranks, a rank that has called ``join()``, a stall or a lost rank.
     """
     work, write_back = in_place_target(tensor)
-    request = Request(RequestKind.BROADCAST, call_name("broadcast", name), tensor=work, output=work,
+    request = Request(RequestKind.BROADCAST, call_name("broadcast", name, process_set), tensor=work, output=work,
                       root=_set_root(root_rank, process_set), process_set_id=process_set_id(process_set))
     return AsyncHandle([submit(request)], lambda results: write_back(results[0]))
 
@@ -334,7 +334,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Union[None, Sequence[int], torc
         if len(split_tuple) != members or any(s < 0 for s in split_tuple) or sum(split_tuple) != tensor.shape[0]:
             raise ValueError(f"alltoall splits {list(split_tuple)} must have {members} non-negative entries "
                              f"summing to dim 0 of the tensor ({tensor.shape[0]})")
-    request = Request(RequestKind.ALLTOALL, call_name("alltoall", name), tensor=tensor, splits=split_tuple,
+    request = Request(RequestKind.ALLTOALL, call_name("alltoall", name, process_set), tensor=tensor, splits=split_tuple,
                       process_set_id=process_set_id(process_set))
     return AsyncHandle([submit(request)], first_result)
 

@@ -67,8 +67,8 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Op
             lost rank.
     """
     op = _resolve_scatter_op(op)
-    request = _reducescatter_request(tensor, call_name("reducescatter", name), op, prescale_factor, postscale_factor,
-                                     process_set)
+    request = _reducescatter_request(tensor, call_name("reducescatter", name, process_set), op, prescale_factor,
+                                     postscale_factor, process_set)
     return AsyncHandle([submit(request)], first_result)
 
 
@@ -162,7 +162,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
             lost rank.
     """
     op = _resolve_scatter_op(op)
-    base = call_name("grouped_reducescatter", name)
+    base = call_name("grouped_reducescatter", name, process_set)
     tensors = list(tensors)
     check_dtypes(tensors, "grouped_reducescatter", base)
     # Every member is checked before any is submitted: a half-submitted group would hang the peers.

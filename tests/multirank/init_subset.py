@@ -24,6 +24,7 @@ from _common import run_main
 
 import hpdl.torch as hvd
 from hpdl.comm import discover_topology
+from hpdl.torch.calls import call_name
 
 
 def open_files() -> int:
@@ -58,6 +59,10 @@ def main() -> None:
         if cycle == 0:
             total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, name="cycle.sum")
             assert total.item() == float(sum(range(hvd.size()))), total
+        # Unnamed calls are numbered from 1 again at each init, on every rank of the new world
+        # alike (an elastic job's new workers start from 1: the survivors must too).
+        numbered = call_name("cycle.probe", None)
+        assert numbered == "cycle.probe.noname.1", numbered
         hvd.shutdown()
         if cycle == 0:  # what the first cycle set up for good (the MPI library, torch's default group)
             taken = (open_files(), threading.active_count())

@@ -428,6 +428,12 @@ def check_process_sets(rank, size):
     (outs[0].sum() + outs[1].sum()).backward()
     assert_equal(x.grad, torch.full((2,), 4.0 * mine.size()), "grouped allreduce gradient in a process set")
     hvd.barrier(process_set=mine)
+    # An unnamed call on some ranks only, then one on every rank: that one has the same name
+    # everywhere (unnamed calls are numbered per process set; a global count put the odd
+    # ranks one ahead, and the allreduce below waited for ever for a name no peer gave).
+    if odds is not None and odds.included():
+        hvd.allreduce(torch.ones(1), process_set=odds)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == float(size), "an unnamed call after a subset's"
     hvd.remove_process_set(evens)
     if odds is not None:
         hvd.remove_process_set(odds)
