@@ -258,7 +258,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated", "two-inputs", "unbatched"]
+                      "gather-replicated", "two-inputs", "unbatched", "own-graph"]
 
 
 def _checks_on_three_ranks():
@@ -345,6 +345,16 @@ def test_a_second_scattered_input_is_split_with_the_first():
 @pytest.mark.multirank
 def test_convolutions_of_unbatched_parts_equal_one_process():
     assert "OK unbatched: convolutions of (C, H, W) parts equal one process" in _checks_on_three_ranks().stdout
+
+
+@pytest.mark.multirank
+def test_backward_passes_the_model_computes_itself_are_refused_in_training():
+    result = _checks_on_three_ranks()
+    for how, where in (("function", "(the model) (_OwnGraph)"), ("checkpoint", "conv (Conv2d)")):
+        assert (f"OK own graph {how}: {where}: F.conv2d is not supported in the spatial part (it runs with gradients "
+                "off on tensors that require them, as inside a torch.autograd.Function's forward or a "
+                "torch.utils.checkpoint of the model's own") in result.stdout, result.stdout
+    assert "OK own graph: evaluation under no_grad runs" in result.stdout
 
 
 @pytest.mark.multirank

@@ -377,6 +377,49 @@ def unbatched() -> None:
     net.close()
 
 
+class _OwnConv(torch.autograd.Function):
+    """A convolution with a backward of its own (PyTorch's "extending autograd" example)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.conv2d(x, weight, padding=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (torch.nn.grad.conv2d_input(x.shape, weight, grad, padding=1),
+                torch.nn.grad.conv2d_weight(x, weight.shape, grad, padding=1))
+
+
+class _OwnGraph(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        if self.how == "function":
+            return _OwnConv.apply(x, self.conv.weight)
+        return torch.utils.checkpoint.checkpoint(self.conv, x, use_reentrant=True)
+
+
+def own_graph() -> None:
+    # Backward passes the model computes itself would run its layers on the bare part (weight
+    # gradients 50 % off): refused in training; the same models run under no_grad.
+    import torch.utils.checkpoint  # noqa: F401 - torch.utils.checkpoint.checkpoint above
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
+    for how in ("function", "checkpoint"):
+        net = spatial.SpatialParallel(_OwnGraph(how).double())
+        print_ok(f"own graph {how}: {refusal_of(lambda: net(net.scatter(x).requires_grad_()))}")
+        with torch.no_grad():
+            out = net.gather(net(net.scatter(x)))
+        assert torch.allclose(out, net.module(x), rtol=1e-12, atol=1e-14), how
+        net.close()
+    print_ok("own graph: evaluation under no_grad runs")
+
+
 def lifetime() -> None:
     model = build("edsr-baseline")
     before = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__)
@@ -425,7 +468,7 @@ def print_ok(text: str) -> None:
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
-          "two-inputs": two_inputs, "unbatched": unbatched}
+          "two-inputs": two_inputs, "unbatched": unbatched, "own-graph": own_graph}
 
 
 def main() -> None:

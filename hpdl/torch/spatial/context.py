@@ -33,6 +33,9 @@ class Context:
     # Backward's recomputation of a checkpointed block: the parts its inputs were, marked again
     # as it starts (tensors saved for backward come back as new, unmarked objects).
     input_parts: Optional[List[Optional[Part]]] = None
+    # The forward began with gradients on (training): a layer that then runs with them off on
+    # tensors that require them has its gradient computed by someone else (dispatch.py).
+    builds_graph: bool = False
 
     @property
     def dry(self) -> bool:

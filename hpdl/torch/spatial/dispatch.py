@@ -113,7 +113,22 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
 
 def _handler(ctx, func, op, part, args, kwargs):
     bound = _bound(ctx, func, args, kwargs)
+    if ctx.builds_graph and not torch.is_grad_enabled() and _requiring_grad(bound):
+        # A layer's backward exchanges with the peers only through the graph built here. In a
+        # training forward, a layer run with gradients off on tensors that require them has
+        # its gradient computed by someone else: a custom autograd Function (its forward runs
+        # with gradients off) or a reentrant torch.utils.checkpoint, whose backward would run
+        # the layer on the bare part, silently wrong.
+        raise refusal(ctx, ops.spelled(func), "it runs with gradients off on tensors that require them, as inside "
+                      "a torch.autograd.Function's forward or a torch.utils.checkpoint of the model's own, whose "
+                      "backward would see the part without its neighbours' rows: checkpoint with "
+                      "SpatialParallel(checkpoint=[...]); in a torch.no_grad() block of your own, .detach() its input "
+                      "and give its parameters requires_grad=False")
     return op.handler(ctx, func, {name: to_whole(value) for name, value in bound.items()})
+
+
+def _requiring_grad(bound: dict) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in bound.values())
 
 
 def _elementwise(ctx, func, op, part, args, kwargs):

@@ -238,7 +238,8 @@ class SpatialParallel(nn.Module):
         if key not in self._checked:
             _check(self.module, self._names, part, x, args, kwargs)
             self._checked.add(key)
-        ctx = Context(self.grid, self._rank, comm, self._names, grad_scale=float(self.grid.size), random_base=base)
+        ctx = Context(self.grid, self._rank, comm, self._names, grad_scale=float(self.grid.size), random_base=base,
+                      builds_graph=torch.is_grad_enabled())
         with dispatch.running(ctx):
             out = self.module(x, *args, **kwargs)
         return _map_tensors(out, self._weigh)
