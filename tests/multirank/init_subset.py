@@ -49,6 +49,8 @@ def main() -> None:
     members = [0, launched.size - 1]  # with 3 ranks launched, rank 1 is left out
     taken = handles = None
     for cycle in range(1 + cycles):
+        if cycle == 2:  # after cycle 1, on every launched rank (a communicator is made over all of them)
+            handles = communicator_handles()
         try:
             hvd.init(comm=members if mode == "subset" else None)
         except ValueError as err:
@@ -66,8 +68,6 @@ def main() -> None:
         hvd.shutdown()
         if cycle == 0:  # what the first cycle set up for good (the MPI library, torch's default group)
             taken = (open_files(), threading.active_count())
-        if cycle == 1:
-            handles = communicator_handles()
     if taken is not None:
         now = (open_files(), threading.active_count())
         assert now[0] <= taken[0] + 2 and now[1] <= taken[1], f"{cycles} cycles took (files, threads) {taken} -> {now}"
