@@ -80,7 +80,9 @@ class Failures:
         self._oldest_in_flight = oldest_in_flight
         self._waiting = waiting
         self._fail_requests = fail_requests
-        self._failure: Optional[str] = None
+        self._failure: Optional[str] = None  # set once the end of the job is armed (see fail)
+        self._failing = False  # fail() has begun (it sets _failure only after arming)
+        self._failing_lock = threading.Lock()
         self._stopped = threading.Event()
         self._stop_message = "hpdl has been shut down (hvd.shutdown() was called on some rank)"
         self._end_requested: Optional[str] = None  # why the job is being ended (request_end)
@@ -243,28 +245,35 @@ class Failures:
         abort's grace period all the same); raised in the main thread meanwhile, it could land
         after that caller has met it, in its handler or in the end of the job itself.
         """
-        if self._failure is not None:  # failed already (the watch thread was first)
-            return
-        self._failure = message
+        with self._failing_lock:  # the first failure wins (the watch thread, or the engine thread)
+            if self._failing:
+                return
+            self._failing = True
         waiting = self._waiting()
         if log_it:
             log.error("%s", message)
         if self._resets is not None:
             # The others learn that this world has ended; this rank's callers raise, and
             # hvd.elastic.run forms the next world: nothing ends the process.
+            self._failure = message
             self._resets.lost(message)
             self._fail_requests(message)
             return
-        # Armed before the waiting callers wake: one that raises and exits at once must find
-        # the job's end armed, or its normal exit would wait for a lost peer. This rank is the
-        # one that stopped submitting when it had nothing pending.
-        self.arm_end(message, stalled=not waiting and cause is None and not ended)
+        # Armed before any caller can see the failure: a caller that submits now raises at once
+        # (engine.py reads ``failure``), and one that exits right after must find the job's end
+        # armed, or its normal exit would end the process with status 0, or wait for a lost
+        # peer in MPI_Finalize. This rank is the one that stopped submitting when it had
+        # nothing pending.
+        self.arm_end(message, stalled=not waiting and cause is None and not ended, publish=message)
         self._fail_requests(message)
 
-    def arm_end(self, message: str, stalled: bool) -> None:
+    def arm_end(self, message: str, stalled: bool, publish: Optional[str] = None) -> None:
         """The job cannot go on: make sure it ends, even where no exception can reach
-        (``stalled``: this rank stopped submitting, so no handle raises on it)."""
+        (``stalled``: this rank stopped submitting, so no handle raises on it). ``publish``:
+        the engine's failure, made visible to callers once the end is armed."""
         abort.arm(self._comm, self._rank, message, stalled)
+        if publish is not None:
+            self._failure = publish
         if stalled:
             # A stalled rank has no handle to raise through: raise in its main thread, as every
             # surviving rank does (it arrives if that thread is running Python).
