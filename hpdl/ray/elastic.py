@@ -68,6 +68,9 @@ class RayNodes:
         per = f"{self.cpus_per_worker:g} CPU" + (f", {self.gpus_per_worker:g} GPU" if self.gpus_per_worker else "")
         return f"the Ray cluster's alive nodes ({per} per worker)"
 
+    def hosts_phrase(self) -> str:
+        return self.describe()
+
 
 class _RayWorker:
     """One worker: its actor, the call that runs the function in it, and how it ended."""

@@ -39,6 +39,9 @@ class FixedHosts:
     def describe(self) -> str:
         return "the hosts given"
 
+    def hosts_phrase(self) -> str:
+        return "the hosts given"
+
 
 class DiscoveryScript:
     """``--host-discovery-script``: run it, read ``host[:slots]`` lines."""
@@ -57,6 +60,9 @@ class DiscoveryScript:
 
     def describe(self) -> str:
         return f"--host-discovery-script {self.path}"
+
+    def hosts_phrase(self) -> str:
+        return f"the hosts {self.describe()} lists"
 
     def find(self) -> Dict[str, int]:
         """The hosts the script lists now, in its order, with their slots.

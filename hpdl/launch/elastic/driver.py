@@ -62,6 +62,10 @@ class HostSource(Protocol):
     def describe(self) -> str:
         """What finds the hosts, for messages ("--host-discovery-script ./hosts.sh")."""
 
+    def hosts_phrase(self) -> str:
+        """The hosts themselves, for "N slot(s) usable on ..." ("the hosts given", "the hosts
+        --host-discovery-script ./hosts.sh lists")."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ElasticOptions:
@@ -423,8 +427,7 @@ class ElasticDriver:
     def _too_few(self) -> str:
         usable = self._available_slots()
         names = self.options.spelling
-        source = self.options.hosts.describe()  # "the hosts given" or "--host-discovery-script PATH"
-        where = source if source.startswith("the ") else f"the hosts {source} lists"
+        where = self.options.hosts.hosts_phrase()
         return (f"fewer than {names['min_np']} {self.options.min_np} workers for {names['elastic_timeout']} "
                 f"{self.options.elastic_timeout_s:g} s ({usable} slot(s) usable on {where}"
                 f"{', some blacklisted' if self.blacklist else ''})")
