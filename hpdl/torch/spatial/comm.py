@@ -77,6 +77,18 @@ class _Waiting:
         self.stopped_at: Optional[float] = None  # when the wait first found the engine stopped
 
 
+def refuse_graph_in_backward(label: str) -> None:
+    """Refuse a backward that builds a graph (``create_graph=True``: a gradient penalty, a
+    Hessian-vector product) through a spatial layer whose backward communicates (a halo
+    exchange, a group's sum): autograd would differentiate the backward as this rank's own
+    arithmetic, without the peers' share, and give silently wrong second-order gradients.
+    Every rank reaches the same layer's backward first, so every rank refuses alike."""
+    if torch.is_grad_enabled():
+        raise SpatialError(f"layer {label}: a backward that builds a graph (create_graph=True, as a gradient penalty "
+                           "or a Hessian-vector product needs) is not supported through a spatial layer, whose "
+                           "backward exchanges with the other ranks; compute such terms outside SpatialParallel")
+
+
 class GroupComm:
     """The communicator of one spatial group, for the thread that runs the model.
 

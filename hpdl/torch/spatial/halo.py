@@ -18,8 +18,8 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from hpdl.torch.spatial.comm import GroupComm
-from hpdl.torch.spatial.geometry import BandPlan, SpatialError
+from hpdl.torch.spatial.comm import GroupComm, refuse_graph_in_backward
+from hpdl.torch.spatial.geometry import BandPlan
 
 ZEROS = "zeros"  # convolution and average pooling padding
 NEG_INF = "-inf"  # max pooling padding
@@ -163,18 +163,6 @@ def adjoint_both(grad: torch.Tensor, spec: HaloSpec, local_size: Tuple[int, int]
     # gradients go back to their owners in the row pass after it.
     grad = adjoint(grad, col_dim, spec.cols, spec.col_peers, spec.comm, spec.fill, local_size[1], spec.label)
     return adjoint(grad, row_dim, spec.rows, spec.row_peers, spec.comm, spec.fill, local_size[0], spec.label)
-
-
-def refuse_graph_in_backward(label: str) -> None:
-    """Refuse a backward that builds a graph (``create_graph=True``: a gradient penalty, a
-    Hessian-vector product) through a spatial layer whose backward communicates (a halo
-    exchange, a group's sum): autograd would differentiate the backward as this rank's own
-    arithmetic, without the peers' share, and give silently wrong second-order gradients.
-    Every rank reaches the same layer's backward first, so every rank refuses alike."""
-    if torch.is_grad_enabled():
-        raise SpatialError(f"layer {label}: a backward that builds a graph (create_graph=True, as a gradient penalty "
-                           "or a Hessian-vector product needs) is not supported through a spatial layer, whose "
-                           "backward exchanges with the other ranks; compute such terms outside SpatialParallel")
 
 
 class HaloExchange(torch.autograd.Function):

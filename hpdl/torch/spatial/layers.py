@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from hpdl.torch import batch_norm_stats as stats
 from hpdl.torch.spatial import halo
+from hpdl.torch.spatial.comm import refuse_graph_in_backward
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import BandPlan, Part, SpatialError, ThinBand, Window, bands, plan_bands
 from hpdl.torch.spatial.parts import part_of, tagged
@@ -107,7 +108,7 @@ class HaloConv2d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        halo.refuse_graph_in_backward(ctx.spec.label)
+        refuse_graph_in_backward(ctx.spec.label)
         x, weight, row_before, row_after, col_before, col_after = ctx.saved_tensors
         spec = ctx.spec
         assembled = halo.assemble_both(x, spec, (row_before, row_after), (col_before, col_after))
@@ -144,7 +145,7 @@ class BandConv2d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        halo.refuse_graph_in_backward(ctx.spec.label)
+        refuse_graph_in_backward(ctx.spec.label)
         x, weight, before, after = ctx.saved_tensors
         p, q = ctx.padding
         grad_output = grad_output.contiguous()
@@ -517,7 +518,7 @@ class SpatialBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        halo.refuse_graph_in_backward(ctx.label)
+        refuse_graph_in_backward(ctx.label)
         x, weight, mean, invstd = ctx.saved_tensors
         xs = x.to(stats.stat_dtype(x.dtype))
         dims = xs.dim()
@@ -566,7 +567,7 @@ class GlobalSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        halo.refuse_graph_in_backward(ctx.label)
+        refuse_graph_in_backward(ctx.label)
         total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label) / ctx.divisor
         if not ctx.keepdim:
             for d in sorted(ctx.dims):
