@@ -309,74 +309,6 @@ def gather_replicated() -> None:
     net.close()
 
 
-class _Masked(nn.Module):
-    """An image and its mask, both split: the mask takes the image's rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 2, 3, padding=1)
-
-    def forward(self, x, mask, *, scale):
-        return self.conv(x * mask) * scale
-
-
-def two_inputs() -> None:
-    torch.manual_seed(0)
-    model = _Masked().double()
-    net = spatial.SpatialParallel(model)
-    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
-    mask = (torch.rand(2, 1, 17, 8) > 0.5).double()
-    scale = torch.rand(2, 1, 17, 8, dtype=torch.float64) + 0.5
-    part = net.scatter(x).requires_grad_()
-    out = net(part, net.scatter(mask), scale=net.scatter(scale))
-    out.square().mean().backward()
-    whole = x.clone().requires_grad_()
-    reference = _Masked().double()
-    reference.load_state_dict(model.state_dict())
-    expected = reference(whole, mask, scale=scale)
-    expected.square().mean().backward()
-    assert torch.allclose(net.gather(out), expected, rtol=1e-12, atol=1e-14), "the output differs"
-    assert torch.allclose(net.gather(part.grad), whole.grad, rtol=1e-10, atol=1e-14), "the input gradient differs"
-    weight = hvd.allreduce(model.conv.weight.grad, op=hvd.Average, name="two_inputs.weight")
-    assert torch.allclose(weight, reference.conv.weight.grad, rtol=1e-10, atol=1e-14), "the weight gradient differs"
-    print_ok("two inputs: an image and its mask, both scattered, equal one process")
-    net.close()
-
-
-class _Unbatched(nn.Module):
-    """Convolutions of one sample, (C, H, W), as PyTorch's take."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.up = nn.ConvTranspose2d(4, 2, 4, stride=2, padding=1)
-
-    def forward(self, x):
-        return self.up(self.conv(x[1]))
-
-
-def unbatched() -> None:
-    torch.manual_seed(0)
-    model = _Unbatched().double()
-    reference = _Unbatched().double()
-    reference.load_state_dict(model.state_dict())
-    net = spatial.SpatialParallel(model)
-    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
-    part = net.scatter(x).requires_grad_()
-    out = net(part)
-    out.square().mean().backward()
-    whole = x.clone().requires_grad_()
-    expected = reference(whole)
-    expected.square().mean().backward()
-    assert torch.allclose(net.gather(out), expected, rtol=1e-12, atol=1e-14), "the output differs"
-    assert torch.allclose(net.gather(part.grad), whole.grad, rtol=1e-10, atol=1e-14), "the input gradient differs"
-    for name, p in model.named_parameters():
-        average = hvd.allreduce(p.grad, op=hvd.Average, name=f"unbatched.{name}")
-        assert torch.allclose(average, dict(reference.named_parameters())[name].grad, rtol=1e-10, atol=1e-14), name
-    print_ok("unbatched: convolutions of (C, H, W) parts equal one process")
-    net.close()
-
-
 class _OwnConv(torch.autograd.Function):
     """A convolution with a backward of its own (PyTorch's "extending autograd" example)."""
 
@@ -468,7 +400,7 @@ def print_ok(text: str) -> None:
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
-          "two-inputs": two_inputs, "unbatched": unbatched, "own-graph": own_graph}
+          "own-graph": own_graph}
 
 
 def main() -> None:

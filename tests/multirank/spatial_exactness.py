@@ -13,7 +13,8 @@ not the split; a wrong halo or statistic is off by far more.
 
 Usage: spatial_exactness.py [--device cpu|cuda] GRID CASE [CASE ...]; GRID is RxC (its product:
 the ranks), a CASE is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, edsr, srresnet,
-resnet50, resnet-small, unet, unet-crop, seghead. Prints "OK spatial MODEL HxW GRID" per case.
+resnet50, resnet-small, unet, unet-crop, seghead, masked (further scattered inputs), unbatched
+((C, H, W) convolutions). Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 import torch.nn.functional as F
 from _common import device_arg, rank_device, run_main
-from spatial_models import build, classifies, output_size
+from spatial_models import build, classifies, extra_inputs, output_shape
 
 import hpdl.torch as hvd
 from hpdl.torch import spatial
@@ -60,8 +61,8 @@ def batch(step: int, model: str, height: int, width: int):
         x = torch.randn(BATCH, 3, height, width, generator=gen, dtype=torch.float64)
         return x.to(DEVICE), torch.randint(0, 10, (BATCH,), generator=gen).to(DEVICE)
     x = torch.rand(BATCH, 3, height, width, generator=gen, dtype=torch.float64) * 255
-    out_h, out_w = output_size(model, height, width)
-    return x.to(DEVICE), (torch.rand(BATCH, 3, out_h, out_w, generator=gen, dtype=torch.float64) * 255).to(DEVICE)
+    shape = output_shape(model, BATCH, height, width)
+    return x.to(DEVICE), (torch.rand(shape, generator=gen, dtype=torch.float64) * 255).to(DEVICE)
 
 
 def loss_of(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,8 @@ def reference_step(reference: torch.nn.Module, ref_opt, model_name: str, x: torc
     root = hvd.rank() == 0
     x_ref = x.clone().requires_grad_()
     if root:
-        out_ref = reference(x_ref)
+        args, kwargs = extra_inputs(model_name, x)
+        out_ref = reference(x_ref, *args, **kwargs)
         ref_opt.zero_grad()
         loss_of(model_name, out_ref, target).backward()
     output = hvd.broadcast_object(out_ref.detach().cpu() if root else None, 0, name="reference.output").to(DEVICE)
@@ -112,7 +114,8 @@ def check(model_name: str, height: int, width: int, grid, checkpoint: bool) -> N
         out_ref, x_ref_grad = reference_step(reference, ref_opt, model_name, x, target)
 
         x_whole = x.clone().requires_grad_()
-        out = net(net.scatter(x_whole))
+        args, kwargs = extra_inputs(model_name, x)
+        out = net(net.scatter(x_whole), *map(net.scatter, args), **{k: net.scatter(v) for k, v in kwargs.items()})
         opt.zero_grad()
         part_target = target if classifies(model_name) else net.scatter(target)
         loss_of(model_name, out, part_target).backward()
@@ -133,9 +136,10 @@ def check(model_name: str, height: int, width: int, grid, checkpoint: bool) -> N
     net.eval()
     reference.eval()
     x, _ = batch(STEPS, model_name, height, width)
+    args, kwargs = extra_inputs(model_name, x)
     with torch.no_grad():
-        out = net(net.scatter(x))
-        out_ref = reference(x).cpu() if hvd.rank() == 0 else None
+        out = net(net.scatter(x), *map(net.scatter, args), **{k: net.scatter(v) for k, v in kwargs.items()})
+        out_ref = reference(x, *args, **kwargs).cpu() if hvd.rank() == 0 else None
     out_ref = hvd.broadcast_object(out_ref, 0, name="reference.eval_output").to(DEVICE)
     close(out if classifies(model_name) else net.gather(out), out_ref, f"{what}: eval-mode output")
     if hvd.rank() == 0:

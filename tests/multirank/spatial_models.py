@@ -3,7 +3,9 @@ small ResNet with every kind of layer ResNet-50 has (BatchNorm, a stride-2 7x7 s
 pooling, stride-2 bottlenecks, global pooling and a Linear tail), narrow enough to be quick, and
 the models users brought: a U-Net for odd sizes (transposed convolution and bilinear
 upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped to it) and a
-torchvision-style segmentation head (the output interpolated to the size read from the input)."""
+torchvision-style segmentation head (the output interpolated to the size read from the input);
+and two calling conventions: a model given further scattered inputs besides the image (a mask,
+a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
 
 from __future__ import annotations
 
@@ -99,6 +101,43 @@ class SegmentationHead(nn.Module):
         return F.interpolate(self.classifier(self.backbone(x)), size=size, mode="bilinear", align_corners=False)
 
 
+class Masked(nn.Module):
+    """An image, its mask and a keyword map, all three scattered: the mask and the map take the
+    image's rows (:func:`extra_inputs`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.conv2(torch.relu(self.conv1(x * mask)) * scale)
+
+
+class Unbatched(nn.Module):
+    """Convolutions of the batch's second sample alone, (C, H, W): a convolution and a stride-2
+    transposed one. The output is unbatched too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(4, 3, 4, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(torch.relu(self.conv(x[1])))
+
+
+def extra_inputs(name: str, x: torch.Tensor):
+    """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
+    if name != "masked":
+        return (), {}
+    gen = torch.Generator().manual_seed(x.shape[-2] * 1000 + x.shape[-1])
+    shape = (x.shape[0], 1, *x.shape[-2:])
+    mask = (torch.rand(shape, generator=gen) > 0.5).to(x.dtype)
+    scale = torch.rand(shape, generator=gen, dtype=x.dtype) + 0.5
+    return (mask.to(x.device),), {"scale": scale.to(x.device)}
+
+
 def build(name: str) -> nn.Module:
     if name == "resnet50":
         return resnet50(num_classes=10)
@@ -110,11 +149,17 @@ def build(name: str) -> nn.Module:
         return UNet(pad=False)
     if name == "seghead":
         return SegmentationHead()
+    if name == "masked":
+        return Masked()
+    if name == "unbatched":
+        return Unbatched()
     return build_model(name, 2)
 
 
-def output_size(name: str, height: int, width: int):
-    """The output's height and width for an input of ``height`` x ``width`` (shapes only)."""
+def output_shape(name: str, batch: int, height: int, width: int):
+    """The output's shape for a batch of ``batch`` images of ``height`` x ``width`` (shapes only)."""
     model = build(name).to("meta")
+    x = torch.empty(batch, 3, height, width, device="meta")
+    args, kwargs = extra_inputs(name, torch.empty(batch, 3, height, width))
     with torch.no_grad():
-        return tuple(model(torch.empty(1, 3, height, width, device="meta")).shape[-2:])
+        return tuple(model(x, *(a.to("meta") for a in args), **{k: v.to("meta") for k, v in kwargs.items()}).shape)
