@@ -259,7 +259,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated", "own-graph"]
+                      "gather-replicated", "own-graph", "content"]
 
 
 def _checks_on_three_ranks():
@@ -328,6 +328,16 @@ def test_inputs_that_are_not_the_groups_parts_of_one_image_are_refused_on_every_
             "a 17 x 8 image with leading dimensions [2, 3], float64 on cpu, requiring grad; group rank 1: a part of a "
             "17 x 8 image with leading dimensions [2, 3], float64 on cpu; ") in result.stdout, result.stdout
     assert "OK inputs: the group works after the refusals" in result.stdout
+
+
+@pytest.mark.multirank
+def test_parts_of_different_images_of_one_size_are_refused_on_every_rank():
+    result = _checks_on_three_ranks()
+    for what, ranks in (("another sample", "rank 2 has"), ("flipped", "rank 1 has"), ("swapped", "rank 1 has"),
+                        ("a batch ahead", "ranks 1, 2 have")):
+        assert (f"OK content {what}: the ranks of the spatial group scattered different images of the same size: "
+                f"group {ranks} other pixels than group rank 0") in result.stdout, result.stdout
+    assert "OK content: copies equal up to rounding run" in result.stdout
 
 
 @pytest.mark.multirank

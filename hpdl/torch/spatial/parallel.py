@@ -35,7 +35,7 @@ from torch import nn
 
 from hpdl.torch import runtime
 from hpdl.torch.process_sets import ProcessSet, global_process_set
-from hpdl.torch.spatial import dispatch, randomness
+from hpdl.torch.spatial import dispatch, fingerprint, randomness
 from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.errors import report_in_one_line
@@ -168,7 +168,9 @@ class SpatialParallel(nn.Module):
                                "(scatter or mark made it): scatter the whole image, once")
         part = self.part(x.shape[-2], x.shape[-1])
         (r0, r1), (c0, c1) = part.rows, part.cols
-        return tagged(x[..., r0:r1, c0:c1].contiguous(), part)
+        piece = tagged(x[..., r0:r1, c0:c1].contiguous(), part)
+        # The forward compares the ranks' images through it (fingerprint.py).
+        return fingerprint.attach(piece, fingerprint.of(x)) if self.grid.size > 1 else piece
 
     def mark(self, x_part: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Mark ``x_part`` as this rank's part of a ``height`` x ``width`` image (the rows and
@@ -262,23 +264,38 @@ class SpatialParallel(nn.Module):
 
     def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part) -> int:
         """Check that every rank of the group got a part of the same image (size, batch, type,
-        mode) and builds the same graph (grad mode, whether the input needs a gradient), before
-        any exchange: a rank with another image would wait for ever in the first halo exchange,
-        and one whose backward exchanges other halos than the others' would pair them wrongly
-        and stall. Returns the forward's base for the random streams (randomness.py)."""
+        mode, and where scatter made the parts, content) and builds the same graph (grad mode,
+        whether the input needs a gradient), before any exchange: a rank with an image of
+        another size would wait for ever in the first halo exchange, one with another image of
+        the same size would compute a silently wrong result, and one whose backward exchanges
+        other halos than the others' would pair them wrongly and stall. Returns the forward's
+        base for the random streams (randomness.py)."""
         base = randomness.draw_base()
         if self.grid.size == 1 or not comm.communicating:
             return base
         lead = list(x.shape[:-2])[:_LEAD_DIMS]
         mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
                 _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training),
-                int(torch.is_grad_enabled()), int(x.requires_grad), base]
-        rows = comm.allgather(torch.tensor([mine], dtype=torch.int64), [1] * self.grid.size, "inputs").tolist()
-        if any(row[:-1] != rows[0][:-1] for row in rows):
+                int(torch.is_grad_enabled()), int(x.requires_grad)]
+        content = torch.tensor(fingerprint.numbers(x), dtype=torch.float64).view(torch.int64).tolist()
+        gathered = comm.allgather(torch.tensor([mine + content + [base]], dtype=torch.int64), [1] * self.grid.size,
+                                  "inputs")
+        rows = gathered[:, :len(mine)].tolist()
+        if any(row != rows[0] for row in rows):
             described = "; ".join(f"group rank {r}: {_input_text(row)}" for r, row in enumerate(rows))
             raise SpatialError(f"the ranks of the spatial group got different inputs ({described}): every rank of "
                                "the group must pass net.scatter(x) of the same x, in the same grad mode")
-        return rows[0][-1]
+        prints = gathered[:, len(mine):len(mine) + fingerprint.SIZE].contiguous().view(torch.float64).tolist()
+        others = fingerprint.differing(prints)
+        if others:
+            ranks = ", ".join(str(r) for r in others)
+            raise SpatialError(
+                f"the ranks of the spatial group scattered different images of the same size: group rank"
+                f"{'s' if len(others) > 1 else ''} {ranks} {'have' if len(others) > 1 else 'has'} other pixels than "
+                f"group rank 0: every rank of the group must pass net.scatter(x) of the same x (the same sample "
+                "of the data set, the same crop and augmentation: seed the group's data loading alike, and step "
+                "through it together)")
+        return int(gathered[0, -1])
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
         part = part_of(out)

@@ -1,0 +1,87 @@
+"""Whether the ranks of a spatial group scattered the same image.
+
+Every rank of a group must pass ``net.scatter(x)`` of the same ``x``. Two ranks whose data
+loaders drew different crops, augmented differently, or stepped through the data set out of
+step (one skipped a batch) would each compute on a part of a different image: the halo
+exchanges pair up all the same, and the result is silently wrong. So ``scatter`` takes a
+fingerprint of the whole image it splits, and the forward's agreement (parallel.py) compares
+the ranks' fingerprints before any exchange.
+
+The fingerprint is three float64 numbers: the sum of every pixel weighted by a fixed weight per
+(leading index, row), the same by a weight per leading index times one per column, and the sum
+of absolute values (the scale). Weighted, it tells apart images with the same pixels in another place or order (a flip,
+a shifted crop, two samples of the batch swapped). It is compared to a relative 1e-6 of the
+scale: the same image gives the same sums up to a float64 reduction order (1e-13 or so), and
+copies that differ only by rounding (a resize run on two GPUs) are within it; two different
+images differ by about 1/sqrt(pixels) of the scale at the least (two independent noise images),
+above 1e-6 up to some 10^12 values.
+
+Read in chunks of rows, so that its float64 copies stay small beside the image.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+_ATTRIBUTE = "_hpdl_whole_fingerprint"
+_CHUNK_VALUES = 1 << 22  # values converted to float64 at a time
+RELATIVE_TOLERANCE = 1e-6
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # weights 1 + frac(k * golden): fixed, far from regular
+SIZE = 3  # numbers in a fingerprint
+
+
+def _weights(count: int, device: torch.device, offset: float = 0.0) -> torch.Tensor:
+    k = torch.arange(count, dtype=torch.float64, device=device) + offset
+    return 1.0 + torch.frac(k * _GOLDEN)
+
+
+def of(whole: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fingerprint of ``whole`` (..., H, W), a float64 tensor of SIZE on its device; None on
+    the meta device, where there are no values."""
+    if whole.device.type == "meta" or whole.numel() == 0:
+        return None
+    height, width = whole.shape[-2], whole.shape[-1]
+    rows = whole.detach().reshape(-1, width)  # every leading index's rows, one after another
+    device = whole.device
+    row_weights = _weights(rows.shape[0], device)
+    # The column weights are a lead's weight times a column's: the sum over a row is one dot product.
+    lead_weights = _weights(rows.shape[0] // height, device, offset=0.5).repeat_interleave(height)
+    column_weights = _weights(width, device, offset=0.25)
+    sums = torch.zeros(SIZE, dtype=torch.float64, device=device)
+    step = max(1, _CHUNK_VALUES // max(1, width))
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start:start + step].to(torch.float64)
+        end = start + chunk.shape[0]
+        sums[0] += chunk.sum(dim=-1) @ row_weights[start:end]
+        sums[1] += (chunk @ column_weights) @ lead_weights[start:end]
+        sums[2] += chunk.abs().sum()
+    return sums
+
+
+def attach(part: torch.Tensor, fingerprint: Optional[torch.Tensor]) -> torch.Tensor:
+    """Keep the whole image's ``fingerprint`` on the ``part`` scatter made of it."""
+    setattr(part, _ATTRIBUTE, fingerprint)
+    return part
+
+
+def numbers(part: Any) -> List[float]:
+    """The fingerprint ``part`` carries as SIZE numbers; NaN where it carries none (a part made
+    by ``mark``, or by an operation on a scattered part)."""
+    fingerprint = getattr(part, _ATTRIBUTE, None) if isinstance(part, torch.Tensor) else None
+    if fingerprint is None:
+        return [math.nan] * SIZE
+    return [float(v) for v in fingerprint.cpu().tolist()]
+
+
+def differing(prints: Sequence[Sequence[float]]) -> List[int]:
+    """The indices of the fingerprints that differ from the first (none where any is missing:
+    a marked part's image is not known)."""
+    if any(math.isnan(v) for p in prints for v in p):
+        return []
+    first = prints[0]
+    tolerance = RELATIVE_TOLERANCE * max(abs(first[2]), 1e-300)
+    return [i for i, p in enumerate(prints)
+            if any(abs(a - b) > tolerance for a, b in zip(p[:2], first[:2])) or abs(p[2] - first[2]) > tolerance]
