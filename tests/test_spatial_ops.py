@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
+import math
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
@@ -427,6 +428,22 @@ def test_lengths_read_from_a_part_compare_and_compute_as_the_whole_images():
     for result in results:
         assert result[:7] == (True,) * 7
         assert torch.allclose(result[7], x.mean())
+
+
+def test_lengths_made_floats_are_the_whole_images():
+    # On equal bands every rank computes the same from its part's own numbers: nothing would
+    # refuse ``float(h * w)`` or ``math.sqrt(h)`` that gave them, and the result would be off.
+    x = torch.randn(1, 1, 8, 6, dtype=torch.float64)
+
+    def read(t):
+        h, w = t.shape[-2:]
+        return (float(h * w), math.sqrt(h), float(h / 3), math.log2(w), t.sum() / float(t.numel()),
+                math.floor(h / 3), int(h / 3))
+
+    for result in (o.value for o in run_parts((2, 1), read, x)):
+        assert result[:4] == (48.0, math.sqrt(8), 8 / 3, math.log2(6))
+        assert torch.allclose(result[4], x.mean())
+        assert result[5] == 2  # compares as the whole's floor; the part's own is 1
 
 
 def _call_on_a_part(func) -> Any:

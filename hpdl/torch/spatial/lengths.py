@@ -15,7 +15,9 @@ both (``2 * h + 1`` is the part's ``2h + 1`` and the whole's ``2H + 1``), compar
 hashing use the whole (``h == 64`` asks what one process asks), and the spatial dispatch uses
 the whole where a length is a number (an interpolation's size, a slice's bounds, a padding,
 an operand of arithmetic on tensors) and the part's where it shapes a tensor
-(dispatch.py). ``int(h)`` gives the part's own number, leaving hpdl's sight: the first forward
+(dispatch.py). ``float(h)`` is a number, so the whole's (``x.sum() / float(h * w)``,
+``math.sqrt(h)``: on equal bands nothing else would tell a part's own number there from the
+whole's). ``int(h)`` gives the part's own number, leaving hpdl's sight: the first forward
 then compares what every rank computes (parallel.py), so a decision taken on a part's own
 number is refused rather than run differently on each rank.
 """
@@ -48,6 +50,11 @@ class PartLength(int):
     def __hash__(self) -> int:
         return hash(self.whole)
 
+    def __float__(self) -> float:
+        # A length made a float is a number (``x.sum() / float(h * w)``, ``math.sqrt(h)``), never
+        # a tensor's shape: one process's, the whole's.
+        return float(self.whole)
+
     def __reduce__(self):
         return (PartLength, (int(self), self.whole, self.axis, self.exact))
 
@@ -61,7 +68,7 @@ def local(value: Any) -> Any:
     """``value`` as the part sees it: a plain ``int`` (or ``float``) for a length."""
     if isinstance(value, PartLength):
         return int(value)
-    return float(value) if isinstance(value, PartFloat) else value
+    return _own(value) if isinstance(value, PartFloat) else value
 
 
 def holds_length(value: Any) -> bool:
@@ -169,9 +176,13 @@ for _name, _op in (("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt)
     setattr(PartLength, f"__{_name}__", _comparison(_op))
 
 
+_own = float.__float__  # a PartFloat's own (the part's) value, past its __float__
+
+
 class PartFloat(float):
     """A number computed from lengths that is no longer whole (``h / 2``): the part's value,
-    with the whole's; ``math.floor``, ``math.ceil``, ``round`` and ``int()`` of it keep both."""
+    with the whole's; ``math.floor``, ``math.ceil``, ``round`` and ``math.trunc`` of it keep
+    both, and ``float()`` of it (``math.sqrt``, ``math.log``) is the whole's, as for a length."""
 
     whole: float
 
@@ -183,38 +194,41 @@ class PartFloat(float):
     def __repr__(self) -> str:
         return float.__repr__(self)
 
+    def __float__(self) -> float:
+        return self.whole
+
     def __hash__(self) -> int:
         return hash(self.whole)
 
     def __floor__(self) -> PartLength:
         import math
 
-        return PartLength(math.floor(float(self)), math.floor(self.whole))
+        return PartLength(math.floor(_own(self)), math.floor(self.whole))
 
     def __ceil__(self) -> PartLength:
         import math
 
-        return PartLength(math.ceil(float(self)), math.ceil(self.whole))
+        return PartLength(math.ceil(_own(self)), math.ceil(self.whole))
 
     def __round__(self, ndigits: Optional[int] = None) -> Any:
         if ndigits is not None:
-            return PartFloat(round(float(self), ndigits), round(self.whole, ndigits))
-        return PartLength(round(float(self)), round(self.whole))
+            return PartFloat(round(_own(self), ndigits), round(self.whole, ndigits))
+        return PartLength(round(_own(self)), round(self.whole))
 
     def __trunc__(self) -> PartLength:
-        return PartLength(int(float(self)), int(self.whole))
+        return PartLength(int(_own(self)), int(self.whole))
 
 
 def _float_arithmetic(op):
     def forward(self, other):
         if not isinstance(other, (int, float)) or isinstance(other, bool):
             return NotImplemented
-        return PartFloat(op(float(self), local(other)), op(self.whole, whole(other)))
+        return PartFloat(op(_own(self), local(other)), op(self.whole, whole(other)))
 
     def reflected(self, other):
         if not isinstance(other, (int, float)) or isinstance(other, bool):
             return NotImplemented
-        return PartFloat(op(local(other), float(self)), op(whole(other), self.whole))
+        return PartFloat(op(local(other), _own(self)), op(whole(other), self.whole))
 
     return forward, reflected
 
@@ -228,5 +242,5 @@ for _name, _op in (("add", operator.add), ("sub", operator.sub), ("mul", operato
 for _name, _op in (("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt), ("le", operator.le),
                    ("gt", operator.gt), ("ge", operator.ge)):
     setattr(PartFloat, f"__{_name}__", _comparison(_op))
-PartFloat.__neg__ = lambda self: PartFloat(-float(self), -self.whole)
-PartFloat.__abs__ = lambda self: PartFloat(abs(float(self)), abs(self.whole))
+PartFloat.__neg__ = lambda self: PartFloat(-_own(self), -self.whole)
+PartFloat.__abs__ = lambda self: PartFloat(abs(_own(self)), abs(self.whole))
