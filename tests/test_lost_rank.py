@@ -5,6 +5,7 @@ handler sees the committed state where the launcher lets the survivors live."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,6 +103,21 @@ def test_a_rank_that_says_why_it_ends_is_not_reported_again(launcher_args, dies)
                  "exception"], cwd=dies.parent)
     assert done.returncode != 0 and "RuntimeError: rank 1 gives up" in done.stderr, done.stderr[-3000:]
     assert _reports(done.stderr) == [], done.stderr[-3000:]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("how", ["exception", "sigkill"])
+def test_torchrun_ending_the_job_says_so_in_one_line_without_its_traceback(dies, how):
+    # torchrun's own main raises ChildFailedError: a traceback and a table of every rank's end.
+    done = _run([sys.executable, "-m", "hpdl", "run", "-np", "2", "--launcher", "torchrun", "--backend", "gloo", "--",
+                 sys.executable, str(dies), how], cwd=dies.parent)
+    assert "ChildFailedError" not in done.stderr and "elastic/errors.html" not in done.stderr, done.stderr[-3000:]
+    # The first rank torchrun saw fail: rank 1, or rank 0 where its abort fell in the same poll.
+    ends = re.findall(r"^hpdl run: torchrun ended the job: rank [01] "
+                      r"(?:exited with code (\d+)|was killed by signal (\d+) \(SIG[A-Z]+\))$", done.stderr, re.M)
+    assert len(ends) == 1, done.stderr[-3000:]
+    code, signum = ends[0]
+    assert done.returncode == (int(code) if code else 128 + int(signum)) != 0, done.stderr[-3000:]
 
 
 def _under_open_mpi(tmp_path, np: int, script: Path, *args: str) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from hpdl.cli_error import CliError
 from hpdl.config import Settings, SettingsError
-from hpdl.launch import horovodrun
+from hpdl.launch import horovodrun, torchrun_main
 from hpdl.launch.builders import LAUNCHERS, RunOptions, build_run, format_command
 from hpdl.launch.elastic.options import add_elastic_options, is_elastic
 from hpdl.launch.detect import FLAVOUR_NAMES, OPENMPI, LauncherInfo, detect_launchers, program_problem
@@ -339,6 +339,8 @@ def run_command(args: argparse.Namespace) -> int:
     if len(commands) > 1:
         return _run_on_every_host(commands, env)
     argv = commands[0]
+    if info.torchrun is not None and argv[0] == info.torchrun:
+        argv = torchrun_main.command(argv)  # torchrun's main; a failed rank ends it in one line
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as err:
