@@ -259,7 +259,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated", "own-graph", "content"]
+                      "gather-replicated", "own-graph", "content", "wrapping"]
 
 
 def _checks_on_three_ranks():
@@ -338,6 +338,23 @@ def test_parts_of_different_images_of_one_size_are_refused_on_every_rank():
         assert (f"OK content {what}: the ranks of the spatial group scattered different images of the same size: "
                 f"group {ranks} other pixels than group rank 0") in result.stdout, result.stdout
     assert "OK content: copies equal up to rounding run" in result.stdout
+
+
+@pytest.mark.multirank
+def test_a_wrapper_made_differently_on_some_rank_is_refused_on_every_rank():
+    result = _checks_on_three_ranks()
+    start = "the ranks of the spatial group made SpatialParallel differently"
+    for what, described in (
+            ("grid", "group rank 0: grid (1, 3); group rank 1: grid (3, 1); group rank 2: grid (3, 1)"),
+            ("loss_reduction", "group rank 0: loss_reduction 'mean'; group rank 1: loss_reduction 'mean'; "
+                               "group rank 2: loss_reduction 'sum'"),
+            ("checkpoint", "group rank 0: 0 checkpointed blocks (00000000); group rank 1: 1 checkpointed blocks"),
+            ("model", "group rank 0: a model of 168 parameters (structure "),
+            ("dtype", "group rank 0: a model of 168 parameters (structure ")):
+        assert f"OK wrapping {what}: {start} ({described}" in result.stdout, result.stdout
+    assert "OK wrapping: a wrapper made alike runs after the refusals" in result.stdout
+    assert "must make it alike: the same model (its modules, and its parameters' shapes and types), grid" \
+        in result.stdout
 
 
 @pytest.mark.multirank

@@ -260,6 +260,33 @@ def content() -> None:
     net.close()
 
 
+def wrapping() -> None:
+    # One rank wraps differently: another grid paired the halo exchanges wrongly (rank 1
+    # computed on a wrong halo and finished, rank 0 waited), another model or loss reduction
+    # gives other gradients, other checkpointed blocks other exchanges in backward.
+    rank, size = hvd.rank(), hvd.size()
+
+    def model(width=3):
+        return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.Sequential(nn.Conv2d(width, 3, 3, padding=1)))
+
+    variants = {
+        "grid": lambda: spatial.SpatialParallel(model(), grid=(size, 1) if rank else (1, size)),
+        "loss_reduction": lambda: spatial.SpatialParallel(model(), loss_reduction="sum" if rank == 2 else "mean"),
+        "checkpoint": lambda: spatial.SpatialParallel(model(), checkpoint=rank == 1),
+        "model": lambda: spatial.SpatialParallel(model(4 if rank == 1 else 3)),
+        "dtype": lambda: spatial.SpatialParallel(model().double() if rank == 1 else model()),
+    }
+    for what, make in variants.items():
+        print_ok(f"wrapping {what}: {refusal_of(make)}")
+    torch.manual_seed(0)  # the variants drew differently on each rank
+    net = spatial.SpatialParallel(model().double())
+    x = torch.randn(1, 3, 17, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(net.gather(net(net.scatter(x))), net.module(x)), "the wrapper made alike differs"
+    print_ok("wrapping: a wrapper made alike runs after the refusals")
+    net.close()
+
+
 def dropout() -> None:
     torch.manual_seed(0)  # every rank alike, as for identical initialisation
     net = spatial.SpatialParallel(nn.Dropout(0.5))
@@ -425,7 +452,7 @@ def print_ok(text: str) -> None:
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
-          "own-graph": own_graph, "content": content}
+          "own-graph": own_graph, "content": content, "wrapping": wrapping}
 
 
 def main() -> None:

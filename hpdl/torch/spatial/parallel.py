@@ -28,6 +28,7 @@ import itertools
 import random
 import sys
 import weakref
+import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -92,6 +93,12 @@ class SpatialParallel(nn.Module):
         self.loss_reduction = loss_reduction
         self._comm: Optional[GroupComm] = group_communicator(process_set)
         self._rank = self._comm.rank
+        try:
+            _agree_on_wrapping(self._comm, self.grid, loss_reduction, blocks, module)
+        except SpatialError:
+            self._comm.close()
+            self._comm = None
+            raise
         self._names = {id(m): name for name, m in module.named_modules()}
         self._hooks = dispatch.track_modules(module)
         self._checked: set = set()
@@ -303,6 +310,41 @@ class SpatialParallel(nn.Module):
             return mark_replicated(dispatch.scale_gradient(out, 1.0 / self.grid.size))
         share = part.numel_share if self.loss_reduction == "mean" else 1.0
         return tagged(dispatch.scale_gradient(out, share), part)
+
+
+def _model_code(module: nn.Module) -> int:
+    """A number for the model's structure (its modules' paths and types, its parameters' and
+    buffers' names, shapes and types), the same on every rank that wraps the same model."""
+    text = "\n".join([f"{name}:{type(m).__qualname__}" for name, m in module.named_modules()]
+                     + [f"{name}:{tuple(t.shape)}:{t.dtype}"
+                        for name, t in itertools.chain(module.named_parameters(), module.named_buffers())])
+    return zlib.crc32(text.encode())
+
+
+def _agree_on_wrapping(comm: GroupComm, grid: Grid, loss_reduction: str, blocks: Sequence[str],
+                       module: nn.Module) -> None:
+    """Refuse, on every rank of the group alike, a wrapper made differently on some rank: another
+    grid pairs the halo exchanges wrongly (a rank would compute on a wrong halo, or wait for one
+    that never comes), another loss reduction or model gives other gradients, another set of
+    checkpointed blocks other exchanges in backward."""
+    if comm.size == 1:
+        return
+    mine = [grid.rows, grid.cols, _LOSS_REDUCTIONS.index(loss_reduction), len(blocks),
+            zlib.crc32("\n".join(blocks).encode()), sum(p.numel() for p in module.parameters()), _model_code(module)]
+    rows = comm.allgather(torch.tensor([mine], dtype=torch.int64), [1] * comm.size, "wrapping").tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    # Each field of a row: its columns, and how a rank's value reads.
+    fields = [(0, 2, lambda row: f"grid ({row[0]}, {row[1]})"),
+              (2, 3, lambda row: f"loss_reduction {_LOSS_REDUCTIONS[row[2]]!r}"),
+              (3, 5, lambda row: f"{row[3]} checkpointed blocks ({row[4]:08x})"),
+              (5, 7, lambda row: f"a model of {row[5]} parameters (structure {row[6]:08x})")]
+    differing = [(a, b, text) for a, b, text in fields if any(row[a:b] != rows[0][a:b] for row in rows)]
+    described = "; ".join(f"group rank {r}: " + ", ".join(text(row) for _a, _b, text in differing)
+                          for r, row in enumerate(rows))
+    raise SpatialError(f"the ranks of the spatial group made SpatialParallel differently ({described}): every rank "
+                       "of the group must make it alike: the same model (its modules, and its parameters' shapes and "
+                       "types), grid, checkpoint and loss_reduction")
 
 
 _LEAD_DIMS = 3  # the dimensions before the image's that the group compares one by one
