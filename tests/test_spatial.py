@@ -4,17 +4,19 @@ communication), then exactness against one process and the refusals on several r
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpdl.torch import spatial
 from hpdl.torch.spatial import dispatch
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand, Window, bands, plan_bands
 from hpdl.torch.spatial.parts import part_of, tagged
-from ranks import run_ranks, shared_job
+from ranks import SCRIPTS, run_ranks, shared_job
 
 # -- bands and plans -----------------------------------------------------------------------
 
@@ -151,6 +153,7 @@ class Functional(nn.Module):
     (lambda x: x.transpose(2, 3), "transpose that moves the image dimensions"),
     (lambda x: F.interpolate(x, scale_factor=1.5), "interpolation by 1.5 x 1.5"),
     (lambda x: F.adaptive_avg_pool2d(x, 2), "adaptive average pooling to 2"),
+    (lambda x: F.adaptive_avg_pool2d(x, (None, 1)), "adaptive average pooling to (None, 1) is not supported"),
     (lambda x: F.max_pool2d(x, 2, return_indices=True), "F.max_pool2d_with_indices"),
     (lambda x: F.dropout2d(x), "dropout2d"),
 ])
@@ -185,6 +188,30 @@ def test_element_wise_and_channel_calls_keep_the_part(body, shape):
     assert tuple(out.shape) == shape and part_of(out) is not None
 
 
+def test_a_model_with_parameters_not_made_yet_is_refused_with_the_recipe():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Sequential(nn.LazyConv2d(2, 3, padding=1)))
+    with pytest.raises(SpatialError, match=r"^1\.0 \(LazyConv2d\): its parameters are not made yet \(a lazy module "
+                                           r"makes them at its first call\): run the model once on a small input"):
+        spatial.check_split(model, (1, 3, 20, 16), (2, 1))
+    model(torch.zeros(1, 3, 4, 4))  # made: then it splits
+    spatial.check_split(model, (1, 3, 20, 16), (2, 1))
+
+
+def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_the_model_as_it_was():
+    # Batch norm's cumulative average reads its batch count as a float, a value read as a
+    # number takes a branch, a cache is made at the first call: on the meta device, each failed
+    # ("PyTorch refused: ...; the image may be too small"), and the cache stayed a meta tensor.
+    sys.path.insert(0, str(SCRIPTS))
+    import spatial_models
+
+    model = spatial_models.Quirks()
+    spatial.check_split(model, (2, 3, 20, 16), (2, 2))
+    assert model.scale is None and model.bn.num_batches_tracked.item() == 0
+    model(torch.zeros(2, 3, 8, 8))  # the real forward keeps its cache: the next dry run uses it on meta
+    spatial.check_split(model, (2, 3, 20, 16), (2, 2))
+    assert model.scale is not None and not model.scale.is_meta and model.bn.num_batches_tracked.item() == 1
+
+
 def test_global_pooling_makes_a_replicated_result():
     out = dry_forward(Functional(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))), 20, 16)
     assert tuple(out.shape) == (1, 2) and part_of(out) is None
@@ -210,9 +237,10 @@ EXACTNESS = [
     ("mpiexec", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17",
                            "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint", "unet:37x29",
                            "unet-crop:37x29:checkpoint", "seghead:64x32"]),
-    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8"]),
+    ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
+                           "quirks:17x8"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
-                           "unbatched:17x11"]),
+                           "unbatched:17x11", "quirks:17x11"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29"]),
     ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64"]),
     # Open MPI's halo exchanges, a middle band with two neighbours; the models are MPICH's above.

@@ -4,7 +4,8 @@ pooling, stride-2 bottlenecks, global pooling and a Linear tail), narrow enough 
 the models users brought: a U-Net for odd sizes (transposed convolution and bilinear
 upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped to it) and a
 torchvision-style segmentation head (the output interpolated to the size read from the input);
-and two calling conventions: a model given further scattered inputs besides the image (a mask,
+a model with what a forward does besides layers (quirks: a cumulative batch norm, a value read
+as a number, a cache made at the first call); and two calling conventions: a model given further scattered inputs besides the image (a mask,
 a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
 
 from __future__ import annotations
@@ -127,6 +128,28 @@ class Unbatched(nn.Module):
         return self.up(torch.relu(self.conv(x[1])))
 
 
+class Quirks(nn.Module):
+    """What a forward does besides layers, that the first forward's dry run (shapes only, on
+    the meta device) must get through: batch norm's cumulative average (momentum=None reads
+    its batch count as a float), a value read as a number to take a branch (``.item()``), and
+    a tensor cached on the module at the first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)  # batch norm follows (a bias's gradient: 0)
+        self.bn = nn.BatchNorm2d(4, momentum=None)
+        self.conv2 = nn.Conv2d(4, 3, 3, padding=1)
+        self.scale = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv1(x))
+        if y.abs().mean().item() > 0.5:
+            y = torch.relu(y)
+        if self.scale is None:
+            self.scale = torch.linspace(0.5, 1.5, 4, dtype=x.dtype, device=x.device).view(1, 4, 1, 1)
+        return self.conv2(y * self.scale)
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -153,13 +176,18 @@ def build(name: str) -> nn.Module:
         return Masked()
     if name == "unbatched":
         return Unbatched()
+    if name == "quirks":
+        return Quirks()
     return build_model(name, 2)
 
 
 def output_shape(name: str, batch: int, height: int, width: int):
     """The output's shape for a batch of ``batch`` images of ``height`` x ``width`` (shapes only)."""
-    model = build(name).to("meta")
-    x = torch.empty(batch, 3, height, width, device="meta")
-    args, kwargs = extra_inputs(name, torch.empty(batch, 3, height, width))
+    args, kwargs = extra_inputs(name, torch.zeros(batch, 3, height, width))
     with torch.no_grad():
-        return tuple(model(x, *(a.to("meta") for a in args), **{k: v.to("meta") for k, v in kwargs.items()}).shape)
+        try:
+            model = build(name).to("meta")
+            x = torch.empty(batch, 3, height, width, device="meta")
+            return tuple(model(x, *(a.to("meta") for a in args), **{k: v.to("meta") for k, v in kwargs.items()}).shape)
+        except RuntimeError:  # a forward reading values (quirks): on real zeros
+            return tuple(build(name)(torch.zeros(batch, 3, height, width), *args, **kwargs).shape)

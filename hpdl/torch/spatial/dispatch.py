@@ -101,12 +101,27 @@ def refusal(ctx: Context, what: str, why: str = "") -> SpatialError:
 def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
     if op is not None and op.kind is Kind.RANDOM:  # on a replicated tensor: one stream for the group
         return _random(ctx, func, randomness.REPLICATED, args, kwargs)
+    if ctx.trace is not None and func in _VALUE_READS and args and getattr(args[0], "is_meta", False):
+        # The first forward's dry run has shapes only: a replicated value read as a number
+        # (``loss.item()``, ``if y.mean() > t``) reads as 0 there, alike for every rank's part;
+        # the real forward reads the value, the same on every rank.
+        return _VALUE_READS[func](args[0])
     if not (holds_length(args) or holds_length(kwargs)):
         return func(*args, **kwargs)
     if op is not None and op.kind is Kind.FACTORY:
         return _new_tensor(ctx, func, args, kwargs)
     # A length read from a part, used outside any part: one process's number (``x.sum() / x.numel()``).
     return func(*to_whole(args), **to_whole(kwargs))
+
+
+_VALUE_READS = {
+    torch.Tensor.item: lambda t: False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0,
+    torch.Tensor.__float__: lambda t: 0.0,
+    torch.Tensor.__int__: lambda t: 0,
+    torch.Tensor.__index__: lambda t: 0,
+    torch.Tensor.__bool__: lambda t: False,
+    torch.Tensor.tolist: lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist(),
+}
 
 
 # -- the rules of the op table's kinds -----------------------------------------------------
@@ -499,6 +514,16 @@ def refuse_script_modules(model: nn.Module) -> None:
         if isinstance(module, torch.jit.ScriptModule):
             raise SpatialError(f"{path or '(the model)'} ({type(module).__name__}): a TorchScript module "
                                "(torch.jit.script or torch.jit.trace) cannot be split; wrap the module it was made from")
+
+
+def refuse_lazy_modules(model: nn.Module) -> None:
+    """Refuse a model whose parameters are not made yet (a lazy module makes them at its first
+    call, from its input): the group could not agree on them, nor the optimizer hold them."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise SpatialError(f"{path or '(the model)'} ({type(module).__name__}): its parameters are not made yet "
+                               "(a lazy module makes them at its first call): run the model once on a small input "
+                               "before wrapping it, as for DistributedDataParallel")
 
 
 def track_modules(model: nn.Module) -> list:

@@ -588,7 +588,8 @@ def _global_sum(ctx: Context, x: torch.Tensor, dims: Tuple[int, ...], keepdim: b
 
 def adaptive_avg_pool2d(ctx: Context, func, a: dict):
     x, size = a["input"], a["output_size"]
-    if _pair(size if size is not None else 1) != (1, 1):
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    if any(s is None for s in sizes) or _pair(sizes) != (1, 1):
         raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
                            "part (only to 1 x 1, global pooling)")
     return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)

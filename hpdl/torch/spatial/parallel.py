@@ -87,6 +87,7 @@ class SpatialParallel(nn.Module):
             raise SpatialError(f"loss_reduction={loss_reduction!r}: expected one of {', '.join(_LOSS_REDUCTIONS)}")
         blocks = _checkpointed_blocks(module, checkpoint) if checkpoint else []
         dispatch.refuse_script_modules(module)
+        dispatch.refuse_lazy_modules(module)
         self.module = module
         self.grid = Grid(*layout)
         self.process_set = process_set
@@ -454,6 +455,8 @@ def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (
     height, width = int(shape[-2]), int(shape[-1])
     if height < layout[0] or width < layout[1]:
         raise SpatialError(f"a {height} x {width} image cannot be split into {layout[0]}x{layout[1]} bands")
+    dispatch.refuse_script_modules(module)
+    dispatch.refuse_lazy_modules(module)
     names = {id(m): name for name, m in module.named_modules()}
     x = torch.empty(tuple(shape), dtype=dtype, device="meta")
     handles = dispatch.track_modules(module)  # the running module's path, for the messages
@@ -509,7 +512,8 @@ def _call_text(call: Optional[tuple]) -> str:
 
 
 def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> List[tuple]:
-    state = {name: t.to("meta") for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
+    state = {name: _for_the_dry_run(t)
+             for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
     meta = tagged(torch.empty(x.shape[:-2] + part.local_size, dtype=x.dtype, device="meta"), part)
 
     def as_this_part(value: torch.Tensor) -> torch.Tensor:
@@ -523,9 +527,43 @@ def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs
 
     args, kwargs = _map_tensors(tuple(args), as_this_part), _map_tensors(dict(kwargs), as_this_part)
     ctx = Context(part.grid, part.rank, None, names, trace=[])
-    with dispatch.running(ctx), torch.no_grad(), _random_states_kept():
+    with dispatch.running(ctx), torch.no_grad(), _random_states_kept(), _attributes_for_the_dry_run(module):
         torch.func.functional_call(module, state, (meta,) + tuple(args), kwargs)
     return ctx.trace
+
+
+@contextlib.contextmanager
+def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
+    """The model's modules as a dry run needs them, then as it found them. Tensors a forward
+    keeps on them besides parameters and buffers (a cache made at the first call) are on the
+    meta device during the dry run, as the parameters are (see _dry_run for the ones of no
+    dimensions); and what the dry run leaves on them (such a cache, made from meta tensors, or
+    a buffer registered) is undone, or the real forward would use it, and the next part's dry
+    run would run differently."""
+    kept = []
+    for module in model.modules():
+        tables = {key: dict(module.__dict__[key]) for key in ("_parameters", "_buffers", "_modules")
+                  if key in module.__dict__}
+        kept.append((module, dict(module.__dict__), tables))
+        for key, value in list(module.__dict__.items()):
+            if isinstance(value, torch.Tensor) and not value.is_meta:
+                module.__dict__[key] = _for_the_dry_run(value)
+    try:
+        yield
+    finally:
+        for module, attributes, tables in kept:
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            for key, table in tables.items():
+                module.__dict__[key].clear()
+                module.__dict__[key].update(table)
+
+
+def _for_the_dry_run(t: torch.Tensor) -> torch.Tensor:
+    """A parameter, buffer or kept tensor as the dry run uses it: on the meta device (shapes
+    only), but a number held as a tensor of no dimensions stays one, a copy on the CPU (batch
+    norm with momentum=None reads 1 / its batch count as a float)."""
+    return t.detach().to("cpu", copy=True) if t.dim() == 0 else t.detach().to("meta")
 
 
 @contextlib.contextmanager
