@@ -400,6 +400,9 @@ def test_backward_passes_the_model_computes_itself_are_refused_in_training():
         assert (f"OK own graph {how}: {where}: F.conv2d is not supported in the spatial part (it runs with gradients "
                 "off on tensors that require them, as inside a torch.autograd.Function's forward or a "
                 "torch.utils.checkpoint of the model's own") in result.stdout, result.stdout
+    assert ("OK own graph checkpoint-non-reentrant: conv (Conv2d): F.conv2d is not supported in the spatial part (it "
+            "runs inside a torch.utils.checkpoint of the model's own (use_reentrant=False), whose backward would "
+            "recompute it on the part without its neighbours' rows") in result.stdout, result.stdout
     assert "OK own graph: evaluation under no_grad runs" in result.stdout
 
 

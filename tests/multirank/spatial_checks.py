@@ -385,7 +385,7 @@ class _OwnGraph(nn.Module):
     def forward(self, x):
         if self.how == "function":
             return _OwnConv.apply(x, self.conv.weight)
-        return torch.utils.checkpoint.checkpoint(self.conv, x, use_reentrant=True)
+        return torch.utils.checkpoint.checkpoint(self.conv, x, use_reentrant=self.how == "checkpoint")
 
 
 def own_graph() -> None:
@@ -394,7 +394,7 @@ def own_graph() -> None:
     import torch.utils.checkpoint  # noqa: F401 - torch.utils.checkpoint.checkpoint above
     torch.manual_seed(0)
     x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
-    for how in ("function", "checkpoint"):
+    for how in ("function", "checkpoint", "checkpoint-non-reentrant"):
         net = spatial.SpatialParallel(_OwnGraph(how).double())
         print_ok(f"own graph {how}: {refusal_of(lambda: net(net.scatter(x).requires_grad_()))}")
         with torch.no_grad():

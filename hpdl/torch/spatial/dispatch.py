@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
@@ -91,6 +92,33 @@ class SpatialMode(TorchFunctionMode):
             raise
 
 
+# The saved-tensor hooks of the checkpoints SpatialParallel makes itself (parallel.py), whose
+# recomputation runs split; a non-reentrant torch.utils.checkpoint's hooks are the same kind.
+_own_checkpoints: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def note_own_checkpoint() -> None:
+    """The checkpoint SpatialParallel has just begun (its saved-tensor hooks on top) is its own."""
+    hooks = _top_saved_tensor_hooks()
+    if hooks is not None:
+        _own_checkpoints.add(hooks[0])
+
+
+def _top_saved_tensor_hooks() -> Optional[tuple]:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _in_a_checkpoint_of_the_models_own() -> bool:
+    """Whether the innermost saved-tensor hooks are a non-reentrant torch.utils.checkpoint's
+    that SpatialParallel did not make (its backward would recompute the layer unsplit)."""
+    hooks = _top_saved_tensor_hooks()
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.") and pack not in _own_checkpoints
+
+
 def refusal(ctx: Context, what: str, why: str = "") -> SpatialError:
     """The error for ``what`` on a part, naming the running module."""
     return SpatialError(f"{ctx.where()}: {what} is not supported in the spatial part" + (f" ({why})" if why else ""))
@@ -128,6 +156,10 @@ _VALUE_READS = {
 
 def _handler(ctx, func, op, part, args, kwargs):
     bound = _bound(ctx, func, args, kwargs)
+    if ctx.builds_graph and torch.is_grad_enabled() and _in_a_checkpoint_of_the_models_own():
+        raise refusal(ctx, ops.spelled(func), "it runs inside a torch.utils.checkpoint of the model's own "
+                      "(use_reentrant=False), whose backward would recompute it on the part without its neighbours' "
+                      "rows: checkpoint with SpatialParallel(checkpoint=[...]), which recomputes it split")
     if ctx.builds_graph and not torch.is_grad_enabled() and _requiring_grad(bound):
         # A layer's backward exchanges with the peers only through the graph built here. In a
         # training forward, a layer run with gradients off on tensors that require them has

@@ -409,6 +409,7 @@ class _Checkpoint:
         run = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
             module, True, contexts, "default", False, True, *args, **kwargs)
         next(run)
+        dispatch.note_own_checkpoint()
         self._runs.append(run)
 
     def _after(self, module: nn.Module, args: tuple, output: Any) -> None:
