@@ -105,8 +105,11 @@ def note_own_checkpoint() -> None:
 
 
 def _top_saved_tensor_hooks() -> Optional[tuple]:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
+    """The innermost saved-tensor hooks (pack, unpack), or None (also where PyTorch cannot tell)."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except AttributeError:  # a PyTorch without it: nothing is refused for it
+        return None
 
 
 def _in_a_checkpoint_of_the_models_own() -> bool:
