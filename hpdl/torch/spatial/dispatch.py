@@ -542,23 +542,20 @@ def _find_part(args, kwargs) -> Optional[Part]:
 
 # -- the running module's path -------------------------------------------------------------
 
-def refuse_script_modules(model: nn.Module) -> None:
-    """Refuse a model holding a TorchScript module: its calls run in TorchScript's interpreter,
-    where no layer of it can be split (nor a hook be put on it)."""
+def refuse_unsplittable_modules(model: nn.Module) -> None:
+    """Refuse, before anything runs, a model holding a module no layer of which can be split:
+    a TorchScript module (its calls run in TorchScript's interpreter, where no hook reaches a
+    layer) or a lazy module whose parameters are not made yet (it makes them at its first call,
+    from its input, so the group could not agree on them, nor the optimizer hold them)."""
     for path, module in model.named_modules():
+        where = f"{path or '(the model)'} ({type(module).__name__})"
         if isinstance(module, torch.jit.ScriptModule):
-            raise SpatialError(f"{path or '(the model)'} ({type(module).__name__}): a TorchScript module "
-                               "(torch.jit.script or torch.jit.trace) cannot be split; wrap the module it was made from")
-
-
-def refuse_lazy_modules(model: nn.Module) -> None:
-    """Refuse a model whose parameters are not made yet (a lazy module makes them at its first
-    call, from its input): the group could not agree on them, nor the optimizer hold them."""
-    for path, module in model.named_modules():
+            raise SpatialError(f"{where}: a TorchScript module (torch.jit.script or torch.jit.trace) cannot be "
+                               "split; wrap the module it was made from")
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
-            raise SpatialError(f"{path or '(the model)'} ({type(module).__name__}): its parameters are not made yet "
-                               "(a lazy module makes them at its first call): run the model once on a small input "
-                               "before wrapping it, as for DistributedDataParallel")
+            raise SpatialError(f"{where}: its parameters are not made yet (a lazy module makes them at its first "
+                               "call): run the model once on a small input before wrapping it, as for "
+                               "DistributedDataParallel")
 
 
 def track_modules(model: nn.Module) -> list:

@@ -86,8 +86,7 @@ class SpatialParallel(nn.Module):
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise SpatialError(f"loss_reduction={loss_reduction!r}: expected one of {', '.join(_LOSS_REDUCTIONS)}")
         blocks = _checkpointed_blocks(module, checkpoint) if checkpoint else []
-        dispatch.refuse_script_modules(module)
-        dispatch.refuse_lazy_modules(module)
+        dispatch.refuse_unsplittable_modules(module)
         self.module = module
         self.grid = Grid(*layout)
         self.process_set = process_set
@@ -456,8 +455,7 @@ def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (
     height, width = int(shape[-2]), int(shape[-1])
     if height < layout[0] or width < layout[1]:
         raise SpatialError(f"a {height} x {width} image cannot be split into {layout[0]}x{layout[1]} bands")
-    dispatch.refuse_script_modules(module)
-    dispatch.refuse_lazy_modules(module)
+    dispatch.refuse_unsplittable_modules(module)
     names = {id(m): name for name, m in module.named_modules()}
     x = torch.empty(tuple(shape), dtype=dtype, device="meta")
     handles = dispatch.track_modules(module)  # the running module's path, for the messages
