@@ -146,7 +146,8 @@ class Functional(nn.Module):
     (lambda x: torch.flatten(x, 1), "flatten that changes the image dimensions"),
     (lambda x: x[:, :, ::2], "a slice of the image with a step"),
     (lambda x: x[..., 0], "indexing that selects rows or columns"),
-    (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "F.pad of the image dimensions with mode='reflect'"),
+    (lambda x: F.pad(x, (1, 1, 1, 1), mode="circular"), "F.pad of the image dimensions with mode='circular'"),
+    (lambda x: F.pad(x, (-1, 1, 0, 0), mode="reflect"), "with mode='reflect' and a negative amount"),
     (lambda x: torch.roll(x, 1, 2), "roll along an image dimension"),
     (lambda x: x.softmax(2), "softmax along an image dimension"),
     (lambda x: x.mean(2), "mean over one image dimension only"),
@@ -163,6 +164,23 @@ def test_calls_that_cannot_run_on_a_part_are_refused_naming_the_module(body, ref
     with pytest.raises(SpatialError) as err:
         dry_forward(model, 20, 16)
     assert str(err.value).startswith("body (_Lambda): ") and refusal in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("pad,grid,size,refusal", [
+    (nn.ReflectionPad2d(3), (3, 1), (9, 8), "a reflect pad of 3 rows reads the 3 rows next to the border one, but "
+                                            "the first row band holds 3: split the image into fewer row bands"),
+    (nn.ReflectionPad2d(3), (1, 2), (9, 7), "a reflect pad of 3 columns reads the 3 columns next to the border one, "
+                                            "but the last column band holds 3"),
+    (nn.ReflectionPad2d(4), (3, 1), (9, 8), "a reflect pad of 4 rows reads the 4 rows next to the border one, but "
+                                            "the first row band holds 3"),
+    (nn.ReplicationPad2d(10), (3, 1), (9, 8), "a replicate pad wider than the border row band is not supported"),
+])
+def test_a_pad_copying_border_rows_beyond_the_border_band_is_refused_in_one_line(pad, grid, size, refusal):
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), pad)
+    with pytest.raises(SpatialError) as err:
+        spatial.check_split(model, (1, 3) + size, grid)
+    assert str(err.value).startswith(f"1 ({type(pad).__name__}): {refusal}"), str(err.value)
+    spatial.check_split(model, (1, 3) + size, (1, 1))  # one band: one process's pad
 
 
 class _Lambda(nn.Module):
@@ -238,9 +256,9 @@ EXACTNESS = [
                            "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint", "unet:37x29",
                            "unet-crop:37x29:checkpoint", "seghead:64x32"]),
     ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
-                           "quirks:17x8"]),
+                           "quirks:17x8", "borders:17x8"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
-                           "unbatched:17x11", "quirks:17x11"]),
+                           "unbatched:17x11", "quirks:17x11", "borders:17x11"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29"]),
     ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64"]),
     # Open MPI's halo exchanges, a middle band with two neighbours; the models are MPICH's above.

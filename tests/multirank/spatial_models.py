@@ -150,6 +150,22 @@ class Quirks(nn.Module):
         return self.conv2(y * self.scale)
 
 
+class Borders(nn.Module):
+    """Padding that copies the image's border rows: a reflection pad (even and uneven), a
+    convolution padding by reflection and one by replication."""
+
+    def __init__(self):
+        super().__init__()
+        self.pad = nn.ReflectionPad2d((1, 2, 2, 1))  # left, right, top, bottom
+        self.conv1 = nn.Conv2d(3, 4, 3)
+        self.conv2 = nn.Conv2d(4, 4, 5, padding=2, padding_mode="reflect")
+        self.conv3 = nn.Conv2d(4, 3, 3, padding=1, padding_mode="replicate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv1(self.pad(x)))
+        return self.conv3(torch.tanh(self.conv2(y)))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -178,6 +194,8 @@ def build(name: str) -> nn.Module:
         return Unbatched()
     if name == "quirks":
         return Quirks()
+    if name == "borders":
+        return Borders()
     return build_model(name, 2)
 
 

@@ -24,6 +24,8 @@ from hpdl.torch.spatial.geometry import BandPlan
 ZEROS = "zeros"  # convolution and average pooling padding
 NEG_INF = "-inf"  # max pooling padding
 REPLICATE = "replicate"  # interpolation, which clamps its source rows to the image
+REFLECT = "reflect"  # F.pad's reflection (ReflectionPad2d, Conv2d(padding_mode="reflect")): the
+# rows next to the border row, mirrored; the border band holds them (layers.py refuses one too thin)
 # A float: that constant (F.pad's value); its gradient, like zeros', is dropped.
 
 Strips = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]  # received before, after
@@ -81,6 +83,8 @@ def _fill(x: torch.Tensor, dim: int, count: int, fill: str, at_start: bool) -> t
     if fill == REPLICATE:  # the band at the border holds the image's first (last) row
         edge = x.narrow(dim, 0 if at_start else x.shape[dim] - 1, 1)
         return edge.expand(_strip_shape(x, dim, count))
+    if fill == REFLECT:  # fill row i is the image's row count - i (at the start), length - 2 - i (at the end)
+        return x.narrow(dim, 1 if at_start else x.shape[dim] - 1 - count, count).flip(dim)
     value = float("-inf") if fill == NEG_INF else fill if isinstance(fill, float) else 0.0
     return x.new_full(_strip_shape(x, dim, count), value)
 
@@ -120,6 +124,11 @@ def adjoint(grad: torch.Tensor, dim: int, plan: BandPlan, peers, comm: GroupComm
             out.narrow(dim, 0, 1).add_(g_fill_before.sum(dim, keepdim=True))
         if plan.fill_after:
             out.narrow(dim, length - 1, 1).add_(g_fill_after.sum(dim, keepdim=True))
+    elif fill == REFLECT:  # each fill row was a copy of one row next to the border
+        if plan.fill_before:
+            out.narrow(dim, 1, plan.fill_before).add_(g_fill_before.flip(dim))
+        if plan.fill_after:
+            out.narrow(dim, length - 1 - plan.fill_after, plan.fill_after).add_(g_fill_after.flip(dim))
     return out
 
 

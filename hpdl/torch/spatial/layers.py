@@ -309,16 +309,30 @@ def _region(ctx: Context, x: torch.Tensor, spans: Tuple[Optional[Tuple[int, int]
         except ThinBand as thin:
             thin.layer, thin.axis = ctx.where(), axis
             raise
-        if fill == halo.REPLICATE and any((p.fill_before and b > 0) or (p.fill_after and b < parts - 1)
-                                          for b, p in enumerate(all_plans)):
-            raise SpatialError(f"{ctx.where()}: a replicate pad wider than the border {what} band is not supported "
-                               "in the spatial part")
+        if fill in (halo.REPLICATE, halo.REFLECT):
+            _refuse_border_copies_beyond_the_border_bands(ctx, fill, all_plans, bands(length, parts), what)
         plans.append(all_plans[part.band[axis]])
         out_lengths.append(out_length)
     out = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), fill))
     if out is x:  # the band holds its result already: a new tensor, since its part differs
         out = x.view_as(x)
     return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
+
+
+def _refuse_border_copies_beyond_the_border_bands(ctx: Context, fill: str, plans, owned, what: str) -> None:
+    """A replicate or reflect pad copies rows at the image's border, which only the border band
+    holds: refuse a pad wider than the border band (a replicate pad wider than it would reach
+    the next band; a reflect pad of p rows reads the p rows after the border row)."""
+    if any((p.fill_before and b > 0) or (p.fill_after and b < len(plans) - 1) for b, p in enumerate(plans)):
+        raise SpatialError(f"{ctx.where()}: a {fill} pad wider than the border {what} band is not supported in the "
+                           f"spatial part: split the image into fewer {what} bands")
+    if fill == halo.REFLECT:
+        first, last = owned[0][1] - owned[0][0], owned[-1][1] - owned[-1][0]
+        for border, pad, rows in (("first", plans[0].fill_before, first), ("last", plans[-1].fill_after, last)):
+            if pad >= rows:
+                raise SpatialError(f"{ctx.where()}: a reflect pad of {pad} {what}s reads the {pad} {what}s next to "
+                                   f"the border one, but the {border} {what} band holds {rows}: split the image "
+                                   f"into fewer {what} bands")
 
 
 def _slice_extent(s: Optional[slice], length: int) -> Optional[Tuple[int, int]]:
@@ -362,11 +376,12 @@ def pad(ctx: Context, func, a: dict):
     if any(image):
         if mode == "constant":
             fill = float(value) if value else halo.ZEROS
-        elif mode == "replicate" and min(image) >= 0:
-            fill = halo.REPLICATE
+        elif mode in ("replicate", "reflect") and min(image) >= 0:
+            fill = halo.REPLICATE if mode == "replicate" else halo.REFLECT
         else:
-            raise SpatialError(f"{ctx.where()}: F.pad of the image dimensions with mode={mode!r} is not supported in "
-                               "the spatial part (constant or replicate)")
+            raise SpatialError(f"{ctx.where()}: F.pad of the image dimensions with mode={mode!r}"
+                               f"{' and a negative amount' if mode in ('replicate', 'reflect') else ''} is not "
+                               "supported in the spatial part (constant, replicate or reflect)")
         part = part_of(x)
         left, right, top, bottom = image
         x = _region(ctx, x, ((-top, part.height + top + bottom), (-left, part.width + left + right)), fill)
