@@ -202,6 +202,8 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                 ("reflect", lambda t: F.pad(t, (1, 1, 1, 1), mode="reflect")),
                 ("reflect 2 uneven", lambda t: F.pad(t, (2, 0, 1, 2), mode="reflect")),
                 ("circular", lambda t: F.pad(t, (1, 1, 1, 1), mode="circular")),
+                ("circular uneven", lambda t: F.pad(t, (0, 2, 2, 1), mode="circular")),
+                ("reflect -1", lambda t: F.pad(t, (-1, 1, 1, 1), mode="reflect")),
                 ("channels", lambda t: F.pad(t, (0, 0, 0, 0, 1, 1))),
                 ("diff of shapes", lambda t: F.pad(t, [(t.shape[-1] + 2 - t.shape[-1]) // 2, 1, 0, 1]))],
     }
@@ -369,7 +371,8 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("size 2h+1", (2, 1), "refused"), ("1.5", (2, 1), "refused"),
     ("3x3 s2 p1 op1", (2, 1), "exact"), ("2x2 s2", (2, 2), "exact"),
     ("diff of shapes", (2, 1), "exact"), ("replicate", (1, 2), "exact"), ("crop -1", (2, 2), "exact"),
-    ("reflect", (2, 1), "exact"), ("reflect 2 uneven", (2, 2), "exact"), ("circular", (2, 1), "refused"),
+    ("reflect", (2, 1), "exact"), ("reflect 2 uneven", (2, 2), "exact"), ("circular", (2, 1), "exact"),
+    ("circular uneven", (2, 2), "exact"), ("reflect -1", (2, 1), "refused"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():

@@ -14,8 +14,8 @@ not the split; a wrong halo or statistic is off by far more.
 Usage: spatial_exactness.py [--device cpu|cuda] GRID CASE [CASE ...]; GRID is RxC (its product:
 the ranks), a CASE is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, edsr, srresnet,
 resnet50, resnet-small, unet, unet-crop, seghead, masked (further scattered inputs), unbatched
-((C, H, W) convolutions), quirks (spatial_models.Quirks), borders (reflection and
-replication padding). Prints "OK spatial MODEL HxW GRID" per case.
+((C, H, W) convolutions), quirks (spatial_models.Quirks), borders (reflection,
+replication and circular padding). Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations

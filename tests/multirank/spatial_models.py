@@ -151,19 +151,23 @@ class Quirks(nn.Module):
 
 
 class Borders(nn.Module):
-    """Padding that copies the image's border rows: a reflection pad (even and uneven), a
-    convolution padding by reflection and one by replication."""
+    """Padding that copies the image's own rows: a reflection pad (uneven), convolutions
+    padding by reflection, replication and wrapping around (periodic, as for longitude), and
+    an uneven circular pad."""
 
     def __init__(self):
         super().__init__()
         self.pad = nn.ReflectionPad2d((1, 2, 2, 1))  # left, right, top, bottom
         self.conv1 = nn.Conv2d(3, 4, 3)
         self.conv2 = nn.Conv2d(4, 4, 5, padding=2, padding_mode="reflect")
-        self.conv3 = nn.Conv2d(4, 3, 3, padding=1, padding_mode="replicate")
+        self.conv3 = nn.Conv2d(4, 4, 3, padding=1, padding_mode="replicate")
+        self.conv4 = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
+        self.conv5 = nn.Conv2d(4, 3, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.conv1(self.pad(x)))
-        return self.conv3(torch.tanh(self.conv2(y)))
+        y = torch.tanh(self.conv4(self.conv3(torch.tanh(self.conv2(y)))))
+        return self.conv5(F.pad(y, (2, 0, 1, 2), mode="circular"))
 
 
 def extra_inputs(name: str, x: torch.Tensor):

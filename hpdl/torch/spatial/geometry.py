@@ -62,6 +62,17 @@ class Grid:
             return (self.rank_at(i - 1, j) if i > 0 else None, self.rank_at(i + 1, j) if i + 1 < self.rows else None)
         return (self.rank_at(i, j - 1) if j > 0 else None, self.rank_at(i, j + 1) if j + 1 < self.cols else None)
 
+    def far_border(self, rank: int, dim: int) -> Optional[int]:
+        """The group rank at the other border along rows (dim 0) or columns (dim 1), for a rank
+        at a border (a periodic pad's far rows); None for a rank inside, or alone along ``dim``."""
+        i, j = self.coords(rank)
+        count = self.bands_along(dim)
+        at = i if dim == 0 else j
+        if count == 1 or at not in (0, count - 1):
+            return None
+        other = count - 1 - at
+        return self.rank_at(other, j) if dim == 0 else self.rank_at(i, other)
+
     def bands_along(self, dim: int) -> int:
         return self.rows if dim == 0 else self.cols
 

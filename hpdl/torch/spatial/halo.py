@@ -197,3 +197,94 @@ def exchange(x: torch.Tensor, spec: HaloSpec) -> torch.Tensor:
         assembled, _, _ = receive_both(x, spec)
         return assembled
     return HaloExchange.apply(x, spec)
+
+
+# -- the periodic border -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class WrapSpec:
+    """A circular pad along ``dim`` on a band at a border of the image: the first band's
+    ``before`` pad rows are the image's last rows, the last band's ``after`` pad rows its first
+    ones. ``peer`` is the group rank at the other border, None where one band holds every row
+    (the rows are its own); ``comm`` is None in a dry run."""
+
+    dim: int
+    before: int
+    after: int
+    first: bool
+    last: bool
+    peer: Optional[int]
+    comm: Optional[GroupComm]
+    label: str
+
+    def counts(self, length: int) -> List[int]:
+        """The band's ``length`` padded rows in three: from the image's far end, the band's (its
+        own and its neighbours'), from the image's start."""
+        head, tail = self.before if self.first else 0, self.after if self.last else 0
+        return [head, length - head - tail, tail]
+
+    def sent(self, x: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The rows of ``x`` (a band's own) another band's pad copies: the image's last
+        ``before`` rows (held by the last band), its first ``after`` (the first band's)."""
+        length = x.shape[self.dim]
+        end = x.narrow(self.dim, length - self.before, self.before) if self.last and self.before else None
+        start = x.narrow(self.dim, 0, self.after) if self.first and self.after else None
+        return end, start
+
+
+class CircularPad(torch.autograd.Function):
+    """(``x``, ``padded``) -> ``padded`` with its rows beyond the image's border replaced by the
+    far border's rows: received from the other border band (or, for one band, its own).
+    ``x`` is the band's own rows, ``padded`` the pad as a zero pad makes it (the neighbours'
+    rows inside). Backward gives the gradients of the copied rows back to their owner.
+
+    One function for the exchange and the assembly, so that both border bands run its
+    backward whenever the pad's output is used: each one's backward exchange meets the other's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, padded: torch.Tensor, spec: WrapSpec) -> torch.Tensor:
+        ctx.spec, ctx.x_shape, ctx.padded_shape = spec, x.shape, padded.shape
+        counts = spec.counts(padded.shape[spec.dim])
+        end, start = spec.sent(x)
+        if spec.peer is None:  # one band: its own rows
+            head, tail = end, start
+        else:
+            head = x.new_empty(_strip_shape(x, spec.dim, counts[0])) if counts[0] else None
+            tail = x.new_empty(_strip_shape(x, spec.dim, counts[2])) if counts[2] else None
+            outgoing = [t for t in (end, start) if t is not None]  # a band at one border sends one of them
+            incoming = [t for t in (head, tail) if t is not None]
+            spec.comm.exchange([(spec.peer, t.contiguous()) for t in outgoing], [(spec.peer, t) for t in incoming],
+                               spec.label)
+        middle = padded.narrow(spec.dim, counts[0], counts[1])
+        return torch.cat([t for t in (head, middle, tail) if t is not None], spec.dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        refuse_graph_in_backward(ctx.spec.label)
+        spec = ctx.spec
+        counts = spec.counts(ctx.padded_shape[spec.dim])
+        g_head, g_middle, g_tail = torch.split(grad, counts, spec.dim)
+        grad_padded = grad.new_zeros(ctx.padded_shape)
+        grad_padded.narrow(spec.dim, counts[0], counts[1]).copy_(g_middle)
+        grad_x = grad.new_zeros(ctx.x_shape)
+        end, start = spec.sent(grad_x)  # views: the gradients of the rows this band's own pad or the far one copied
+        if spec.peer is None:
+            back_end, back_start = (g_head if end is not None else None), (g_tail if start is not None else None)
+        else:
+            back_end = torch.empty_like(end) if end is not None else None
+            back_start = torch.empty_like(start) if start is not None else None
+            outgoing = [g for g, n in ((g_head, counts[0]), (g_tail, counts[2])) if n]
+            spec.comm.exchange([(spec.peer, g.contiguous()) for g in outgoing],
+                               [(spec.peer, b) for b in (back_end, back_start) if b is not None], spec.label)
+        if end is not None:
+            end.add_(back_end)
+        if start is not None:
+            start.add_(back_start)
+        return grad_x, grad_padded, None
+
+
+def circular_pad(x: torch.Tensor, padded: torch.Tensor, spec: WrapSpec) -> torch.Tensor:
+    """:class:`CircularPad` (shapes only in a dry run)."""
+    if spec.comm is None and spec.peer is not None:
+        return padded.view_as(padded)  # the same shape: shapes are all a dry run has
+    return CircularPad.apply(x, padded, spec)

@@ -374,20 +374,53 @@ def pad(ctx: Context, func, a: dict):
     image = (amounts + [0] * 4)[:4]  # left, right, top, bottom
     rest = amounts[4:]
     if any(image):
-        if mode == "constant":
-            fill = float(value) if value else halo.ZEROS
-        elif mode in ("replicate", "reflect") and min(image) >= 0:
-            fill = halo.REPLICATE if mode == "replicate" else halo.REFLECT
-        else:
+        copies = ("replicate", "reflect", "circular")  # modes that copy the image's own rows
+        if mode not in ("constant",) + copies or (mode in copies and min(image) < 0):
             raise SpatialError(f"{ctx.where()}: F.pad of the image dimensions with mode={mode!r}"
-                               f"{' and a negative amount' if mode in ('replicate', 'reflect') else ''} is not "
-                               "supported in the spatial part (constant, replicate or reflect)")
-        part = part_of(x)
+                               f"{' and a negative amount' if mode in copies else ''} is not supported in the "
+                               "spatial part (constant, replicate, reflect or circular)")
         left, right, top, bottom = image
-        x = _region(ctx, x, ((-top, part.height + top + bottom), (-left, part.width + left + right)), fill)
+        if mode == "circular":
+            x = _circular(ctx, _circular(ctx, x, 0, top, bottom), 1, left, right)
+        else:
+            fill = {"replicate": halo.REPLICATE, "reflect": halo.REFLECT}.get(mode) or (
+                float(value) if value else halo.ZEROS)
+            part = part_of(x)
+            x = _region(ctx, x, ((-top, part.height + top + bottom), (-left, part.width + left + right)), fill)
     if any(rest):
         x = tagged(F.pad(x, [0, 0, 0, 0] + rest, mode=mode, value=value), part_of(x))
     return x
+
+
+def _circular(ctx: Context, x: torch.Tensor, axis: int, before: int, after: int) -> torch.Tensor:
+    """A circular pad along ``axis`` (0: rows, 1: columns): the first band's ``before`` pad
+    rows are the image's last rows, the last band's ``after`` rows its first ones, which the
+    far border band sends (:class:`halo.CircularPad`); the bands between take their
+    neighbours' rows as for any pad."""
+    if not (before or after):
+        return x
+    part = part_of(x)
+    length, parts = part.length(axis), ctx.grid.bands_along(axis)
+    what = "row" if axis == 0 else "column"
+    owned, out = bands(length, parts), bands(length + before + after, parts)
+    if before > out[0][1] - out[0][0] or after > out[-1][1] - out[-1][0]:
+        raise SpatialError(f"{ctx.where()}: a circular pad wider than the border {what} band is not supported in "
+                           f"the spatial part: split the image into fewer {what} bands")
+    for pad, far, (h0, h1) in ((before, "last", owned[-1]), (after, "first", owned[0])):
+        if pad > h1 - h0:
+            raise SpatialError(f"{ctx.where()}: a circular pad of {pad} {what}s reads the image's {far} {pad} "
+                               f"{what}s, but the {far} {what} band holds {h1 - h0}: split the image into fewer "
+                               f"{what} bands")
+    span = (-before, length + before + after)
+    # The neighbours' rows as for a zero pad; at the borders, the zeros are replaced below.
+    padded = _region(ctx, x, (span, None) if axis == 0 else (None, span), halo.ZEROS)
+    band = part.band[axis]
+    first, last = band == 0, band == parts - 1
+    if not (first or last):
+        return padded
+    spec = halo.WrapSpec(x.dim() - 2 + axis, before, after, first, last, ctx.grid.far_border(ctx.rank, axis),
+                         ctx.comm, ctx.label())
+    return tagged(halo.circular_pad(x, padded, spec), part_of(padded))
 
 
 # -- pooling -------------------------------------------------------------------------------

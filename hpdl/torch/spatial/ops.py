@@ -141,8 +141,8 @@ for _func, _spelling, _handler, _what in (
         (torch.sum, "torch.sum", layers.reduction, "as torch.mean"),
         (torch.Tensor.sum, "Tensor.sum", layers.reduction, "as torch.mean"),
         (F.pad, "F.pad", layers.pad,
-         "of the image: `constant` (negative amounts crop), `replicate` and `reflect` (`ReflectionPad2d`, "
-         "`Conv2d(padding_mode=...)`), as one process pads the whole image; not `circular`"),
+         "of the image: `constant` (negative amounts crop), `replicate`, `reflect` and `circular` (the pad layers, "
+         "`Conv2d(padding_mode=...)`), as one process pads the whole image"),
         (torch.narrow, "torch.narrow", layers.narrow, "along the batch or channels, or a crop of the image"),
         (torch.Tensor.narrow, "Tensor.narrow", layers.narrow, "as torch.narrow"),
 ):
