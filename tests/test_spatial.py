@@ -391,6 +391,20 @@ def test_parts_of_different_images_of_one_size_are_refused_on_every_rank():
 
 
 @pytest.mark.multirank
+def test_different_further_inputs_are_refused_on_every_rank_and_a_whole_one_runs():
+    result = _checks_on_three_ranks()
+    for what, where in (("mask", "rank 1 has other values in argument 2"),
+                        ("whole", "rank 2 has other values in keyword argument scale")):
+        assert (f"OK content further {what}: the ranks of the spatial group passed the model different further "
+                f"inputs: group {where} than group rank 0") in result.stdout, result.stdout
+    assert ("OK content further count: the ranks of the spatial group got different inputs (group rank 0: a part of "
+            "a 17 x 8 image with leading dimensions [2, 3], float64 on cpu, and 2 further tensor inputs; group rank 1: "
+            "a part of a 17 x 8 image with leading dimensions [2, 3], float64 on cpu, and 1 further tensor input; "
+            ) in result.stdout, result.stdout
+    assert "OK content: the same further inputs run" in result.stdout  # a whole tensor input (the dry run's too)
+
+
+@pytest.mark.multirank
 def test_a_wrapper_made_differently_on_some_rank_is_refused_on_every_rank():
     result = _checks_on_three_ranks()
     start = "the ranks of the spatial group made SpatialParallel differently"

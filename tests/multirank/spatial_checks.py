@@ -258,6 +258,32 @@ def content() -> None:
     assert torch.allclose(out, net.module(batches[0]), rtol=1e-9), "the forward of rounded copies differs"
     print_ok("content: copies equal up to rounding run")
     net.close()
+    # The model's further inputs: a mask scattered beside the image, a whole tensor.
+    net = spatial.SpatialParallel(_MaskedScaled().double())
+    image, mask = batches[0], (batches[1] > 0).double()
+    scale = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    variants = {
+        "mask": lambda: net(net.scatter(image), net.scatter(mask if rank != 1 else mask.flip(-2)), scale=scale),
+        "whole": lambda: net(net.scatter(image), net.scatter(mask), scale=scale if rank != 2 else scale + 1),
+        "count": lambda: net(net.scatter(image), net.scatter(mask), **({"scale": scale} if rank != 1 else {})),
+    }
+    for what, run in variants.items():
+        print_ok(f"content further {what}: {refusal_of(run)}")
+    with torch.no_grad():
+        out = net.gather(net(net.scatter(image), net.scatter(mask), scale=scale))
+    assert torch.allclose(out, net.module(image, mask, scale=scale)), "the same further inputs give another forward"
+    print_ok("content: the same further inputs run")
+    net.close()
+
+
+class _MaskedScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x, mask, scale=None):
+        y = self.conv(x * mask)
+        return y if scale is None else y * scale.view(1, -1, 1, 1)
 
 
 def wrapping() -> None:

@@ -43,6 +43,10 @@ def of(whole: torch.Tensor) -> Optional[torch.Tensor]:
     the meta device, where there are no values."""
     if whole.device.type == "meta" or whole.numel() == 0:
         return None
+    if whole.is_complex():
+        whole = torch.view_as_real(whole)
+    if whole.dim() < 2:  # a further input that is no map (a class label, a time step): one row
+        whole = whole.reshape(1, -1)
     height, width = whole.shape[-2], whole.shape[-1]
     rows = whole.detach().reshape(-1, width)  # every leading index's rows, one after another
     device = whole.device
@@ -71,14 +75,35 @@ def numbers(part: Any) -> List[float]:
     """The fingerprint ``part`` carries as SIZE numbers; NaN where it carries none (a part made
     by ``mark``, or by an operation on a scattered part)."""
     fingerprint = getattr(part, _ATTRIBUTE, None) if isinstance(part, torch.Tensor) else None
+    return _listed(fingerprint)
+
+
+def _listed(fingerprint: Optional[torch.Tensor]) -> List[float]:
     if fingerprint is None:
         return [math.nan] * SIZE
     return [float(v) for v in fingerprint.cpu().tolist()]
 
 
+FURTHER_SLOTS = 4  # further inputs compared one by one; the others' fingerprints are summed into one more
+
+
+def of_further_inputs(tensors: Sequence[torch.Tensor], is_part) -> List[float]:
+    """(FURTHER_SLOTS + 1) * SIZE numbers for the model's inputs besides the image: a scattered
+    part's fingerprint of its whole map (NaN for a marked part), a whole tensor's own (a class
+    label, a mask passed whole); a slot left empty is 0. Every rank lists the same number of
+    tensors (the caller compares the counts)."""
+    slots = [[0.0] * SIZE for _ in range(FURTHER_SLOTS + 1)]
+    for index, tensor in enumerate(tensors):
+        numbers_ = numbers(tensor) if is_part(tensor) else _listed(of(tensor))
+        slot = slots[min(index, FURTHER_SLOTS)]
+        for k, value in enumerate(numbers_):
+            slot[k] += value
+    return [v for slot in slots for v in slot]
+
+
 def differing(prints: Sequence[Sequence[float]]) -> List[int]:
-    """The indices of the fingerprints that differ from the first (none where any is missing:
-    a marked part's image is not known)."""
+    """The indices of the fingerprints (SIZE numbers each) that differ from the first (none
+    where any is missing: a marked part's image is not known)."""
     if any(math.isnan(v) for p in prints for v in p):
         return []
     first = prints[0]

@@ -242,7 +242,7 @@ class SpatialParallel(nn.Module):
         output (the same on every rank of the group)."""
         comm = self._group()
         part = self._input_part(x)
-        base = self._agree(comm, x, part)
+        base = self._agree(comm, x, part, _further_inputs(args, kwargs))
         key = (tuple(x.shape[:-2]), x.dtype, x.device.type, part.height, part.width, self.module.training)
         if key not in self._checked:
             _check(self.module, self._names, part, x, args, kwargs)
@@ -269,12 +269,13 @@ class SpatialParallel(nn.Module):
                                f"({_rows_and_cols(part)}) is {part.local_size[0]} x {part.local_size[1]}")
         return part
 
-    def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part) -> int:
+    def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part, further: Sequence[Tuple[str, torch.Tensor]]) -> int:
         """Check that every rank of the group got a part of the same image (size, batch, type,
-        mode, and where scatter made the parts, content) and builds the same graph (grad mode,
-        whether the input needs a gradient), before any exchange: a rank with an image of
-        another size would wait for ever in the first halo exchange, one with another image of
-        the same size would compute a silently wrong result, and one whose backward exchanges
+        mode, and where scatter made the parts, content), the same further inputs (their count
+        and content: a mask, a class label) and builds the same graph (grad mode, whether the
+        input needs a gradient), before any exchange: a rank with an image of another size
+        would wait for ever in the first halo exchange, one with another image of the same size
+        or another mask would compute a silently wrong result, and one whose backward exchanges
         other halos than the others' would pair them wrongly and stall. Returns the forward's
         base for the random streams (randomness.py)."""
         base = randomness.draw_base()
@@ -283,25 +284,24 @@ class SpatialParallel(nn.Module):
         lead = list(x.shape[:-2])[:_LEAD_DIMS]
         mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
                 _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training),
-                int(torch.is_grad_enabled()), int(x.requires_grad)]
-        content = torch.tensor(fingerprint.numbers(x), dtype=torch.float64).view(torch.int64).tolist()
+                int(torch.is_grad_enabled()), int(x.requires_grad), len(further)]
+        prints_mine = fingerprint.numbers(x) + fingerprint.of_further_inputs(
+            [t for _, t in further], lambda t: part_of(t) is not None)
+        content = torch.tensor(prints_mine, dtype=torch.float64).view(torch.int64).tolist()
         gathered = comm.allgather(torch.tensor([mine + content + [base]], dtype=torch.int64), [1] * self.grid.size,
                                   "inputs")
         rows = gathered[:, :len(mine)].tolist()
         if any(row != rows[0] for row in rows):
             described = "; ".join(f"group rank {r}: {_input_text(row)}" for r, row in enumerate(rows))
             raise SpatialError(f"the ranks of the spatial group got different inputs ({described}): every rank of "
-                               "the group must pass net.scatter(x) of the same x, in the same grad mode")
-        prints = gathered[:, len(mine):len(mine) + fingerprint.SIZE].contiguous().view(torch.float64).tolist()
-        others = fingerprint.differing(prints)
-        if others:
-            ranks = ", ".join(str(r) for r in others)
-            raise SpatialError(
-                f"the ranks of the spatial group scattered different images of the same size: group rank"
-                f"{'s' if len(others) > 1 else ''} {ranks} {'have' if len(others) > 1 else 'has'} other pixels than "
-                f"group rank 0: every rank of the group must pass net.scatter(x) of the same x (the same sample "
-                "of the data set, the same crop and augmentation: seed the group's data loading alike, and step "
-                "through it together)")
+                               "the group must pass net.scatter(x) of the same x, and the same further inputs, in "
+                               "the same grad mode")
+        prints = gathered[:, len(mine):len(mine) + len(content)].contiguous().view(torch.float64).tolist()
+        size = fingerprint.SIZE
+        for slot in range(len(content) // size):
+            others = fingerprint.differing([p[slot * size:(slot + 1) * size] for p in prints])
+            if others:
+                raise SpatialError(_other_content(slot, others, [name for name, _ in further]))
         return int(gathered[0, -1])
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
@@ -360,15 +360,58 @@ def _code(value: Any) -> int:
     return _CODES.get(value, len(_CODES))
 
 
+def _further_inputs(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[str, torch.Tensor]]:
+    """The model's tensor inputs besides the image, named as the forward's call writes them
+    (``argument 2``, ``keyword argument mask``), in an order every rank lists alike: positional, then keyword
+    arguments by name; inside lists, tuples and dicts too."""
+    found: List[Tuple[str, torch.Tensor]] = []
+
+    def visit(name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(f"{name}[{i}]", item)
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                visit(f"{name}[{key!r}]", value[key])
+
+    for i, value in enumerate(args):
+        visit(f"argument {i + 2}", value)
+    for key in sorted(kwargs):
+        visit(f"keyword argument {key}", kwargs[key])
+    return found
+
+
+def _other_content(slot: int, others: Sequence[int], names: Sequence[str]) -> str:
+    """The refusal for ranks whose input (slot 0: the image; then the further inputs) has other
+    values than group rank 0's."""
+    ranks = f"group rank{'s' if len(others) > 1 else ''} {', '.join(str(r) for r in others)} " \
+            f"{'have' if len(others) > 1 else 'has'}"
+    if slot == 0:
+        return (f"the ranks of the spatial group scattered different images of the same size: {ranks} other pixels "
+                f"than group rank 0: every rank of the group must pass net.scatter(x) of the same x (the same "
+                "sample of the data set, the same crop and augmentation: seed the group's data loading alike, and "
+                "step through it together)")
+    index = slot - 1
+    what = names[index] if index < fingerprint.FURTHER_SLOTS else \
+        f"one of the inputs after {names[fingerprint.FURTHER_SLOTS - 1]}"
+    return (f"the ranks of the spatial group passed the model different further inputs: {ranks} other values in "
+            f"{what} than group rank 0: every rank of the group must pass the same ones (net.scatter of the same "
+            "map, or the same whole tensor)")
+
+
 def _input_text(row: List[int]) -> str:
     names = {i: k for k, i in _CODES.items()}
     height, width = row[0], row[1]
     lead = [d for d in row[3:3 + _LEAD_DIMS] if d >= 0]
     dtype, device, training, grad_mode, needs_grad = row[4 + _LEAD_DIMS:9 + _LEAD_DIMS]
     dtype_name = str(names.get(dtype, "?")).replace("torch.", "")
+    further = row[9 + _LEAD_DIMS]
+    further_text = f", and {further} further tensor input{'s' if further > 1 else ''}" if further else ""
     return (f"a part of a {height} x {width} image with leading dimensions {lead}, {dtype_name} on "
             f"{names.get(device, '?')}{'' if training else ', eval mode'}{'' if grad_mode else ', under no_grad'}"
-            f"{', requiring grad' if needs_grad else ''}")
+            f"{', requiring grad' if needs_grad else ''}{further_text}")
 
 
 def _close_open() -> None:
@@ -517,9 +560,12 @@ def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs
 
     def as_this_part(value: torch.Tensor) -> torch.Tensor:
         # Other inputs that are parts of a map (an image's mask, scattered too): the dry run's
-        # rank's part of the same map, as the first input is.
+        # rank's part of the same map, as the first input is; a whole tensor (a class label,
+        # a per-channel scale) on the meta device with the parameters.
         other = part_of(value)
-        if other is None or other.grid != part.grid:
+        if other is None:
+            return value if value.is_meta else _for_the_dry_run(value)
+        if other.grid != part.grid:
             return value
         theirs = dataclasses.replace(other, rank=part.rank)
         return tagged(torch.empty(value.shape[:-2] + theirs.local_size, dtype=value.dtype, device="meta"), theirs)
