@@ -4,7 +4,10 @@ communication), then exactness against one process and the refusals on several r
 from __future__ import annotations
 
 import random
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,6 +408,16 @@ def test_different_further_inputs_are_refused_on_every_rank_and_a_whole_one_runs
 
 
 @pytest.mark.multirank
+def test_a_target_scattered_differently_is_refused_before_its_gradients_move():
+    result = _checks_on_three_ranks()
+    for what, when in (("before", "before this forward"), ("after", "between the forward and its backward")):
+        assert (f"OK content target {what}: the ranks of the spatial group scattered different tensors besides the "
+                f"model's inputs {when} (a loss's target): in the first of them, group rank 1 has other values than "
+                "group rank 0") in result.stdout, result.stdout
+    assert "OK content: the same targets train" in result.stdout
+
+
+@pytest.mark.multirank
 def test_a_wrapper_made_differently_on_some_rank_is_refused_on_every_rank():
     result = _checks_on_three_ranks()
     start = "the ranks of the spatial group made SpatialParallel differently"
@@ -481,3 +494,12 @@ def test_a_wrapper_refused_at_construction_is_one_line_per_rank(what, message):
     lines = [line for line in result.stderr.splitlines() if message in line]
     assert sorted(lines) == [f"hpdl: rank {r}: {message}" for r in range(3)], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.multirank
+def test_the_scatter_check_measurement_runs_and_reports_both_modes():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "measure_scatter_check.py"
+    out = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), "--calls", "5", "--rounds", "3"],
+                         capture_output=True, text=True, timeout=240, check=True)
+    assert re.fullmatch(r"2 ranks: the check alone \d+ us \(median of 5\); a step [\d.]+ ms with it, [\d.]+ ms "
+                        r"without \(medians of 1 alternating rounds\)", out.stdout.strip()), out.stdout + out.stderr

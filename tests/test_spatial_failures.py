@@ -77,8 +77,17 @@ def test_an_exception_between_steps_ends_every_other_rank_of_the_group():
 
 
 @pytest.mark.multirank
-def test_an_exception_before_backward_ends_the_halo_exchange_of_backward():
+def test_an_exception_before_backward_ends_the_first_wait_of_backward():
+    # The first thing a backward does is compare what the ranks scattered since the forward.
     stderr, took = _failing_job("mpiexec", 2, "raise", "before-backward", "conv")
+    assert _lines(stderr, 1) == [f"hpdl: rank 1: the spatial group's allgather of scattered tensors in backward "
+                                 f"(world ranks 0, 1) {SHUT_DOWN}"], stderr[-3000:]
+    assert took < RAISE_BOUND_S, f"the job ended {took:.1f} s after rank 0 raised"
+
+
+@pytest.mark.multirank
+def test_an_exception_in_backward_ends_the_halo_exchange_of_backward():
+    stderr, took = _failing_job("mpiexec", 2, "raise", "in-backward", "conv")
     assert _lines(stderr, 1) == [f"hpdl: rank 1: the halo exchange of layer conv2 in backward with group rank 0 "
                                  f"(world rank 0) {SHUT_DOWN}"], stderr[-3000:]
     assert took < RAISE_BOUND_S, f"the job ended {took:.1f} s after rank 0 raised"

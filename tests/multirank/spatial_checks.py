@@ -274,6 +274,28 @@ def content() -> None:
     assert torch.allclose(out, net.module(image, mask, scale=scale)), "the same further inputs give another forward"
     print_ok("content: the same further inputs run")
     net.close()
+    # A loss's target, scattered before the forward or after it: compared before the forward
+    # runs, or at the start of its backward, before any gradient moves.
+    net = spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1)).double())
+    target = batches[1] if rank != 1 else batches[1].flip(-1)
+
+    def target_first():
+        t = net.scatter(target)
+        F.mse_loss(net(net.scatter(image)), t).backward()
+
+    def target_after():
+        y = net(net.scatter(image))
+        F.mse_loss(y, net.scatter(target)).backward()
+
+    print_ok(f"content target before: {refusal_of(target_first)}")
+    print_ok(f"content target after: {refusal_of(target_after)}")
+    y = net(net.scatter(image))
+    loss = F.mse_loss(y, net.scatter(batches[1]))
+    loss.backward()
+    with torch.no_grad():
+        assert torch.allclose(net.whole_mean(loss, y), F.mse_loss(net.module(image), batches[1])), "another loss"
+    print_ok("content: the same targets train")
+    net.close()
 
 
 class _MaskedScaled(nn.Module):

@@ -5,7 +5,8 @@ waiting rank says in one line what it was doing and why.
 Usage: spatial_failures.py HOW WHEN MODEL
 - HOW: raise (an exception, as a bad sample makes) or stall (asleep in C code, time.sleep);
 - WHEN, at step 2 on rank 0: between-steps (before the forward), in-forward (just before the
-  model's last spatial layer: conv2, pool or bn) or before-backward (after the forward);
+  model's last spatial layer: conv2, pool or bn), before-backward (after the forward) or
+  in-backward (when the gradient of the last layer's output comes, before that layer's backward);
 - MODEL: conv (two Conv2d(padding=1): halo exchanges), pool (global pooling: the group's
   allreduce) or bn (BatchNorm2d in training mode: the group's allgather).
 
@@ -59,6 +60,12 @@ def main() -> None:
         last = getattr(model, LAST_SPATIAL_LAYER[model_name])
         last.register_forward_pre_hook(lambda _module, inputs: fail(how) if step == FAIL_STEP and
                                        inputs[0].device.type != "meta" else None)
+    if failing and when == "in-backward":
+        def fail_in_its_backward(_module, _inputs, output) -> None:
+            if step == FAIL_STEP and output.device.type != "meta":
+                output.register_hook(lambda _grad: fail(how))
+
+        getattr(model, LAST_SPATIAL_LAYER[model_name]).register_forward_hook(fail_in_its_backward)
     net = spatial.SpatialParallel(model)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     x = torch.rand(2, 3, 12, 10, generator=torch.Generator().manual_seed(1))

@@ -71,14 +71,19 @@ def attach(part: torch.Tensor, fingerprint: Optional[torch.Tensor]) -> torch.Ten
     return part
 
 
+def carried(part: Any) -> Optional[torch.Tensor]:
+    """The fingerprint ``part`` carries (the very tensor :func:`attach` kept), or None."""
+    return getattr(part, _ATTRIBUTE, None) if isinstance(part, torch.Tensor) else None
+
+
 def numbers(part: Any) -> List[float]:
     """The fingerprint ``part`` carries as SIZE numbers; NaN where it carries none (a part made
     by ``mark``, or by an operation on a scattered part)."""
-    fingerprint = getattr(part, _ATTRIBUTE, None) if isinstance(part, torch.Tensor) else None
-    return _listed(fingerprint)
+    return listed(carried(part))
 
 
-def _listed(fingerprint: Optional[torch.Tensor]) -> List[float]:
+def listed(fingerprint: Optional[torch.Tensor]) -> List[float]:
+    """A fingerprint of :func:`of` as SIZE numbers (NaN for None: nothing to compare)."""
     if fingerprint is None:
         return [math.nan] * SIZE
     return [float(v) for v in fingerprint.cpu().tolist()]
@@ -88,17 +93,22 @@ FURTHER_SLOTS = 4  # further inputs compared one by one; the others' fingerprint
 
 
 def of_further_inputs(tensors: Sequence[torch.Tensor], is_part) -> List[float]:
-    """(FURTHER_SLOTS + 1) * SIZE numbers for the model's inputs besides the image: a scattered
-    part's fingerprint of its whole map (NaN for a marked part), a whole tensor's own (a class
-    label, a mask passed whole); a slot left empty is 0. Every rank lists the same number of
-    tensors (the caller compares the counts)."""
-    slots = [[0.0] * SIZE for _ in range(FURTHER_SLOTS + 1)]
-    for index, tensor in enumerate(tensors):
-        numbers_ = numbers(tensor) if is_part(tensor) else _listed(of(tensor))
-        slot = slots[min(index, FURTHER_SLOTS)]
+    """:func:`slots` of the model's inputs besides the image: a scattered part's fingerprint of
+    its whole map (NaN for a marked part), a whole tensor's own (a class label, a mask passed
+    whole)."""
+    return slots([numbers(t) if is_part(t) else listed(of(t)) for t in tensors])
+
+
+def slots(prints: Sequence[Sequence[float]]) -> List[float]:
+    """(FURTHER_SLOTS + 1) * SIZE numbers for a list of fingerprints: the first FURTHER_SLOTS
+    one by one, the sum of the others; a slot left empty is 0. Every rank lists as many (the
+    caller compares the counts)."""
+    out = [[0.0] * SIZE for _ in range(FURTHER_SLOTS + 1)]
+    for index, numbers_ in enumerate(prints):
+        slot = out[min(index, FURTHER_SLOTS)]
         for k, value in enumerate(numbers_):
             slot[k] += value
-    return [v for slot in slots for v in slot]
+    return [v for slot in out for v in slot]
 
 
 def differing(prints: Sequence[Sequence[float]]) -> List[int]:

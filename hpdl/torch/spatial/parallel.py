@@ -100,6 +100,10 @@ class SpatialParallel(nn.Module):
             self._comm = None
             raise
         self._names = {id(m): name for name, m in module.named_modules()}
+        # The fingerprints of what scatter made that no forward took as its input yet (a
+        # loss's target): compared across the group at the next forward, or at the start of
+        # the backward of the forward before it, whichever comes first.
+        self._scattered: List[Optional[torch.Tensor]] = []
         self._hooks = dispatch.track_modules(module)
         self._checked: set = set()
         self.checkpointed = blocks
@@ -176,8 +180,12 @@ class SpatialParallel(nn.Module):
         part = self.part(x.shape[-2], x.shape[-1])
         (r0, r1), (c0, c1) = part.rows, part.cols
         piece = tagged(x[..., r0:r1, c0:c1].contiguous(), part)
-        # The forward compares the ranks' images through it (fingerprint.py).
-        return fingerprint.attach(piece, fingerprint.of(x)) if self.grid.size > 1 else piece
+        if self.grid.size == 1:
+            return piece
+        # The group compares the ranks' images through it (fingerprint.py).
+        whole = fingerprint.of(x)
+        self._scattered.append(whole)
+        return fingerprint.attach(piece, whole)
 
     def mark(self, x_part: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Mark ``x_part`` as this rank's part of a ``height`` x ``width`` image (the rows and
@@ -242,7 +250,11 @@ class SpatialParallel(nn.Module):
         output (the same on every rank of the group)."""
         comm = self._group()
         part = self._input_part(x)
-        base = self._agree(comm, x, part, _further_inputs(args, kwargs))
+        further = _further_inputs(args, kwargs)
+        taken = [fingerprint.carried(t) for t in [x] + [t for _, t in further]]
+        later = [f for f in self._scattered if not any(f is t for t in taken if t is not None)]
+        self._scattered = []
+        base = self._agree(comm, x, part, further, later)
         key = (tuple(x.shape[:-2]), x.dtype, x.device.type, part.height, part.width, self.module.training)
         if key not in self._checked:
             _check(self.module, self._names, part, x, args, kwargs)
@@ -251,7 +263,10 @@ class SpatialParallel(nn.Module):
                       builds_graph=torch.is_grad_enabled())
         with dispatch.running(ctx):
             out = self.module(x, *args, **kwargs)
-        return _map_tensors(out, self._weigh)
+        out = _map_tensors(out, self._weigh)
+        if torch.is_grad_enabled() and self.grid.size > 1 and comm.communicating:
+            _first_gradient_of(out, self._agree_on_later_scatters)
+        return out
 
     def _input_part(self, x: Any) -> Part:
         """The part ``x`` is: made by scatter (or mark) for this rank of this grid, and still its size."""
@@ -269,7 +284,25 @@ class SpatialParallel(nn.Module):
                                f"({_rows_and_cols(part)}) is {part.local_size[0]} x {part.local_size[1]}")
         return part
 
-    def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part, further: Sequence[Tuple[str, torch.Tensor]]) -> int:
+    def _agree_on_later_scatters(self) -> None:
+        """At the start of a backward: compare what the ranks scattered since the forward (the
+        loss's target), before any gradient moves. On every rank alike: each runs it once per
+        forward whose output the backward reaches."""
+        comm = self._comm
+        if comm is None or not comm.communicating:  # closed, or measuring alone (no_communication)
+            return
+        later, self._scattered = self._scattered, []
+        content = fingerprint.slots([fingerprint.listed(f) for f in later])
+        row = [len(later)] + torch.tensor(content, dtype=torch.float64).view(torch.int64).tolist()
+        gathered = comm.allgather(torch.tensor([row], dtype=torch.int64), [1] * self.grid.size, "scattered tensors")
+        counts = gathered[:, 0].tolist()
+        if any(c != counts[0] for c in counts):
+            raise SpatialError(_scattered_counts_text(counts, "between the forward and its backward"))
+        _refuse_other_scatters(gathered[:, 1:].contiguous().view(torch.float64).tolist(),
+                               "between the forward and its backward")
+
+    def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part, further: Sequence[Tuple[str, torch.Tensor]],
+               later: Sequence[Optional[torch.Tensor]]) -> int:
         """Check that every rank of the group got a part of the same image (size, batch, type,
         mode, and where scatter made the parts, content), the same further inputs (their count
         and content: a mask, a class label) and builds the same graph (grad mode, whether the
@@ -284,24 +317,28 @@ class SpatialParallel(nn.Module):
         lead = list(x.shape[:-2])[:_LEAD_DIMS]
         mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
                 _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training),
-                int(torch.is_grad_enabled()), int(x.requires_grad), len(further)]
+                int(torch.is_grad_enabled()), int(x.requires_grad), len(further), len(later)]
         prints_mine = fingerprint.numbers(x) + fingerprint.of_further_inputs(
             [t for _, t in further], lambda t: part_of(t) is not None)
-        content = torch.tensor(prints_mine, dtype=torch.float64).view(torch.int64).tolist()
+        later_prints = fingerprint.slots([fingerprint.listed(f) for f in later])
+        content = torch.tensor(prints_mine + later_prints, dtype=torch.float64).view(torch.int64).tolist()
         gathered = comm.allgather(torch.tensor([mine + content + [base]], dtype=torch.int64), [1] * self.grid.size,
                                   "inputs")
         rows = gathered[:, :len(mine)].tolist()
+        if any(row[-1] != rows[0][-1] for row in rows):
+            raise SpatialError(_scattered_counts_text([row[-1] for row in rows], "before this forward"))
         if any(row != rows[0] for row in rows):
             described = "; ".join(f"group rank {r}: {_input_text(row)}" for r, row in enumerate(rows))
             raise SpatialError(f"the ranks of the spatial group got different inputs ({described}): every rank of "
                                "the group must pass net.scatter(x) of the same x, and the same further inputs, in "
                                "the same grad mode")
         prints = gathered[:, len(mine):len(mine) + len(content)].contiguous().view(torch.float64).tolist()
-        size = fingerprint.SIZE
-        for slot in range(len(content) // size):
+        size, inputs = fingerprint.SIZE, len(prints_mine) // fingerprint.SIZE
+        for slot in range(inputs):
             others = fingerprint.differing([p[slot * size:(slot + 1) * size] for p in prints])
             if others:
                 raise SpatialError(_other_content(slot, others, [name for name, _ in further]))
+        _refuse_other_scatters([p[inputs * size:] for p in prints], "before this forward")
         return int(gathered[0, -1])
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
@@ -383,11 +420,59 @@ def _further_inputs(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[s
     return found
 
 
+def _first_gradient_of(out: Any, action) -> None:
+    """Run ``action`` once, when the backward first reaches any tensor of the forward's
+    ``out`` that requires a gradient (before the model's own backward, which follows it)."""
+    due = [True]
+
+    def hook(grad: torch.Tensor) -> None:
+        if due[0]:
+            due[0] = False
+            action()
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(hook)
+        return value
+
+    _map_tensors(out, visit)
+
+
+def _ranks_text(others: Sequence[int]) -> str:
+    return f"group rank{'s' if len(others) > 1 else ''} {', '.join(str(r) for r in others)} " \
+           f"{'have' if len(others) > 1 else 'has'}"
+
+
+def _scattered_counts_text(counts: Sequence[int], when: str) -> str:
+    each = ", ".join(f"group rank {r}: {c}" for r, c in enumerate(counts))
+    return (f"the ranks of the spatial group scattered different numbers of tensors besides the model's inputs "
+            f"{when} ({each}): every rank of the group must scatter the same tensors (the loss's target), in the "
+            "same order")
+
+
+def _refuse_other_scatters(prints: Sequence[Sequence[float]], when: str) -> None:
+    """Refuse when some rank scattered, besides the model's inputs, a tensor with other values
+    than group rank 0 (``prints``: each rank's :func:`fingerprint.slots`)."""
+    size = fingerprint.SIZE
+    for slot in range(len(prints[0]) // size):
+        others = fingerprint.differing([p[slot * size:(slot + 1) * size] for p in prints])
+        if others:
+            which = f"the {_ordinal(slot + 1)} of them" if slot < fingerprint.FURTHER_SLOTS else \
+                f"one of them after the {_ordinal(fingerprint.FURTHER_SLOTS)}"
+            raise SpatialError(
+                f"the ranks of the spatial group scattered different tensors besides the model's inputs {when} "
+                f"(a loss's target): in {which}, {_ranks_text(others)} other values than group rank 0: every rank "
+                "of the group must scatter the same tensors (the same sample, crop and augmentation)")
+
+
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third", 4: "fourth", 5: "fifth"}.get(n, f"{n}th")
+
+
 def _other_content(slot: int, others: Sequence[int], names: Sequence[str]) -> str:
     """The refusal for ranks whose input (slot 0: the image; then the further inputs) has other
     values than group rank 0's."""
-    ranks = f"group rank{'s' if len(others) > 1 else ''} {', '.join(str(r) for r in others)} " \
-            f"{'have' if len(others) > 1 else 'has'}"
+    ranks = _ranks_text(others)
     if slot == 0:
         return (f"the ranks of the spatial group scattered different images of the same size: {ranks} other pixels "
                 f"than group rank 0: every rank of the group must pass net.scatter(x) of the same x (the same "
