@@ -186,6 +186,12 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
         F.adaptive_avg_pool2d: [("1", lambda t: F.adaptive_avg_pool2d(t, 1)),
                                 ("2", lambda t: F.adaptive_avg_pool2d(t, 2))],
         torch.pixel_shuffle: [("2", lambda t: F.pixel_shuffle(four(t), 2))],
+        # 6 x 6 and 6 x 4 of the 7 x 6 image: blocks straddling the bands of 2 ranks (3 output rows
+        # of 6 input rows: 2 and 1, from bands of 3 and 3).
+        torch.pixel_unshuffle: [("2", lambda t: F.pixel_unshuffle(t[..., :6, :], 2)),
+                                ("3", lambda t: F.pixel_unshuffle(t[..., :6, :], 3)),
+                                ("2 of 6 x 4", lambda t: F.pixel_unshuffle(t[..., :6, :4], 2)),
+                                ("2 of 2 x 2", lambda t: F.pixel_unshuffle(t[..., :2, :2], 2))],
         F.interpolate: [("nearest 2", lambda t: F.interpolate(t, scale_factor=2)),
                         ("bilinear 3", lambda t: F.interpolate(t, scale_factor=3, mode="bilinear")),
                         ("bicubic 2", lambda t: F.interpolate(t, scale_factor=2, mode="bicubic")),
@@ -373,6 +379,7 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("diff of shapes", (2, 1), "exact"), ("replicate", (1, 2), "exact"), ("crop -1", (2, 2), "exact"),
     ("reflect", (2, 1), "exact"), ("reflect 2 uneven", (2, 2), "exact"), ("circular", (2, 1), "exact"),
     ("circular uneven", (2, 2), "exact"), ("reflect -1", (2, 1), "refused"),
+    ("2 of 6 x 4", (2, 2), "exact"), ("3", (2, 1), "exact"), ("2 of 2 x 2", (2, 1), "refused"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():

@@ -170,6 +170,22 @@ class Borders(nn.Module):
         return self.conv5(F.pad(y, (2, 0, 1, 2), mode="circular"))
 
 
+class Unshuffled(nn.Module):
+    """Convolutions at half resolution between a pixel unshuffle and a pixel shuffle (as
+    Real-ESRGAN's x2 network starts): the unshuffle's blocks of rows straddle the bands."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.PixelUnshuffle(2)
+        self.conv1 = nn.Conv2d(12, 12, 3, padding=1)
+        self.conv2 = nn.Conv2d(12, 12, 3, padding=1)
+        self.up = nn.PixelShuffle(2)
+        self.conv3 = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv3(self.up(self.conv2(torch.relu(self.conv1(self.down(x))))) + x)
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -200,6 +216,8 @@ def build(name: str) -> nn.Module:
         return Quirks()
     if name == "borders":
         return Borders()
+    if name == "unshuffle":
+        return Unshuffled()
     return build_model(name, 2)
 
 

@@ -481,6 +481,40 @@ def pixel_shuffle(ctx: Context, func, a: dict):
     return regroup(ctx, torch.pixel_shuffle(x, factor), part_of(x), (factor, factor))
 
 
+@functools.lru_cache(maxsize=4096)
+def _unshuffle_plans(length: int, parts: int, factor: int) -> Tuple[BandPlan, ...]:
+    """Plans that give each band the input rows of its even share of the output's
+    ``length // factor`` rows: ``factor`` input rows an output row."""
+    needed = [(factor * a, factor * b) for a, b in bands(length // factor, parts)]
+    return tuple(plan_bands(bands(length, parts), needed, length))
+
+
+def pixel_unshuffle(ctx: Context, func, a: dict):
+    """``F.pixel_unshuffle``: each band first takes the blocks of ``factor`` rows (and columns)
+    that make its even share of the output, from its neighbours where a block straddles two
+    bands, then unshuffles them alone."""
+    x, factor = a["input"], int(a["downscale_factor"])
+    part = part_of(x)
+    plans = []
+    for axis in (0, 1):
+        length, what = part.length(axis), ("height", "width")[axis]
+        if length % factor:
+            raise SpatialError(f"{ctx.where()}: pixel_unshuffle expects the {what} to be divisible by "
+                               f"downscale_factor {factor}, but the image's is {length}")
+        if length // factor < ctx.grid.bands_along(axis):
+            raise SpatialError(f"{ctx.where()}: pixel_unshuffle by {factor} makes {length // factor} "
+                               f"{('rows', 'columns')[axis]} of {length}, fewer than the "
+                               f"{ctx.grid.bands_along(axis)} {('row', 'column')[axis]} bands")
+        try:
+            all_plans = _unshuffle_plans(length, ctx.grid.bands_along(axis), factor)
+        except ThinBand as thin:
+            thin.layer, thin.axis = ctx.where(), axis
+            raise
+        plans.append(all_plans[part.band[axis]])
+    blocks = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.ZEROS))
+    return tagged(torch.pixel_unshuffle(blocks, factor), part.resized(part.height // factor, part.width // factor))
+
+
 _TAPS = {"bilinear": 1, "bicubic": 2}  # source rows read beyond the nearest, on each side
 
 

@@ -134,6 +134,8 @@ for _func, _spelling, _handler, _what in (
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
          "to 1 x 1 (global): the same result on every rank of the group"),
         (torch.pixel_shuffle, "F.pixel_shuffle", layers.pixel_shuffle, "any factor"),
+        (torch.pixel_unshuffle, "F.pixel_unshuffle", layers.pixel_unshuffle,
+         "any factor dividing the image's height and width"),
         (F.interpolate, "F.interpolate", layers.interpolate,
          "nearest, bilinear, bicubic (`align_corners=False`), integer upscaling; `size` as one process reads it"),
         (torch.mean, "torch.mean", layers.reduction, "over both image dimensions: global; over neither: as it is"),
@@ -257,7 +259,7 @@ _REFUSED = (
      "it drops whole channels, which each rank would choose on its own"),
     ("linear bilinear matmul mm bmm einsum tensordot inner outer",
      "it mixes the last dimension, which is split across the ranks"),
-    ("unfold fold grid_sample affine_grid pixel_unshuffle adaptive_max_pool2d fractional_max_pool2d lp_pool2d "
+    ("unfold fold grid_sample affine_grid adaptive_max_pool2d fractional_max_pool2d lp_pool2d "
      "max_pool2d_with_indices max_unpool2d", "it reads pixels the halo exchange does not bring"),
     ("item tolist numpy __array__ __bool__ __float__ __int__ __index__",
      "it reads the part's values as if they were the whole image's"),
