@@ -20,7 +20,7 @@ from torch import nn
 
 import hpdl.torch as hvd
 from hpdl.torch import spatial
-from hpdl.torch.spatial import parallel
+from hpdl.torch.spatial import agreement
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -41,18 +41,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         net._agree_on_later_scatters()
         alone.append(time.perf_counter() - started)
 
-    checking = parallel._first_gradient_of
+    checking = agreement.first_gradient_of
     times = {"with": [], "without": []}
     for r in range(args.rounds):
         for mode in ("with", "without") if r % 2 else ("without", "with"):
-            parallel._first_gradient_of = checking if mode == "with" else (lambda out, action: None)
+            agreement.first_gradient_of = checking if mode == "with" else (lambda out, action: None)
             started = time.perf_counter()
             for _ in range(5):
                 y = net(net.scatter(x))
                 F.mse_loss(y, net.scatter(target)).backward()
             times[mode].append((time.perf_counter() - started) / 5)
             net._scattered.clear()  # the steps without the check left their targets
-    parallel._first_gradient_of = checking
+    agreement.first_gradient_of = checking
     if hvd.rank() == 0:
         with_, without = statistics.median(times["with"][2:]), statistics.median(times["without"][2:])
         print(f"{hvd.size()} ranks: the check alone {statistics.median(alone[20:]) * 1e6:.0f} us (median of "

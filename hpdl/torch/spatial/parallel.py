@@ -28,15 +28,14 @@ import itertools
 import random
 import sys
 import weakref
-import zlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from hpdl.torch import runtime
 from hpdl.torch.process_sets import ProcessSet, global_process_set
-from hpdl.torch.spatial import dispatch, fingerprint, randomness
+from hpdl.torch.spatial import agreement, dispatch, fingerprint, randomness
 from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.errors import report_in_one_line
@@ -94,7 +93,7 @@ class SpatialParallel(nn.Module):
         self._comm: Optional[GroupComm] = group_communicator(process_set)
         self._rank = self._comm.rank
         try:
-            _agree_on_wrapping(self._comm, self.grid, loss_reduction, blocks, module)
+            agreement.on_wrapping(self._comm, self.grid, loss_reduction, _LOSS_REDUCTIONS, blocks, module)
         except SpatialError:
             self._comm.close()
             self._comm = None
@@ -250,7 +249,7 @@ class SpatialParallel(nn.Module):
         output (the same on every rank of the group)."""
         comm = self._group()
         part = self._input_part(x)
-        further = _further_inputs(args, kwargs)
+        further = agreement.further_inputs(args, kwargs)
         taken = [fingerprint.carried(t) for t in [x] + [t for _, t in further]]
         later = [f for f in self._scattered if not any(f is t for t in taken if t is not None)]
         self._scattered = []
@@ -265,7 +264,7 @@ class SpatialParallel(nn.Module):
             out = self.module(x, *args, **kwargs)
         out = _map_tensors(out, self._weigh)
         if torch.is_grad_enabled() and self.grid.size > 1 and comm.communicating:
-            _first_gradient_of(out, self._agree_on_later_scatters)
+            agreement.first_gradient_of(out, self._agree_on_later_scatters)
         return out
 
     def _input_part(self, x: Any) -> Part:
@@ -285,61 +284,22 @@ class SpatialParallel(nn.Module):
         return part
 
     def _agree_on_later_scatters(self) -> None:
-        """At the start of a backward: compare what the ranks scattered since the forward (the
-        loss's target), before any gradient moves. On every rank alike: each runs it once per
-        forward whose output the backward reaches."""
+        """At the start of a backward: agreement.on_later_scatters of what this rank scattered
+        since the forward. Each rank runs it once per forward whose output the backward reaches."""
         comm = self._comm
         if comm is None or not comm.communicating:  # closed, or measuring alone (no_communication)
             return
         later, self._scattered = self._scattered, []
-        content = fingerprint.slots([fingerprint.listed(f) for f in later])
-        row = [len(later)] + torch.tensor(content, dtype=torch.float64).view(torch.int64).tolist()
-        gathered = comm.allgather(torch.tensor([row], dtype=torch.int64), [1] * self.grid.size, "scattered tensors")
-        counts = gathered[:, 0].tolist()
-        if any(c != counts[0] for c in counts):
-            raise SpatialError(_scattered_counts_text(counts, "between the forward and its backward"))
-        _refuse_other_scatters(gathered[:, 1:].contiguous().view(torch.float64).tolist(),
-                               "between the forward and its backward")
+        agreement.on_later_scatters(comm, later)
 
     def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part, further: Sequence[Tuple[str, torch.Tensor]],
                later: Sequence[Optional[torch.Tensor]]) -> int:
-        """Check that every rank of the group got a part of the same image (size, batch, type,
-        mode, and where scatter made the parts, content), the same further inputs (their count
-        and content: a mask, a class label) and builds the same graph (grad mode, whether the
-        input needs a gradient), before any exchange: a rank with an image of another size
-        would wait for ever in the first halo exchange, one with another image of the same size
-        or another mask would compute a silently wrong result, and one whose backward exchanges
-        other halos than the others' would pair them wrongly and stall. Returns the forward's
-        base for the random streams (randomness.py)."""
+        """agreement.on_inputs of this forward; returns the forward's base for the random
+        streams (randomness.py), rank 0's, which rides on the same gather."""
         base = randomness.draw_base()
         if self.grid.size == 1 or not comm.communicating:
             return base
-        lead = list(x.shape[:-2])[:_LEAD_DIMS]
-        mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
-                _numel(tuple(x.shape[:-2])), _code(x.dtype), _code(x.device.type), int(self.module.training),
-                int(torch.is_grad_enabled()), int(x.requires_grad), len(further), len(later)]
-        prints_mine = fingerprint.numbers(x) + fingerprint.of_further_inputs(
-            [t for _, t in further], lambda t: part_of(t) is not None)
-        later_prints = fingerprint.slots([fingerprint.listed(f) for f in later])
-        content = torch.tensor(prints_mine + later_prints, dtype=torch.float64).view(torch.int64).tolist()
-        gathered = comm.allgather(torch.tensor([mine + content + [base]], dtype=torch.int64), [1] * self.grid.size,
-                                  "inputs")
-        rows = gathered[:, :len(mine)].tolist()
-        if any(row[-1] != rows[0][-1] for row in rows):
-            raise SpatialError(_scattered_counts_text([row[-1] for row in rows], "before this forward"))
-        if any(row != rows[0] for row in rows):
-            described = "; ".join(f"group rank {r}: {_input_text(row)}" for r, row in enumerate(rows))
-            raise SpatialError(f"the ranks of the spatial group got different inputs ({described}): every rank of "
-                               "the group must pass net.scatter(x) of the same x, and the same further inputs, in "
-                               "the same grad mode")
-        prints = gathered[:, len(mine):len(mine) + len(content)].contiguous().view(torch.float64).tolist()
-        size, inputs = fingerprint.SIZE, len(prints_mine) // fingerprint.SIZE
-        for slot in range(inputs):
-            others = fingerprint.differing([p[slot * size:(slot + 1) * size] for p in prints])
-            if others:
-                raise SpatialError(_other_content(slot, others, [name for name, _ in further]))
-        _refuse_other_scatters([p[inputs * size:] for p in prints], "before this forward")
-        return int(gathered[0, -1])
+        return agreement.on_inputs(comm, x, part, self.module.training, further, later, base)
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
         part = part_of(out)
@@ -347,156 +307,6 @@ class SpatialParallel(nn.Module):
             return mark_replicated(dispatch.scale_gradient(out, 1.0 / self.grid.size))
         share = part.numel_share if self.loss_reduction == "mean" else 1.0
         return tagged(dispatch.scale_gradient(out, share), part)
-
-
-def _model_code(module: nn.Module) -> int:
-    """A number for the model's structure (its modules' paths and types, its parameters' and
-    buffers' names, shapes and types), the same on every rank that wraps the same model."""
-    text = "\n".join([f"{name}:{type(m).__qualname__}" for name, m in module.named_modules()]
-                     + [f"{name}:{tuple(t.shape)}:{t.dtype}"
-                        for name, t in itertools.chain(module.named_parameters(), module.named_buffers())])
-    return zlib.crc32(text.encode())
-
-
-def _agree_on_wrapping(comm: GroupComm, grid: Grid, loss_reduction: str, blocks: Sequence[str],
-                       module: nn.Module) -> None:
-    """Refuse, on every rank of the group alike, a wrapper made differently on some rank: another
-    grid pairs the halo exchanges wrongly (a rank would compute on a wrong halo, or wait for one
-    that never comes), another loss reduction or model gives other gradients, another set of
-    checkpointed blocks other exchanges in backward."""
-    if comm.size == 1:
-        return
-    mine = [grid.rows, grid.cols, _LOSS_REDUCTIONS.index(loss_reduction), len(blocks),
-            zlib.crc32("\n".join(blocks).encode()), sum(p.numel() for p in module.parameters()), _model_code(module)]
-    rows = comm.allgather(torch.tensor([mine], dtype=torch.int64), [1] * comm.size, "wrapping").tolist()
-    if all(row == rows[0] for row in rows):
-        return
-    # Each field of a row: its columns, and how a rank's value reads.
-    fields = [(0, 2, lambda row: f"grid ({row[0]}, {row[1]})"),
-              (2, 3, lambda row: f"loss_reduction {_LOSS_REDUCTIONS[row[2]]!r}"),
-              (3, 5, lambda row: f"{row[3]} checkpointed blocks ({row[4]:08x})"),
-              (5, 7, lambda row: f"a model of {row[5]} parameters (structure {row[6]:08x})")]
-    differing = [(a, b, text) for a, b, text in fields if any(row[a:b] != rows[0][a:b] for row in rows)]
-    described = "; ".join(f"group rank {r}: " + ", ".join(text(row) for _a, _b, text in differing)
-                          for r, row in enumerate(rows))
-    raise SpatialError(f"the ranks of the spatial group made SpatialParallel differently ({described}): every rank "
-                       "of the group must make it alike: the same model (its modules, and its parameters' shapes and "
-                       "types), grid, checkpoint and loss_reduction")
-
-
-_LEAD_DIMS = 3  # the dimensions before the image's that the group compares one by one
-_CODES: Dict[Any, int] = {}
-
-
-def _code(value: Any) -> int:
-    """A number for a dtype or device type, the same on every rank (the order of a fixed list)."""
-    if not _CODES:
-        known = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-                 torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, "cpu", "cuda", "meta"]
-        _CODES.update({k: i for i, k in enumerate(known)})
-    return _CODES.get(value, len(_CODES))
-
-
-def _further_inputs(args: Sequence[Any], kwargs: Dict[str, Any]) -> List[Tuple[str, torch.Tensor]]:
-    """The model's tensor inputs besides the image, named as the forward's call writes them
-    (``argument 2``, ``keyword argument mask``), in an order every rank lists alike: positional, then keyword
-    arguments by name; inside lists, tuples and dicts too."""
-    found: List[Tuple[str, torch.Tensor]] = []
-
-    def visit(name: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append((name, value))
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                visit(f"{name}[{i}]", item)
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                visit(f"{name}[{key!r}]", value[key])
-
-    for i, value in enumerate(args):
-        visit(f"argument {i + 2}", value)
-    for key in sorted(kwargs):
-        visit(f"keyword argument {key}", kwargs[key])
-    return found
-
-
-def _first_gradient_of(out: Any, action) -> None:
-    """Run ``action`` once, when the backward first reaches any tensor of the forward's
-    ``out`` that requires a gradient (before the model's own backward, which follows it)."""
-    due = [True]
-
-    def hook(grad: torch.Tensor) -> None:
-        if due[0]:
-            due[0] = False
-            action()
-
-    def visit(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            value.register_hook(hook)
-        return value
-
-    _map_tensors(out, visit)
-
-
-def _ranks_text(others: Sequence[int]) -> str:
-    return f"group rank{'s' if len(others) > 1 else ''} {', '.join(str(r) for r in others)} " \
-           f"{'have' if len(others) > 1 else 'has'}"
-
-
-def _scattered_counts_text(counts: Sequence[int], when: str) -> str:
-    each = ", ".join(f"group rank {r}: {c}" for r, c in enumerate(counts))
-    return (f"the ranks of the spatial group scattered different numbers of tensors besides the model's inputs "
-            f"{when} ({each}): every rank of the group must scatter the same tensors (the loss's target), in the "
-            "same order")
-
-
-def _refuse_other_scatters(prints: Sequence[Sequence[float]], when: str) -> None:
-    """Refuse when some rank scattered, besides the model's inputs, a tensor with other values
-    than group rank 0 (``prints``: each rank's :func:`fingerprint.slots`)."""
-    size = fingerprint.SIZE
-    for slot in range(len(prints[0]) // size):
-        others = fingerprint.differing([p[slot * size:(slot + 1) * size] for p in prints])
-        if others:
-            which = f"the {_ordinal(slot + 1)} of them" if slot < fingerprint.FURTHER_SLOTS else \
-                f"one of them after the {_ordinal(fingerprint.FURTHER_SLOTS)}"
-            raise SpatialError(
-                f"the ranks of the spatial group scattered different tensors besides the model's inputs {when} "
-                f"(a loss's target): in {which}, {_ranks_text(others)} other values than group rank 0: every rank "
-                "of the group must scatter the same tensors (the same sample, crop and augmentation)")
-
-
-def _ordinal(n: int) -> str:
-    return {1: "first", 2: "second", 3: "third", 4: "fourth", 5: "fifth"}.get(n, f"{n}th")
-
-
-def _other_content(slot: int, others: Sequence[int], names: Sequence[str]) -> str:
-    """The refusal for ranks whose input (slot 0: the image; then the further inputs) has other
-    values than group rank 0's."""
-    ranks = _ranks_text(others)
-    if slot == 0:
-        return (f"the ranks of the spatial group scattered different images of the same size: {ranks} other pixels "
-                f"than group rank 0: every rank of the group must pass net.scatter(x) of the same x (the same "
-                "sample of the data set, the same crop and augmentation: seed the group's data loading alike, and "
-                "step through it together)")
-    index = slot - 1
-    what = names[index] if index < fingerprint.FURTHER_SLOTS else \
-        f"one of the inputs after {names[fingerprint.FURTHER_SLOTS - 1]}"
-    return (f"the ranks of the spatial group passed the model different further inputs: {ranks} other values in "
-            f"{what} than group rank 0: every rank of the group must pass the same ones (net.scatter of the same "
-            "map, or the same whole tensor)")
-
-
-def _input_text(row: List[int]) -> str:
-    names = {i: k for k, i in _CODES.items()}
-    height, width = row[0], row[1]
-    lead = [d for d in row[3:3 + _LEAD_DIMS] if d >= 0]
-    dtype, device, training, grad_mode, needs_grad = row[4 + _LEAD_DIMS:9 + _LEAD_DIMS]
-    dtype_name = str(names.get(dtype, "?")).replace("torch.", "")
-    further = row[9 + _LEAD_DIMS]
-    further_text = f", and {further} further tensor input{'s' if further > 1 else ''}" if further else ""
-    return (f"a part of a {height} x {width} image with leading dimensions {lead}, {dtype_name} on "
-            f"{names.get(device, '?')}{'' if training else ', eval mode'}{'' if grad_mode else ', under no_grad'}"
-            f"{', requiring grad' if needs_grad else ''}{further_text}")
 
 
 def _close_open() -> None:
