@@ -180,7 +180,11 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
         F.avg_pool2d: [("2", lambda t: F.avg_pool2d(t, 2)), ("3 s1 p1", lambda t: F.avg_pool2d(t, 3, 1, 1)),
                        ("no pad count", lambda t: F.avg_pool2d(t, 3, 1, 1, count_include_pad=False)),
                        ("divisor", lambda t: F.avg_pool2d(t, 3, 2, 1, divisor_override=2)),
-                       ("ceil", lambda t: F.avg_pool2d(t, 2, ceil_mode=True))],
+                       ("ceil", lambda t: F.avg_pool2d(t, 2, ceil_mode=True)),
+                       ("ceil 3 s2 p1", lambda t: F.avg_pool2d(t, 3, 2, 1, ceil_mode=True)),
+                       ("ceil 4 s3 p2 no pad count", lambda t: F.avg_pool2d(t, 4, 3, 2, ceil_mode=True,
+                                                                            count_include_pad=False)),
+                       ("ceil 3 s2 divisor", lambda t: F.avg_pool2d(t, 3, 2, ceil_mode=True, divisor_override=5))],
         F.batch_norm: [("train", lambda t: F.batch_norm(t, rm.clone(), rv.clone(), training=True)),
                        ("eval", lambda t: F.batch_norm(t, rm, rv))],
         F.adaptive_avg_pool2d: [("1", lambda t: F.adaptive_avg_pool2d(t, 1)),
@@ -380,6 +384,8 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("reflect", (2, 1), "exact"), ("reflect 2 uneven", (2, 2), "exact"), ("circular", (2, 1), "exact"),
     ("circular uneven", (2, 2), "exact"), ("reflect -1", (2, 1), "refused"),
     ("2 of 6 x 4", (2, 2), "exact"), ("3", (2, 1), "exact"), ("2 of 2 x 2", (2, 1), "refused"),
+    ("ceil 3 s2 p1", (2, 2), "exact"), ("ceil 4 s3 p2 no pad count", (2, 1), "exact"),
+    ("ceil 3 s2 divisor", (1, 2), "exact"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():

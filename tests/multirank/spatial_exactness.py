@@ -15,7 +15,8 @@ Usage: spatial_exactness.py [--device cpu|cuda] GRID CASE [CASE ...]; GRID is Rx
 the ranks), a CASE is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, edsr, srresnet,
 resnet50, resnet-small, unet, unet-crop, seghead, masked (further scattered inputs), unbatched
 ((C, H, W) convolutions), quirks (spatial_models.Quirks), borders (reflection,
-replication and circular padding), unshuffle (pixel unshuffle and shuffle). Prints "OK spatial MODEL HxW GRID" per case.
+replication and circular padding), unshuffle (pixel unshuffle and shuffle),
+pooled (average pooling with ceil_mode). Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations

@@ -186,6 +186,22 @@ class Unshuffled(nn.Module):
         return self.conv3(self.up(self.conv2(torch.relu(self.conv1(self.down(x))))) + x)
 
 
+class Pooled(nn.Module):
+    """Average pooling whose last window hangs over the image's end (``ceil_mode=True``):
+    counting the padding it covers, and counting the image's pixels alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool1 = nn.AvgPool2d(3, 2, 1, ceil_mode=True)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool2 = nn.AvgPool2d(2, ceil_mode=True, count_include_pad=False)
+        self.conv3 = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv3(self.pool2(torch.relu(self.conv2(self.pool1(torch.relu(self.conv1(x)))))))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -218,6 +234,8 @@ def build(name: str) -> nn.Module:
         return Borders()
     if name == "unshuffle":
         return Unshuffled()
+    if name == "pooled":
+        return Pooled()
     return build_model(name, 2)
 
 

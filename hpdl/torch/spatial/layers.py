@@ -447,30 +447,34 @@ def avg_pool2d(ctx: Context, func, a: dict):
     stride = kernel if stride is None or stride == [] or stride == () else _pair(stride)
     padding, ceil_mode = _pair(a.get("padding", 0)), a.get("ceil_mode", False)
     count_include_pad, divisor = a.get("count_include_pad", True), a.get("divisor_override")
-    if ceil_mode:
-        raise SpatialError(f"{ctx.where()}: average pooling with ceil_mode=True is not supported in the spatial part")
-    windows = tuple(Window(k, s, p, p) for k, s, p in zip(kernel, stride, padding))
+    windows = tuple(Window(k, s, p, p, ceil_mode=bool(ceil_mode)) for k, s, p in zip(kernel, stride, padding))
     spec, out_part = window_spec(ctx, part_of(x), windows, halo.ZEROS)
     out = F.avg_pool2d(halo.exchange(x, spec), kernel, stride, 0, False, True, divisor)
-    if not count_include_pad and divisor is None and any(padding):
-        # Divide by the pixels inside the image only: each window's share that is not fill.
-        out = out / F.avg_pool2d(_inside_image(x, spec), kernel, stride, 0, False, True)
+    if divisor is None and ((not count_include_pad and any(padding)) or ceil_mode):
+        # PyTorch divides by the pixels of each window that count: inside the image, or with
+        # count_include_pad inside the image and its padding (a ceil_mode window reaching
+        # beyond the padding counts only what it covers of them).
+        counted = padding if count_include_pad else (0, 0)
+        out = out / F.avg_pool2d(_counted_pixels(x, spec, counted), kernel, stride, 0, False, True)
     return tagged(out, out_part)
 
 
-def _inside_image(x: torch.Tensor, spec: halo.HaloSpec) -> torch.Tensor:
-    """The band's window input as a 1 x 1 map: 1 on pixels of the image (own or received), 0 on
-    fill. A pixel is inside when both its row and its column are: the fill rows a neighbour
-    sends with its columns (the corners of a 2-D grid) are fill there too."""
+def _counted_pixels(x: torch.Tensor, spec: halo.HaloSpec, padding: Tuple[int, int]) -> torch.Tensor:
+    """The band's window input as a 1 x 1 map: 1 on pixels of the image (own or received) and on
+    the ``padding`` (rows, columns) next to it, 0 on fill beyond. A pixel counts when both its
+    row and its column do: the fill rows a neighbour sends with its columns (the corners of a
+    2-D grid) are fill there too."""
     h, w = x.shape[-2:]
 
-    def inside(plan: BandPlan, own: int) -> torch.Tensor:
+    def counted(plan: BandPlan, own: int, pad: int) -> torch.Tensor:
         if plan.moves_nothing:
             return x.new_ones(own)
         held = plan.recv_before + (plan.keep[1] - plan.keep[0]) + plan.recv_after
-        return torch.cat([x.new_zeros(plan.fill_before), x.new_ones(held), x.new_zeros(plan.fill_after)])
+        before, after = min(plan.fill_before, pad), min(plan.fill_after, pad)
+        return torch.cat([x.new_zeros(plan.fill_before - before), x.new_ones(before + held + after),
+                          x.new_zeros(plan.fill_after - after)])
 
-    rows, cols = inside(spec.rows, h), inside(spec.cols, w)
+    rows, cols = counted(spec.rows, h, padding[0]), counted(spec.cols, w, padding[1])
     return (rows[:, None] * cols[None, :]).view(1, 1, rows.numel(), cols.numel())
 
 

@@ -128,7 +128,7 @@ for _func, _spelling, _handler, _what in (
         (F.max_pool2d, "F.max_pool2d", layers.max_pool2d, "any kernel, stride, padding, dilation, `ceil_mode`"),
         (torch.max_pool2d, "torch.max_pool2d", layers.max_pool2d, "as F.max_pool2d"),
         (F.avg_pool2d, "F.avg_pool2d", layers.avg_pool2d,
-         "any kernel, stride, padding; `count_include_pad`, `divisor_override`"),
+         "any kernel, stride, padding, `ceil_mode`; `count_include_pad`, `divisor_override`"),
         (F.batch_norm, "F.batch_norm", layers.batch_norm,
          "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
