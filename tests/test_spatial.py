@@ -263,10 +263,10 @@ EXACTNESS = [
                            "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint", "unet:37x29",
                            "unet-crop:37x29:checkpoint", "seghead:64x32"]),
     ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
-                           "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8"]),
+                           "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8", "multiscale:24x12"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
                            "unbatched:17x11", "quirks:17x11", "borders:17x11",
-                           "unshuffle:22x14", "pooled:17x11"]),
+                           "unshuffle:22x14", "pooled:17x11", "multiscale:24x18"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29", "borders:17x8"]),
     ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64", "borders:17x11"]),
     # Open MPI's halo exchanges, a middle band with two neighbours; the models are MPICH's above.

@@ -205,6 +205,12 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                         ("size 2h+1", lambda t: F.interpolate(t, size=(2 * t.shape[-2] + 1, 2 * t.shape[-1]))),
                         ("size 14 x 12", lambda t: F.interpolate(t, size=(14, 12), mode="bilinear")),
                         ("1.5", lambda t: F.interpolate(t, scale_factor=1.5)),
+                        ("nearest 0.5", lambda t: F.interpolate(t, scale_factor=0.5)),
+                        ("nearest-exact 1/3", lambda t: F.interpolate(t, scale_factor=1 / 3, mode="nearest-exact")),
+                        ("bilinear 0.5", lambda t: F.interpolate(t, scale_factor=0.5, mode="bilinear")),
+                        ("bicubic 0.5 x 1", lambda t: F.interpolate(t, scale_factor=(0.5, 1.0), mode="bicubic")),
+                        ("bilinear to 3 x 2", lambda t: F.interpolate(t[..., :6, :], size=(3, 2), mode="bilinear")),
+                        ("bilinear to 3 x 3 of 7 x 6", lambda t: F.interpolate(t, size=(3, 3), mode="bilinear")),
                         ("align", lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=True))],
         F.pad: [("zeros 1", lambda t: F.pad(t, (1, 1, 1, 1))), ("value 2 uneven", lambda t: F.pad(t, (0, 2, 1, 0), value=2.0)),
                 ("crop -1", lambda t: F.pad(t, (-1, 0, 0, -1))), ("replicate", lambda t: F.pad(t, (1, 2, 2, 1),
@@ -385,7 +391,8 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("circular uneven", (2, 2), "exact"), ("reflect -1", (2, 1), "refused"),
     ("2 of 6 x 4", (2, 2), "exact"), ("3", (2, 1), "exact"), ("2 of 2 x 2", (2, 1), "refused"),
     ("ceil 3 s2 p1", (2, 2), "exact"), ("ceil 4 s3 p2 no pad count", (2, 1), "exact"),
-    ("ceil 3 s2 divisor", (1, 2), "exact"),
+    ("ceil 3 s2 divisor", (1, 2), "exact"), ("bilinear 0.5", (2, 2), "exact"), ("bicubic 0.5 x 1", (2, 1), "exact"),
+    ("bilinear to 3 x 3 of 7 x 6", (2, 1), "refused"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():
@@ -430,8 +437,11 @@ def test_a_size_read_from_the_input_is_the_whole_images():
 
 def test_a_refused_interpolation_names_the_sizes_as_one_process_sees_them():
     x = torch.randn(1, 1, 64, 32, dtype=torch.float64)
-    outcomes = run_parts((2, 1), lambda t: F.interpolate(t[..., ::1, :], size=(32, 32)), x)
-    assert "interpolation of a 64 x 32 map to 32 x 32 (a scale of 0.5 x 1)" in refused_alike(outcomes)
+    outcomes = run_parts((2, 1), lambda t: F.interpolate(t[..., ::1, :], size=(24, 32)), x)
+    assert "interpolation of a 64 x 32 map to 24 x 32 (a scale of 0.375 x 1)" in refused_alike(outcomes)
+    # Half the size is a downscaling by a whole factor: exact.
+    half = lambda t: F.interpolate(t, size=(32, 16), mode="bilinear")  # noqa: E731
+    assert torch.allclose(assemble([o.value for o in run_parts((2, 1), half, x)]), half(x), atol=1e-12)
 
 
 def test_lengths_read_from_a_part_compare_and_compute_as_the_whole_images():

@@ -16,7 +16,8 @@ the ranks), a CASE is MODEL:HxW[:checkpoint] with MODEL one of edsr-baseline, ed
 resnet50, resnet-small, unet, unet-crop, seghead, masked (further scattered inputs), unbatched
 ((C, H, W) convolutions), quirks (spatial_models.Quirks), borders (reflection,
 replication and circular padding), unshuffle (pixel unshuffle and shuffle),
-pooled (average pooling with ceil_mode). Prints "OK spatial MODEL HxW GRID" per case.
+pooled (average pooling with ceil_mode),
+multiscale (downscaling by interpolation). Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations

@@ -202,6 +202,27 @@ class Pooled(nn.Module):
         return self.conv3(self.pool2(torch.relu(self.conv2(self.pool1(torch.relu(self.conv1(x)))))))
 
 
+class MultiScale(nn.Module):
+    """A branch at half and at a third of the resolution (downscaling by interpolation,
+    bilinear, bicubic and nearest), brought back up and added to the full-resolution path."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.at_half = nn.Conv2d(4, 4, 3, padding=1)
+        self.at_third = nn.Conv2d(4, 4, 1)
+        self.conv2 = nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv1(x))
+        half = self.at_half(F.interpolate(y, scale_factor=0.5, mode="bilinear"))
+        third = self.at_third(F.interpolate(y, scale_factor=1 / 3, mode="bicubic"))
+        down = F.interpolate(y, size=(y.shape[-2] // 2, y.shape[-1] // 2), mode="nearest")
+        up = F.interpolate(half + down, scale_factor=2, mode="bilinear") + \
+            F.interpolate(third, scale_factor=3, mode="nearest")
+        return self.conv2(y + up)
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -213,30 +234,17 @@ def extra_inputs(name: str, x: torch.Tensor):
     return (mask.to(x.device),), {"scale": scale.to(x.device)}
 
 
+_MODELS = {
+    "resnet50": lambda: resnet50(num_classes=10), "resnet-small": SmallResNet, "unet": lambda: UNet(pad=True),
+    "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
+    "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
+}
+
+
 def build(name: str) -> nn.Module:
-    if name == "resnet50":
-        return resnet50(num_classes=10)
-    if name == "resnet-small":
-        return SmallResNet()
-    if name == "unet":
-        return UNet(pad=True)
-    if name == "unet-crop":
-        return UNet(pad=False)
-    if name == "seghead":
-        return SegmentationHead()
-    if name == "masked":
-        return Masked()
-    if name == "unbatched":
-        return Unbatched()
-    if name == "quirks":
-        return Quirks()
-    if name == "borders":
-        return Borders()
-    if name == "unshuffle":
-        return Unshuffled()
-    if name == "pooled":
-        return Pooled()
-    return build_model(name, 2)
+    """A model of this file's by name, else hpdl.sr's (edsr-baseline, edsr, srresnet) at x2."""
+    make = _MODELS.get(name)
+    return make() if make is not None else build_model(name, 2)
 
 
 def output_shape(name: str, batch: int, height: int, width: int):

@@ -137,7 +137,8 @@ for _func, _spelling, _handler, _what in (
         (torch.pixel_unshuffle, "F.pixel_unshuffle", layers.pixel_unshuffle,
          "any factor dividing the image's height and width"),
         (F.interpolate, "F.interpolate", layers.interpolate,
-         "nearest, bilinear, bicubic (`align_corners=False`), integer upscaling; `size` as one process reads it"),
+         "nearest, bilinear, bicubic (`align_corners=False`), integer upscaling and downscaling by whole factors "
+         "(0.5, 1/3); `size` as one process reads it"),
         (torch.mean, "torch.mean", layers.reduction, "over both image dimensions: global; over neither: as it is"),
         (torch.Tensor.mean, "Tensor.mean", layers.reduction, "as torch.mean"),
         (torch.sum, "torch.sum", layers.reduction, "as torch.mean"),
