@@ -25,9 +25,10 @@ that rank's contribution, and global pooling's backward sums the contributions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,22 @@ def _regroup_plans(owned: Tuple[Tuple[int, int], ...], length: int) -> Tuple[Ban
     return tuple(plan_bands(owned, bands(length, len(owned)), length))
 
 
+@contextlib.contextmanager
+def _naming_the_layer(ctx: Context, axis: int) -> Iterator[None]:
+    """A band too thin found inside names the running layer and the axis (0: rows, 1: columns)."""
+    try:
+        yield
+    except ThinBand as thin:
+        thin.layer, thin.axis = ctx.where(), axis
+        raise
+
+
+def _plans(ctx: Context, axis: int, owned, needed, length: int) -> List[BandPlan]:
+    """plan_bands along ``axis`` for the running layer (a band too thin names it)."""
+    with _naming_the_layer(ctx, axis):
+        return plan_bands(owned, needed, length)
+
+
 def _spec(ctx: Context, plans: Tuple[BandPlan, BandPlan], fill: str) -> halo.HaloSpec:
     return halo.HaloSpec(rows=plans[0], cols=plans[1], row_peers=ctx.grid.neighbours(ctx.rank, 0),
                          col_peers=ctx.grid.neighbours(ctx.rank, 1), fill=fill, comm=ctx.comm, label=ctx.label())
@@ -71,11 +88,8 @@ def window_spec(ctx: Context, part: Part, windows: Tuple[Window, Window], fill: 
     """The exchange ``windows`` (rows, columns) need on this rank, and the output's part."""
     lengths, plans = [], []
     for axis, window in enumerate(windows):
-        try:
+        with _naming_the_layer(ctx, axis):
             out_length, all_plans = _window_plans(part.length(axis), ctx.grid.bands_along(axis), window)
-        except ThinBand as thin:
-            thin.layer, thin.axis = ctx.where(), axis
-            raise
         lengths.append(out_length)
         plans.append(all_plans[part.band[axis]])
     return _spec(ctx, (plans[0], plans[1]), fill), part.resized(lengths[0], lengths[1])
@@ -265,11 +279,7 @@ def conv_transpose2d(ctx: Context, func, a: dict):
             first = -(-(o0 + p - d * (k - 1)) // s)
             last = (o1 - 1 + p) // s + 1
             needed.append((first, max(last, first + 1)))
-        try:
-            all_plans = plan_bands(bands(length, parts), needed, length)
-        except ThinBand as thin:
-            thin.layer, thin.axis = ctx.where(), axis
-            raise
+        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
         band = part.band[axis]
         (o0, o1), (first, last) = out_bands[band], needed[band]
         start = o0 + p - first * s  # the band's first output row in the local transposed convolution
@@ -305,11 +315,7 @@ def _region(ctx: Context, x: torch.Tensor, spans: Tuple[Optional[Tuple[int, int]
             raise SpatialError(f"{ctx.where()}: the result has {out_length} {what}s, fewer than the {parts} "
                                f"{what} bands")
         needed = [(o0 + offset, o1 + offset) for o0, o1 in bands(out_length, parts)]
-        try:
-            all_plans = plan_bands(bands(length, parts), needed, length)
-        except ThinBand as thin:
-            thin.layer, thin.axis = ctx.where(), axis
-            raise
+        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
         if fill in (halo.REPLICATE, halo.REFLECT):
             _refuse_border_copies_beyond_the_border_bands(ctx, fill, all_plans, bands(length, parts), what)
         plans.append(all_plans[part.band[axis]])
@@ -510,11 +516,8 @@ def pixel_unshuffle(ctx: Context, func, a: dict):
             raise SpatialError(f"{ctx.where()}: pixel_unshuffle by {factor} makes {length // factor} "
                                f"{('rows', 'columns')[axis]} of {length}, fewer than the "
                                f"{ctx.grid.bands_along(axis)} {('row', 'column')[axis]} bands")
-        try:
+        with _naming_the_layer(ctx, axis):
             all_plans = _unshuffle_plans(length, ctx.grid.bands_along(axis), factor)
-        except ThinBand as thin:
-            thin.layer, thin.axis = ctx.where(), axis
-            raise
         plans.append(all_plans[part.band[axis]])
     blocks = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.ZEROS))
     return tagged(torch.pixel_unshuffle(blocks, factor), part.resized(part.height // factor, part.width // factor))
@@ -577,11 +580,7 @@ def interpolate(ctx: Context, func, a: dict):
         length, parts = part.length(axis), ctx.grid.bands_along(axis)
         out_bands = bands(s * length, parts)
         needed = [(o0 // s - taps, -(-o1 // s) + taps) for o0, o1 in out_bands]
-        try:
-            all_plans = plan_bands(bands(length, parts), needed, length)
-        except ThinBand as thin:
-            thin.layer, thin.axis = ctx.where(), axis
-            raise
+        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
         plans.append(all_plans[part.band[axis]])
         o0, o1 = out_bands[part.band[axis]]
         first = needed[part.band[axis]][0]
@@ -615,11 +614,7 @@ def _downscale(ctx: Context, x: torch.Tensor, part: Part, factors: Tuple[int, in
         first, last = _read_rows(mode, k)
         out_bands = bands(out_lengths[axis], parts)
         needed = [(k * o0 + first, k * (o1 - 1) + last + 1) for o0, o1 in out_bands]
-        try:
-            all_plans = plan_bands(bands(length, parts), needed, length)
-        except ThinBand as thin:
-            thin.layer, thin.axis = ctx.where(), axis
-            raise
+        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
         band = part.band[axis]
         plans.append(all_plans[band])
         (o0, o1), (r0, r1) = out_bands[band], needed[band]
