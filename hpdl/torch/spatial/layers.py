@@ -6,11 +6,11 @@ Each handler takes the arguments of the PyTorch function it replaces (``F.conv2d
 from a part already the whole image's), and returns this rank's part of the result, marked
 with its :class:`Part`:
 
-- window operations (convolution, pooling, bilinear and bicubic interpolation) exchange the
+- window operations (convolution, pooling) exchange the
   rows and columns their output band reads (halo.py), then run PyTorch's own operation with
   no padding: fill beyond the image stands for it;
-- ``pixel_shuffle`` and nearest upsampling are local, then move whole rows so that the result
-  is split as every map is (geometry.py: the same rule for every size);
+- resampling (``pixel_shuffle``, ``pixel_unshuffle``, interpolation) is in resampling.py, and
+  where each band's rows come from (the plans, the exchange's spec) in band_plans.py;
 - transposed convolutions exchange the input rows their output band gathers from, then crop;
 - crops and pads (``x[..., a:b, :]``, ``narrow``, ``F.pad``) are a shifted window of the
   image: each output band takes its rows from the input bands, fill beyond the image;
@@ -25,85 +25,17 @@ that rank's contribution, and global pooling's backward sums the contributions.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from hpdl.torch import batch_norm_stats as stats
-from hpdl.torch.spatial import halo
+from hpdl.torch.spatial import band_plans, halo
 from hpdl.torch.spatial.comm import refuse_graph_in_backward
 from hpdl.torch.spatial.context import Context
-from hpdl.torch.spatial.geometry import BandPlan, Part, SpatialError, ThinBand, Window, bands, plan_bands
+from hpdl.torch.spatial.geometry import BandPlan, SpatialError, Window, bands
 from hpdl.torch.spatial.parts import part_of, tagged
-
-
-def _pair(value: Any) -> Tuple[int, int]:
-    if isinstance(value, (tuple, list)):
-        return (int(value[0]), int(value[-1])) if len(value) else (0, 0)
-    return int(value), int(value)
-
-
-# -- plans ---------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=4096)
-def _window_plans(length: int, parts: int, window: Window) -> Tuple[int, Tuple[BandPlan, ...]]:
-    """The output length and every band's plan for ``window`` along one dimension."""
-    out_length = window.output_length(length)
-    out_bands = bands(out_length, parts)
-    return out_length, tuple(plan_bands(bands(length, parts), [window.needed(b) for b in out_bands], length))
-
-
-@functools.lru_cache(maxsize=4096)
-def _regroup_plans(owned: Tuple[Tuple[int, int], ...], length: int) -> Tuple[BandPlan, ...]:
-    """Plans that move rows from ``owned`` bands to the even split of ``length`` rows."""
-    return tuple(plan_bands(owned, bands(length, len(owned)), length))
-
-
-@contextlib.contextmanager
-def _naming_the_layer(ctx: Context, axis: int) -> Iterator[None]:
-    """A band too thin found inside names the running layer and the axis (0: rows, 1: columns)."""
-    try:
-        yield
-    except ThinBand as thin:
-        thin.layer, thin.axis = ctx.where(), axis
-        raise
-
-
-def _plans(ctx: Context, axis: int, owned, needed, length: int) -> List[BandPlan]:
-    """plan_bands along ``axis`` for the running layer (a band too thin names it)."""
-    with _naming_the_layer(ctx, axis):
-        return plan_bands(owned, needed, length)
-
-
-def _spec(ctx: Context, plans: Tuple[BandPlan, BandPlan], fill: str) -> halo.HaloSpec:
-    return halo.HaloSpec(rows=plans[0], cols=plans[1], row_peers=ctx.grid.neighbours(ctx.rank, 0),
-                         col_peers=ctx.grid.neighbours(ctx.rank, 1), fill=fill, comm=ctx.comm, label=ctx.label())
-
-
-def window_spec(ctx: Context, part: Part, windows: Tuple[Window, Window], fill: str) -> Tuple[halo.HaloSpec, Part]:
-    """The exchange ``windows`` (rows, columns) need on this rank, and the output's part."""
-    lengths, plans = [], []
-    for axis, window in enumerate(windows):
-        with _naming_the_layer(ctx, axis):
-            out_length, all_plans = _window_plans(part.length(axis), ctx.grid.bands_along(axis), window)
-        lengths.append(out_length)
-        plans.append(all_plans[part.band[axis]])
-    return _spec(ctx, (plans[0], plans[1]), fill), part.resized(lengths[0], lengths[1])
-
-
-def regroup(ctx: Context, y: torch.Tensor, part: Part, factors: Tuple[int, int]) -> torch.Tensor:
-    """``y``, this rank's rows and columns of a map ``factors`` times ``part``'s size that a
-    local operation made (rows ``factor * band``), moved to the even split of that map."""
-    plans = []
-    for axis, factor in enumerate(factors):
-        owned = tuple((factor * a, factor * b) for a, b in bands(part.length(axis), ctx.grid.bands_along(axis)))
-        plans.append(_regroup_plans(owned, factor * part.length(axis))[part.band[axis]])
-    out = halo.exchange(y, _spec(ctx, (plans[0], plans[1]), halo.ZEROS))
-    return tagged(out, part.resized(factors[0] * part.height, factors[1] * part.width))
 
 
 # -- convolution ---------------------------------------------------------------------------
@@ -235,8 +167,8 @@ def conv2d(ctx: Context, func, a: dict):
     if unbatched is not None:
         return unbatched
     x, weight, bias = a["input"], a["weight"], a["bias"]
-    stride, padding = _pair(a["stride"]), a["padding"]
-    dilation, groups = _pair(a["dilation"]), a["groups"]
+    stride, padding = band_plans.pair(a["stride"]), a["padding"]
+    dilation, groups = band_plans.pair(a["dilation"]), a["groups"]
     part = part_of(x)
     kernel = tuple(weight.shape[-2:])
     if padding == "valid":
@@ -244,9 +176,9 @@ def conv2d(ctx: Context, func, a: dict):
     elif padding == "same":  # stride 1 only (PyTorch's rule); the odd extra row goes after
         pads = tuple((d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for k, d in zip(kernel, dilation))
     else:
-        pads = tuple((p, p) for p in _pair(padding))
+        pads = tuple((p, p) for p in band_plans.pair(padding))
     windows = tuple(Window(k, s, pb, pa, d) for k, s, (pb, pa), d in zip(kernel, stride, pads, dilation))
-    spec, out_part = window_spec(ctx, part, windows, halo.ZEROS)
+    spec, out_part = band_plans.window_spec(ctx, part, windows, halo.ZEROS)
     if ctx.dry:
         return tagged(F.conv2d(halo.receive_both(x, spec)[0], weight, bias, stride, 0, dilation, groups), out_part)
     padding = _band_padding(spec, windows, part.local_size[0])
@@ -264,8 +196,8 @@ def conv_transpose2d(ctx: Context, func, a: dict):
     if unbatched is not None:
         return unbatched
     x, weight, bias = a["input"], a["weight"], a["bias"]
-    stride, padding, extra = _pair(a["stride"]), _pair(a["padding"]), _pair(a["output_padding"])
-    dilation, groups = _pair(a["dilation"]), a["groups"]
+    stride, padding, extra = band_plans.pair(a["stride"]), band_plans.pair(a["padding"]), band_plans.pair(a["output_padding"])
+    dilation, groups = band_plans.pair(a["dilation"]), a["groups"]
     part = part_of(x)
     kernel = tuple(weight.shape[-2:])
     plans, crops, out_lengths, output_padding = [], [], [], []
@@ -279,7 +211,7 @@ def conv_transpose2d(ctx: Context, func, a: dict):
             first = -(-(o0 + p - d * (k - 1)) // s)
             last = (o1 - 1 + p) // s + 1
             needed.append((first, max(last, first + 1)))
-        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
+        all_plans = band_plans.along(ctx, axis, bands(length, parts), needed, length)
         band = part.band[axis]
         (o0, o1), (first, last) = out_bands[band], needed[band]
         start = o0 + p - first * s  # the band's first output row in the local transposed convolution
@@ -292,7 +224,7 @@ def conv_transpose2d(ctx: Context, func, a: dict):
         crops.append((start, o1 - o0))
         out_lengths.append(out_length)
         output_padding.append(short)
-    assembled = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.ZEROS))
+    assembled = halo.exchange(x, band_plans.halo_spec(ctx, (plans[0], plans[1]), halo.ZEROS))
     out = F.conv_transpose2d(assembled, weight, bias, stride, 0, tuple(output_padding), groups, dilation)
     out = out.narrow(-2, crops[0][0], crops[0][1]).narrow(-1, crops[1][0], crops[1][1])
     return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
@@ -315,12 +247,12 @@ def _region(ctx: Context, x: torch.Tensor, spans: Tuple[Optional[Tuple[int, int]
             raise SpatialError(f"{ctx.where()}: the result has {out_length} {what}s, fewer than the {parts} "
                                f"{what} bands")
         needed = [(o0 + offset, o1 + offset) for o0, o1 in bands(out_length, parts)]
-        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
+        all_plans = band_plans.along(ctx, axis, bands(length, parts), needed, length)
         if fill in (halo.REPLICATE, halo.REFLECT):
             _refuse_border_copies_beyond_the_border_bands(ctx, fill, all_plans, bands(length, parts), what)
         plans.append(all_plans[part.band[axis]])
         out_lengths.append(out_length)
-    out = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), fill))
+    out = halo.exchange(x, band_plans.halo_spec(ctx, (plans[0], plans[1]), fill))
     if out is x:  # the band holds its result already: a new tensor, since its part differs
         out = x.view_as(x)
     return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
@@ -434,28 +366,28 @@ def _circular(ctx: Context, x: torch.Tensor, axis: int, before: int, after: int)
 
 def max_pool2d(ctx: Context, func, a: dict):
     x = a["input"]
-    kernel = _pair(a["kernel_size"])
+    kernel = band_plans.pair(a["kernel_size"])
     stride = a.get("stride")
-    stride = kernel if stride is None or stride == [] or stride == () else _pair(stride)
-    padding, dilation = _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
+    stride = kernel if stride is None or stride == [] or stride == () else band_plans.pair(stride)
+    padding, dilation = band_plans.pair(a.get("padding", 0)), band_plans.pair(a.get("dilation", 1))
     ceil_mode, return_indices = a.get("ceil_mode", False), a.get("return_indices", False)
     if return_indices:
         raise SpatialError(f"{ctx.where()}: max pooling with return_indices=True is not supported in the spatial "
                            "part (the indices would be local to each rank's part)")
     windows = tuple(Window(k, s, p, p, d, bool(ceil_mode)) for k, s, p, d in zip(kernel, stride, padding, dilation))
-    spec, out_part = window_spec(ctx, part_of(x), windows, halo.NEG_INF)
+    spec, out_part = band_plans.window_spec(ctx, part_of(x), windows, halo.NEG_INF)
     return tagged(F.max_pool2d(halo.exchange(x, spec), kernel, stride, 0, dilation), out_part)
 
 
 def avg_pool2d(ctx: Context, func, a: dict):
     x = a["input"]
-    kernel = _pair(a["kernel_size"])
+    kernel = band_plans.pair(a["kernel_size"])
     stride = a.get("stride")
-    stride = kernel if stride is None or stride == [] or stride == () else _pair(stride)
-    padding, ceil_mode = _pair(a.get("padding", 0)), a.get("ceil_mode", False)
+    stride = kernel if stride is None or stride == [] or stride == () else band_plans.pair(stride)
+    padding, ceil_mode = band_plans.pair(a.get("padding", 0)), a.get("ceil_mode", False)
     count_include_pad, divisor = a.get("count_include_pad", True), a.get("divisor_override")
     windows = tuple(Window(k, s, p, p, ceil_mode=bool(ceil_mode)) for k, s, p in zip(kernel, stride, padding))
-    spec, out_part = window_spec(ctx, part_of(x), windows, halo.ZEROS)
+    spec, out_part = band_plans.window_spec(ctx, part_of(x), windows, halo.ZEROS)
     out = F.avg_pool2d(halo.exchange(x, spec), kernel, stride, 0, False, True, divisor)
     if divisor is None and ((not count_include_pad and any(padding)) or ceil_mode):
         # PyTorch divides by the pixels of each window that count: inside the image, or with
@@ -483,151 +415,6 @@ def _counted_pixels(x: torch.Tensor, spec: halo.HaloSpec, padding: Tuple[int, in
 
     rows, cols = counted(spec.rows, h, padding[0]), counted(spec.cols, w, padding[1])
     return (rows[:, None] * cols[None, :]).view(1, 1, rows.numel(), cols.numel())
-
-
-# -- resampling ----------------------------------------------------------------------------
-
-def pixel_shuffle(ctx: Context, func, a: dict):
-    x, factor = a["input"], int(a["upscale_factor"])
-    return regroup(ctx, torch.pixel_shuffle(x, factor), part_of(x), (factor, factor))
-
-
-@functools.lru_cache(maxsize=4096)
-def _unshuffle_plans(length: int, parts: int, factor: int) -> Tuple[BandPlan, ...]:
-    """Plans that give each band the input rows of its even share of the output's
-    ``length // factor`` rows: ``factor`` input rows an output row."""
-    needed = [(factor * a, factor * b) for a, b in bands(length // factor, parts)]
-    return tuple(plan_bands(bands(length, parts), needed, length))
-
-
-def pixel_unshuffle(ctx: Context, func, a: dict):
-    """``F.pixel_unshuffle``: each band first takes the blocks of ``factor`` rows (and columns)
-    that make its even share of the output, from its neighbours where a block straddles two
-    bands, then unshuffles them alone."""
-    x, factor = a["input"], int(a["downscale_factor"])
-    part = part_of(x)
-    plans = []
-    for axis in (0, 1):
-        length, what = part.length(axis), ("height", "width")[axis]
-        if length % factor:
-            raise SpatialError(f"{ctx.where()}: pixel_unshuffle expects the {what} to be divisible by "
-                               f"downscale_factor {factor}, but the image's is {length}")
-        if length // factor < ctx.grid.bands_along(axis):
-            raise SpatialError(f"{ctx.where()}: pixel_unshuffle by {factor} makes {length // factor} "
-                               f"{('rows', 'columns')[axis]} of {length}, fewer than the "
-                               f"{ctx.grid.bands_along(axis)} {('row', 'column')[axis]} bands")
-        with _naming_the_layer(ctx, axis):
-            all_plans = _unshuffle_plans(length, ctx.grid.bands_along(axis), factor)
-        plans.append(all_plans[part.band[axis]])
-    blocks = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.ZEROS))
-    return tagged(torch.pixel_unshuffle(blocks, factor), part.resized(part.height // factor, part.width // factor))
-
-
-_TAPS = {"bilinear": 1, "bicubic": 2}  # source rows read beyond the nearest, on each side
-
-
-def _whole_factors(ctx: Context, part: Part, size: Any, scale_factor: Any,
-                   recompute: Optional[bool]) -> Tuple[str, Tuple[int, int], Tuple[int, int]]:
-    """("up", factors, output lengths) for integer upscaling, ("down", factors, output lengths)
-    for downscaling by whole factors (scale 1 / k: PyTorch's source scale is then k exactly);
-    any other scale is refused. The output lengths as PyTorch computes them."""
-    lengths = (part.height, part.width)
-    if size is not None or recompute:
-        if size is not None:
-            out = _pair(size)
-        else:
-            factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
-            out = tuple(int(math.floor(n * float(f))) for n, f in zip(lengths, factors))
-        if all(o >= n and o % n == 0 for o, n in zip(out, lengths)):
-            return "up", (out[0] // lengths[0], out[1] // lengths[1]), out
-        if all(0 < o <= n and n % o == 0 for o, n in zip(out, lengths)):
-            return "down", (lengths[0] // out[0], lengths[1] // out[1]), out
-        raise SpatialError(f"{ctx.where()}: interpolation of a {part.height} x {part.width} map to {out[0]} x "
-                           f"{out[1]} (a scale of {out[0] / part.height:.4g} x {out[1] / part.width:.4g}) is not "
-                           "supported in the spatial part (integer upscaling, or downscaling by whole factors)")
-    scales = tuple(float(f) for f in (scale_factor if isinstance(scale_factor, (tuple, list))
-                                      else (scale_factor, scale_factor)))
-    out = tuple(int(math.floor(n * f)) for n, f in zip(lengths, scales))
-    if all(f >= 1 and f == int(f) for f in scales):
-        return "up", (int(scales[0]), int(scales[1])), out
-    if all(0 < f <= 1 and 1 / f == int(1 / f) and o >= 1 for f, o in zip(scales, out)):
-        return "down", (int(1 / scales[0]), int(1 / scales[1])), out
-    raise SpatialError(f"{ctx.where()}: interpolation by {scales[0]:g} x {scales[1]:g} is not supported in the "
-                       "spatial part (integer upscaling, or downscaling by whole factors: 0.5, 1/3, ...)")
-
-
-def interpolate(ctx: Context, func, a: dict):
-    x = a["input"]
-    size, scale_factor = a.get("size"), a.get("scale_factor")
-    mode, align_corners, antialias = a.get("mode", "nearest"), a.get("align_corners"), a.get("antialias", False)
-    part = part_of(x)
-    if x.dim() != 4 or mode not in ("nearest", "nearest-exact", "bilinear", "bicubic") or align_corners or antialias:
-        detail = f"mode={mode!r}" + (", align_corners=True" if align_corners else "") + \
-            (", antialias=True" if antialias else "")
-        raise SpatialError(f"{ctx.where()}: interpolation with {detail} is not supported in the spatial part "
-                           "(nearest, bilinear or bicubic, integer upscaling or downscaling, align_corners=False)")
-    direction, scales, out_lengths = _whole_factors(ctx, part, size, scale_factor, a.get("recompute_scale_factor"))
-    if direction == "down":
-        return _downscale(ctx, x, part, scales, out_lengths, mode)
-    if mode in ("nearest", "nearest-exact"):  # output row o reads row o // s: local, then regrouped
-        return regroup(ctx, F.interpolate(x, scale_factor=scales, mode=mode), part, scales)
-    # Output row o reads rows near (o + 0.5) / s - 0.5; the image's own rows are clamped to its
-    # edge, which the replicated fill stands for. The assembled input starts at a whole row,
-    # so the local interpolation's coordinates are the global ones shifted by it.
-    taps = _TAPS[mode]
-    plans, offsets = [], []
-    for axis, s in enumerate(scales):
-        length, parts = part.length(axis), ctx.grid.bands_along(axis)
-        out_bands = bands(s * length, parts)
-        needed = [(o0 // s - taps, -(-o1 // s) + taps) for o0, o1 in out_bands]
-        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
-        plans.append(all_plans[part.band[axis]])
-        o0, o1 = out_bands[part.band[axis]]
-        first = needed[part.band[axis]][0]
-        offsets.append((o0 - s * first, o1 - o0))
-    assembled = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.REPLICATE))
-    out = F.interpolate(assembled, scale_factor=scales, mode=mode, align_corners=False)
-    out = out.narrow(2, offsets[0][0], offsets[0][1]).narrow(3, offsets[1][0], offsets[1][1])
-    return tagged(out, part.resized(scales[0] * part.height, scales[1] * part.width))
-
-
-# Downscaling by k: the source rows output row o reads, as offsets from k * o (first, last).
-def _read_rows(mode: str, k: int) -> Tuple[int, int]:
-    centre = (k - 1) // 2  # the row below (o + 0.5) * k - 0.5, PyTorch's source coordinate
-    return {"nearest": (0, 0), "nearest-exact": (k // 2, k // 2), "bilinear": (centre, centre + 1),
-            "bicubic": (centre - 1, centre + 2)}[mode]
-
-
-def _downscale(ctx: Context, x: torch.Tensor, part: Part, factors: Tuple[int, int], out_lengths: Tuple[int, int],
-               mode: str) -> torch.Tensor:
-    """Downscaling by whole factors k. Each band gets the input rows its output rows read
-    (beyond the image: the border row repeated, as PyTorch clamps its source rows), pads them
-    locally to whole blocks of k rows from k * (its first output row - whole rows), so that the
-    local interpolation's coordinates are the global ones shifted by whole output rows, and
-    keeps its own output rows."""
-    plans, pads, keep = [], [], []
-    for axis, k in enumerate(factors):
-        length, parts, what = part.length(axis), ctx.grid.bands_along(axis), ("row", "column")[axis]
-        if out_lengths[axis] < parts:
-            raise SpatialError(f"{ctx.where()}: the interpolation makes {out_lengths[axis]} {what}s of {length}, "
-                               f"fewer than the {parts} {what} bands")
-        first, last = _read_rows(mode, k)
-        out_bands = bands(out_lengths[axis], parts)
-        needed = [(k * o0 + first, k * (o1 - 1) + last + 1) for o0, o1 in out_bands]
-        all_plans = _plans(ctx, axis, bands(length, parts), needed, length)
-        band = part.band[axis]
-        plans.append(all_plans[band])
-        (o0, o1), (r0, r1) = out_bands[band], needed[band]
-        before, after = max(0, -(-(k * o0 - r0) // k)), max(0, -(-(r1 - k * o1) // k))  # whole output rows
-        pads.append((r0 - k * (o0 - before), k * (o1 + after) - r1))
-        keep.append((before, o1 - o0, before + (o1 - o0) + after))
-    assembled = halo.exchange(x, _spec(ctx, (plans[0], plans[1]), halo.REPLICATE))
-    # The padding rows are read by no output row this band keeps: they only align the coordinates.
-    aligned = F.pad(assembled, [pads[1][0], pads[1][1], pads[0][0], pads[0][1]])
-    out = F.interpolate(aligned, size=(keep[0][2], keep[1][2]), mode=mode,
-                        align_corners=None if mode.startswith("nearest") else False)
-    out = out.narrow(2, keep[0][0], keep[0][1]).narrow(3, keep[1][0], keep[1][1])
-    return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
 
 
 # -- batch normalization -------------------------------------------------------------------
@@ -729,7 +516,7 @@ def _global_sum(ctx: Context, x: torch.Tensor, dims: Tuple[int, ...], keepdim: b
 def adaptive_avg_pool2d(ctx: Context, func, a: dict):
     x, size = a["input"], a["output_size"]
     sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-    if any(s is None for s in sizes) or _pair(sizes) != (1, 1):
+    if any(s is None for s in sizes) or band_plans.pair(sizes) != (1, 1):
         raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
                            "part (only to 1 x 1, global pooling)")
     return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)

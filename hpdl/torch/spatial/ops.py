@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from hpdl.torch.spatial import layers
+from hpdl.torch.spatial import layers, resampling
 
 
 class Kind(enum.Enum):
@@ -133,10 +133,10 @@ for _func, _spelling, _handler, _what in (
          "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
          "to 1 x 1 (global): the same result on every rank of the group"),
-        (torch.pixel_shuffle, "F.pixel_shuffle", layers.pixel_shuffle, "any factor"),
-        (torch.pixel_unshuffle, "F.pixel_unshuffle", layers.pixel_unshuffle,
+        (torch.pixel_shuffle, "F.pixel_shuffle", resampling.pixel_shuffle, "any factor"),
+        (torch.pixel_unshuffle, "F.pixel_unshuffle", resampling.pixel_unshuffle,
          "any factor dividing the image's height and width"),
-        (F.interpolate, "F.interpolate", layers.interpolate,
+        (F.interpolate, "F.interpolate", resampling.interpolate,
          "nearest, bilinear, bicubic (`align_corners=False`), integer upscaling and downscaling by whole factors "
          "(0.5, 1/3); `size` as one process reads it"),
         (torch.mean, "torch.mean", layers.reduction, "over both image dimensions: global; over neither: as it is"),
