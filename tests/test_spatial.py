@@ -154,8 +154,7 @@ class Functional(nn.Module):
     (lambda x: x.softmax(2), "softmax along an image dimension"),
     (lambda x: x.mean(2), "mean over one image dimension only"),
     (lambda x: x.transpose(2, 3), "transpose that moves the image dimensions"),
-    (lambda x: F.interpolate(x, scale_factor=1.5), "interpolation by 1.5 x 1.5"),
-    (lambda x: F.adaptive_avg_pool2d(x, 2), "adaptive average pooling to 2"),
+    (lambda x: F.interpolate(x, scale_factor=1.5, mode="area"), "interpolation with mode='area'"),
     (lambda x: F.adaptive_avg_pool2d(x, (None, 1)), "adaptive average pooling to (None, 1) is not supported"),
     (lambda x: F.max_pool2d(x, 2, return_indices=True), "F.max_pool2d_with_indices"),
     (lambda x: F.dropout2d(x), "dropout2d"),
@@ -263,12 +262,13 @@ EXACTNESS = [
                            "resnet-small:97x83:checkpoint", "edsr-baseline:21x17:checkpoint", "unet:37x29",
                            "unet-crop:37x29:checkpoint", "seghead:64x32"]),
     ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
-                           "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8", "multiscale:24x12"]),
+                           "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8", "multiscale:24x12",
+                           "deeplab:29x19", "pyramid:23x17"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
                            "unbatched:17x11", "quirks:17x11", "borders:17x11",
-                           "unshuffle:22x14", "pooled:17x11", "multiscale:24x18"]),
+                           "unshuffle:22x14", "pooled:17x11", "multiscale:24x18", "deeplab:29x22", "pyramid:23x17"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29", "borders:17x8"]),
-    ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64", "borders:17x11"]),
+    ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64", "borders:17x11", "deeplab:13x29:checkpoint"]),
     # Open MPI's halo exchanges, a middle band with two neighbours; the models are MPICH's above.
     ("openmpi", 3, "3x1", ["edsr-baseline:23x19"]),
 ]
@@ -288,7 +288,8 @@ def test_spatial_parallel_equals_one_process_in_float64(launcher, n, grid, cases
 @pytest.mark.parametrize("n,env", [(1, {"HPDL_BACKEND": "nccl"}), (2, {"HPDL_RANKS_PER_GPU": "2"})],
                          ids=["nccl-1", "gloo-2-on-one-gpu"])
 def test_spatial_parallel_on_cuda_equals_one_process(n, env):
-    cases = ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17:checkpoint", "borders:21x17"]
+    cases = ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17:checkpoint", "borders:21x17",
+             "deeplab:29x19"]
     result = run_ranks("spatial_exactness.py", n, "torchrun", args=["--device", "cuda", f"{n}x1", *cases], env=env,
                        timeout=300)
     for case in cases:
@@ -346,7 +347,7 @@ def test_a_grid_too_fine_for_the_image_is_refused_on_every_rank():
 def test_unsupported_layers_are_refused_before_any_halo_moves():
     result = _checks_on_two_ranks()
     assert "OK unsupported: block.1 (GroupNorm): F.group_norm is not supported" in result.stdout, result.stdout
-    assert "OK unsupported: 1 (Upsample): interpolation with mode='bilinear', align_corners=True" in result.stdout
+    assert "OK unsupported: 1 (InstanceNorm2d): F.instance_norm is not supported" in result.stdout, result.stdout
 
 
 @pytest.mark.multirank
@@ -357,10 +358,9 @@ def test_a_band_too_thin_for_strided_convolutions_is_refused_alike_and_check_spl
 
 
 @pytest.mark.multirank
-def test_a_size_computed_from_a_parts_shape_is_refused_alike_on_every_rank():
+def test_a_size_computed_from_a_parts_shape_is_the_whole_images():
     result = _checks_on_two_ranks()
-    assert ("OK sizes: (the model) (_Upsampled): interpolation of a 37 x 8 map to 75 x 16 (a scale of 2.027 x 2) is "
-            "not supported") in result.stdout, result.stdout
+    assert "OK sizes: 37 x 8 to 2h + 1 x 2w = 75 x 16, as one process" in result.stdout, result.stdout
 
 
 @pytest.mark.multirank

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpdl.torch.spatial import dispatch, ops, ops_table
+from hpdl.torch.spatial import dispatch, ops, ops_table, resampling
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.ops import Kind
@@ -188,7 +188,11 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
         F.batch_norm: [("train", lambda t: F.batch_norm(t, rm.clone(), rv.clone(), training=True)),
                        ("eval", lambda t: F.batch_norm(t, rm, rv))],
         F.adaptive_avg_pool2d: [("1", lambda t: F.adaptive_avg_pool2d(t, 1)),
-                                ("2", lambda t: F.adaptive_avg_pool2d(t, 2))],
+                                ("2", lambda t: F.adaptive_avg_pool2d(t, 2)),
+                                ("3 x 2", lambda t: F.adaptive_avg_pool2d(t, (3, 2))),
+                                ("5 x 4 (overlapping windows)", lambda t: F.adaptive_avg_pool2d(t, (5, 4))),
+                                ("9 x 8 (more than the image)", lambda t: F.adaptive_avg_pool2d(t, (9, 8))),
+                                ("None x 1", lambda t: F.adaptive_avg_pool2d(t, (None, 1)))],
         torch.pixel_shuffle: [("2", lambda t: F.pixel_shuffle(four(t), 2))],
         # 6 x 6 and 6 x 4 of the 7 x 6 image: blocks straddling the bands of 2 ranks (3 output rows
         # of 6 input rows: 2 and 1, from bands of 3 and 3).
@@ -211,7 +215,24 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                         ("bicubic 0.5 x 1", lambda t: F.interpolate(t, scale_factor=(0.5, 1.0), mode="bicubic")),
                         ("bilinear to 3 x 2", lambda t: F.interpolate(t[..., :6, :], size=(3, 2), mode="bilinear")),
                         ("bilinear to 3 x 3 of 7 x 6", lambda t: F.interpolate(t, size=(3, 3), mode="bilinear")),
-                        ("align", lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=True))],
+                        ("align", lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=True)),
+                        ("bilinear 1.5", lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear")),
+                        ("bicubic 1.7 x 2.5", lambda t: F.interpolate(t, scale_factor=(1.7, 2.5), mode="bicubic")),
+                        ("nearest-exact 1.3", lambda t: F.interpolate(t, scale_factor=1.3, mode="nearest-exact")),
+                        ("nearest to 11 x 9", lambda t: F.interpolate(t, size=(11, 9))),
+                        ("bilinear to 5 x 4", lambda t: F.interpolate(t, size=(5, 4), mode="bilinear")),
+                        ("bicubic to 4 x 5", lambda t: F.interpolate(t, size=(4, 5), mode="bicubic")),
+                        ("bilinear 0.6 recomputed", lambda t: F.interpolate(t, scale_factor=0.6, mode="bilinear",
+                                                                            recompute_scale_factor=True)),
+                        ("align to 13 x 10", lambda t: F.interpolate(t, size=(13, 10), mode="bilinear",
+                                                                     align_corners=True)),
+                        ("align bicubic to 5 x 3", lambda t: F.interpolate(t, size=(5, 3), mode="bicubic",
+                                                                           align_corners=True)),
+                        ("align bicubic 2", lambda t: F.interpolate(t, scale_factor=2, mode="bicubic",
+                                                                    align_corners=True)),
+                        ("to 2 x 1", lambda t: F.interpolate(t, size=(2, 1), mode="bilinear")),
+                        ("antialias", lambda t: F.interpolate(t, size=(4, 3), mode="bilinear", antialias=True)),
+                        ("area", lambda t: F.interpolate(t, size=(4, 3), mode="area"))],
         F.pad: [("zeros 1", lambda t: F.pad(t, (1, 1, 1, 1))), ("value 2 uneven", lambda t: F.pad(t, (0, 2, 1, 0), value=2.0)),
                 ("crop -1", lambda t: F.pad(t, (-1, 0, 0, -1))), ("replicate", lambda t: F.pad(t, (1, 2, 2, 1),
                                                                                                mode="replicate")),
@@ -384,7 +405,10 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
 @pytest.mark.parametrize("call,grid,status", [
     ("no pad count", (1, 2), "exact"), ("no pad count", (2, 2), "exact"),
     ("size from shape", (2, 1), "exact"), ("size of the map", (1, 2), "exact"),
-    ("size 2h+1", (2, 1), "refused"), ("1.5", (2, 1), "refused"),
+    ("size 2h+1", (2, 1), "exact"), ("1.5", (2, 1), "exact"), ("bicubic 1.7 x 2.5", (2, 2), "exact"),
+    ("align to 13 x 10", (2, 1), "exact"), ("align bicubic 2", (1, 2), "exact"), ("to 2 x 1", (2, 1), "exact"),
+    ("antialias", (2, 1), "refused"), ("area", (1, 2), "refused"),
+    ("5 x 4 (overlapping windows)", (2, 2), "exact"), ("None x 1", (2, 1), "refused"),
     ("3x3 s2 p1 op1", (2, 1), "exact"), ("2x2 s2", (2, 2), "exact"),
     ("diff of shapes", (2, 1), "exact"), ("replicate", (1, 2), "exact"), ("crop -1", (2, 2), "exact"),
     ("reflect", (2, 1), "exact"), ("reflect 2 uneven", (2, 2), "exact"), ("circular", (2, 1), "exact"),
@@ -392,7 +416,7 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("2 of 6 x 4", (2, 2), "exact"), ("3", (2, 1), "exact"), ("2 of 2 x 2", (2, 1), "refused"),
     ("ceil 3 s2 p1", (2, 2), "exact"), ("ceil 4 s3 p2 no pad count", (2, 1), "exact"),
     ("ceil 3 s2 divisor", (1, 2), "exact"), ("bilinear 0.5", (2, 2), "exact"), ("bicubic 0.5 x 1", (2, 1), "exact"),
-    ("bilinear to 3 x 3 of 7 x 6", (2, 1), "refused"),
+    ("bilinear to 3 x 3 of 7 x 6", (2, 1), "exact"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():
@@ -435,13 +459,35 @@ def test_a_size_read_from_the_input_is_the_whole_images():
     assert torch.allclose(got, segment(x), atol=1e-12)
 
 
-def test_a_refused_interpolation_names_the_sizes_as_one_process_sees_them():
+def test_an_interpolation_to_any_size_is_exact_and_an_unsupported_one_names_its_mode():
     x = torch.randn(1, 1, 64, 32, dtype=torch.float64)
-    outcomes = run_parts((2, 1), lambda t: F.interpolate(t[..., ::1, :], size=(24, 32)), x)
-    assert "interpolation of a 64 x 32 map to 24 x 32 (a scale of 0.375 x 1)" in refused_alike(outcomes)
-    # Half the size is a downscaling by a whole factor: exact.
-    half = lambda t: F.interpolate(t, size=(32, 16), mode="bilinear")  # noqa: E731
-    assert torch.allclose(assemble([o.value for o in run_parts((2, 1), half, x)]), half(x), atol=1e-12)
+    # 64 rows to 24 (a scale of 0.375): not a whole factor; PyTorch's own taps, band by band.
+    for call in (lambda t: F.interpolate(t[..., ::1, :], size=(24, 32)),
+                 lambda t: F.interpolate(t, size=(24, 45), mode="bicubic", align_corners=True)):
+        assert torch.allclose(assemble([o.value for o in run_parts((2, 1), call, x)]), call(x), atol=1e-12)
+    outcomes = run_parts((2, 1), lambda t: F.interpolate(t, size=(24, 32), mode="bilinear", antialias=True), x)
+    assert "interpolation with mode='bilinear', antialias=True is not supported" in refused_alike(outcomes)
+    # As one process: align_corners with nearest is PyTorch's own error.
+    outcomes = run_parts((2, 1), lambda t: F.interpolate(t, size=(24, 32), align_corners=False), x)
+    assert all("align_corners option can only be set" in str(o.error) for o in outcomes)
+
+
+def test_a_whole_tensor_interpolated_to_a_size_read_from_a_part_becomes_that_part():
+    # DeepLab's ASPP pooling branch: pooled to 1 x 1 (replicated), a 1x1 convolution, brought
+    # back to the map's size, concatenated with the map.
+    w = torch.randn(2, 3, 1, 1, dtype=torch.float64)
+    small = torch.randn(2, 2, 3, 2, dtype=torch.float64)  # a small map of each sample, resized to the image
+
+    def branch(t):
+        pooled = F.conv2d(F.adaptive_avg_pool2d(t, 1), w)
+        return torch.cat([t, F.interpolate(pooled, size=t.shape[-2:], mode="bilinear", align_corners=False),
+                          F.interpolate(small, size=t.shape[-2:], mode="bicubic", align_corners=True)], 1)
+
+    x = torch.randn(2, 3, 13, 9, dtype=torch.float64)
+    for grid in GRIDS + [(2, 2)]:
+        outcomes = run_parts(grid, branch, x)
+        assert all(part_of(o.value) is not None for o in outcomes)
+        assert torch.allclose(assemble([o.value for o in outcomes]), branch(x), atol=1e-12)
 
 
 def test_lengths_read_from_a_part_compare_and_compute_as_the_whole_images():
@@ -503,3 +549,22 @@ def test_the_documents_list_of_calls_is_the_op_table():
         "docs/spatial.md's list of calls differs from the op table in hpdl/torch/spatial/ops.py; "
         "`python -m hpdl.torch.spatial.ops_table --write docs/spatial.md` rewrites it")
     assert ops_table.replace_section(text) == text
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_taps_read_off_pytorchs_kernel_give_its_output(dtype):
+    # Sizes and scales of every kind: up, down, equal, 1 row, scale factors with and without
+    # recomputation, both align_corners; nearest in float32 arithmetic whatever the type.
+    cases = [(n, call) for n in (1, 2, 7, 97, 1000) for call in (
+        {"size": (3 * n + 2, 1), "mode": "nearest"}, {"size": (max(n // 3, 1), 1), "mode": "nearest-exact"},
+        {"size": (n, 1), "mode": "bilinear", "align_corners": False},
+        {"scale_factor": (1.37, 1.0), "mode": "bilinear", "align_corners": True},
+        {"scale_factor": (2.4, 1.0), "mode": "bicubic", "align_corners": False, "recompute_scale_factor": True},
+        {"size": (2 * n + 1, 1), "mode": "bicubic", "align_corners": True},
+        {"scale_factor": (0.77, 1.0), "mode": "nearest"}) if n * call.get("scale_factor", (1,))[0] >= 1]
+    for n, call in cases:
+        x = torch.randn(2, 3, n, 1, dtype=dtype)
+        expected = F.interpolate(x, **call)
+        rows, _ = resampling.taps_of(x, (n, 1), call)
+        got = rows.apply(x, 2, 0, rows.outputs, 0)
+        assert torch.allclose(got, expected, rtol=0, atol=(1e-13 if dtype == torch.float64 else 1e-5)), (n, call)

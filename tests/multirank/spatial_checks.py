@@ -12,8 +12,9 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
 - thin-strided: four stride-2 3x3 convolutions on 24 and 20 rows over the ranks: the first
   forward and check_split refuse alike on every rank (the thinnest band decided it, not each
   rank's own);
-- sizes: an interpolation to a size computed from a part's shape (2h + 1 rows) is refused alike
-  on every rank (on 37 rows the parts differ: 19 and 18);
+- sizes: an interpolation to a size computed from a part's shape (2h + 1 rows: 37 to 75, not a
+  whole factor) is the whole image's, as one process computes it (on 37 rows the parts differ:
+  19 and 18);
 - inputs: the whole image instead of a part, a part scattered twice, and parts that differ
   between ranks (height, width, batch, dtype) are refused on every rank, in one line;
 - dropout: each band draws its own mask (ranks seeded alike), the same again for the same seed,
@@ -143,8 +144,7 @@ def unsupported() -> None:
     original = GroupComm.exchange
     GroupComm.exchange = lambda self, *a, **k: (exchanges.append(1), original(self, *a, **k))[1]
     for model, path in ((Normed(), "block.1 (GroupNorm)"),
-                        (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Upsample(scale_factor=2, mode="bilinear",
-                                                                                   align_corners=True)), "1 (Upsample)")):
+                        (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.InstanceNorm2d(3)), "1 (InstanceNorm2d)")):
         net = spatial.SpatialParallel(model)
         try:
             net(net.scatter(torch.randn(1, 3, 16, 16)))
@@ -197,9 +197,15 @@ class _Upsampled(nn.Module):
 
 
 def sizes() -> None:
-    net = spatial.SpatialParallel(_Upsampled().double())
+    torch.manual_seed(0)  # the same model and image on every rank
+    model = _Upsampled().double()
+    net = spatial.SpatialParallel(copy.deepcopy(model))
     x = torch.randn(1, 3, 37, 8, dtype=torch.float64)
-    print_ok(f"sizes: {refusal_of(lambda: net(net.scatter(x)))}")
+    out = net.gather(net(net.scatter(x)))
+    expected = model(x)
+    assert out.shape == expected.shape == (1, 3, 75, 16), (out.shape, expected.shape)
+    assert torch.allclose(out, expected, rtol=0, atol=1e-12), (out - expected).abs().max()
+    print_ok("sizes: 37 x 8 to 2h + 1 x 2w = 75 x 16, as one process")
     net.close()
 
 

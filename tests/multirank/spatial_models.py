@@ -2,8 +2,10 @@
 small ResNet with every kind of layer ResNet-50 has (BatchNorm, a stride-2 7x7 stem, max
 pooling, stride-2 bottlenecks, global pooling and a Linear tail), narrow enough to be quick, and
 the models users brought: a U-Net for odd sizes (transposed convolution and bilinear
-upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped to it) and a
-torchvision-style segmentation head (the output interpolated to the size read from the input);
+upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped to it), a
+torchvision-style segmentation head (the output interpolated to the size read from the input),
+DeepLabV3's ASPP head and PSPNet's pyramid pooling with an FPN's top-down path (sizes that
+are not whole factors, align_corners=True, pooled branches brought back to a part);
 a model with what a forward does besides layers (quirks: a cumulative batch norm, a value read
 as a number, a cache made at the first call); and two calling conventions: a model given further scattered inputs besides the image (a mask,
 a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
@@ -223,6 +225,54 @@ class MultiScale(nn.Module):
         return self.conv2(y + up)
 
 
+class DeepLab(nn.Module):
+    """torchvision's DeepLabV3 head on a small strided backbone: ASPP (atrous convolutions and
+    a pooled 1 x 1 branch with batch norm, brought back to the map's size), and the logits
+    interpolated to the input's size, which on odd sizes is not a whole factor (17 rows: 5 at
+    stride 4, back to 17)."""
+
+    def __init__(self, classes: int = 3, c: int = 8):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                                      nn.Conv2d(c, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.atrous = nn.ModuleList([nn.Conv2d(c, c, 1, bias=False)] +
+                                    [nn.Conv2d(c, c, 3, padding=d, dilation=d, bias=False) for d in (1, 2)])
+        self.pooling = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c),
+                                     nn.ReLU())
+        self.project = nn.Sequential(nn.Conv2d(4 * c, c, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.classifier = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-2:]
+        f = self.backbone(x)
+        branches = [conv(f) for conv in self.atrous]
+        branches.append(F.interpolate(self.pooling(f), size=f.shape[-2:], mode="bilinear", align_corners=False))
+        logits = self.classifier(self.project(torch.cat(branches, 1)))
+        return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+
+
+class Pyramid(nn.Module):
+    """PSPNet's pyramid pooling (adaptive average pooling to 1, 2, 3 and 6, each brought back
+    with align_corners=True) and an FPN's top-down path (a coarser map brought to the lateral's
+    odd size, nearest)."""
+
+    def __init__(self, c: int = 6):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.down = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.lateral = nn.Conv2d(c, c, 1)
+        self.stages = nn.ModuleList([nn.Sequential(nn.AdaptiveAvgPool2d(k), nn.Conv2d(c, 2, 1)) for k in (1, 2, 3, 6)])
+        self.fuse = nn.Conv2d(c + 8, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(self.stem(x))
+        top = torch.relu(self.down(f))
+        f = self.lateral(f) + F.interpolate(top, size=f.shape[-2:], mode="nearest")
+        pooled = [F.interpolate(stage(f), size=f.shape[-2:], mode="bilinear", align_corners=True)
+                  for stage in self.stages]
+        return self.fuse(torch.cat([f] + pooled, 1))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -238,6 +288,7 @@ _MODELS = {
     "resnet50": lambda: resnet50(num_classes=10), "resnet-small": SmallResNet, "unet": lambda: UNet(pad=True),
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
+    "deeplab": DeepLab, "pyramid": Pyramid,
 }
 
 

@@ -26,11 +26,12 @@ import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import layers, lengths, ops, randomness
+from hpdl.torch.spatial import layers, lengths, ops, randomness, resampling
 from hpdl.torch.spatial.arguments import Unbound, bind
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
@@ -141,6 +142,10 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
         return func(*args, **kwargs)
     if op is not None and op.kind is Kind.FACTORY:
         return _new_tensor(ctx, func, args, kwargs)
+    if func is F.interpolate:  # a whole tensor resampled to a size read from a part: a part
+        made = resampling.onto_part(ctx, _bound(ctx, func, args, kwargs))
+        if made is not None:
+            return made
     # A length read from a part, used outside any part: one process's number (``x.sum() / x.numel()``).
     return func(*to_whole(args), **to_whole(kwargs))
 

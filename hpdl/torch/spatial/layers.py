@@ -15,12 +15,12 @@ with its :class:`Part`:
 - crops and pads (``x[..., a:b, :]``, ``narrow``, ``F.pad``) are a shifted window of the
   image: each output band takes its rows from the input bands, fill beyond the image;
 - batch normalization takes its statistics over the whole image (every rank of the group),
-  as one process does; global average pooling sums over the group and hands every rank the
-  same (replicated) result.
+  as one process does; global and adaptive average pooling sum over the group and hand every
+  rank the same (replicated) result.
 
 Gradient bookkeeping (what ``SpatialParallel`` relies on): a part's gradient is exact on its
 owner once the halo gradients have come back; a replicated tensor's gradient on each rank is
-that rank's contribution, and global pooling's backward sums the contributions.
+that rank's contribution, and the group sum's backward (pooling's) sums the contributions.
 """
 
 from __future__ import annotations
@@ -480,26 +480,27 @@ def batch_norm(ctx: Context, func, a: dict):
 
 # -- global reductions (to a replicated tensor) --------------------------------------------
 
-class GlobalSum(torch.autograd.Function):
-    """The sum over the whole image (every part), divided by ``divisor``; the same on every rank.
+class GroupSum(torch.autograd.Function):
+    """The sum of every rank's ``x`` over the group: a replicated result, the same on every rank.
 
-    Backward sums every rank's contribution to the result's gradient before handing each
-    part its share: the result is replicated, so each rank's gradient of it is only its own
-    part's contribution (see parallel.py)."""
+    Backward sums every rank's gradient of it before handing it back: the result is
+    replicated, so each rank's gradient of it is only its own part's contribution (see
+    parallel.py)."""
 
     @staticmethod
-    def forward(ctx, x, dims, keepdim, divisor, comm, label):
-        ctx.shape, ctx.dims, ctx.keepdim, ctx.divisor, ctx.comm, ctx.label = x.shape, dims, keepdim, divisor, comm, label
-        return comm.allreduce_sum(x.sum(dims, keepdim=keepdim).contiguous(), label) / divisor
+    def forward(ctx, x, comm, label):
+        ctx.comm, ctx.label = comm, label
+        return comm.allreduce_sum(x.contiguous().clone(), label)
 
     @staticmethod
     def backward(ctx, grad):
         refuse_graph_in_backward(ctx.label)
-        total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label) / ctx.divisor
-        if not ctx.keepdim:
-            for d in sorted(ctx.dims):
-                total = total.unsqueeze(d)
-        return total.expand(ctx.shape), None, None, None, None, None
+        return ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label), None, None
+
+
+def _group_sum(ctx: Context, x: torch.Tensor) -> torch.Tensor:
+    """:class:`GroupSum` of ``x`` (``x`` itself in a dry run, where nothing is exchanged)."""
+    return x if ctx.dry else GroupSum.apply(x, ctx.comm, ctx.label())
 
 
 def _global_sum(ctx: Context, x: torch.Tensor, dims: Tuple[int, ...], keepdim: bool, mean: bool) -> torch.Tensor:
@@ -507,19 +508,39 @@ def _global_sum(ctx: Context, x: torch.Tensor, dims: Tuple[int, ...], keepdim: b
     count = 1
     for d in dims:
         count *= part.height if d == x.dim() - 2 else part.width if d == x.dim() - 1 else x.shape[d]
-    divisor = count if mean else 1
-    if ctx.dry:
-        return x.sum(dims, keepdim=keepdim)
-    return GlobalSum.apply(x, dims, keepdim, divisor, ctx.comm, ctx.label())
+    total = _group_sum(ctx, x.sum(dims, keepdim=keepdim))
+    return total / count if mean else total
 
 
 def adaptive_avg_pool2d(ctx: Context, func, a: dict):
+    """Adaptive average pooling to ``k x l``: every rank adds its part's pixels into the output
+    windows they fall in (PyTorch's windows: ``floor(o * n / k)`` to ``ceil((o + 1) * n / k)``),
+    and the group sums the contributions, so every rank holds the whole pooled map (a
+    pyramid pooling module's, VGG's 7 x 7 before its classifier). To 1 x 1, a global mean."""
     x, size = a["input"], a["output_size"]
     sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-    if any(s is None for s in sizes) or band_plans.pair(sizes) != (1, 1):
+    if any(s is None for s in sizes):
         raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
-                           "part (only to 1 x 1, global pooling)")
-    return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)
+                           "part (None keeps an image dimension split: pool to a size in both)")
+    out = band_plans.pair(sizes)
+    if out == (1, 1):
+        return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)
+    part = part_of(x)
+    pooled = x
+    for axis, k in enumerate(out):
+        weights = _window_means(part.length(axis), k, (part.rows, part.cols)[axis], x.dtype).to(x.device)
+        pooled = torch.tensordot(pooled, weights, dims=([x.dim() - 2 + axis], [1])).movedim(-1, x.dim() - 2 + axis)
+    return _group_sum(ctx, pooled)
+
+
+def _window_means(length: int, k: int, rows: Tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """(k, rows) weights: output ``o`` of adaptive average pooling ``length`` rows to ``k`` takes
+    1 / (its window's length) of each of the band's ``rows`` inside its window."""
+    o = torch.arange(k)
+    start, stop = (o * length) // k, ((o + 1) * length + k - 1) // k
+    r = torch.arange(*rows)
+    inside = (r[None, :] >= start[:, None]) & (r[None, :] < stop[:, None])
+    return inside.to(dtype) / (stop - start).to(dtype)[:, None]
 
 
 def reduction(ctx: Context, func, a: dict):

@@ -132,13 +132,14 @@ for _func, _spelling, _handler, _what in (
         (F.batch_norm, "F.batch_norm", layers.batch_norm,
          "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
-         "to 1 x 1 (global): the same result on every rank of the group"),
+         "to any k x l (1 x 1: global; a pyramid pooling module's 1, 2, 3, 6): the same result on every rank of the "
+         "group"),
         (torch.pixel_shuffle, "F.pixel_shuffle", resampling.pixel_shuffle, "any factor"),
         (torch.pixel_unshuffle, "F.pixel_unshuffle", resampling.pixel_unshuffle,
          "any factor dividing the image's height and width"),
         (F.interpolate, "F.interpolate", resampling.interpolate,
-         "nearest, bilinear, bicubic (`align_corners=False`), integer upscaling and downscaling by whole factors "
-         "(0.5, 1/3); `size` as one process reads it"),
+         "nearest, nearest-exact, bilinear, bicubic, `align_corners` either way, any `size` or `scale_factor` "
+         "(as one process reads them); a whole tensor (a pooled branch) to a size read from a part becomes a part"),
         (torch.mean, "torch.mean", layers.reduction, "over both image dimensions: global; over neither: as it is"),
         (torch.Tensor.mean, "Tensor.mean", layers.reduction, "as torch.mean"),
         (torch.sum, "torch.sum", layers.reduction, "as torch.mean"),

@@ -3,7 +3,10 @@ and nearest upsampling are local, then move whole rows so that the result is spl
 map is; ``pixel_unshuffle`` first takes the blocks of rows its share of the output needs;
 bilinear and bicubic upscaling, and downscaling by whole factors, exchange the rows their
 output band reads (beyond the image: the border row, as PyTorch clamps its source rows),
-then run PyTorch's own interpolation on them.
+then run PyTorch's own interpolation on them. Any other size or scale, and
+``align_corners=True``, exchange the rows their output band reads and sum them with the taps
+PyTorch's kernel weights them with (taps.py); so does a whole tensor resampled to a size read
+from a part (a pooled 1 x 1 branch brought back to the map's size), which becomes a part.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from hpdl.torch.spatial import band_plans, halo
+from hpdl.torch.spatial import band_plans, halo, taps
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import BandPlan, Part, SpatialError, bands, plan_bands
+from hpdl.torch.spatial.lengths import COLS, ROWS, PartLength
 from hpdl.torch.spatial.parts import part_of, tagged
 
 
@@ -60,11 +64,11 @@ def pixel_unshuffle(ctx: Context, func, a: dict):
 _TAPS = {"bilinear": 1, "bicubic": 2}  # source rows read beyond the nearest, on each side
 
 
-def _whole_factors(ctx: Context, part: Part, size: Any, scale_factor: Any,
-                   recompute: Optional[bool]) -> Tuple[str, Tuple[int, int], Tuple[int, int]]:
+def _whole_factors(part: Part, size: Any, scale_factor: Any,
+                   recompute: Optional[bool]) -> Optional[Tuple[str, Tuple[int, int], Tuple[int, int]]]:
     """("up", factors, output lengths) for integer upscaling, ("down", factors, output lengths)
     for downscaling by whole factors (scale 1 / k: PyTorch's source scale is then k exactly);
-    any other scale is refused. The output lengths as PyTorch computes them."""
+    None for any other scale. The output lengths as PyTorch computes them."""
     lengths = (part.height, part.width)
     if size is not None or recompute:
         if size is not None:
@@ -76,9 +80,7 @@ def _whole_factors(ctx: Context, part: Part, size: Any, scale_factor: Any,
             return "up", (out[0] // lengths[0], out[1] // lengths[1]), out
         if all(0 < o <= n and n % o == 0 for o, n in zip(out, lengths)):
             return "down", (lengths[0] // out[0], lengths[1] // out[1]), out
-        raise SpatialError(f"{ctx.where()}: interpolation of a {part.height} x {part.width} map to {out[0]} x "
-                           f"{out[1]} (a scale of {out[0] / part.height:.4g} x {out[1] / part.width:.4g}) is not "
-                           "supported in the spatial part (integer upscaling, or downscaling by whole factors)")
+        return None
     scales = tuple(float(f) for f in (scale_factor if isinstance(scale_factor, (tuple, list))
                                       else (scale_factor, scale_factor)))
     out = tuple(int(math.floor(n * f)) for n, f in zip(lengths, scales))
@@ -86,21 +88,34 @@ def _whole_factors(ctx: Context, part: Part, size: Any, scale_factor: Any,
         return "up", (int(scales[0]), int(scales[1])), out
     if all(0 < f <= 1 and 1 / f == int(1 / f) and o >= 1 for f, o in zip(scales, out)):
         return "down", (int(1 / scales[0]), int(1 / scales[1])), out
-    raise SpatialError(f"{ctx.where()}: interpolation by {scales[0]:g} x {scales[1]:g} is not supported in the "
-                       "spatial part (integer upscaling, or downscaling by whole factors: 0.5, 1/3, ...)")
+    return None
+
+
+_MODES = ("nearest", "nearest-exact", "bilinear", "bicubic")
+
+
+def _refuse_unsupported(ctx: Context, x: torch.Tensor, a: dict) -> None:
+    mode, align_corners, antialias = a.get("mode", "nearest"), a.get("align_corners"), a.get("antialias", False)
+    if mode in ("nearest", "nearest-exact") and align_corners is not None:  # as one process refuses it
+        raise ValueError("align_corners option can only be set with the interpolating modes: "
+                         "linear | bilinear | bicubic | trilinear")
+    if x.dim() != 4 or mode not in _MODES or antialias:
+        detail = f"mode={mode!r}" + (", antialias=True" if antialias else "") + \
+            ("" if x.dim() == 4 else f" of a {x.dim()}-dimensional tensor")
+        raise SpatialError(f"{ctx.where()}: interpolation with {detail} is not supported in the spatial part "
+                           "(nearest, nearest-exact, bilinear or bicubic, without antialias, of (N, C, H, W))")
 
 
 def interpolate(ctx: Context, func, a: dict):
     x = a["input"]
     size, scale_factor = a.get("size"), a.get("scale_factor")
-    mode, align_corners, antialias = a.get("mode", "nearest"), a.get("align_corners"), a.get("antialias", False)
+    mode, align_corners = a.get("mode", "nearest"), a.get("align_corners")
     part = part_of(x)
-    if x.dim() != 4 or mode not in ("nearest", "nearest-exact", "bilinear", "bicubic") or align_corners or antialias:
-        detail = f"mode={mode!r}" + (", align_corners=True" if align_corners else "") + \
-            (", antialias=True" if antialias else "")
-        raise SpatialError(f"{ctx.where()}: interpolation with {detail} is not supported in the spatial part "
-                           "(nearest, bilinear or bicubic, integer upscaling or downscaling, align_corners=False)")
-    direction, scales, out_lengths = _whole_factors(ctx, part, size, scale_factor, a.get("recompute_scale_factor"))
+    _refuse_unsupported(ctx, x, a)
+    whole = None if align_corners else _whole_factors(part, size, scale_factor, a.get("recompute_scale_factor"))
+    if whole is None:
+        return _by_taps(ctx, x, part, a)
+    direction, scales, out_lengths = whole
     if direction == "down":
         return _downscale(ctx, x, part, scales, out_lengths, mode)
     if mode in ("nearest", "nearest-exact"):  # output row o reads row o // s: local, then regrouped
@@ -162,3 +177,71 @@ def _downscale(ctx: Context, x: torch.Tensor, part: Part, factors: Tuple[int, in
                         align_corners=None if mode.startswith("nearest") else False)
     out = out.narrow(2, keep[0][0], keep[0][1]).narrow(3, keep[1][0], keep[1][1])
     return tagged(out, part.resized(out_lengths[0], out_lengths[1]))
+
+
+# -- any size or scale: the taps of PyTorch's kernel ----------------------------------------
+
+def _resample_rows(probe: torch.Tensor, size: Optional[int], scale: Optional[float], mode: str,
+                   align_corners: Optional[bool], recompute: Optional[bool]) -> torch.Tensor:
+    """The model's interpolation along the rows of ``probe`` (its one column left as it is)."""
+    return F.interpolate(probe, size=None if size is None else (size, 1),
+                         scale_factor=None if scale is None else (scale, 1.0), mode=mode,
+                         align_corners=None if mode.startswith("nearest") else bool(align_corners),
+                         recompute_scale_factor=recompute)
+
+
+def taps_of(x: torch.Tensor, lengths: Tuple[int, int], a: dict) -> Tuple[taps.Taps, taps.Taps]:
+    """The taps along rows and columns of the call ``a`` on a map of ``lengths``, read in the
+    type and on the device ``x`` computes in (on the CPU for a dry run's meta tensor)."""
+    size, scale_factor, mode = a.get("size"), a.get("scale_factor"), a.get("mode", "nearest")
+    sizes = band_plans.pair(size) if size is not None else (None, None)
+    scales = (None, None) if scale_factor is None else tuple(float(f) for f in (
+        scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)))
+    device = "cpu" if x.is_meta else str(x.device)
+    found = []
+    for axis in (0, 1):
+        found.append(taps.read(_resample_rows, lengths[axis], taps.probe_dtype(x.dtype), device, mode,
+                               size=sizes[axis], scale=scales[axis], align_corners=a.get("align_corners"),
+                               recompute=a.get("recompute_scale_factor")))
+    return found[0], found[1]
+
+
+def _by_taps(ctx: Context, x: torch.Tensor, part: Part, a: dict) -> torch.Tensor:
+    """Each band gets the input rows its output rows read, then sums them with the taps."""
+    rows, cols = taps_of(x, (part.height, part.width), a)
+    plans, keep = [], []
+    for axis, along in enumerate((rows, cols)):
+        length, parts, what = part.length(axis), ctx.grid.bands_along(axis), ("row", "column")[axis]
+        if along.outputs < parts:
+            raise SpatialError(f"{ctx.where()}: the interpolation makes {along.outputs} {what}s of {length}, "
+                               f"fewer than the {parts} {what} bands")
+        out_bands = bands(along.outputs, parts)
+        needed = [along.reads(o0, o1) for o0, o1 in out_bands]
+        band = part.band[axis]
+        plans.append(band_plans.along(ctx, axis, bands(length, parts), needed, length)[band])
+        keep.append((*out_bands[band], needed[band][0]))
+    assembled = halo.exchange(x, band_plans.halo_spec(ctx, (plans[0], plans[1]), halo.REPLICATE))
+    out = taps.resample(assembled, rows, cols, keep[0], keep[1])
+    return tagged(out, part.resized(rows.outputs, cols.outputs))
+
+
+def onto_part(ctx: Context, a: dict) -> Optional[torch.Tensor]:
+    """A whole tensor (the same on every rank: a pooled branch, a small learned map)
+    interpolated to a size read from a part (``size=x.shape[-2:]``): this rank's part of the
+    result, computed from the whole input's rows its output rows read; None where the size is
+    not a part's (the result is then the whole map one process makes)."""
+    x, size = a["input"], a.get("size")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(size, (tuple, list)) or len(size) != 2:
+        return None
+    rows_length, cols_length = size
+    if not (isinstance(rows_length, PartLength) and isinstance(cols_length, PartLength) and rows_length.exact
+            and cols_length.exact and rows_length.axis == ROWS and cols_length.axis == COLS):
+        return None
+    _refuse_unsupported(ctx, x, a)
+    if ctx.dry:  # shapes only, as the parts' (a tensor the model holds outside its modules stays where it is)
+        x = x.to("meta")
+    whole = Part(ctx.grid, ctx.rank, rows_length.whole, cols_length.whole)
+    a = dict(a, size=(whole.height, whole.width))
+    rows, cols = taps_of(x, tuple(x.shape[-2:]), a)
+    out = taps.resample(x, rows, cols, (*whole.rows, 0), (*whole.cols, 0))
+    return tagged(out, whole)
