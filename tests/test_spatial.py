@@ -314,7 +314,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated", "own-graph", "content", "wrapping"]
+                      "gather-replicated", "own-graph", "content", "wrapping", "calls"]
 
 
 def _checks_on_three_ranks():
@@ -325,8 +325,8 @@ def _checks_on_three_ranks():
 
 
 def _checks_on_two_ranks():
-    return shared_job("spatial_checks.py unsupported sizes", lambda: run_ranks(
-        "spatial_checks.py", 2, "torchrun", args=["unsupported", "sizes"], timeout=300))
+    return shared_job("spatial_checks.py unsupported sizes calls", lambda: run_ranks(
+        "spatial_checks.py", 2, "torchrun", args=["unsupported", "sizes", "calls"], timeout=300))
 
 
 @pytest.mark.multirank
@@ -361,6 +361,24 @@ def test_a_band_too_thin_for_strided_convolutions_is_refused_alike_and_check_spl
 def test_a_size_computed_from_a_parts_shape_is_the_whole_images():
     result = _checks_on_two_ranks()
     assert "OK sizes: 37 x 8 to 2h + 1 x 2w = 75 x 16, as one process" in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("job", ["two ranks, gloo", "three ranks, MPI"])
+def test_collective_calls_made_on_some_ranks_only_are_refused_alike_naming_each_ranks_call(job):
+    # Without the check, rank 0's whole_mean paired with the others' forward check: it logged a
+    # wrong loss, then the others failed on rank 0's numbers read as image sizes.
+    result = _checks_on_two_ranks() if job.startswith("two") else _checks_on_three_ranks()
+    others = "group rank 1: {call}" + ("; group rank 2: {call}" if job.startswith("three") else "")
+    common = "): the model's forward and backward, net.gather and net.whole_mean are collective over the group"
+    for check, first, call in (("gather", "net.gather of 816 values", "the model's forward"),
+                               ("whole_mean", "net.whole_mean", "the model's forward"),
+                               ("before backward", "net.gather of 816 values", "the start of a backward"),
+                               ("other maps", "net.gather of 816 values", "net.gather of 216 values")):
+        expected = (f"OK calls {check}: the ranks of the spatial group made different calls (group rank 0: {first}; "
+                    + others.format(call=call) + common)
+        assert expected in result.stdout, result.stdout
+    assert "OK calls: the group works after the refusals" in result.stdout
 
 
 @pytest.mark.multirank

@@ -78,9 +78,9 @@ def test_an_exception_between_steps_ends_every_other_rank_of_the_group():
 
 @pytest.mark.multirank
 def test_an_exception_before_backward_ends_the_first_wait_of_backward():
-    # The first thing a backward does is compare what the ranks scattered since the forward.
+    # The first thing a backward does is check that every rank of the group makes the same call.
     stderr, took = _failing_job("mpiexec", 2, "raise", "before-backward", "conv")
-    assert _lines(stderr, 1) == [f"hpdl: rank 1: the spatial group's allgather of scattered tensors in backward "
+    assert _lines(stderr, 1) == [f"hpdl: rank 1: the spatial group's allgather of calls in backward "
                                  f"(world ranks 0, 1) {SHUT_DOWN}"], stderr[-3000:]
     assert took < RAISE_BOUND_S, f"the job ended {took:.1f} s after rank 0 raised"
 

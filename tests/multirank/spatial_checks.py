@@ -19,6 +19,9 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
   between ranks (height, width, batch, dtype) are refused on every rank, in one line;
 - dropout: each band draws its own mask (ranks seeded alike), the same again for the same seed,
   and a checkpointed block's recomputation replays it;
+- calls: net.gather and net.whole_mean on rank 0 alone (the others at their next forward, or at
+  their backward), and gathers of different maps, are refused alike on every rank, naming each
+  rank's call; the group works afterwards;
 - lifetime: 200 SpatialParallel made and closed leave the model as it was (no hooks, no
   forward of its own), a closed one refuses to run, and shutdown closes the ones left open.
 
@@ -498,6 +501,29 @@ def uncaught(what: str) -> None:
         net(net.scatter(torch.randn(1, 3, 16, 16)))
 
 
+def calls() -> None:
+    net = spatial.SpatialParallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1)).double())
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
+    y = net(net.scatter(x))
+    alone = hvd.rank() == 0  # the others go on to their next forward, or their backward
+    print_ok(f"calls gather: {refusal_of(lambda: net.gather(y) if alone else net(net.scatter(x)))}")
+    print_ok(f"calls whole_mean: {refusal_of(lambda: net.whole_mean(y.mean(), y) if alone else net(net.scatter(x)))}")
+
+    def gather_before_backward():
+        out = net(net.scatter(x))
+        if alone:
+            net.gather(out)
+        out.sum().backward()
+
+    print_ok(f"calls before backward: {refusal_of(gather_before_backward)}")
+    other = net.scatter(torch.randn(1, 3, 9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    print_ok(f"calls other maps: {refusal_of(lambda: net.gather(y if alone else other))}")
+    whole = net.gather(net(net.scatter(x)))
+    assert torch.allclose(whole, net.module(x), rtol=0, atol=1e-12)
+    print_ok("calls: the group works after the refusals")
+    net.close()
+
+
 def print_ok(text: str) -> None:
     if hvd.rank() == 0:
         print(f"OK {text}", flush=True)
@@ -506,7 +532,7 @@ def print_ok(text: str) -> None:
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
-          "own-graph": own_graph, "content": content, "wrapping": wrapping}
+          "own-graph": own_graph, "content": content, "wrapping": wrapping, "calls": calls}
 
 
 def main() -> None:

@@ -13,6 +13,12 @@ halo moves, and refused on every rank alike, in one line, where some rank differ
 - At the start of each backward (:func:`on_later_scatters`, run by :func:`first_gradient_of`):
   the tensors scattered between the forward and its backward (a target scattered after it),
   before any gradient moves.
+- Which collective call of the group each rank makes (:func:`on_call`, first in each forward,
+  backward, ``net.gather`` and ``net.whole_mean``): the group's collectives pair by order, not
+  by name, so a call made on some ranks only (``net.gather(y)`` under ``if hvd.rank() == 0:``)
+  would pair with the others' next one, another call, and both would compute on each other's
+  numbers (a logged loss silently wrong, then a misleading error, or a wait for ever). Each
+  such call first gathers a fixed row naming it, which pairs alike whatever the call.
 """
 
 from __future__ import annotations
@@ -29,6 +35,32 @@ from hpdl.torch.spatial import fingerprint
 from hpdl.torch.spatial.comm import GroupComm
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.parts import part_of
+
+
+# The group's collective calls a user makes, which every rank of the group must make in the same
+# order; a call's number in on_call's row is its place here, plus one.
+CALLS = {"forward": "the model's forward", "backward": "the start of a backward", "gather": "net.gather",
+         "whole_mean": "net.whole_mean"}
+_CALL_NAMES = list(CALLS)
+
+
+def on_call(comm: GroupComm, call: str, values: int = 0) -> None:
+    """Refuse, on every rank of the group alike, a collective ``call`` (a key of CALLS) that
+    another rank of the group does not make now: it made another call, or the same call on a
+    map of other ``values`` (the number of values a gather returns)."""
+    rows = comm.allgather(torch.tensor([[_CALL_NAMES.index(call) + 1, values]], dtype=torch.int64), [1] * comm.size,
+                          "calls").tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    described = "; ".join(f"group rank {r}: {_call_text(code, count)}" for r, (code, count) in enumerate(rows))
+    raise SpatialError(f"the ranks of the spatial group made different calls ({described}): the model's forward and "
+                       "backward, net.gather and net.whole_mean are collective over the group, so every rank of the "
+                       "group makes them, in the same order (not under `if hvd.rank() == 0:`)")
+
+
+def _call_text(code: int, values: int) -> str:
+    name = CALLS[_CALL_NAMES[code - 1]] if 0 < code <= len(_CALL_NAMES) else f"an unknown call ({code})"
+    return name + (f" of {values} values" if values else "")
 
 
 def _model_code(module: nn.Module) -> int:

@@ -203,6 +203,8 @@ class SpatialParallel(nn.Module):
         as it is."""
         if part_of(y) is None and is_replicated(y):
             return y.detach().clone()
+        marked = part_of(y)
+        self._agree_on_call("gather", _numel(tuple(y.shape[:-2])) * marked.height * marked.width if marked else 0)
         part = self._part_of(y)
         lead = tuple(y.shape[:-2])
         pieces = [Part(self.grid, r, part.height, part.width) for r in range(self.grid.size)]
@@ -217,9 +219,16 @@ class SpatialParallel(nn.Module):
     def whole_mean(self, value: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         """The whole map's value of a mean taken over this rank's ``part`` of it (a loss such as
         ``F.l1_loss(y_part, t_part)``), the same on every rank of the group; no gradient."""
+        self._agree_on_call("whole_mean")
         share = self._part_of(part).numel_share
         total = (value.detach().to(torch.float64) * share).reshape(1).clone()
         return self._group().allreduce_sum(total, "whole_mean")[0].to(value.dtype)
+
+    def _agree_on_call(self, call: str, values: int = 0) -> None:
+        """agreement.on_call, where the group communicates."""
+        comm = self._group()
+        if self.grid.size > 1 and comm.communicating:
+            agreement.on_call(comm, call, values)
 
     def _part_of(self, x: torch.Tensor) -> Part:
         """The part ``x`` holds: its mark, or else found from every rank's size (collective)."""
@@ -290,6 +299,7 @@ class SpatialParallel(nn.Module):
         if comm is None or not comm.communicating:  # closed, or measuring alone (no_communication)
             return
         later, self._scattered = self._scattered, []
+        self._agree_on_call("backward")
         agreement.on_later_scatters(comm, later)
 
     def _agree(self, comm: GroupComm, x: torch.Tensor, part: Part, further: Sequence[Tuple[str, torch.Tensor]],
@@ -299,6 +309,7 @@ class SpatialParallel(nn.Module):
         base = randomness.draw_base()
         if self.grid.size == 1 or not comm.communicating:
             return base
+        self._agree_on_call("forward")
         return agreement.on_inputs(comm, x, part, self.module.training, further, later, base)
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
