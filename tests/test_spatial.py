@@ -314,7 +314,8 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
-                      "gather-replicated", "own-graph", "content", "wrapping", "calls"]
+                      "gather-replicated", "own-graph", "content", "wrapping", "calls",
+                      "parameters"]
 
 
 def _checks_on_three_ranks():
@@ -325,8 +326,8 @@ def _checks_on_three_ranks():
 
 
 def _checks_on_two_ranks():
-    return shared_job("spatial_checks.py unsupported sizes calls", lambda: run_ranks(
-        "spatial_checks.py", 2, "torchrun", args=["unsupported", "sizes", "calls"], timeout=300))
+    return shared_job("spatial_checks.py unsupported sizes calls parameters", lambda: run_ranks(
+        "spatial_checks.py", 2, "torchrun", args=["unsupported", "sizes", "calls", "parameters"], timeout=300))
 
 
 @pytest.mark.multirank
@@ -379,6 +380,22 @@ def test_collective_calls_made_on_some_ranks_only_are_refused_alike_naming_each_
                     + others.format(call=call) + common)
         assert expected in result.stdout, result.stdout
     assert "OK calls: the group works after the refusals" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("job", ["two ranks, gloo", "three ranks, MPI"])
+def test_ranks_holding_different_parameters_are_refused_alike_naming_the_parameter(job):
+    # Before, each of these trained silently wrong: every band computed with its rank's weights.
+    result = _checks_on_two_ranks() if job.startswith("two") else _checks_on_three_ranks()
+    last = "group rank 1 has" if job.startswith("two") else "group rank 2 has"
+    others = "group rank 1 has" if job.startswith("two") else "group ranks 1, 2 have"
+    for check, ranks, name in (("not broadcast", last, "0.weight"), ("plain optimizer", others, "0.weight"),
+                               ("loaded alone", others, "2.bias")):
+        expected = (f"OK parameters {check}: the ranks of the spatial group hold different parameters: {ranks} other "
+                    f"values than group rank 0 in {name}: every rank of the group must compute with the same model: "
+                    "broadcast it from one rank after making or loading it (hvd.broadcast_parameters(")
+        assert expected in result.stdout, result.stdout
+    assert "OK parameters: broadcast, the group runs" in result.stdout
 
 
 @pytest.mark.multirank
@@ -516,9 +533,15 @@ def test_a_wrapper_refused_at_construction_is_one_line_per_rank(what, message):
 
 
 @pytest.mark.multirank
-def test_the_scatter_check_measurement_runs_and_reports_both_modes():
-    script = Path(__file__).resolve().parents[1] / "scripts" / "measure_scatter_check.py"
+def test_the_group_checks_measurement_runs_and_reports_every_check():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "measure_group_checks.py"
     out = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), "--calls", "5", "--rounds", "3"],
                          capture_output=True, text=True, timeout=240, check=True)
-    assert re.fullmatch(r"2 ranks: the check alone \d+ us \(median of 5\); a step [\d.]+ ms with it, [\d.]+ ms "
-                        r"without \(medians of 1 alternating rounds\)", out.stdout.strip()), out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    for name, line in zip(("EDSR-baseline", "EDSR", "ResNet-50"), lines):
+        assert re.fullmatch(rf"the parameters' fingerprint of {name} \([\d.]+ M values\): [\d.]+ ms", line), line
+    for check, line in zip(("calls", "targets", "parameters"), lines[3:]):
+        alone = r"alone \d+ us \(median of 5\); " if check != "parameters" else ""
+        assert re.fullmatch(rf"2 ranks, {check}: {alone}a step [\d.]+ ms with it, [\d.]+ ms without \(medians of 1 "
+                            r"alternating rounds\)", line), out.stdout + out.stderr
+    assert len(lines) == 6, out.stdout

@@ -63,7 +63,7 @@ def spatial_layout(spatial_ranks: int) -> Optional[spatial.Layout]:
     return spatial.layout(spatial=spatial_ranks, data=size // spatial_ranks)
 
 
-def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size: int, device: Any,
+def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size: int,
                   compiled: bool = False) -> Any:
     """The forward the training loop runs: on this rank's band of each patch (``layout``), or on
     whole patches. Collective with a layout.
@@ -74,14 +74,12 @@ def patch_forward(model: nn.Module, layout: Optional[spatial.Layout], patch_size
     if layout is None:
         return WholePatches(model, compiled)
     net = spatial.SpatialParallel(model, process_set=layout.spatial_set)
-    training = model.training
-    model.eval()  # the check's forward leaves batch norm's running statistics as they are
+    # Shapes only, every rank's band in this process, as the first forward checks them (the ranks'
+    # parameters are not broadcast yet: a forward would be refused for that).
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     try:
-        with torch.no_grad():
-            # One patch of zeros: every layer is checked on the meta device first, before any exchange.
-            net(net.scatter(torch.zeros(1, 3, patch_size, patch_size, device=device)))
+        spatial.check_split(model, (1, 3, patch_size, patch_size), (net.grid.rows, net.grid.cols), dtype)
     except spatial.SpatialError as err:
+        net.close()
         raise TrainError(f"spatial={layout.spatial} cannot split patches of patch_size={patch_size}: {err}") from None
-    finally:
-        model.train(training)
     return net

@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         data = _open_data(cfg, world)
         model, optimizer, ema, base_lr = _model_and_optimizer(cfg, world)
         # With spatial=S, this rank's row band of each patch (spatial_train.py); else whole patches.
-        net = patch_forward(model, world.layout, cfg.patch_size, world.device, compiled=cfg.compile)
+        net = patch_forward(model, world.layout, cfg.patch_size, compiled=cfg.compile)
         precision = agreed("amp", lambda: _mixed_precision(cfg.amp, world.device))
         progress = _start_or_resume(cfg, world, model, optimizer, ema, precision, data.sampler, lock)
         if progress.resumed and progress.update >= cfg.total_updates:

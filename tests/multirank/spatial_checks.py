@@ -22,6 +22,8 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
 - calls: net.gather and net.whole_mean on rank 0 alone (the others at their next forward, or at
   their backward), and gathers of different maps, are refused alike on every rank, naming each
   rank's call; the group works afterwards;
+- parameters: a rank whose model was not broadcast, ranks stepped by a plain optimizer, and a
+  checkpoint loaded on rank 0 alone are refused alike on every rank, naming the parameter;
 - lifetime: 200 SpatialParallel made and closed leave the model as it was (no hooks, no
   forward of its own), a closed one refuses to run, and shutdown closes the ones left open.
 
@@ -524,6 +526,38 @@ def calls() -> None:
     net.close()
 
 
+def parameters() -> None:
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
+
+    def made(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 3, padding=1)).double()
+
+    # Made with another seed on the last rank, not broadcast: refused at the first forward.
+    net = spatial.SpatialParallel(made(1 if hvd.rank() == hvd.size() - 1 else 0))
+    print_ok(f"parameters not broadcast: {refusal_of(lambda: net(net.scatter(x)))}")
+    net.close()
+    # Stepped by a plain optimizer: each rank by its own part's gradient; refused at the next forward.
+    net = spatial.SpatialParallel(made(0))
+    plain = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(net.scatter(x)).square().mean().backward()
+    plain.step()
+    print_ok(f"parameters plain optimizer: {refusal_of(lambda: net(net.scatter(x)))}")
+    net.close()
+    # A checkpoint loaded on rank 0 alone (a later parameter), and then broadcast: refused, then run.
+    net = spatial.SpatialParallel(made(0))
+    net(net.scatter(x))
+    if hvd.rank() == 0:
+        state = net.module.state_dict()
+        state["2.bias"] = state["2.bias"] + 1
+        net.module.load_state_dict(state)
+    print_ok(f"parameters loaded alone: {refusal_of(lambda: net(net.scatter(x)))}")
+    hvd.broadcast_parameters(net.module.state_dict(), root_rank=0)
+    net(net.scatter(x))
+    print_ok("parameters: broadcast, the group runs")
+    net.close()
+
+
 def print_ok(text: str) -> None:
     if hvd.rank() == 0:
         print(f"OK {text}", flush=True)
@@ -532,7 +566,8 @@ def print_ok(text: str) -> None:
 CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-strided": thin_strided,
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
-          "own-graph": own_graph, "content": content, "wrapping": wrapping, "calls": calls}
+          "own-graph": own_graph, "content": content, "wrapping": wrapping, "calls": calls,
+          "parameters": parameters}
 
 
 def main() -> None:

@@ -67,7 +67,8 @@ def main() -> None:
 
         getattr(model, LAST_SPATIAL_LAYER[model_name]).register_forward_hook(fail_in_its_backward)
     net = spatial.SpatialParallel(model)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01),
+                                         named_parameters=net.named_parameters())
     x = torch.rand(2, 3, 12, 10, generator=torch.Generator().manual_seed(1))
     for step in range(4):
         if failing and step == FAIL_STEP and when == "between-steps":

@@ -8,8 +8,9 @@ halo moves, and refused on every rank alike, in one line, where some rank differ
   and graph (a rank with another size would wait for ever in the first halo exchange, one
   whose backward exchanges other halos would pair them wrongly), the image's content and the
   further inputs' (a mask, a class label: fingerprint.py), and the tensors scattered since the
-  last check that are no input of the model (a loss's target). Another content computes a
-  silently wrong result.
+  last check that are no input of the model (a loss's target), and the model's parameters (a
+  rank not broadcast to, stepped by a plain optimizer, or that loaded a checkpoint alone).
+  Another content computes a silently wrong result.
 - At the start of each backward (:func:`on_later_scatters`, run by :func:`first_gradient_of`):
   the tensors scattered between the forward and its backward (a target scattered after it),
   before any gradient moves.
@@ -99,11 +100,13 @@ def on_wrapping(comm: GroupComm, grid: Grid, loss_reduction: str, loss_reduction
 
 
 def on_inputs(comm: GroupComm, x: torch.Tensor, part: Part, training: bool,
-              further: Sequence[Tuple[str, torch.Tensor]], later: Sequence[Optional[torch.Tensor]], base: int) -> int:
+              further: Sequence[Tuple[str, torch.Tensor]], later: Sequence[Optional[torch.Tensor]], base: int,
+              parameters: Sequence[Tuple[str, torch.Tensor]]) -> int:
     """Refuse a forward whose inputs differ between the ranks: ``x`` (this rank's part) and
-    its image's fingerprint, the ``further`` inputs (:func:`further_inputs`), and ``later``,
-    the fingerprints of what this rank scattered that the forward does not take. Returns rank
-    0's ``base`` (the forward's base for the random streams), gathered with the rest."""
+    its image's fingerprint, the ``further`` inputs (:func:`further_inputs`), ``later``, the
+    fingerprints of what this rank scattered that the forward does not take, and the model's
+    ``parameters`` (named). Returns rank 0's ``base`` (the forward's base for the random
+    streams), gathered with the rest."""
     lead = list(x.shape[:-2])[:_LEAD_DIMS]
     mine = [part.height, part.width, x.dim(), *(lead + [-1] * (_LEAD_DIMS - len(lead))),
             math.prod(x.shape[:-2]), _code(x.dtype), _code(x.device.type), int(training),
@@ -112,7 +115,9 @@ def on_inputs(comm: GroupComm, x: torch.Tensor, part: Part, training: bool,
         [t for _, t in further], lambda t: part_of(t) is not None)
     later_prints = fingerprint.slots([fingerprint.listed(f) for f in later])
     content = torch.tensor(prints_mine + later_prints, dtype=torch.float64).view(torch.int64).tolist()
-    gathered = comm.allgather(torch.tensor([mine + content + [base]], dtype=torch.int64), [1] * comm.size,
+    parameter_prints = fingerprint.of_parameters([p for _, p in parameters])
+    held = fingerprint.summary(parameter_prints)
+    gathered = comm.allgather(torch.tensor([mine + content + held + [base]], dtype=torch.int64), [1] * comm.size,
                               "inputs")
     rows = gathered[:, :len(mine)].tolist()
     if any(row[-1] != rows[0][-1] for row in rows):
@@ -128,7 +133,28 @@ def on_inputs(comm: GroupComm, x: torch.Tensor, part: Part, training: bool,
     if differing is not None:
         raise SpatialError(_other_content(*differing, [name for name, _ in further]))
     _refuse_other_scatters([p[inputs:] for p in prints], "before this forward")
+    summaries = gathered[:, -1 - len(held):-1].tolist()
+    if any(s != summaries[0] for s in summaries):
+        _refuse_other_parameters(comm, parameter_prints, [name for name, _ in parameters])
     return int(gathered[0, -1])
+
+
+def _refuse_other_parameters(comm: GroupComm, prints: Sequence[int], names: Sequence[str]) -> None:
+    """Every rank found that some rank holds other parameters (the same gathered summaries):
+    gather each parameter's fingerprint to name the first that differs, and refuse."""
+    everyone = comm.allgather(torch.tensor([list(prints)], dtype=torch.int64), [1] * comm.size,
+                              "parameters").tolist()
+    for index, name in enumerate(names):
+        others = [r for r, row in enumerate(everyone) if row[index] != everyone[0][index]]
+        if others:
+            break
+    else:  # the same values in other places: the summary weighs them by place
+        name, others = "their order", [r for r, row in enumerate(everyone) if row != everyone[0]]
+    raise SpatialError(f"the ranks of the spatial group hold different parameters: {_ranks_text(others)} other values "
+                       f"than group rank 0 in {name}: every rank of the group must compute with the same model: "
+                       "broadcast it from one rank after making or loading it (hvd.broadcast_parameters("
+                       "net.state_dict(), root_rank=0)), and update it with hvd.DistributedOptimizer, which sums "
+                       "the group's gradients (a plain optimizer steps each rank with its own part's)")
 
 
 def on_later_scatters(comm: GroupComm, later: Sequence[Optional[torch.Tensor]]) -> None:

@@ -310,7 +310,8 @@ class SpatialParallel(nn.Module):
         if self.grid.size == 1 or not comm.communicating:
             return base
         self._agree_on_call("forward")
-        return agreement.on_inputs(comm, x, part, self.module.training, further, later, base)
+        return agreement.on_inputs(comm, x, part, self.module.training, further, later, base,
+                                   list(self.module.named_parameters()))
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
         part = part_of(out)
