@@ -221,6 +221,17 @@ def test_a_model_with_parameters_not_made_yet_is_refused_with_the_recipe():
     spatial.check_split(model, (1, 3, 20, 16), (2, 1))
 
 
+def test_a_compiled_model_is_refused_before_anything_runs_naming_the_module():
+    # Before, dynamo's own error surfaced from the first forward ("... is already tracked for mutation").
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 3, 1))
+    with pytest.raises(SpatialError, match=r"^\(the model\) \(OptimizedModule\): a module compiled with "
+                                           r"torch.compile \(or .compile\(\)\) cannot be split"):
+        spatial.check_split(torch.compile(model), (1, 3, 20, 16), (2, 1))
+    model[1].compile()  # in place
+    with pytest.raises(SpatialError, match=r"^1 \(Conv2d\): a module compiled with torch.compile"):
+        spatial.check_split(model, (1, 3, 20, 16), (2, 1))
+
+
 def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_the_model_as_it_was():
     # Batch norm's cumulative average reads its batch count as a float, a value read as a
     # number takes a branch, a cache is made at the first call: on the meta device, each failed

@@ -550,17 +550,31 @@ def _find_part(args, kwargs) -> Optional[Part]:
 def refuse_unsplittable_modules(model: nn.Module) -> None:
     """Refuse, before anything runs, a model holding a module no layer of which can be split:
     a TorchScript module (its calls run in TorchScript's interpreter, where no hook reaches a
-    layer) or a lazy module whose parameters are not made yet (it makes them at its first call,
-    from its input, so the group could not agree on them, nor the optimizer hold them)."""
+    layer), a compiled one (``torch.compile``: its graph runs PyTorch's kernels on the part, past
+    the calls' spatial versions; dynamo refused it with an internal error about tracking a
+    module), or a lazy module whose parameters are not made yet (it makes them at its first
+    call, from its input, so the group could not agree on them, nor the optimizer hold them)."""
     for path, module in model.named_modules():
         where = f"{path or '(the model)'} ({type(module).__name__})"
         if isinstance(module, torch.jit.ScriptModule):
             raise SpatialError(f"{where}: a TorchScript module (torch.jit.script or torch.jit.trace) cannot be "
                                "split; wrap the module it was made from")
+        if _compiled(module):
+            raise SpatialError(f"{where}: a module compiled with torch.compile (or .compile()) cannot be split: "
+                               "SpatialParallel runs the model's calls one by one; wrap the module it was made from, "
+                               "uncompiled")
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise SpatialError(f"{where}: its parameters are not made yet (a lazy module makes them at its first "
                                "call): run the model once on a small input before wrapping it, as for "
                                "DistributedDataParallel")
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is torch.compile's wrapper or was compiled in place (``.compile()``);
+    told by name, so that torch._dynamo (slow to import) is not imported for it."""
+    kind = type(module)
+    return (kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo")) \
+        or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def track_modules(model: nn.Module) -> list:
