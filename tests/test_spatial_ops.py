@@ -568,3 +568,36 @@ def test_the_taps_read_off_pytorchs_kernel_give_its_output(dtype):
         rows, _ = resampling.taps_of(x, (n, 1), call)
         got = rows.apply(x, 2, 0, rows.outputs, 0)
         assert torch.allclose(got, expected, rtol=0, atol=(1e-13 if dtype == torch.float64 else 1e-5)), (n, call)
+
+
+def test_convolutions_under_autocast_run_as_autocast_runs_them_forward_and_backward():
+    # Autocast casts a convolution's tensors to bfloat16; the spatial convolutions (autograd
+    # functions of their own) did not, and their backward failed on bfloat16 gradients of
+    # float32 inputs. A band convolution, a strided one with a halo, and a transposed one.
+    gen = torch.Generator().manual_seed(3)
+    # Weights that require a gradient, as parameters do: their backward failed on mixed types.
+    w1, w2 = torch.randn(4, 3, 3, 3, generator=gen), torch.randn(4, 4, 3, 3, generator=gen)
+    w3 = torch.randn(4, 3, 2, 2, generator=gen)
+    for w in (w1, w2, w3):
+        w.requires_grad_()
+
+    def net(t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            # tanh, not relu: a pixel near 0 that rounds to the other side flips relu's gradient.
+            y = F.conv2d(F.conv2d(t, w1, padding=1).tanh(), w2, stride=2, padding=1)
+            return F.conv_transpose2d(y, w3, stride=2)
+
+    x = torch.randn(2, 3, 12, 10, generator=gen)
+    expected = net(x)
+    for grid in GRIDS + [(2, 2)]:
+        outcomes = run_parts(grid, net, x, backward=True)
+        assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+        got = assemble([o.value for o in outcomes])
+        assert got.dtype == expected.dtype == torch.bfloat16
+        # bfloat16 keeps 8 bits: a band's convolution rounds its parts in another order.
+        relative = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+        assert relative < 1e-2, relative
+        gradient = assemble_gradients(outcomes, grid, x.shape)
+        one = one_process_gradient(net, x).double()
+        relative = ((gradient - one).norm() / one.norm()).item()
+        assert relative < 1e-2, relative

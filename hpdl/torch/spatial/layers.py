@@ -162,11 +162,25 @@ def _unbatched(layer, ctx: Context, func, a: dict):
     return tagged(out.squeeze(0), part_of(out))
 
 
+def _as_autocast_runs_it(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """A convolution's tensors in autocast's lower precision where autocast is on for their
+    device, as autocast runs a convolution: the spatial convolutions are autograd functions of
+    their own, which autocast does not reach into, and their backward needs what they saved in
+    the type the forward computed in (the halos then move in that type too). The casts are
+    differentiable: the parameters' gradients come back in their own type."""
+    device = x.device.type
+    if device == "meta" or not x.is_floating_point() or not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    weight, bias = (t.to(dtype) if t is not None and t.is_floating_point() else t for t in (weight, bias))
+    return tagged(x.to(dtype), part_of(x)), weight, bias
+
+
 def conv2d(ctx: Context, func, a: dict):
     unbatched = _unbatched(conv2d, ctx, func, a)
     if unbatched is not None:
         return unbatched
-    x, weight, bias = a["input"], a["weight"], a["bias"]
+    x, weight, bias = _as_autocast_runs_it(a["input"], a["weight"], a["bias"])
     stride, padding = band_plans.pair(a["stride"]), a["padding"]
     dilation, groups = band_plans.pair(a["dilation"]), a["groups"]
     part = part_of(x)
@@ -195,7 +209,7 @@ def conv_transpose2d(ctx: Context, func, a: dict):
     unbatched = _unbatched(conv_transpose2d, ctx, func, a)
     if unbatched is not None:
         return unbatched
-    x, weight, bias = a["input"], a["weight"], a["bias"]
+    x, weight, bias = _as_autocast_runs_it(a["input"], a["weight"], a["bias"])
     stride, padding, extra = band_plans.pair(a["stride"]), band_plans.pair(a["padding"]), band_plans.pair(a["output_padding"])
     dilation, groups = band_plans.pair(a["dilation"]), a["groups"]
     part = part_of(x)
