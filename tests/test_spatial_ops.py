@@ -154,6 +154,16 @@ def _index_calls() -> List[Tuple[str, Callable]]:
     return calls
 
 
+def tied(t):
+    """floor(3 t): many equal values, across the bands; the gradient passed to ``t`` as it is."""
+    return t + (torch.floor(t.detach() * 3) - t.detach())
+
+
+def with_nan(t):
+    """NaN where ``t`` > 0.85 (in several places, across the bands); the gradient passed to ``t``."""
+    return t + torch.where(t.detach() > 0.85, torch.full_like(t, float("nan")), torch.zeros_like(t))
+
+
 def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
     w = torch.rand(4, 3, 3, 3, generator=_gen, dtype=torch.float64)
     wt = torch.rand(3, 2, 3, 3, generator=_gen, dtype=torch.float64)
@@ -193,6 +203,17 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                                 ("5 x 4 (overlapping windows)", lambda t: F.adaptive_avg_pool2d(t, (5, 4))),
                                 ("9 x 8 (more than the image)", lambda t: F.adaptive_avg_pool2d(t, (9, 8))),
                                 ("None x 1", lambda t: F.adaptive_avg_pool2d(t, (None, 1)))],
+        # Ties (values floor(3 t), the gradient passed to t as it is): the first maximum in the
+        # whole image's row-major order takes max pooling's gradient; amax shares it evenly.
+        F.adaptive_max_pool2d: [("1", lambda t: F.adaptive_max_pool2d(t, 1)),
+                                ("(1, 1) ties", lambda t: F.adaptive_max_pool2d(tied(t), (1, 1))),
+                                ("NaN", lambda t: F.adaptive_max_pool2d(with_nan(t), 1)),
+                                ("2", lambda t: F.adaptive_max_pool2d(t, 2)),
+                                ("indices", lambda t: F.adaptive_max_pool2d(t, 1, return_indices=True))],
+        torch.amax: [("(2, 3)", lambda t: torch.amax(t, (2, 3))), ("(-1, -2) keepdim", lambda t: torch.amax(t, (-1, -2), True)),
+                     ("(1, 2, 3) ties", lambda t: torch.amax(tied(t), (1, 2, 3))), ("all", lambda t: torch.amax(t)),
+                     ("2", lambda t: torch.amax(t, 2)), ("1", lambda t: torch.amax(t, 1))],
+        torch.Tensor.amax: [("(2, 3) ties", lambda t: tied(t).amax((2, 3)))],
         torch.pixel_shuffle: [("2", lambda t: F.pixel_shuffle(four(t), 2))],
         # 6 x 6 and 6 x 4 of the 7 x 6 image: blocks straddling the bands of 2 ranks (3 output rows
         # of 6 input rows: 2 and 1, from bands of 3 and 3).

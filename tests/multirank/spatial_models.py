@@ -5,7 +5,8 @@ the models users brought: a U-Net for odd sizes (transposed convolution and bili
 upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped to it), a
 torchvision-style segmentation head (the output interpolated to the size read from the input),
 DeepLabV3's ASPP head and PSPNet's pyramid pooling with an FPN's top-down path (sizes that
-are not whole factors, align_corners=True, pooled branches brought back to a part);
+are not whole factors, align_corners=True, pooled branches brought back to a part), CBAM's
+attention (global max pooling);
 a model with what a forward does besides layers (quirks: a cumulative batch norm, a value read
 as a number, a cache made at the first call); and two calling conventions: a model given further scattered inputs besides the image (a mask,
 a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
@@ -273,6 +274,25 @@ class Pyramid(nn.Module):
         return self.fuse(torch.cat([f] + pooled, 1))
 
 
+class Cbam(nn.Module):
+    """CBAM's attention on a convolutional block: channel attention from global average and max
+    pooling through a shared MLP (1x1 convolutions), spatial attention from the channels' mean
+    and max through a 7x7 convolution; and a global maximum as amax over the image."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Conv2d(c, 2, 1, bias=False), nn.ReLU(), nn.Conv2d(2, c, 1, bias=False))
+        self.spatial = nn.Conv2d(2, 1, 7, padding=3, bias=False)
+        self.out = nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(self.conv(x))
+        f = f * torch.sigmoid(self.mlp(F.adaptive_avg_pool2d(f, 1)) + self.mlp(F.adaptive_max_pool2d(f, 1)))
+        f = f * torch.sigmoid(self.spatial(torch.cat([f.mean(1, keepdim=True), f.amax(1, keepdim=True)], 1)))
+        return self.out(f / f.amax((2, 3), keepdim=True).clamp_min(1e-3))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -288,7 +308,7 @@ _MODELS = {
     "resnet50": lambda: resnet50(num_classes=10), "resnet-small": SmallResNet, "unet": lambda: UNet(pad=True),
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
-    "deeplab": DeepLab, "pyramid": Pyramid,
+    "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam,
 }
 
 

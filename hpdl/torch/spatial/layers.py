@@ -25,6 +25,7 @@ that rank's contribution, and the group sum's backward (pooling's) sums the cont
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -555,6 +556,106 @@ def _window_means(length: int, k: int, rows: Tuple[int, int], dtype: torch.dtype
     r = torch.arange(*rows)
     inside = (r[None, :] >= start[:, None]) & (r[None, :] < stop[:, None])
     return inside.to(dtype) / (stop - start).to(dtype)[:, None]
+
+
+class GlobalMax(torch.autograd.Function):
+    """The maximum over the whole image (every part) of ``x`` (..., h, w), and over its last
+    ``merged`` dimensions before the image's, the same on every rank. One allgather of each
+    rank's maxima and the whole image's places of its candidates. Backward sums every rank's
+    gradient of the replicated result, then gives it as one process does: with ``spread``
+    (``amax``) shared evenly among the values equal to the maximum, counted over the whole
+    image; else (max pooling, ``merged`` 0) to the one pixel it picks: the first maximum in the
+    whole image's row-major order, the last NaN where there is one."""
+
+    @staticmethod
+    def forward(ctx, x, part, spread, merged, comm, label):
+        h, w = x.shape[-2:]
+        kept = x.shape[:x.dim() - 2 - merged]
+        flat = x.detach().reshape(math.prod(kept), -1).to(torch.float64)  # every float type's values, exactly
+        local = flat.amax(1)
+        first_max = torch.argmax((flat == local[:, None]).to(torch.int8), 1)  # the first True
+        nan = torch.isnan(flat)
+        last_nan = flat.shape[1] - 1 - torch.argmax(nan.flip(1).to(torch.int8), 1)
+        (r0, _), (c0, _) = part.rows, part.cols
+
+        def placed(i):  # the whole image's row-major place of local place i (merged 0)
+            return ((r0 + torch.div(i, w, rounding_mode="floor")) * part.width + c0 + i % w).to(torch.float64)
+
+        mine = torch.stack([local, placed(first_max), torch.where(nan.any(1), placed(last_nan), -1.0)])
+        rows = comm.allgather(mine.unsqueeze(0), [1] * comm.size, label)  # (ranks, 3, maps)
+        maxima, first_places, nan_places = rows[:, 0], rows[:, 1], rows[:, 2]
+        best = maxima.amax(0)
+        ctx.spread, ctx.comm, ctx.label, ctx.shape = spread, comm, label, x.shape
+        if spread:
+            ctx.save_for_backward((flat == best[:, None]) | (nan & torch.isnan(best)[:, None]))
+        else:
+            any_nan = torch.isnan(best)
+            at_max = torch.where(maxima == best, first_places, torch.full_like(first_places, float("inf")))
+            chosen = torch.where(any_nan, nan_places.amax(0), at_max.amin(0))
+            own = torch.where(any_nan, nan_places[comm.rank] == chosen,
+                              (first_places[comm.rank] == chosen) & (maxima[comm.rank] == best))
+            ctx.save_for_backward(torch.where(any_nan, last_nan, first_max), own)
+        return best.to(x.dtype).reshape(kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_graph_in_backward(ctx.label)
+        grad = grad.reshape(-1)
+        if ctx.spread:
+            (at_max,) = ctx.saved_tensors
+            summed = ctx.comm.allreduce_sum(torch.cat([grad.to(torch.float64), at_max.sum(1).to(torch.float64)]),
+                                            ctx.label)
+            total, count = summed[:grad.numel()], summed[grad.numel():]
+            out = at_max.to(grad.dtype) * (total / count).to(grad.dtype)[:, None]
+        else:
+            place, own = ctx.saved_tensors
+            total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label)
+            out = grad.new_zeros(grad.numel(), math.prod(ctx.shape[-2:]))
+            out.scatter_(1, place[:, None], torch.where(own, total, torch.zeros_like(total))[:, None])
+        return out.reshape(ctx.shape), None, None, None, None, None
+
+
+def _global_max(ctx: Context, x: torch.Tensor, spread: bool, merged: int = 0) -> torch.Tensor:
+    """:class:`GlobalMax` of ``x`` (the shapes alone in a dry run)."""
+    if ctx.dry:
+        return x.amax(tuple(range(x.dim() - 2 - merged, x.dim())))
+    return GlobalMax.apply(x, part_of(x), spread, merged, ctx.comm, ctx.label())
+
+
+def adaptive_max_pool2d(ctx: Context, func, a: dict):
+    """Adaptive max pooling to 1 x 1 (global max pooling: CBAM's channel attention), the same
+    on every rank; other sizes, and the indices, are refused."""
+    x, size, indices = a["input"], a["output_size"], a.get("return_indices", False)
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    if indices or any(s is None for s in sizes) or band_plans.pair(sizes) != (1, 1):
+        raise SpatialError(f"{ctx.where()}: adaptive max pooling to {size}" + (" with its indices" if indices else "")
+                           + " is not supported in the spatial part (to 1 x 1, global, without indices)")
+    return _global_max(ctx, x, spread=False)[..., None, None]
+
+
+def amax(ctx: Context, func, a: dict):
+    """``amax`` over both image dimensions (and any others): the global maximum; over neither,
+    as it is; over one, refused."""
+    x, dims, keepdim = a["input"], a.get("dim"), bool(a.get("keepdim", False))
+    ndim = x.dim()
+    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
+        tuple(sorted({d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}))
+    spatial = {ndim - 2, ndim - 1} & set(dims)
+    if not spatial:
+        return tagged(torch.amax(x, dims, keepdim), part_of(x))
+    if len(spatial) == 1:
+        raise SpatialError(f"{ctx.where()}: amax over one image dimension only is not supported in the spatial part "
+                           "(over both, or over neither)")
+    # The other dimensions reduced, moved next to the image's: one process shares the gradient
+    # among every value equal to the maximum, whichever map it is in.
+    others = [d for d in dims if d < ndim - 2]
+    kept = [d for d in range(ndim - 2) if d not in others]
+    moved = tagged(x.permute(*kept, *others, ndim - 2, ndim - 1), part_of(x)) if others else x
+    out = _global_max(ctx, moved, spread=True, merged=len(others))
+    if keepdim:
+        for d in sorted(dims):
+            out = out.unsqueeze(d)
+    return out
 
 
 def reduction(ctx: Context, func, a: dict):

@@ -131,6 +131,10 @@ for _func, _spelling, _handler, _what in (
          "any kernel, stride, padding, `ceil_mode`; `count_include_pad`, `divisor_override`"),
         (F.batch_norm, "F.batch_norm", layers.batch_norm,
          "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
+        (F.adaptive_max_pool2d, "F.adaptive_max_pool2d", layers.adaptive_max_pool2d,
+         "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group"),
+        (torch.amax, "torch.amax", layers.amax, "over both image dimensions: global; over neither: as it is"),
+        (torch.Tensor.amax, "Tensor.amax", layers.amax, "as torch.amax"),
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
          "to any k x l (1 x 1: global; a pyramid pooling module's 1, 2, 3, 6): the same result on every rank of the "
          "group"),
