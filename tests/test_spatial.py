@@ -274,13 +274,14 @@ EXACTNESS = [
                            "unet-crop:37x29:checkpoint", "seghead:64x32"]),
     ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
                            "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8", "multiscale:24x12",
-                           "deeplab:29x19", "pyramid:23x17", "cbam:17x13"]),
+                           "deeplab:29x19", "pyramid:23x17", "cbam:17x13", "nnunet:23x17",
+                           "nnunet:18x13:checkpoint"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
                            "unbatched:17x11", "quirks:17x11", "borders:17x11",
                            "unshuffle:22x14", "pooled:17x11", "multiscale:24x18", "deeplab:29x22", "pyramid:23x17",
-                           "cbam:17x13"]),
+                           "cbam:17x13", "nnunet:23x17"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29", "borders:17x8",
-                            "cbam:17x13"]),
+                            "cbam:17x13", "nnunet:23x17"]),
     ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64", "borders:17x11", "deeplab:13x29:checkpoint"]),
     # Open MPI's halo exchanges, a middle band with two neighbours; the models are MPICH's above.
     ("openmpi", 3, "3x1", ["edsr-baseline:23x19"]),
@@ -360,8 +361,8 @@ def test_a_grid_too_fine_for_the_image_is_refused_on_every_rank():
 @pytest.mark.multirank
 def test_unsupported_layers_are_refused_before_any_halo_moves():
     result = _checks_on_two_ranks()
-    assert "OK unsupported: block.1 (GroupNorm): F.group_norm is not supported" in result.stdout, result.stdout
-    assert "OK unsupported: 1 (InstanceNorm2d): F.instance_norm is not supported" in result.stdout, result.stdout
+    assert "OK unsupported: block.1 (LayerNorm): F.layer_norm is not supported" in result.stdout, result.stdout
+    assert "OK unsupported: 1 (RMSNorm): F.rms_norm is not supported" in result.stdout, result.stdout
 
 
 @pytest.mark.multirank
@@ -525,8 +526,8 @@ def test_spatial_parallel_leaves_the_model_as_it_was_when_closed():
 def test_a_refusal_that_ends_the_program_is_one_line_per_rank():
     result = run_ranks("spatial_checks.py", 3, "mpiexec", args=["uncaught"], timeout=120, expect_ok=False)
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if "F.group_norm is not supported" in line]
-    assert sorted(lines) == [f"hpdl: rank {r}: 1 (GroupNorm): F.group_norm is not supported in the spatial part "
+    lines = [line for line in result.stderr.splitlines() if "F.layer_norm is not supported" in line]
+    assert sorted(lines) == [f"hpdl: rank {r}: 1 (LayerNorm): F.layer_norm is not supported in the spatial part "
                              "(it normalizes over each sample's pixels, which this rank holds only part of)"
                              for r in range(3)], result.stderr
     assert "Traceback" not in result.stderr, result.stderr

@@ -205,6 +205,14 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                                 ("None x 1", lambda t: F.adaptive_avg_pool2d(t, (None, 1)))],
         # Ties (values floor(3 t), the gradient passed to t as it is): the first maximum in the
         # whole image's row-major order takes max pooling's gradient; amax shares it evenly.
+        F.group_norm: [("3 groups", lambda t: F.group_norm(t, 3)), ("1 group affine", lambda t: F.group_norm(
+                           t, 1, torch.linspace(0.5, 1.5, 3, dtype=t.dtype), torch.linspace(-1, 1, 3, dtype=t.dtype))),
+                       ("2 groups of 3 channels", lambda t: F.group_norm(t, 2))],
+        F.instance_norm: [("plain", lambda t: F.instance_norm(t)),
+                          ("affine", lambda t: F.instance_norm(t, weight=torch.linspace(0.5, 1.5, 3, dtype=t.dtype),
+                                                               bias=torch.linspace(-1, 1, 3, dtype=t.dtype))),
+                          ("running", lambda t: F.instance_norm(t, rm.clone(), rv.clone(), momentum=0.3)),
+                          ("eval", lambda t: F.instance_norm(t, rm, rv, use_input_stats=False))],
         F.adaptive_max_pool2d: [("1", lambda t: F.adaptive_max_pool2d(t, 1)),
                                 ("(1, 1) ties", lambda t: F.adaptive_max_pool2d(tied(t), (1, 1))),
                                 ("NaN", lambda t: F.adaptive_max_pool2d(with_nan(t), 1)),

@@ -138,7 +138,7 @@ class Normed(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.block = nn.Sequential(nn.ReLU(), nn.GroupNorm(2, 4))
+        self.block = nn.Sequential(nn.ReLU(), nn.LayerNorm(16))
 
     def forward(self, x):
         return self.block(self.conv(x))
@@ -148,8 +148,8 @@ def unsupported() -> None:
     exchanges = []
     original = GroupComm.exchange
     GroupComm.exchange = lambda self, *a, **k: (exchanges.append(1), original(self, *a, **k))[1]
-    for model, path in ((Normed(), "block.1 (GroupNorm)"),
-                        (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.InstanceNorm2d(3)), "1 (InstanceNorm2d)")):
+    for model, path in ((Normed(), "block.1 (LayerNorm)"),
+                        (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.RMSNorm(16)), "1 (RMSNorm)")):
         net = spatial.SpatialParallel(model)
         try:
             net(net.scatter(torch.randn(1, 3, 16, 16)))
@@ -493,7 +493,7 @@ def lifetime() -> None:
 def uncaught(what: str) -> None:
     """A refusal that ends the program: SpatialParallel's own one line on each rank (from the
     first forward, or from the wrapper's construction)."""
-    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3))
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.LayerNorm(16))
     if what == "grid":
         spatial.SpatialParallel(model, grid=(hvd.size() + 1, 1))
     elif what == "script":

@@ -6,7 +6,7 @@ upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped 
 torchvision-style segmentation head (the output interpolated to the size read from the input),
 DeepLabV3's ASPP head and PSPNet's pyramid pooling with an FPN's top-down path (sizes that
 are not whole factors, align_corners=True, pooled branches brought back to a part), CBAM's
-attention (global max pooling);
+attention (global max pooling), nnU-Net's blocks (instance and group norm);
 a model with what a forward does besides layers (quirks: a cumulative batch norm, a value read
 as a number, a cache made at the first call); and two calling conventions: a model given further scattered inputs besides the image (a mask,
 a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
@@ -293,6 +293,34 @@ class Cbam(nn.Module):
         return self.out(f / f.amax((2, 3), keepdim=True).clamp_min(1e-3))
 
 
+class NnUNet(nn.Module):
+    """nnU-Net's 2-D building blocks (convolution, instance norm with affine parameters,
+    leaky ReLU; a strided convolution down, a transposed one up, the skip concatenated), with
+    group norm in the bottleneck and one instance norm keeping running statistics."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+
+        def block(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
+            # No bias before a norm: its gradient is 0 (to rounding), which no relative error measures.
+            return nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.InstanceNorm2d(c_out, affine=True),
+                                 nn.LeakyReLU(0.01))
+
+        self.enc = block(3, c)
+        self.down = block(c, 2 * c, stride=2)
+        self.bottleneck = nn.Sequential(nn.Conv2d(2 * c, 2 * c, 3, padding=1, bias=False), nn.GroupNorm(4, 2 * c),
+                                        nn.LeakyReLU(0.01))
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.dec = nn.Sequential(nn.Conv2d(2 * c, c, 3, padding=1, bias=False),
+                                 nn.InstanceNorm2d(c, affine=True, track_running_stats=True), nn.LeakyReLU(0.01))
+        self.head = nn.Conv2d(c, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.enc(x)
+        up = self.up(self.bottleneck(self.down(skip)))
+        return self.head(self.dec(torch.cat([skip, up[..., :skip.shape[-2], :skip.shape[-1]]], 1)))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -308,7 +336,7 @@ _MODELS = {
     "resnet50": lambda: resnet50(num_classes=10), "resnet-small": SmallResNet, "unet": lambda: UNet(pad=True),
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
-    "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam,
+    "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet,
 }
 
 

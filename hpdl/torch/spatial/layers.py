@@ -493,6 +493,60 @@ def batch_norm(ctx: Context, func, a: dict):
     return tagged(out, part)
 
 
+def group_norm(ctx: Context, func, a: dict):
+    """Group normalization: each sample's groups of channels over all of its pixels (every
+    part), as one process computes them."""
+    return _per_sample_norm(ctx, a["input"], int(a["num_groups"]), a.get("weight"), a.get("bias"), a.get("eps", 1e-5))
+
+
+def instance_norm(ctx: Context, func, a: dict):
+    """Instance normalization: each sample's channels over all of its pixels (every part); with
+    running statistics, kept as one process keeps them (the mean over the batch of each
+    sample's), and in eval mode the same affine map on every pixel."""
+    x, running_mean, running_var = a["input"], a.get("running_mean"), a.get("running_var")
+    weight, bias, momentum, eps = a.get("weight"), a.get("bias"), a.get("momentum", 0.1), a.get("eps", 1e-5)
+    if not a.get("use_input_stats", True):
+        return tagged(F.instance_norm(x, running_mean, running_var, weight, bias, False, momentum, eps), part_of(x))
+    if running_mean is not None and not ctx.dry and not ctx.recomputing:
+        _update_instance_running(ctx, x, running_mean, running_var, momentum)
+    return _per_sample_norm(ctx, x, x.shape[1], weight, bias, eps)
+
+
+def _per_sample_norm(ctx: Context, x: torch.Tensor, groups: int, weight: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """``x`` (N, C, ...) normalized over each sample's ``groups`` of channels and every pixel of
+    the whole image, then the per-channel affine map. It is batch normalization of ``x`` seen as
+    (1, N * groups, the rest), whose channels are the samples' groups: :class:`SpatialBatchNorm`
+    without running statistics, exact over the group's parts in forward and backward."""
+    part = part_of(x)
+    n, c = x.shape[:2]
+    if groups < 1 or c % groups:
+        raise ValueError(f"{ctx.where()}: expected the number of channels, {c}, to be divisible by num_groups, "
+                         f"{groups}")
+    if ctx.dry:
+        return tagged(torch.empty_like(x), part)
+    out = SpatialBatchNorm.apply(x.reshape(1, n * groups, -1), None, None, None, None, 0.0, eps, ctx.comm,
+                                 ctx.label()).reshape(x.shape)
+    affine = (1, c) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(affine)
+    if bias is not None:
+        out = out + bias.reshape(affine)
+    return tagged(out, part)
+
+
+def _update_instance_running(ctx: Context, x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                             momentum: float) -> None:
+    """Instance norm's running statistics as PyTorch keeps them: each sample's mean and unbiased
+    variance over the whole image, averaged over the batch, into a moving average."""
+    n, c = x.shape[:2]
+    xs = x.detach().reshape(1, n * c, -1).to(stats.stat_dtype(x.dtype))
+    total, mean, m2 = stats.combine_moments(ctx.comm.allgather(stats.local_moments(xs), [1] * ctx.comm.size,
+                                                               ctx.label()))
+    running_mean.mul_(1 - momentum).add_(mean.view(n, c).mean(0).to(running_mean.dtype), alpha=momentum)
+    running_var.mul_(1 - momentum).add_((m2 / (total - 1)).view(n, c).mean(0).to(running_var.dtype), alpha=momentum)
+
+
 # -- global reductions (to a replicated tensor) --------------------------------------------
 
 class GroupSum(torch.autograd.Function):

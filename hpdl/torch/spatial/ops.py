@@ -131,6 +131,11 @@ for _func, _spelling, _handler, _what in (
          "any kernel, stride, padding, `ceil_mode`; `count_include_pad`, `divisor_override`"),
         (F.batch_norm, "F.batch_norm", layers.batch_norm,
          "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
+        (F.group_norm, "F.group_norm", layers.group_norm,
+         "statistics of each sample's groups of channels over the whole image (every part)"),
+        (F.instance_norm, "F.instance_norm", layers.instance_norm,
+         "statistics of each sample's channels over the whole image (every part); running statistics as one "
+         "process keeps them"),
         (F.adaptive_max_pool2d, "F.adaptive_max_pool2d", layers.adaptive_max_pool2d,
          "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group"),
         (torch.amax, "torch.amax", layers.amax, "over both image dimensions: global; over neither: as it is"),
@@ -169,7 +174,7 @@ _add("""
     logical_or logical_xor bitwise_and bitwise_or bitwise_xor copysign heaviside lerp xlogy logaddexp
     logaddexp2 nextafter ldexp addcmul addcdiv where masked_fill isclose copy
     relu6 elu selu celu leaky_relu prelu gelu logsigmoid hardshrink tanhshrink softsign softplus softshrink
-    hardsigmoid silu mish hardswish hardtanh threshold
+    hardsigmoid silu mish hardswish hardtanh threshold local_response_norm
 """, Op(Kind.ELEMENTWISE))
 for _name in ("__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ "
               "__rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__ __rfloordiv__ __ifloordiv__ "
@@ -259,7 +264,7 @@ _add("zeros ones empty full", Op(Kind.FACTORY), methods=False, functional=False)
 # -- refused, with the reason (the rest is refused without one) ----------------------------------
 
 _REFUSED = (
-    ("layer_norm group_norm instance_norm local_response_norm rms_norm",
+    ("layer_norm rms_norm",
      "it normalizes over each sample's pixels, which this rank holds only part of"),
     ("dropout1d dropout2d dropout3d feature_alpha_dropout",
      "it drops whole channels, which each rank would choose on its own"),
