@@ -573,8 +573,9 @@ def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` is torch.compile's wrapper or was compiled in place (``.compile()``);
     told by name, so that torch._dynamo (slow to import) is not imported for it."""
     kind = type(module)
+    # .compile() keeps the compiled call in the module's own attributes (PyTorch 2.2 and later).
     return (kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo")) \
-        or getattr(module, "_compiled_call_impl", None) is not None
+        or vars(module).get("_compiled_call_impl") is not None
 
 
 def track_modules(model: nn.Module) -> list:
