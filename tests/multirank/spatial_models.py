@@ -6,7 +6,8 @@ upsampling, the skip padded to size as milesial's Pytorch-UNet does, or cropped 
 torchvision-style segmentation head (the output interpolated to the size read from the input),
 DeepLabV3's ASPP head and PSPNet's pyramid pooling with an FPN's top-down path (sizes that
 are not whole factors, align_corners=True, pooled branches brought back to a part), CBAM's
-attention (global max pooling), nnU-Net's blocks (instance and group norm);
+attention (global max pooling), nnU-Net's blocks (instance and group norm), normalization
+written by hand (std and var_mean over the image);
 a model with what a forward does besides layers (quirks: a cumulative batch norm, a value read
 as a number, a cache made at the first call); and two calling conventions: a model given further scattered inputs besides the image (a mask,
 a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
@@ -321,6 +322,25 @@ class NnUNet(nn.Module):
         return self.head(self.dec(torch.cat([skip, up[..., :skip.shape[-2], :skip.shape[-1]]], 1)))
 
 
+class HandNorm(nn.Module):
+    """Normalization written by hand, as AdaIN and style-transfer networks write it: each
+    sample's channels over the image (mean and std over (2, 3)) with learned scale and shift,
+    then each sample over its channels and image (var_mean over (1, 2, 3))."""
+
+    def __init__(self, c: int = 6):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, c, 3, padding=1, bias=False)  # a bias before a norm has no gradient
+        self.gamma, self.beta = nn.Parameter(torch.linspace(0.5, 1.5, c)), nn.Parameter(torch.linspace(-0.5, 0.5, c))
+        self.conv2 = nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.conv1(x)
+        f = (f - f.mean((2, 3), keepdim=True)) / (f.std((2, 3), keepdim=True) + 1e-5)
+        f = f * self.gamma.view(1, -1, 1, 1) + self.beta.view(1, -1, 1, 1)
+        var, mean = torch.var_mean(f, (1, 2, 3), keepdim=True)
+        return self.conv2(torch.relu((f - mean) / (var + 1e-5).sqrt()))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -336,7 +356,7 @@ _MODELS = {
     "resnet50": lambda: resnet50(num_classes=10), "resnet-small": SmallResNet, "unet": lambda: UNet(pad=True),
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
-    "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet,
+    "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet, "handnorm": HandNorm,
 }
 
 

@@ -36,7 +36,7 @@ from hpdl.torch.spatial import band_plans, halo
 from hpdl.torch.spatial.comm import refuse_graph_in_backward
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import BandPlan, SpatialError, Window, bands
-from hpdl.torch.spatial.parts import part_of, tagged
+from hpdl.torch.spatial.parts import part_of, tag_outputs, tagged
 
 
 # -- convolution ---------------------------------------------------------------------------
@@ -674,6 +674,72 @@ def _global_max(ctx: Context, x: torch.Tensor, spread: bool, merged: int = 0) ->
     if ctx.dry:
         return x.amax(tuple(range(x.dim() - 2 - merged, x.dim())))
     return GlobalMax.apply(x, part_of(x), spread, merged, ctx.comm, ctx.label())
+
+
+class GlobalMoments(torch.autograd.Function):
+    """The mean and variance (with ``correction``: 1 unbiased, 0 biased) over the whole image
+    (every part) of ``x`` (..., h, w), and over its last ``merged`` dimensions before the
+    image's, the same on every rank: every part's count, mean and sum of squared deviations
+    gathered and combined exactly (batch norm's arithmetic). Backward sums every rank's
+    gradients of the replicated results, then gives each value its share."""
+
+    @staticmethod
+    def forward(ctx, x, merged, correction, comm, label):
+        kept = x.shape[:x.dim() - 2 - merged]
+        flat = x.reshape(1, math.prod(kept), -1).to(stats.stat_dtype(x.dtype))
+        total, mean, m2 = stats.combine_moments(comm.allgather(stats.local_moments(flat), [1] * comm.size, label))
+        var = m2 / (total - correction)
+        ctx.save_for_backward(x, mean)
+        ctx.total, ctx.correction, ctx.comm, ctx.label, ctx.kept = total, correction, comm, label, kept
+        return mean.to(x.dtype).reshape(kept), var.to(x.dtype).reshape(kept)
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_var):
+        refuse_graph_in_backward(ctx.label)
+        x, mean = ctx.saved_tensors
+        count = mean.numel()
+        grads = [g.reshape(-1) if g is not None else mean.new_zeros(count) for g in (grad_mean, grad_var)]
+        summed = ctx.comm.allreduce_sum(torch.cat([g.to(mean.dtype) for g in grads]), ctx.label)
+        g_mean, g_var = summed[:count], summed[count:]
+        flat = x.reshape(count, -1).to(mean.dtype)
+        out = (g_mean / ctx.total)[:, None] + (2 * g_var / (ctx.total - ctx.correction))[:, None] * (flat - mean[:, None])
+        return out.to(x.dtype).reshape(x.shape), None, None, None, None
+
+
+_MOMENTS = {"var": (False, False), "std": (True, False), "var_mean": (False, True), "std_mean": (True, True)}
+
+
+def moments(ctx: Context, func, a: dict):
+    """``var``, ``std``, ``var_mean`` and ``std_mean`` over both image dimensions (and any
+    others: per-channel statistics of each sample, as AdaIN and instance norm written by hand
+    take them): over the whole image, the same on every rank; over neither, as they are; over
+    one, refused."""
+    x, dims, keepdim = a["input"], a.get("dim"), bool(a.get("keepdim", False))
+    correction = a.get("correction")
+    if correction is None:
+        correction = 1 if a.get("unbiased", True) else 0
+    root, with_mean = _MOMENTS[func.__name__]
+    ndim = x.dim()
+    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
+        tuple(sorted({d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}))
+    spatial = {ndim - 2, ndim - 1} & set(dims)
+    if not spatial:
+        return tag_outputs(func(x, dims, correction=correction, keepdim=keepdim), part_of(x))
+    if len(spatial) == 1:
+        raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
+                           "spatial part (over both, or over neither)")
+    others = [d for d in dims if d < ndim - 2]
+    kept = [d for d in range(ndim - 2) if d not in others]
+    moved = x.permute(*kept, *others, ndim - 2, ndim - 1) if others else x
+    if ctx.dry:
+        mean = var = moved.mean(tuple(range(len(kept), ndim)))
+    else:
+        mean, var = GlobalMoments.apply(moved, len(others), float(correction), ctx.comm, ctx.label())
+    spread = var.sqrt() if root else var
+    if keepdim:
+        for d in sorted(dims):
+            spread, mean = spread.unsqueeze(d), mean.unsqueeze(d)
+    return (spread, mean) if with_mean else spread
 
 
 def adaptive_max_pool2d(ctx: Context, func, a: dict):

@@ -136,6 +136,13 @@ for _func, _spelling, _handler, _what in (
         (F.instance_norm, "F.instance_norm", layers.instance_norm,
          "statistics of each sample's channels over the whole image (every part); running statistics as one "
          "process keeps them"),
+        (torch.var, "torch.var", layers.moments, "over both image dimensions: the whole image's; over neither: as "
+         "it is"),
+        (torch.Tensor.var, "Tensor.var", layers.moments, "as torch.var"),
+        (torch.std, "torch.std", layers.moments, "as torch.var"),
+        (torch.Tensor.std, "Tensor.std", layers.moments, "as torch.var"),
+        (torch.var_mean, "torch.var_mean", layers.moments, "as torch.var"),
+        (torch.std_mean, "torch.std_mean", layers.moments, "as torch.var"),
         (F.adaptive_max_pool2d, "F.adaptive_max_pool2d", layers.adaptive_max_pool2d,
          "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group"),
         (torch.amax, "torch.amax", layers.amax, "over both image dimensions: global; over neither: as it is"),
