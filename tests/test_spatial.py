@@ -303,7 +303,7 @@ def test_spatial_parallel_equals_one_process_in_float64(launcher, n, grid, cases
                          ids=["nccl-1", "gloo-2-on-one-gpu"])
 def test_spatial_parallel_on_cuda_equals_one_process(n, env):
     cases = ["resnet-small:97x83", "edsr-baseline:21x17", "srresnet:21x17:checkpoint", "borders:21x17",
-             "deeplab:29x19"]
+             "deeplab:29x19", "cbam:17x13"]
     result = run_ranks("spatial_exactness.py", n, "torchrun", args=["--device", "cuda", f"{n}x1", *cases], env=env,
                        timeout=300)
     for case in cases:
