@@ -277,8 +277,9 @@ _REFUSED = (
      "it drops whole channels, which each rank would choose on its own"),
     ("linear bilinear matmul mm bmm einsum tensordot inner outer",
      "it mixes the last dimension, which is split across the ranks"),
-    ("unfold fold grid_sample affine_grid adaptive_max_pool2d fractional_max_pool2d lp_pool2d "
-     "max_pool2d_with_indices max_unpool2d", "it reads pixels the halo exchange does not bring"),
+    ("unfold fold grid_sample affine_grid fractional_max_pool2d lp_pool2d",
+     "it reads pixels the halo exchange does not bring"),
+    ("max_pool2d_with_indices max_unpool2d", "its indices are places in the whole map, which no part holds"),
     ("item tolist numpy __array__ __bool__ __float__ __int__ __index__",
      "it reads the part's values as if they were the whole image's"),
     ("stride as_strided", "the part's memory layout is not the whole image's"),
