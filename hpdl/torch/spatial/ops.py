@@ -3,11 +3,12 @@ object (``torch.narrow``, ``Tensor.narrow``, ``F.softmax`` each their own), with
 to the split and the name of its dimension argument. Anything not in the table is refused
 (dispatch.py), so nothing can compute on one band as if it were the whole image.
 
-Kinds, and the rule each follows on a part (dispatch.py applies them; layers.py holds the
-handlers):
+Kinds, and the rule each follows on a part (dispatch.py applies them; layers.py,
+normalization.py, reductions.py and resampling.py hold the handlers):
 
-- ``HANDLER``: a spatial version in layers.py (convolutions, pooling, batch norm, resampling,
-  global reductions, crops and pads);
+- ``HANDLER``: a spatial version of its own (convolutions, pooling, crops and pads: layers.py;
+  batch, group and instance norm: normalization.py; reductions over the image: reductions.py;
+  resampling: resampling.py);
 - ``ELEMENTWISE``: each output pixel from the same pixel of the inputs; the other tensors must
   be the same part of a map of the same size, or constant along the image (sizes 1 there);
 - ``RANDOM``: element-wise with random numbers, drawn from each band's own stream
@@ -40,7 +41,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from hpdl.torch.spatial import layers, resampling
+from hpdl.torch.spatial import layers, normalization, reductions, resampling
 
 
 class Kind(enum.Enum):
@@ -118,7 +119,7 @@ def _attribute(name: str, op: Op) -> None:
     _put(getattr(torch.Tensor, name), op, f"x.{name}")
 
 
-# -- handlers (layers.py) ------------------------------------------------------------------
+# -- handlers (layers.py, normalization.py, reductions.py, resampling.py) ---------------------
 
 for _func, _spelling, _handler, _what in (
         (torch.conv2d, "F.conv2d", layers.conv2d,
@@ -129,25 +130,25 @@ for _func, _spelling, _handler, _what in (
         (torch.max_pool2d, "torch.max_pool2d", layers.max_pool2d, "as F.max_pool2d"),
         (F.avg_pool2d, "F.avg_pool2d", layers.avg_pool2d,
          "any kernel, stride, padding, `ceil_mode`; `count_include_pad`, `divisor_override`"),
-        (F.batch_norm, "F.batch_norm", layers.batch_norm,
+        (F.batch_norm, "F.batch_norm", normalization.batch_norm,
          "statistics of the whole image (every part) and the batch; running statistics as one process keeps them"),
-        (F.group_norm, "F.group_norm", layers.group_norm,
+        (F.group_norm, "F.group_norm", normalization.group_norm,
          "statistics of each sample's groups of channels over the whole image (every part)"),
-        (F.instance_norm, "F.instance_norm", layers.instance_norm,
+        (F.instance_norm, "F.instance_norm", normalization.instance_norm,
          "statistics of each sample's channels over the whole image (every part); running statistics as one "
          "process keeps them"),
-        (torch.var, "torch.var", layers.moments, "over both image dimensions: the whole image's; over neither: as "
+        (torch.var, "torch.var", reductions.moments, "over both image dimensions: the whole image's; over neither: as "
          "it is"),
-        (torch.Tensor.var, "Tensor.var", layers.moments, "as torch.var"),
-        (torch.std, "torch.std", layers.moments, "as torch.var"),
-        (torch.Tensor.std, "Tensor.std", layers.moments, "as torch.var"),
-        (torch.var_mean, "torch.var_mean", layers.moments, "as torch.var"),
-        (torch.std_mean, "torch.std_mean", layers.moments, "as torch.var"),
-        (F.adaptive_max_pool2d, "F.adaptive_max_pool2d", layers.adaptive_max_pool2d,
+        (torch.Tensor.var, "Tensor.var", reductions.moments, "as torch.var"),
+        (torch.std, "torch.std", reductions.moments, "as torch.var"),
+        (torch.Tensor.std, "Tensor.std", reductions.moments, "as torch.var"),
+        (torch.var_mean, "torch.var_mean", reductions.moments, "as torch.var"),
+        (torch.std_mean, "torch.std_mean", reductions.moments, "as torch.var"),
+        (F.adaptive_max_pool2d, "F.adaptive_max_pool2d", reductions.adaptive_max_pool2d,
          "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group"),
-        (torch.amax, "torch.amax", layers.amax, "over both image dimensions: global; over neither: as it is"),
-        (torch.Tensor.amax, "Tensor.amax", layers.amax, "as torch.amax"),
-        (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", layers.adaptive_avg_pool2d,
+        (torch.amax, "torch.amax", reductions.amax, "over both image dimensions: global; over neither: as it is"),
+        (torch.Tensor.amax, "Tensor.amax", reductions.amax, "as torch.amax"),
+        (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", reductions.adaptive_avg_pool2d,
          "to any k x l (1 x 1: global; a pyramid pooling module's 1, 2, 3, 6): the same result on every rank of the "
          "group"),
         (torch.pixel_shuffle, "F.pixel_shuffle", resampling.pixel_shuffle, "any factor"),
@@ -156,10 +157,10 @@ for _func, _spelling, _handler, _what in (
         (F.interpolate, "F.interpolate", resampling.interpolate,
          "nearest, nearest-exact, bilinear, bicubic, `align_corners` either way, any `size` or `scale_factor` "
          "(as one process reads them); a whole tensor (a pooled branch) to a size read from a part becomes a part"),
-        (torch.mean, "torch.mean", layers.reduction, "over both image dimensions: global; over neither: as it is"),
-        (torch.Tensor.mean, "Tensor.mean", layers.reduction, "as torch.mean"),
-        (torch.sum, "torch.sum", layers.reduction, "as torch.mean"),
-        (torch.Tensor.sum, "Tensor.sum", layers.reduction, "as torch.mean"),
+        (torch.mean, "torch.mean", reductions.reduction, "over both image dimensions: global; over neither: as it is"),
+        (torch.Tensor.mean, "Tensor.mean", reductions.reduction, "as torch.mean"),
+        (torch.sum, "torch.sum", reductions.reduction, "as torch.mean"),
+        (torch.Tensor.sum, "Tensor.sum", reductions.reduction, "as torch.mean"),
         (F.pad, "F.pad", layers.pad,
          "of the image: `constant` (negative amounts crop), `replicate`, `reflect` and `circular` (the pad layers, "
          "`Conv2d(padding_mode=...)`), as one process pads the whole image"),

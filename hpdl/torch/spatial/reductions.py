@@ -1,0 +1,272 @@
+"""Reductions over the whole image of a CNN's spatial part, to a replicated result, the same on
+every rank of the group: global and adaptive average pooling and sums (``GroupSum`` of each
+part's contribution), global max pooling and ``amax`` (``GlobalMax``: each rank's maxima and
+their places in the whole image, gathered), and ``var``/``std`` over the image
+(``GlobalMoments``: batch norm's gathered moments).
+
+Gradient bookkeeping (what ``SpatialParallel`` relies on): a replicated tensor's gradient on
+each rank is that rank's contribution; each reduction's backward first sums the contributions
+over the group, then gives each part its share as one process does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from hpdl.torch import batch_norm_stats as stats
+from hpdl.torch.spatial import band_plans
+from hpdl.torch.spatial.comm import refuse_graph_in_backward
+from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.geometry import SpatialError
+from hpdl.torch.spatial.parts import part_of, tag_outputs, tagged
+
+
+class GroupSum(torch.autograd.Function):
+    """The sum of every rank's ``x`` over the group: a replicated result, the same on every rank.
+
+    Backward sums every rank's gradient of it before handing it back: the result is
+    replicated, so each rank's gradient of it is only its own part's contribution (see
+    parallel.py)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, label):
+        ctx.comm, ctx.label = comm, label
+        return comm.allreduce_sum(x.contiguous().clone(), label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_graph_in_backward(ctx.label)
+        return ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label), None, None
+
+
+def _group_sum(ctx: Context, x: torch.Tensor) -> torch.Tensor:
+    """:class:`GroupSum` of ``x`` (``x`` itself in a dry run, where nothing is exchanged)."""
+    return x if ctx.dry else GroupSum.apply(x, ctx.comm, ctx.label())
+
+
+def _global_sum(ctx: Context, x: torch.Tensor, dims: Tuple[int, ...], keepdim: bool, mean: bool) -> torch.Tensor:
+    part = part_of(x)
+    count = 1
+    for d in dims:
+        count *= part.height if d == x.dim() - 2 else part.width if d == x.dim() - 1 else x.shape[d]
+    total = _group_sum(ctx, x.sum(dims, keepdim=keepdim))
+    return total / count if mean else total
+
+
+def adaptive_avg_pool2d(ctx: Context, func, a: dict):
+    """Adaptive average pooling to ``k x l``: every rank adds its part's pixels into the output
+    windows they fall in (PyTorch's windows: ``floor(o * n / k)`` to ``ceil((o + 1) * n / k)``),
+    and the group sums the contributions, so every rank holds the whole pooled map (a
+    pyramid pooling module's, VGG's 7 x 7 before its classifier). To 1 x 1, a global mean."""
+    x, size = a["input"], a["output_size"]
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    if any(s is None for s in sizes):
+        raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
+                           "part (None keeps an image dimension split: pool to a size in both)")
+    out = band_plans.pair(sizes)
+    if out == (1, 1):
+        return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)
+    part = part_of(x)
+    pooled = x
+    for axis, k in enumerate(out):
+        weights = _window_means(part.length(axis), k, (part.rows, part.cols)[axis], x.dtype).to(x.device)
+        pooled = torch.tensordot(pooled, weights, dims=([x.dim() - 2 + axis], [1])).movedim(-1, x.dim() - 2 + axis)
+    return _group_sum(ctx, pooled)
+
+
+def _window_means(length: int, k: int, rows: Tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """(k, rows) weights: output ``o`` of adaptive average pooling ``length`` rows to ``k`` takes
+    1 / (its window's length) of each of the band's ``rows`` inside its window."""
+    o = torch.arange(k)
+    start, stop = (o * length) // k, ((o + 1) * length + k - 1) // k
+    r = torch.arange(*rows)
+    inside = (r[None, :] >= start[:, None]) & (r[None, :] < stop[:, None])
+    return inside.to(dtype) / (stop - start).to(dtype)[:, None]
+
+
+class GlobalMax(torch.autograd.Function):
+    """The maximum over the whole image (every part) of ``x`` (..., h, w), and over its last
+    ``merged`` dimensions before the image's, the same on every rank. One allgather of each
+    rank's maxima and the whole image's places of its candidates. Backward sums every rank's
+    gradient of the replicated result, then gives it as one process does: with ``spread``
+    (``amax``) shared evenly among the values equal to the maximum, counted over the whole
+    image; else (max pooling, ``merged`` 0) to the one pixel it picks: the first maximum in the
+    whole image's row-major order, the last NaN where there is one."""
+
+    @staticmethod
+    def forward(ctx, x, part, spread, merged, comm, label):
+        h, w = x.shape[-2:]
+        kept = x.shape[:x.dim() - 2 - merged]
+        flat = x.detach().reshape(math.prod(kept), -1).to(torch.float64)  # every float type's values, exactly
+        local = flat.amax(1)
+        first_max = torch.argmax((flat == local[:, None]).to(torch.int8), 1)  # the first True
+        nan = torch.isnan(flat)
+        last_nan = flat.shape[1] - 1 - torch.argmax(nan.flip(1).to(torch.int8), 1)
+        (r0, _), (c0, _) = part.rows, part.cols
+
+        def placed(i):  # the whole image's row-major place of local place i (merged 0)
+            return ((r0 + torch.div(i, w, rounding_mode="floor")) * part.width + c0 + i % w).to(torch.float64)
+
+        mine = torch.stack([local, placed(first_max), torch.where(nan.any(1), placed(last_nan), -1.0)])
+        rows = comm.allgather(mine.unsqueeze(0), [1] * comm.size, label)  # (ranks, 3, maps)
+        maxima, first_places, nan_places = rows[:, 0], rows[:, 1], rows[:, 2]
+        best = maxima.amax(0)
+        ctx.spread, ctx.comm, ctx.label, ctx.shape = spread, comm, label, x.shape
+        if spread:
+            ctx.save_for_backward((flat == best[:, None]) | (nan & torch.isnan(best)[:, None]))
+        else:
+            any_nan = torch.isnan(best)
+            at_max = torch.where(maxima == best, first_places, torch.full_like(first_places, float("inf")))
+            chosen = torch.where(any_nan, nan_places.amax(0), at_max.amin(0))
+            own = torch.where(any_nan, nan_places[comm.rank] == chosen,
+                              (first_places[comm.rank] == chosen) & (maxima[comm.rank] == best))
+            ctx.save_for_backward(torch.where(any_nan, last_nan, first_max), own)
+        return best.to(x.dtype).reshape(kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_graph_in_backward(ctx.label)
+        grad = grad.reshape(-1)
+        if ctx.spread:
+            (at_max,) = ctx.saved_tensors
+            summed = ctx.comm.allreduce_sum(torch.cat([grad.to(torch.float64), at_max.sum(1).to(torch.float64)]),
+                                            ctx.label)
+            total, count = summed[:grad.numel()], summed[grad.numel():]
+            out = at_max.to(grad.dtype) * (total / count).to(grad.dtype)[:, None]
+        else:
+            place, own = ctx.saved_tensors
+            total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label)
+            out = grad.new_zeros(grad.numel(), math.prod(ctx.shape[-2:]))
+            out.scatter_(1, place[:, None], torch.where(own, total, torch.zeros_like(total))[:, None])
+        return out.reshape(ctx.shape), None, None, None, None, None
+
+
+def _global_max(ctx: Context, x: torch.Tensor, spread: bool, merged: int = 0) -> torch.Tensor:
+    """:class:`GlobalMax` of ``x`` (the shapes alone in a dry run)."""
+    if ctx.dry:
+        return x.amax(tuple(range(x.dim() - 2 - merged, x.dim())))
+    return GlobalMax.apply(x, part_of(x), spread, merged, ctx.comm, ctx.label())
+
+
+class GlobalMoments(torch.autograd.Function):
+    """The mean and variance (with ``correction``: 1 unbiased, 0 biased) over the whole image
+    (every part) of ``x`` (..., h, w), and over its last ``merged`` dimensions before the
+    image's, the same on every rank: every part's count, mean and sum of squared deviations
+    gathered and combined exactly (batch norm's arithmetic). Backward sums every rank's
+    gradients of the replicated results, then gives each value its share."""
+
+    @staticmethod
+    def forward(ctx, x, merged, correction, comm, label):
+        kept = x.shape[:x.dim() - 2 - merged]
+        flat = x.reshape(1, math.prod(kept), -1).to(stats.stat_dtype(x.dtype))
+        total, mean, m2 = stats.combine_moments(comm.allgather(stats.local_moments(flat), [1] * comm.size, label))
+        var = m2 / (total - correction)
+        ctx.save_for_backward(x, mean)
+        ctx.total, ctx.correction, ctx.comm, ctx.label, ctx.kept = total, correction, comm, label, kept
+        return mean.to(x.dtype).reshape(kept), var.to(x.dtype).reshape(kept)
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_var):
+        refuse_graph_in_backward(ctx.label)
+        x, mean = ctx.saved_tensors
+        count = mean.numel()
+        grads = [g.reshape(-1) if g is not None else mean.new_zeros(count) for g in (grad_mean, grad_var)]
+        summed = ctx.comm.allreduce_sum(torch.cat([g.to(mean.dtype) for g in grads]), ctx.label)
+        g_mean, g_var = summed[:count], summed[count:]
+        flat = x.reshape(count, -1).to(mean.dtype)
+        out = (g_mean / ctx.total)[:, None] + (2 * g_var / (ctx.total - ctx.correction))[:, None] * (flat - mean[:, None])
+        return out.to(x.dtype).reshape(x.shape), None, None, None, None
+
+
+_MOMENTS = {"var": (False, False), "std": (True, False), "var_mean": (False, True), "std_mean": (True, True)}
+
+
+def moments(ctx: Context, func, a: dict):
+    """``var``, ``std``, ``var_mean`` and ``std_mean`` over both image dimensions (and any
+    others: per-channel statistics of each sample, as AdaIN and instance norm written by hand
+    take them): over the whole image, the same on every rank; over neither, as they are; over
+    one, refused."""
+    x, dims, keepdim = a["input"], a.get("dim"), bool(a.get("keepdim", False))
+    correction = a.get("correction")
+    if correction is None:
+        correction = 1 if a.get("unbiased", True) else 0
+    root, with_mean = _MOMENTS[func.__name__]
+    ndim = x.dim()
+    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
+        tuple(sorted({d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}))
+    spatial = {ndim - 2, ndim - 1} & set(dims)
+    if not spatial:
+        return tag_outputs(func(x, dims, correction=correction, keepdim=keepdim), part_of(x))
+    if len(spatial) == 1:
+        raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
+                           "spatial part (over both, or over neither)")
+    others = [d for d in dims if d < ndim - 2]
+    kept = [d for d in range(ndim - 2) if d not in others]
+    moved = x.permute(*kept, *others, ndim - 2, ndim - 1) if others else x
+    if ctx.dry:
+        mean = var = moved.mean(tuple(range(len(kept), ndim)))
+    else:
+        mean, var = GlobalMoments.apply(moved, len(others), float(correction), ctx.comm, ctx.label())
+    spread = var.sqrt() if root else var
+    if keepdim:
+        for d in sorted(dims):
+            spread, mean = spread.unsqueeze(d), mean.unsqueeze(d)
+    return (spread, mean) if with_mean else spread
+
+
+def adaptive_max_pool2d(ctx: Context, func, a: dict):
+    """Adaptive max pooling to 1 x 1 (global max pooling: CBAM's channel attention), the same
+    on every rank; other sizes, and the indices, are refused."""
+    x, size, indices = a["input"], a["output_size"], a.get("return_indices", False)
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    if indices or any(s is None for s in sizes) or band_plans.pair(sizes) != (1, 1):
+        raise SpatialError(f"{ctx.where()}: adaptive max pooling to {size}" + (" with its indices" if indices else "")
+                           + " is not supported in the spatial part (to 1 x 1, global, without indices)")
+    return _global_max(ctx, x, spread=False)[..., None, None]
+
+
+def amax(ctx: Context, func, a: dict):
+    """``amax`` over both image dimensions (and any others): the global maximum; over neither,
+    as it is; over one, refused."""
+    x, dims, keepdim = a["input"], a.get("dim"), bool(a.get("keepdim", False))
+    ndim = x.dim()
+    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
+        tuple(sorted({d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}))
+    spatial = {ndim - 2, ndim - 1} & set(dims)
+    if not spatial:
+        return tagged(torch.amax(x, dims, keepdim), part_of(x))
+    if len(spatial) == 1:
+        raise SpatialError(f"{ctx.where()}: amax over one image dimension only is not supported in the spatial part "
+                           "(over both, or over neither)")
+    # The other dimensions reduced, moved next to the image's: one process shares the gradient
+    # among every value equal to the maximum, whichever map it is in.
+    others = [d for d in dims if d < ndim - 2]
+    kept = [d for d in range(ndim - 2) if d not in others]
+    moved = tagged(x.permute(*kept, *others, ndim - 2, ndim - 1), part_of(x)) if others else x
+    out = _global_max(ctx, moved, spread=True, merged=len(others))
+    if keepdim:
+        for d in sorted(dims):
+            out = out.unsqueeze(d)
+    return out
+
+
+def reduction(ctx: Context, func, a: dict):
+    """``mean`` and ``sum`` (as functions or methods): over both image dimensions, a global
+    reduction; over neither, element-wise as far as the split goes; over one, refused."""
+    x = a["input"]
+    dims, keepdim, dtype = a.get("dim"), bool(a.get("keepdim", False)), a.get("dtype")
+    ndim = x.dim()
+    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
+        tuple(sorted(d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))))
+    spatial = {ndim - 2, ndim - 1} & set(dims)
+    if not spatial:  # the image dimensions stay the last two
+        return tagged(func(x, dims, keepdim, dtype=dtype), part_of(x))
+    if len(spatial) == 1:
+        raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
+                           "spatial part (over both, or over neither)")
+    if dtype is not None:
+        x = tagged(x.to(dtype), part_of(x))
+    return _global_sum(ctx, x, dims, keepdim, func.__name__ == "mean")
