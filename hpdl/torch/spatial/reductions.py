@@ -12,7 +12,7 @@ over the group, then gives each part its share as one process does.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -62,11 +62,10 @@ def adaptive_avg_pool2d(ctx: Context, func, a: dict):
     and the group sums the contributions, so every rank holds the whole pooled map (a
     pyramid pooling module's, VGG's 7 x 7 before its classifier). To 1 x 1, a global mean."""
     x, size = a["input"], a["output_size"]
-    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-    if any(s is None for s in sizes):
+    out = _pooled_size(size)
+    if out is None:
         raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
                            "part (None keeps an image dimension split: pool to a size in both)")
-    out = band_plans.pair(sizes)
     if out == (1, 1):
         return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)
     part = part_of(x)
@@ -75,6 +74,12 @@ def adaptive_avg_pool2d(ctx: Context, func, a: dict):
         weights = _window_means(part.length(axis), k, (part.rows, part.cols)[axis], x.dtype).to(x.device)
         pooled = torch.tensordot(pooled, weights, dims=([x.dim() - 2 + axis], [1])).movedim(-1, x.dim() - 2 + axis)
     return _group_sum(ctx, pooled)
+
+
+def _pooled_size(size: Any) -> Optional[Tuple[int, int]]:
+    """An adaptive pooling's output size as (rows, columns); None where it keeps a dimension (None)."""
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    return None if any(s is None for s in sizes) else band_plans.pair(sizes)
 
 
 def _window_means(length: int, k: int, rows: Tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -194,26 +199,15 @@ def moments(ctx: Context, func, a: dict):
     if correction is None:
         correction = 1 if a.get("unbiased", True) else 0
     root, with_mean = _MOMENTS[func.__name__]
-    ndim = x.dim()
-    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
-        tuple(sorted({d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}))
-    spatial = {ndim - 2, ndim - 1} & set(dims)
-    if not spatial:
+    dims, over_image = _reduced_dims(ctx, func.__name__, x, dims)
+    if not over_image:
         return tag_outputs(func(x, dims, correction=correction, keepdim=keepdim), part_of(x))
-    if len(spatial) == 1:
-        raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
-                           "spatial part (over both, or over neither)")
-    others = [d for d in dims if d < ndim - 2]
-    kept = [d for d in range(ndim - 2) if d not in others]
-    moved = x.permute(*kept, *others, ndim - 2, ndim - 1) if others else x
+    moved, merged = _next_to_the_image(x, dims)
     if ctx.dry:
-        mean = var = moved.mean(tuple(range(len(kept), ndim)))
+        mean = var = moved.mean(tuple(range(x.dim() - 2 - merged, x.dim())))
     else:
-        mean, var = GlobalMoments.apply(moved, len(others), float(correction), ctx.comm, ctx.label())
-    spread = var.sqrt() if root else var
-    if keepdim:
-        for d in sorted(dims):
-            spread, mean = spread.unsqueeze(d), mean.unsqueeze(d)
+        mean, var = GlobalMoments.apply(moved, merged, float(correction), ctx.comm, ctx.label())
+    spread, mean = _kept(var.sqrt() if root else var, dims, keepdim), _kept(mean, dims, keepdim)
     return (spread, mean) if with_mean else spread
 
 
@@ -221,8 +215,7 @@ def adaptive_max_pool2d(ctx: Context, func, a: dict):
     """Adaptive max pooling to 1 x 1 (global max pooling: CBAM's channel attention), the same
     on every rank; other sizes, and the indices, are refused."""
     x, size, indices = a["input"], a["output_size"], a.get("return_indices", False)
-    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-    if indices or any(s is None for s in sizes) or band_plans.pair(sizes) != (1, 1):
+    if indices or _pooled_size(size) != (1, 1):
         raise SpatialError(f"{ctx.where()}: adaptive max pooling to {size}" + (" with its indices" if indices else "")
                            + " is not supported in the spatial part (to 1 x 1, global, without indices)")
     return _global_max(ctx, x, spread=False)[..., None, None]
@@ -232,25 +225,12 @@ def amax(ctx: Context, func, a: dict):
     """``amax`` over both image dimensions (and any others): the global maximum; over neither,
     as it is; over one, refused."""
     x, dims, keepdim = a["input"], a.get("dim"), bool(a.get("keepdim", False))
-    ndim = x.dim()
-    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
-        tuple(sorted({d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))}))
-    spatial = {ndim - 2, ndim - 1} & set(dims)
-    if not spatial:
+    dims, over_image = _reduced_dims(ctx, "amax", x, dims)
+    if not over_image:
         return tagged(torch.amax(x, dims, keepdim), part_of(x))
-    if len(spatial) == 1:
-        raise SpatialError(f"{ctx.where()}: amax over one image dimension only is not supported in the spatial part "
-                           "(over both, or over neither)")
-    # The other dimensions reduced, moved next to the image's: one process shares the gradient
-    # among every value equal to the maximum, whichever map it is in.
-    others = [d for d in dims if d < ndim - 2]
-    kept = [d for d in range(ndim - 2) if d not in others]
-    moved = tagged(x.permute(*kept, *others, ndim - 2, ndim - 1), part_of(x)) if others else x
-    out = _global_max(ctx, moved, spread=True, merged=len(others))
-    if keepdim:
-        for d in sorted(dims):
-            out = out.unsqueeze(d)
-    return out
+    # One process shares the gradient among every value equal to the maximum, whichever map it is in.
+    moved, merged = _next_to_the_image(x, dims)
+    return _kept(_global_max(ctx, moved, spread=True, merged=merged), dims, keepdim)
 
 
 def reduction(ctx: Context, func, a: dict):
@@ -258,15 +238,42 @@ def reduction(ctx: Context, func, a: dict):
     reduction; over neither, element-wise as far as the split goes; over one, refused."""
     x = a["input"]
     dims, keepdim, dtype = a.get("dim"), bool(a.get("keepdim", False)), a.get("dtype")
-    ndim = x.dim()
-    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
-        tuple(sorted(d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))))
-    spatial = {ndim - 2, ndim - 1} & set(dims)
-    if not spatial:  # the image dimensions stay the last two
+    dims, over_image = _reduced_dims(ctx, func.__name__, x, dims)
+    if not over_image:  # the image dimensions stay the last two
         return tagged(func(x, dims, keepdim, dtype=dtype), part_of(x))
-    if len(spatial) == 1:
-        raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
-                           "spatial part (over both, or over neither)")
     if dtype is not None:
         x = tagged(x.to(dtype), part_of(x))
     return _global_sum(ctx, x, dims, keepdim, func.__name__ == "mean")
+
+
+# -- the dimensions a reduction reduces ----------------------------------------------------
+
+def _reduced_dims(ctx: Context, name: str, x: torch.Tensor, dims: Any) -> Tuple[Tuple[int, ...], bool]:
+    """The dimensions reduction ``name`` reduces (non-negative, in order; none given: all of
+    them), and whether they are the image's; one image dimension alone is refused."""
+    ndim = x.dim()
+    dims = tuple(range(ndim)) if dims is None or dims == () or dims == [] else \
+        tuple(sorted(d % ndim for d in (dims if isinstance(dims, (tuple, list)) else (dims,))))
+    image = {ndim - 2, ndim - 1} & set(dims)
+    if len(image) == 1:
+        raise SpatialError(f"{ctx.where()}: {name} over one image dimension only is not supported in the spatial "
+                           "part (over both, or over neither)")
+    return dims, bool(image)
+
+
+def _next_to_the_image(x: torch.Tensor, dims: Tuple[int, ...]) -> Tuple[torch.Tensor, int]:
+    """``x`` with the other dimensions of ``dims`` moved just before the image's, and how many
+    they are: a reduction over the last ones is then the one asked for."""
+    ndim = x.dim()
+    others = [d for d in dims if d < ndim - 2]
+    if not others:
+        return x, 0
+    kept = [d for d in range(ndim - 2) if d not in others]
+    return tagged(x.permute(*kept, *others, ndim - 2, ndim - 1), part_of(x)), len(others)
+
+
+def _kept(out: torch.Tensor, dims: Tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    """A reduction's result with its reduced ``dims`` kept as ones, where ``keepdim``."""
+    for d in sorted(dims) if keepdim else ():
+        out = out.unsqueeze(d)
+    return out
