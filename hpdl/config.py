@@ -191,7 +191,8 @@ class Settings:
             "torch.distributed (gloo, nccl), polled between rounds under MPI (0: one blocking call at a time)")
     stall_warning_s: float = _setting(
         60.0, "HPDL_STALL_WARNING", horovod="HOROVOD_STALL_CHECK_TIME_SECONDS", bound=_SECONDS_ABOVE_0,
-        doc="seconds before a stalled collective is reported on every rank",
+        doc="seconds before a stalled collective is reported on every rank, and before ranks that wait for each "
+            "other end the job",
         run=RunOptionSpec(("--stall-warning-s", "--stall-check-warning-time-seconds"),
                           "warn when a collective waits for some ranks longer than S seconds", metavar="S",
                           config_key=("stall_check", "warning_time_seconds")))

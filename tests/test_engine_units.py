@@ -443,7 +443,7 @@ def test_a_stall_in_a_process_set_names_the_set():
 
     controller = Controller(_TwoRankComm(), 1, 0, stall_warning_s=60.0, stall_timeout_s=0.0, global_ranks=[0, 2])
     sig = Request(RequestKind.ALLREDUCE, "m", tensor=torch.zeros(1)).signature()
-    controller._track_stalls([OrderedDict(m=sig), OrderedDict()], [0, 1], set(), now=1.0)
+    controller._track_stalls([OrderedDict(m=sig), OrderedDict()], [0, 1], set(), now=1.0, waits=[None, None])
     assert controller._abort.startswith("collectives stalled for more than 0 s (HPDL_STALL_TIMEOUT) in process set 1 "
                                         "(ranks [0, 2]); ranks that have not submitted them:\n  m: missing rank 2")
 

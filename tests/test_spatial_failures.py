@@ -24,6 +24,10 @@ STALL_TIMEOUT_S = 8
 # at once; a stall takes the stall timeout, the liveness check (1 s) and the abort's grace (3 s).
 RAISE_BOUND_S = 10
 STALL_BOUND_S = STALL_TIMEOUT_S + 1 + 3 + 5
+# Ranks that wait for each other end at the stall warning (hpdl/engine/blocked.py), then the
+# stall checks' interval (half the warning) and the abort's grace (3 s).
+STALL_WARNING_S = 2
+WAITING_BOUND_S = STALL_WARNING_S + 1 + 3 + 5
 SHUT_DOWN = "cannot complete: hpdl has been shut down (rank 0 called hvd.shutdown(), or exited)"
 STALLED = (f"has not completed in {STALL_TIMEOUT_S} s (HPDL_STALL_TIMEOUT): a rank has died, is stuck, or runs a "
            "different step (lost: rank 0 does not answer)")
@@ -35,9 +39,11 @@ def _failing_job(launcher: str, n: int, how: str, when: str, model: str):
     The stall timeout is short only where a stall is what is tested: elsewhere a rank slowed by a
     busy machine (the suite's other jobs) before rank 0 fails must not read as a stall."""
     stall_timeout_s = STALL_TIMEOUT_S if how == "stall" else 60
-    result = run_ranks("spatial_failures.py", n, launcher, args=[how, when, model],
-                       env={"HPDL_STALL_TIMEOUT": str(stall_timeout_s)}, timeout=90 + stall_timeout_s,
-                       expect_ok=False)
+    env = {"HPDL_STALL_TIMEOUT": str(stall_timeout_s)}
+    if how == "skip-backward":
+        env["HPDL_STALL_WARNING"] = str(STALL_WARNING_S)
+    result = run_ranks("spatial_failures.py", n, launcher, args=[how, when, model], env=env,
+                       timeout=90 + stall_timeout_s, expect_ok=False)
     ended = time.time()
     failing = re.search(r"FAILING at ([0-9.]+)", result.stdout)
     assert failing, result.stdout[-3000:] + result.stderr[-3000:]
@@ -91,6 +97,23 @@ def test_an_exception_in_backward_ends_the_halo_exchange_of_backward():
     assert _lines(stderr, 1) == [f"hpdl: rank 1: the halo exchange of layer conv2 in backward with group rank 0 "
                                  f"(world rank 0) {SHUT_DOWN}"], stderr[-3000:]
     assert took < RAISE_BOUND_S, f"the job ended {took:.1f} s after rank 0 raised"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_rank_that_skips_backward_but_steps_ends_the_job_at_the_stall_warning(launcher):
+    # Rank 0 waits in the optimizer's allreduces, which rank 1 never submits; rank 1 waits in the
+    # start of the backward, which rank 0 never begins. Neither engine sees the other's wait: the
+    # stall checks do, and end the job at the stall warning, not at the timeout (60 s here).
+    stderr, took = _failing_job(launcher, 2, "skip-backward", "before-backward", "conv")
+    lines = _lines(stderr, 1)
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("hpdl: rank 1: the spatial group's allgather of calls in backward (world ranks 0, 1) "
+                               "cannot complete: ranks 0, 1 wait for each other, and none can go on: "), lines[0]
+    assert re.search(r"rank 0 waits for allreduce\.module\.conv[12]\.(weight|bias), which rank 1 has not submitted",
+                     lines[0]), lines[0]
+    assert "a rank skipped a call the others made (a backward() before the optimizer's step" in lines[0]
+    assert took < WAITING_BOUND_S, f"the job ended {took:.1f} s after rank 0 skipped its backward"
 
 
 @pytest.mark.multirank

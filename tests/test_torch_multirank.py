@@ -169,6 +169,19 @@ def test_stalled_rank_is_named_then_every_rank_raises():
     assert result.stdout.count("stalled.tensor: missing rank 1") == 3
 
 
+def test_ranks_waiting_for_each_other_raise_at_the_stall_warning():
+    # The stall timeout (60 s) is beyond the run's time limit: only the search for waits that
+    # can never end (hpdl/engine/blocked.py) ends this job in time.
+    env = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "60"}
+    result = run_ranks("engine_failures.py", 3, "mpiexec", args=["cross"], env=env, timeout=45)
+    out = result.stdout
+    assert "late: missing rank 1" in result.stderr  # a rank computing long is warned about, not ended
+    for rank in range(3):
+        assert f"RAISED cross rank={rank}: ranks 0, 1, 2 wait for each other, and none can go on" in out, out
+    assert "rank 0 waits for cross.a, which ranks 1, 2 have not submitted" in out
+    assert "rank 1 waits for cross.b, which rank 0 has not submitted" in out
+
+
 def test_killed_rank_makes_the_survivors_raise():
     # Without a supervising launcher (which would kill them), the survivors must raise on
     # their own, from the backend's error, well before the stall timeout.

@@ -31,6 +31,7 @@ from hpdl.comm import Communicator
 from hpdl.config import Settings
 from hpdl.engine import autotune
 from hpdl.engine import events as ev
+from hpdl.engine.blocked import BLOCKED
 from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.execution import Executor
@@ -112,7 +113,7 @@ class Engine:
             s = self.settings
             comm.control_wait_hook = self._service
             controller = Controller(comm, set_id, s.cache_capacity, s.stall_warning_s, s.stall_timeout_s,
-                                    list(ranks), clock=self.clock)
+                                    list(ranks), clock=self.clock, waits=self._blocked_waits if set_id == 0 else None)
         data = data_comm if data_comm is not None else comm
         paced, flight_window = self._scheduler.pacing(data, self.executor.background)
         return ProcessSetState(set_id, ranks, controller, data, paced=paced, flight_window=flight_window)
@@ -143,6 +144,7 @@ class Engine:
                 f"a collective named {request.name!r} is already in flight on this rank; "
                 "wait for it (synchronize) before submitting another with the same name")
         in_flight.add(key)
+        BLOCKED.submissions += 1  # this rank goes on: its blocked waits' ages restart (blocked.py)
         handle = request.handle = Handle(request.name, in_flight, key, self.expedite)
         self._queue.append(request)
         if failures.stopped:  # the engine stopped (a peer shut down, a failure) meanwhile
@@ -303,9 +305,23 @@ class Engine:
         """
         self._failures.end_job(reason)
 
+    def _blocked_waits(self, min_age_s: float) -> Optional[Any]:
+        """This rank's blocking waits, once one has lasted ``min_age_s`` (blocked.py), for the
+        world's stall checks; a wait for a request needs the ranks that have not submitted it."""
+        if not BLOCKED.waiting():
+            return None
+
+        def needs_of(set_id: int, name: str) -> Tuple[int, ...]:
+            ps = self._sets.get(set_id)
+            return tuple(ps.controller.missing.get(name, ())) if ps is not None and ps.controller is not None else ()
+
+        return BLOCKED.report(min_age_s, needs_of)
+
     def _waiting(self) -> bool:
-        """Whether some request is pending or queued on this rank (for failures.py)."""
-        return any(ps.pending for ps in self._sets.values()) or bool(self._queue)
+        """Whether some request is pending or queued on this rank, or a thread of it blocked in
+        a wait that a failure ends (a spatial group's call, which watches the engine): then
+        something raises on this rank (for failures.py)."""
+        return any(ps.pending for ps in self._sets.values()) or bool(self._queue) or BLOCKED.waiting()
 
     def _fail_pending(self, message: str) -> None:
         """Fail every request in flight, queued or pending: their handles raise ``message``."""

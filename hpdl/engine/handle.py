@@ -6,6 +6,7 @@ import _thread
 import time
 from typing import Any, Callable, List, Optional
 
+from hpdl.engine.blocked import BLOCKED, Wait
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.events import WAITS
 
@@ -47,8 +48,15 @@ class Handle:
             if self._on_wait is not None:
                 self._on_wait(self)
             started = time.perf_counter() if WAITS.enabled else None  # a profile counts exposed waits
-            if not self._lock.acquire(True, -1 if timeout is None else timeout):
-                raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
+            # Registered while it blocks, for negotiation's search for waits that can never end (blocked.py).
+            blocked = BLOCKED.begin(Wait(self.name.__str__, BLOCKED.submissions, request=self._key)) \
+                if self._key is not None else None
+            try:
+                if not self._lock.acquire(True, -1 if timeout is None else timeout):
+                    raise TimeoutError(f"collective {self.name!r} still in flight after {timeout} s")
+            finally:
+                if blocked is not None:
+                    BLOCKED.end(blocked)
             self._lock.release()
             if started is not None:
                 WAITS.blocked_s += time.perf_counter() - started

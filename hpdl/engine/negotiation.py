@@ -19,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from hpdl.comm import Communicator, ReduceOp
+from hpdl.engine import blocked
 from hpdl.engine.cache import ResponseCache
 from hpdl.engine.clock import SYSTEM_CLOCK, Clock
 from hpdl.engine.request import Request, RequestKind, Response, Signature, signature_of
@@ -110,7 +111,12 @@ class Controller:
 
     def __init__(self, comm: Communicator, process_set_id: int, cache_capacity: int,
                  stall_warning_s: float, stall_timeout_s: float, global_ranks: Sequence[int],
-                 clock: Clock = SYSTEM_CLOCK):
+                 clock: Clock = SYSTEM_CLOCK, waits: Optional[Callable[[float], Optional[blocked.Report]]] = None):
+        """Args:
+            waits: the world's controller: this rank's blocking waits once one has lasted the
+                given seconds (blocked.py), which its stall checks carry, so that rank 0 can end
+                waits that can never end.
+        """
         self.comm = comm
         self.clock = clock  # requests' arrival times and stall checks are on it
         self.process_set_id = process_set_id
@@ -127,6 +133,10 @@ class Controller:
         self._incomplete_since: Dict[str, float] = {}
         self._warned_at: Dict[str, float] = {}
         self._abort: Optional[str] = None
+        self._waits = waits
+        # Each request that some active member has not submitted, with the global ranks missing
+        # it, as of the last full exchange (what a wait for it needs: blocked.py).
+        self.missing: Dict[str, List[int]] = {}
         self._joined_before: frozenset = frozenset()
         self.full_negotiations = 0
         self.fast_negotiations = 0
@@ -158,6 +168,11 @@ class Controller:
             oldest = next(iter(pending.values())).arrival  # pending is in arrival order
             if now - oldest > self.stall_check_interval and now - self._last_full > self.stall_check_interval:
                 flags |= FLAG_STALL_CHECK
+        # A thread of this rank blocked for long (in a collective of a spatial group, say) has the
+        # stall checks run too, to learn whether the ranks it waits for wait for it.
+        if (self._waits is not None and not flags & FLAG_STALL_CHECK
+                and now - self._last_full > self.stall_check_interval and self._waits(self.stall_check_interval)):
+            flags |= FLAG_STALL_CHECK
         if self._abort is not None:
             flags |= FLAG_ABORT
 
@@ -206,13 +221,14 @@ class Controller:
         # Signatures travel as plain tuples: a named tuple pickles as a call of its class, at
         # several times the cost of the tuple; each is made a Signature again on arrival.
         mine = [(name, tuple(request.signature())) for name, request in pending.items()]
-        messages = self.comm.allgather_object_control((flags, mine, self._abort if self.rank == 0 else None))
+        waits = self._waits(self.stall_check_interval) if self._waits is not None else None
+        messages = self.comm.allgather_object_control((flags, mine, self._abort if self.rank == 0 else None, waits))
         result.full = True
         abort = messages[0][2]
         if abort is not None:
             result.abort = abort
             return
-        joined = frozenset(r for r, (f, _, _) in enumerate(messages) if f & FLAG_JOINED)
+        joined = frozenset(r for r, (f, _, _, _) in enumerate(messages) if f & FLAG_JOINED)
         active = [r for r in range(self.size) if r not in joined]
         lists = [OrderedDict((name, signature_of(fields)) for name, fields in m[1]) for m in messages]
 
@@ -247,12 +263,15 @@ class Controller:
                 self.cache.put(response)
         self.cache.misses += len(responses)
         result.responses = responses
-        self._track_stalls(lists, active, {r.name for r in responses}, now)
+        self._track_stalls(lists, active, {r.name for r in responses}, now, [m[3] for m in messages])
 
     # -- stalls ----------------------------------------------------------------------------
 
-    def _track_stalls(self, lists: List["OrderedDict[str, Signature]"], active: List[int], ready: set, now: float) -> None:
-        """On rank 0: warn about requests some ranks have not submitted; abort after the timeout."""
+    def _track_stalls(self, lists: List["OrderedDict[str, Signature]"], active: List[int], ready: set, now: float,
+                      waits: List[Optional[blocked.Report]]) -> None:
+        """On rank 0: warn about requests some ranks have not submitted, saying where those
+        ranks wait (``waits``: each member's blocking waits, in the world's set); abort after the
+        timeout, or once ranks have waited for each other for the stall warning."""
         waiting: Dict[str, List[int]] = {}
         for r in active:
             for name, sig in lists[r].items():
@@ -264,7 +283,12 @@ class Controller:
             if name not in waiting:
                 del self._incomplete_since[name]
                 self._warned_at.pop(name, None)
+        self.missing = waiting
         if self.rank != 0:
+            return
+        stuck = blocked.deadlocked(waits, self.stall_warning_s)
+        if stuck and self._abort is None:
+            self._abort = blocked.describe(stuck, waits, self.global_ranks)
             return
         stalled_warn, stalled_abort = [], []
         for name, missing in waiting.items():
@@ -281,8 +305,8 @@ class Controller:
         if stalled_warn:
             log.warning(
                 "One or more tensors were submitted to be reduced, gathered or broadcasted by a subset of "
-                "ranks%s and are waiting for the remainder for more than %.0f s. Stalled tensors:\n%s",
-                where, self.stall_warning_s, _stall_lines(stalled_warn),
+                "ranks%s and are waiting for the remainder for more than %.0f s. Stalled tensors:\n%s%s",
+                where, self.stall_warning_s, _stall_lines(stalled_warn), _wait_lines(stalled_warn, waits),
             )
         if stalled_abort and self._abort is None:
             self._abort = (f"collectives stalled for more than {self.stall_timeout_s:g} s "
@@ -295,6 +319,15 @@ def _stall_lines(items: List[Tuple[str, List[int]]]) -> str:
     if len(items) > 20:
         lines.append(f"  ... and {len(items) - 20} more")
     return "\n".join(lines)
+
+
+def _wait_lines(items: List[Tuple[str, List[int]]], waits: List[Optional[blocked.Report]]) -> str:
+    """Where the ranks missing the stalled ``items`` wait, of those blocked in a wait for long
+    (``waits``, indexed by global rank: the world's set carries them)."""
+    missing = sorted({r for _, ranks in items for r in ranks if r < len(waits) and waits[r] is not None})
+    lines = [f"  rank {r} waits {'for' if engine else 'in'} {what} (for {age:.0f} s)"
+             for r in missing for what, _needs, _call, age, engine in waits[r][0]]
+    return "\nWhere those ranks wait:\n" + "\n".join(lines) if lines else ""
 
 
 def _complete_groups(responses: List[Response]) -> List[Response]:

@@ -1,6 +1,6 @@
 """Failures never hang: mismatched requests, a rank that stops submitting, a rank that dies.
 
-Usage: engine_failures.py {mismatch|stall|kill}. Each rank prints one line per expected
+Usage: engine_failures.py {mismatch|stall|cross|kill}. Each rank prints one line per expected
 outcome ("RAISED <what>: <message>") that the pytest wrapper checks.
 """
 
@@ -72,6 +72,18 @@ def stall():
     expect_error("stall", lambda: hvd.allreduce(torch.ones(3), name="stalled.tensor"))
 
 
+def cross():
+    rank = hvd.rank()
+    # Not waits that can never end: rank 1 computes past the stall warning before it submits,
+    # while the others wait for it.
+    if rank == 1:
+        time.sleep(3.0)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="late").item() == hvd.size()
+    # Rank 0 waits for a collective the others never submit, and they for one it never submits:
+    # every rank raises at the stall warning, not at the stall timeout.
+    expect_error("cross", lambda: hvd.allreduce(torch.ones(1), name="cross.a" if rank == 0 else "cross.b"))
+
+
 def kill():
     rank = hvd.rank()
     if rank == 1:
@@ -91,7 +103,7 @@ def kill():
 
 def main():
     hvd.init()
-    {"mismatch": mismatch, "stall": stall, "kill": kill}[sys.argv[1]]()
+    {"mismatch": mismatch, "stall": stall, "cross": cross, "kill": kill}[sys.argv[1]]()
     print(f"DONE rank={hvd.rank()}", flush=True)
     if sys.argv[1] == "mismatch":
         hvd.shutdown()

@@ -3,7 +3,9 @@ communication (halo exchanges, the group's allreduces and allgathers): the job e
 waiting rank says in one line what it was doing and why.
 
 Usage: spatial_failures.py HOW WHEN MODEL
-- HOW: raise (an exception, as a bad sample makes) or stall (asleep in C code, time.sleep);
+- HOW: raise (an exception, as a bad sample makes), stall (asleep in C code, time.sleep) or
+  skip-backward (no loss.backward(), as a rank that skips a step with a non-finite loss of its
+  part, but optimizer.step() all the same: WHEN is before-backward);
 - WHEN, at step 2 on rank 0: between-steps (before the forward), in-forward (just before the
   model's last spatial layer: conv2, pool or bn), before-backward (after the forward) or
   in-backward (when the gradient of the last layer's output comes, before that layer's backward);
@@ -11,8 +13,8 @@ Usage: spatial_failures.py HOW WHEN MODEL
   allreduce) or bn (BatchNorm2d in training mode: the group's allgather).
 
 Every rank splits each image into row bands. Rank 0 prints "FAILING at <unix time>" just before
-it fails, so that the test measures how long the job took to end from there. Plain training
-(no DistributedOptimizer): the group's own communication alone is what the other ranks wait in.
+it fails, so that the test measures how long the job took to end from there. The ranks step with
+hvd.DistributedOptimizer, whose allreduces the failing rank skips for the others' to wait in.
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ def main() -> None:
         optimizer.zero_grad()
         out = net(net.scatter(x))
         loss = out.square().mean()
-        if failing and step == FAIL_STEP and when == "before-backward":
-            fail(how)
-        loss.backward()
+        if failing and step == FAIL_STEP and how == "skip-backward":
+            print(f"FAILING at {time.time():.3f}", flush=True)
+        else:
+            if failing and step == FAIL_STEP and when == "before-backward":
+                fail(how)
+            loss.backward()
         optimizer.step()
     print(f"rank {hvd.rank()} finished every step", flush=True)
 

@@ -34,6 +34,7 @@ import torch
 from hpdl.comm.base import Communicator, ReduceOp
 from hpdl.engine import abort
 from hpdl.engine import events as ev
+from hpdl.engine.blocked import BLOCKED, Wait
 from hpdl.engine.errors import HorovodInternalError
 from hpdl.engine.request import Request, RequestKind
 from hpdl.torch import runtime
@@ -66,7 +67,7 @@ Transfers = Sequence[Tuple[int, torch.Tensor]]  # (group rank of the peer, tenso
 class _Waiting:
     """What a call of the group is waiting for, for the messages of its failure."""
 
-    __slots__ = ("operation", "label", "sends", "receives", "since", "stopped_at")
+    __slots__ = ("operation", "label", "sends", "receives", "since", "stopped_at", "blocked")
 
     def __init__(self, operation: str, label: str, since: float, sends: Transfers = (), receives: Transfers = ()):
         self.operation = operation  # "halo exchange", "allreduce" or "allgather"
@@ -75,6 +76,7 @@ class _Waiting:
         self.sends = sends  # an exchange's (peer, tensor) pairs
         self.receives = receives
         self.stopped_at: Optional[float] = None  # when the wait first found the engine stopped
+        self.blocked: Optional[int] = None  # its key in BLOCKED, once it has had to wait
 
 
 def refuse_graph_in_backward(label: str) -> None:
@@ -99,7 +101,9 @@ class GroupComm:
     ``HorovodInternalError``). The group is unusable afterwards.
     """
 
-    def __init__(self, comm: Communicator, process_set_id: int, world_ranks: Sequence[int], stall_timeout_s: float):
+    def __init__(self, comm: Communicator, process_set_id: int, world_ranks: Sequence[int], stall_timeout_s: float,
+                 serial: int = 0):
+        """``serial``: the group's number among those made, the same on each of its ranks."""
         self.comm = comm
         self.process_set_id = process_set_id
         self.rank = comm.rank
@@ -107,6 +111,12 @@ class GroupComm:
         self.world_ranks = tuple(world_ranks)  # of the group's ranks, in group rank order
         self.stall_timeout_s = stall_timeout_s
         self._world_rank = self.world_ranks[self.rank]
+        # Its calls, counted for the engine's search for waits that can never end
+        # (hpdl/engine/blocked.py): a call's number is the count before it, the same on every
+        # rank (each makes every call, one with nothing to send too); BLOCKED.completed says how
+        # many this rank has completed (less one, until the next, after one with nothing to send).
+        self._key = (serial, self.world_ranks)
+        self._calls = 0
         self.communicating = True  # off: a measuring tool, see the module's docstring
         self._waiting: Optional[_Waiting] = None
         self._unusable: Optional[str] = None  # why every call raises: the group is closed, or a wait failed
@@ -117,6 +127,7 @@ class GroupComm:
 
     def exchange(self, sends: Transfers, receives: Transfers, label: str) -> None:
         """Send and receive halo rows with the neighbours (group ranks), reported as one ``halo`` event."""
+        self._calls += 1
         if not sends and not receives:
             return
         self._check_usable()
@@ -133,11 +144,12 @@ class GroupComm:
         except Exception as err:  # noqa: BLE001 - becomes the one line naming the layer and the cause
             self._failed(err)
         finally:
-            self._waiting = None
+            self._done()
         self._report(HALO, label, start, "SENDRECV", [t for _, t in sends] + [t for _, t in receives])
 
     def allreduce_sum(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place (contiguous); returns it."""
+        self._calls += 1
         self._check_usable()
         if not self.communicating:
             return tensor
@@ -150,12 +162,13 @@ class GroupComm:
         except Exception as err:  # noqa: BLE001
             self._failed(err)
         finally:
-            self._waiting = None
+            self._done()
         self._report(SPATIAL, label, start, "ALLREDUCE", [tensor])
         return tensor
 
     def allgather(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]], label: str) -> torch.Tensor:
         """Every member's ``tensor`` concatenated along dim 0, in group rank order."""
+        self._calls += 1
         self._check_usable()
         if not self.communicating:
             return self._alone(tensor, first_dims)
@@ -168,9 +181,16 @@ class GroupComm:
         except Exception as err:  # noqa: BLE001
             self._failed(err)
         finally:
-            self._waiting = None
+            self._done()
         self._report(SPATIAL, label, start, "ALLGATHER", [tensor])
         return out
+
+    def _done(self) -> None:
+        """The call's wait is over (completed or given up)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and waiting.blocked is not None:
+            BLOCKED.end(waiting.blocked)
+        BLOCKED.completed[self._key] = self._calls
 
     def _alone(self, tensor: torch.Tensor, first_dims: Optional[Sequence[int]]) -> torch.Tensor:
         """What a gather holds without communication: this rank's rows in their place, zeros elsewhere."""
@@ -208,6 +228,11 @@ class GroupComm:
         waiting = self._waiting
         if waiting is None:
             return
+        if waiting.blocked is None:  # it has to wait: tell the engine what for (blocked.py)
+            peers = {p for p, _ in waiting.sends} | {p for p, _ in waiting.receives}  # an exchange's; else all
+            needs = tuple(r for i, r in enumerate(self.world_ranks) if i != self.rank and (not peers or i in peers))
+            waiting.blocked = BLOCKED.begin(Wait(self._waiting_text(waiting).__str__, BLOCKED.submissions,
+                                                 needs=needs, call=(self._key, self._calls - 1)))
         now = time.perf_counter()
         reason = _engine_stop_reason()
         if reason is not None:
@@ -331,4 +356,4 @@ def group_communicator(process_set: ProcessSet) -> GroupComm:
         if comm is not None:
             mine, my_group = comm, sorted(group)  # the split's ranks, in the order of their group ranks
     set_id = process_set.process_set_id if process_set.process_set_id is not None else 0
-    return GroupComm(mine, set_id, my_group, engine.settings.stall_timeout_s)
+    return GroupComm(mine, set_id, my_group, engine.settings.stall_timeout_s, serial=call)
