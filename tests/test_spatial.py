@@ -247,6 +247,25 @@ def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_
     assert model.scale is not None and not model.scale.is_meta and model.bn.num_batches_tracked.item() == 1
 
 
+def test_the_dry_run_runs_pytorchs_hooks_and_leaves_out_the_users_own():
+    # A hook keeping values saw the dry run's meta tensors: "PyTorch refused: Cannot copy out of
+    # meta tensor; no data!; the image may be too small for 2x2 bands". Spectral norm's pre-hook
+    # (PyTorch's own) makes the weight, and must run.
+    seen = []
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Conv2d(3, 4, 3, padding=1)), nn.ReLU())
+    model[1].register_forward_hook(lambda _m, _i, out: seen.append(out.numpy()))
+    model[0].register_forward_pre_hook(lambda _m, inputs: seen.append(inputs[0].numpy()))
+    counting = nn.modules.module.register_module_forward_hook(lambda m, _i, _o: seen.append(type(m).__name__))
+    try:
+        spatial.check_split(model, (1, 3, 20, 16), (2, 2))
+        assert seen == []
+        with torch.no_grad():
+            model(torch.zeros(1, 3, 8, 8))  # the hooks are all still there
+    finally:
+        counting.remove()
+    assert len(seen) == 2 + 3
+
+
 def test_global_pooling_makes_a_replicated_result():
     out = dry_forward(Functional(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))), 20, 16)
     assert tuple(out.shape) == (1, 2) and part_of(out) is None
@@ -329,7 +348,7 @@ def test_hybrid_spatial_by_data_equals_plain_data_parallelism():
 
 _THREE_RANK_CHECKS = ["defects", "thin", "thin-strided", "inputs", "dropout", "lifetime", "double-backward",
                       "gather-replicated", "own-graph", "content", "wrapping", "calls",
-                      "parameters"]
+                      "parameters", "hooks"]
 
 
 def _checks_on_three_ranks():
@@ -376,6 +395,15 @@ def test_a_band_too_thin_for_strided_convolutions_is_refused_alike_and_check_spl
 def test_a_size_computed_from_a_parts_shape_is_the_whole_images():
     result = _checks_on_two_ranks()
     assert "OK sizes: 37 x 8 to 2h + 1 x 2w = 75 x 16, as one process" in result.stdout, result.stdout
+
+
+@pytest.mark.multirank
+def test_the_users_forward_hooks_run_once_per_forward_on_the_parts():
+    # They ran once per part more, in the dry run, where a hook keeping values failed and the
+    # failure was blamed on the image's size.
+    out = _checks_on_three_ranks().stdout
+    assert "OK hooks: once per forward, a whole-image mean as one process's" in out, out
+    assert "OK hooks reading a part: (the model) (Sequential): Tensor.numpy is not supported in the spatial part" in out
 
 
 @pytest.mark.multirank

@@ -24,6 +24,10 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
   rank's call; the group works afterwards;
 - parameters: a rank whose model was not broadcast, ranks stepped by a plain optimizer, and a
   checkpoint loaded on rank 0 alone are refused alike on every rank, naming the parameter;
+- hooks: forward hooks of the user's own run once per forward, on the real parts (not in the
+  dry run: a hook keeping values failed there on the meta device, blamed on the image's size),
+  a whole-image mean read in one equals one process's, and one reading a part's values as an
+  array is refused alike, naming the layer;
 - lifetime: 200 SpatialParallel made and closed leave the model as it was (no hooks, no
   forward of its own), a closed one refuses to run, and shutdown closes the ones left open.
 
@@ -558,6 +562,30 @@ def parameters() -> None:
     net.close()
 
 
+def hooks() -> None:
+    # Spectral norm's pre-hook (PyTorch's own) makes the weight: it runs in the dry run too.
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Conv2d(3, 4, 3, padding=1)), nn.ReLU(),
+                          nn.Conv2d(4, 3, 3, padding=1)).double().eval()
+    x = torch.randn(2, 3, 17, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model[1](model[0](x)).mean().item()
+    means, calls = [], []
+    model[1].register_forward_hook(lambda _m, _i, out: means.append(out.mean().item()))
+    counting = nn.modules.module.register_module_forward_hook(lambda m, _i, _o: calls.append(type(m).__name__))
+    try:
+        net = spatial.SpatialParallel(model)
+        for _ in range(2):
+            net(net.scatter(x))
+    finally:
+        counting.remove()
+    assert len(means) == 2 and all(abs(m - expected) <= 1e-12 * abs(expected) for m in means), (means, expected)
+    assert sorted(calls) == sorted(["SpatialParallel", "Sequential", "Conv2d", "ReLU", "Conv2d"] * 2), calls
+    print_ok("hooks: once per forward, a whole-image mean as one process's")
+    model[2].register_forward_hook(lambda _m, _i, out: out.detach().cpu().numpy())
+    print_ok(f"hooks reading a part: {refusal_of(lambda: net(net.scatter(x)))}")
+    net.close()
+
+
 def print_ok(text: str) -> None:
     if hvd.rank() == 0:
         print(f"OK {text}", flush=True)
@@ -567,7 +595,7 @@ CHECKS = {"defects": defects, "thin": thin, "unsupported": unsupported, "thin-st
           "sizes": sizes, "inputs": inputs, "dropout": dropout, "lifetime": lifetime,
           "double-backward": double_backward, "gather-replicated": gather_replicated,
           "own-graph": own_graph, "content": content, "wrapping": wrapping, "calls": calls,
-          "parameters": parameters}
+          "parameters": parameters, "hooks": hooks}
 
 
 def main() -> None:

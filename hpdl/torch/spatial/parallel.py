@@ -491,7 +491,13 @@ def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
     meta device during the dry run, as the parameters are (see _dry_run for the ones of no
     dimensions); and what the dry run leaves on them (such a cache, made from meta tensors, or
     a buffer registered) is undone, or the real forward would use it, and the next part's dry
-    run would run differently."""
+    run would run differently.
+
+    The forward hooks of the user's own (on its modules, and global ones) are left out: a hook
+    that logs or keeps activations (feature maps, Grad-CAM) would see each part's dry run (on
+    the meta device, where reading values fails), and run once per part more than the forward
+    runs. PyTorch's own (weight norm's, spectral norm's and pruning's pre-hooks, which make the
+    weight) and hpdl's run."""
     kept = []
     for module in model.modules():
         tables = {key: dict(module.__dict__[key]) for key in ("_parameters", "_buffers", "_modules")
@@ -500,6 +506,15 @@ def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
         for key, value in list(module.__dict__.items()):
             if isinstance(value, torch.Tensor) and not value.is_meta:
                 module.__dict__[key] = _for_the_dry_run(value)
+        for key in ("_forward_pre_hooks", "_forward_hooks"):  # restored with the rest of __dict__
+            hooks = module.__dict__.get(key)
+            if hooks:
+                module.__dict__[key] = type(hooks)((k, h) for k, h in hooks.items() if not _users_hook(h))
+    global_hooks = [nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_forward_hooks]
+    global_kept = [dict(hooks) for hooks in global_hooks]
+    for hooks in global_hooks:  # read by name in torch's module: emptied in place, not replaced
+        for k in [k for k, h in hooks.items() if _users_hook(h)]:
+            del hooks[k]
     try:
         yield
     finally:
@@ -509,6 +524,17 @@ def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
             for key, table in tables.items():
                 module.__dict__[key].clear()
                 module.__dict__[key].update(table)
+        for hooks, was in zip(global_hooks, global_kept):
+            hooks.clear()
+            hooks.update(was)
+
+
+def _users_hook(hook: Any) -> bool:
+    """Whether a forward hook is the user's own: neither PyTorch's nor hpdl's."""
+    fn = getattr(hook, "func", hook)  # a functools.partial's function
+    fn = getattr(fn, "__func__", fn)  # a bound method's
+    where = getattr(fn, "__module__", None) or ""  # an object's: its class's module
+    return not (where == "torch" or where.startswith(("torch.", "hpdl.")))
 
 
 def _for_the_dry_run(t: torch.Tensor) -> torch.Tensor:
