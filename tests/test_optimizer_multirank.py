@@ -19,7 +19,7 @@ BEHAVIOUR = [
     "broadcast-state", "broadcast-state-keeps-gradients", "broadcast-state-weight-decay",
     "broadcast-state-zero-gradients",
     "load-state-dict-mid-step", "overlap-forward-rollback", "sparse", "unnamed-param-groups", "sparse-adam", "adasum-optimizer", "process-set",
-    "sparse-first-step-unused", "overlap-forward-without-hooks",
+    "sparse-first-step-unused", "overlap-forward-without-hooks", "changed-gradients",
 ]
 
 

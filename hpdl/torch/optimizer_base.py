@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -41,14 +42,20 @@ _Key = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 class Submitted:
     """One started allreduce: a parameter's (or a group's), with what is needed to finish it."""
 
-    __slots__ = ("handle", "params", "ctxs", "sparse", "grads")
+    __slots__ = ("handle", "params", "ctxs", "sparse", "grads", "inplace", "versions")
 
-    def __init__(self, handle: Any, params: Tuple[torch.Tensor, ...], ctxs: Tuple[Any, ...], sparse: bool = False):
+    def __init__(self, handle: Any, params: Tuple[torch.Tensor, ...], ctxs: Tuple[Any, ...], sparse: bool = False,
+                 inplace: Optional[Tuple[bool, ...]] = None):
+        """``inplace``: for each gradient, whether its allreduce writes into its memory (through
+        an alias, ``grad.data``, whose writes leave the gradient's version alone); given, the
+        gradients' versions now are kept, and finishing refuses a gradient changed since."""
         self.handle = handle  # an AsyncHandle, or for sparse gradients a callable giving the result
         self.params = params
         self.ctxs = ctxs
         self.sparse = sparse
         self.grads = tuple(p.grad for p in params)  # where the results go, even after zero_grad()
+        self.inplace = inplace
+        self.versions = tuple(g._version for g in self.grads) if inplace is not None else None
 
 
 def _grad_ready(owner: "weakref.ReferenceType", param: torch.Tensor) -> None:
@@ -212,11 +219,12 @@ class DistributedOptimizerMixin:
                                                                  process_set=self.process_set), (p,), (None,), True)
             grad = grad.to_dense()
         compressed, ctx = self._compression.compress(grad)
-        handle = mpi_ops.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=self._prescale,
-                                          postscale_factor=self._postscale, process_set=self.process_set,
-                                          priority=self._priority.get(p),
+        inplace = compressed is p.grad  # reduced in the gradient's own memory (not a dense or compressed copy)
+        handle = mpi_ops.allreduce_async_(compressed.data if inplace else compressed, name=name, op=self.op,
+                                          prescale_factor=self._prescale, postscale_factor=self._postscale,
+                                          process_set=self.process_set, priority=self._priority.get(p),
                                           bytes_to_come=self._submitted((p,), compressed.element_size()))
-        return Submitted(handle, (p,), (ctx,))
+        return Submitted(handle, (p,), (ctx,), inplace=(inplace,))
 
     def _submitted(self, params: Tuple[torch.Tensor, ...], wire_itemsize: int) -> int:
         """Count ``params`` as submitted this step; return the bytes still to come after them,
@@ -225,7 +233,7 @@ class DistributedOptimizerMixin:
         return left * wire_itemsize // params[0].element_size()
 
     def _submit_group(self, group: Tuple[torch.Tensor, ...]) -> Submitted:
-        tensors, ctxs = [], []
+        tensors, ctxs, inplace = [], [], []
         for p in group:
             grad = self._grad_of(p)
             if grad.is_sparse:
@@ -234,13 +242,14 @@ class DistributedOptimizerMixin:
                                      "groups reduce dense tensors: pass sparse_as_dense=True")
                 grad = grad.to_dense()
             compressed, ctx = self._compression.compress(grad)
-            tensors.append(compressed)
+            inplace.append(compressed is p.grad)
+            tensors.append(compressed.data if inplace[-1] else compressed)
             ctxs.append(ctx)
         handle = mpi_ops.grouped_allreduce_async_(tensors, name=self._group_names[group], op=self.op,
                                                   prescale_factor=self._prescale, postscale_factor=self._postscale,
                                                   process_set=self.process_set,
                                                   bytes_to_come=self._submitted(group, tensors[0].element_size()))
-        return Submitted(handle, group, tuple(ctxs))
+        return Submitted(handle, group, tuple(ctxs), inplace=tuple(inplace))
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -252,6 +261,7 @@ class DistributedOptimizerMixin:
         self.apply_pending_updates()  # the previous step's updates come first
         try:
             self._start_unfired()
+            self._refuse_changed_gradients(list(self._pending.values()))
             # The last-submitted allreduce first: the caller then wakes once, not once per
             # gradient (each wake-up takes a core from transfers still running).
             last = next((s for s in reversed(self._pending.values()) if not s.sparse), None)
@@ -312,16 +322,14 @@ class DistributedOptimizerMixin:
             return
         try:
             self._start_unfired()
+            # A failure of the world under the step being dropped (hvd.elastic.run's rollback
+            # after a lost rank) is not raised: its results were to be discarded anyway, and
+            # raised here, from inside the rollback, it would escape the recovery and end this
+            # worker as well.
             for submitted in self._pending.values():
-                if submitted.sparse:
-                    submitted.handle()
-                else:
-                    mpi_ops.synchronize(submitted.handle)
+                _wait_quietly(submitted)
         except HorovodInternalError:
-            # The world failed under the step being dropped (hvd.elastic.run's rollback after a
-            # lost rank): its results were to be discarded anyway. Raised here, from inside the
-            # rollback, it would escape the recovery and end this worker as well.
-            pass
+            pass  # from _start_unfired's submissions, for the same reason
         finally:
             self._reset_pending()
 
@@ -338,8 +346,10 @@ class DistributedOptimizerMixin:
             raise err.with_advice(advice) from None
         if not isinstance(outputs, list):
             outputs = [outputs]
-        for p, output, ctx in zip(submitted.params, outputs, submitted.ctxs):
+        for index, (p, output, ctx) in enumerate(zip(submitted.params, outputs, submitted.ctxs)):
             grad = p.grad
+            if submitted.inplace is not None and submitted.inplace[index]:
+                continue  # reduced in place, in the gradient's memory
             if self._cast_back and ctx is not None and not grad.is_sparse and grad.shape == output.shape:
                 # The built-in 16-bit compressors: cast straight into the gradient (one pass
                 # over it, no float32 copy made first; the same values as decompress()).
@@ -347,7 +357,7 @@ class DistributedOptimizerMixin:
                 continue
             result = self._compression.decompress(output, ctx)
             if result is grad:
-                continue  # reduced in place (no compression)
+                continue  # reduced in place (a compressor returning the gradient itself)
             if grad.is_sparse:
                 # sparse_as_dense: as Horovod, the optimizer gets the average as a sparse
                 # gradient again (SparseAdam takes no other); with the gradient's own sparse
@@ -357,6 +367,32 @@ class DistributedOptimizerMixin:
                 p.grad = result
             else:
                 grad.copy_(result)
+
+    def _refuse_changed_gradients(self, started: List[Submitted], unfinished: Optional[List[Submitted]] = None,
+                                  replaced: bool = True) -> None:
+        """Refuse gradients changed, or replaced, between backward() and their average (their
+        allreduces ``started``): an allreduce reads and writes a gradient in place while the
+        caller runs on, so a change made meanwhile (clipping, scaling) is averaged in part or
+        overwritten, differently from run to run, and one process's training is not what comes
+        out. The allreduces complete first (``unfinished``, default ``started``), their results
+        unused: the optimizer can go on. ``replaced``: a ``.grad`` that is no longer the one
+        reduced (set anew, or to None) is refused too (not where the optimizer's own zero_grad
+        has let go of it: overlap_forward's deferred updates)."""
+        changed = next((p for submitted in started if submitted.versions is not None
+                        for p, grad, version in zip(submitted.params, submitted.grads, submitted.versions)
+                        if grad._version != version or (replaced and p.grad is not grad)), None)
+        if changed is None:
+            return
+        for submitted in unfinished if unfinished is not None else started:
+            _wait_quietly(submitted)
+        name = self._parameter_names.get(changed, "?")
+        raise RuntimeError(
+                    f"the gradient of parameter {name!r} was changed after backward() and before the optimizer averaged it "
+                    "(gradient clipping, unscaling or scaling in place, or a new .grad): hvd.DistributedOptimizer "
+                    "averages the gradients in step(), in place, and a change made before that is averaged in part "
+                    "or lost, differently from run to run. Average them first, then change them: "
+                    "optimizer.synchronize(); torch.nn.utils.clip_grad_norm_(...); "
+                    "with optimizer.skip_synchronize(): optimizer.step()")
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes locally per allreduce from now on (as Horovod:
@@ -382,6 +418,13 @@ class DistributedOptimizerMixin:
 
     def step(self, closure=None):
         """Wait for the gradients' allreduces, then step the wrapped optimizer."""
+        if self._should_synchronize and not self._synchronized and self._fired and _stepped_by_a_grad_scaler():
+            self._drop_step_in_progress()  # completed, unused: the optimizer can go on
+            raise RuntimeError(
+                "GradScaler.step(optimizer) unscaled the gradients in place while hvd.DistributedOptimizer was still "
+                "averaging them (a change made meanwhile is averaged in part or lost, differently from run to run): "
+                "average them first: optimizer.synchronize(); scaler.unscale_(optimizer); "
+                "with optimizer.skip_synchronize(): scaler.step(optimizer)")
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -422,6 +465,25 @@ class DistributedOptimizerMixin:
     def apply_pending_updates(self) -> None:
         """Apply every update still waiting for a forward: nothing here; with ``overlap_forward``,
         what ``step()`` left to the next forward (overlap.py)."""
+
+
+def _wait_quietly(submitted: Submitted) -> None:
+    """Wait for a started allreduce whose result goes unused; its failure is not the error."""
+    try:
+        if submitted.sparse:
+            submitted.handle()
+        else:
+            mpi_ops.synchronize(submitted.handle)
+    except HorovodInternalError:
+        pass
+
+
+def _stepped_by_a_grad_scaler() -> bool:
+    """Whether the caller of step() is torch.amp.GradScaler's step, after it unscaled the
+    gradients (or found them unscaled). Its unscaling kernel leaves the gradients' version
+    counters alone, so the check of changed gradients (_refuse_changed_gradients) cannot see it."""
+    caller = sys._getframe(2).f_code  # step() is called by GradScaler._maybe_opt_step
+    return caller.co_name == "_maybe_opt_step" and caller.co_filename.replace("\\", "/").endswith("amp/grad_scaler.py")
 
 
 def _sparse_advice(err: NegotiationError) -> Optional[str]:

@@ -211,6 +211,12 @@ class OverlapForwardMixin(DistributedOptimizerMixin):
         chosen = [p for p in (params if params is not None else list(deferred)) if p in deferred]
         if not chosen:
             return
+        try:
+            self._refuse_changed_gradients([deferred[p] for p in chosen], unfinished=list(deferred.values()),
+                                           replaced=False)
+        except RuntimeError:
+            deferred.clear()  # their allreduces completed, their results unused
+            raise
         kept = []
         for p in chosen:
             submitted = deferred.pop(p)

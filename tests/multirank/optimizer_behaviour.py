@@ -81,8 +81,17 @@ def check_zero_grad_pending_raises() -> None:
         assert "backward_passes_per_step" in str(err), err
     else:
         raise AssertionError("two backward passes before step() did not raise")
-    opt.synchronize()
+    # The second backward added to gradients whose allreduces were running: refused as changed,
+    # and the optimizer goes on.
+    try:
+        opt.synchronize()
+    except RuntimeError as err:
+        assert "was changed after backward() and before the optimizer averaged it" in str(err), err
+    else:
+        raise AssertionError("gradients added to in flight were averaged")
     opt.zero_grad()
+    _train_step(model, opt, 1)
+    assert_ranks_equal(model, "after the refusals")
 
 
 def check_duplicate_names_raise() -> None:
@@ -550,6 +559,63 @@ def check_process_set() -> None:
     hvd.remove_process_set(subset)
 
 
+def check_changed_gradients_refused() -> None:
+    """A gradient changed between backward() and step() (clipped, unscaled, replaced) was
+    averaged in part or overwritten, differently from run to run: refused on every rank, naming
+    it and the recipe, with groups and compression too (check_skip_synchronize runs the recipe)."""
+    rank, size = hvd.rank(), hvd.size()
+    x, y = batch(0)
+
+    def clip(model, opt, loss):
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+
+    def unscale(model, opt, loss):  # GradScaler's step unscales in place, then steps
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+
+    def replace(model, opt, loss):
+        loss.backward()
+        first = next(model.parameters())
+        first.grad = first.grad.clamp(-0.01, 0.01)
+        opt.step()
+
+    for options in ({}, {"num_groups": 2}, {"compression": hvd.Compression.fp16}):
+        for change in (clip, unscale, replace):
+            model, _ = make_pair(seed=5)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), **options)
+            try:
+                change(model, opt, loss_fn(model, shard(x, rank, size), shard(y, rank, size)))
+            except RuntimeError as err:
+                text = str(err)
+                if change is unscale:  # its kernel leaves the version counters alone: GradScaler's step is told
+                    assert text.startswith("GradScaler.step(optimizer) unscaled the gradients in place while "
+                                           "hvd.DistributedOptimizer was still averaging them"), text
+                    assert "optimizer.synchronize(); scaler.unscale_(optimizer); with optimizer.skip_synchronize(): "\
+                           "scaler.step(optimizer)" in text, text
+                    continue
+                assert "was changed after backward() and before the optimizer averaged it" in text, text
+                assert "optimizer.synchronize(); torch.nn.utils.clip_grad_norm_(...)" in text, text
+                if change is replace:
+                    assert f"parameter {next(iter(dict(model.named_parameters())))!r}" in text, text
+            else:
+                raise AssertionError(f"{change.__name__} with {options}: not refused")
+    # GradScaler by the recipe: averaged first, then unscaled and stepped.
+    model, _ = make_pair(seed=5)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_fn(model, shard(x, rank, size), shard(y, rank, size))).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    assert_ranks_equal(model, "GradScaler by the recipe")
+
+
 CHECKS = {
     "isinstance-state-dict": check_isinstance_and_state_dict,
     "zero-grad-pending": check_zero_grad_pending_raises,
@@ -570,6 +636,7 @@ CHECKS = {
     "process-set": check_process_set,
     "sparse-first-step-unused": check_sparse_unused_in_the_first_step,
     "overlap-forward-without-hooks": check_overlap_forward_refuses_a_forward_without_its_hooks,
+    "changed-gradients": check_changed_gradients_refused,
 }
 
 
