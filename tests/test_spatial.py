@@ -234,8 +234,9 @@ def test_a_compiled_model_is_refused_before_anything_runs_naming_the_module():
 
 def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_the_model_as_it_was():
     # Batch norm's cumulative average reads its batch count as a float, a value read as a
-    # number takes a branch, a cache is made at the first call: on the meta device, each failed
-    # ("PyTorch refused: ...; the image may be too small"), and the cache stayed a meta tensor.
+    # number takes a branch, a cache is made at the first call, tensors made on the CPU meet
+    # the parts (a mean subtracted): on the meta device, each failed ("PyTorch refused: ...;
+    # the image may be too small"), and the cache stayed a meta tensor.
     sys.path.insert(0, str(SCRIPTS))
     import spatial_models
 

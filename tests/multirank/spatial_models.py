@@ -135,8 +135,9 @@ class Unbatched(nn.Module):
 class Quirks(nn.Module):
     """What a forward does besides layers, that the first forward's dry run (shapes only, on
     the meta device) must get through: batch norm's cumulative average (momentum=None reads
-    its batch count as a float), a value read as a number to take a branch (``.item()``), and
-    a tensor cached on the module at the first call."""
+    its batch count as a float), a value read as a number to take a branch (``.item()``),
+    a tensor cached on the module at the first call, and tensors the forward makes on the CPU
+    (an image mean subtracted, a floor for torch.where), which meet the meta parts there."""
 
     def __init__(self):
         super().__init__()
@@ -146,7 +147,9 @@ class Quirks(nn.Module):
         self.scale = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x - torch.tensor([0.4488, 0.4371, 0.4040], dtype=x.dtype).view(1, 3, 1, 1)  # EDSR's RGB mean
         y = self.bn(self.conv1(x))
+        y = torch.where(y > -1, y, torch.full((1,), -1.0, dtype=y.dtype))
         if y.abs().mean().item() > 0.5:
             y = torch.relu(y)
         if self.scale is None:

@@ -68,6 +68,8 @@ class SpatialMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ctx = self.ctx
+        if ctx.dry:
+            args, kwargs = _made_tensors_on_meta(args, kwargs)
         op = ops.lookup(func)
         if ctx.grad_scale != 1.0 and torch.is_grad_enabled() and (op is None or op.kind not in _READS_ONLY):
             args, kwargs = _scale_parameters(args, kwargs, ctx.grad_scale)
@@ -91,6 +93,41 @@ class SpatialMode(TorchFunctionMode):
                 except AttributeError:  # an exception type without a __dict__
                     pass
             raise
+
+
+def _made_tensors_on_meta(args, kwargs):
+    """The dry run's arguments, with the tensors the forward makes itself (``y - torch.tensor(
+    mean).view(1, 3, 1, 1)``, on the CPU or a GPU) moved to the meta device where they meet its
+    parts or parameters: PyTorch refuses to combine the two devices, where the real forward,
+    all on one device, runs. A number held as a tensor of no dimensions stays: PyTorch combines
+    it with any device, and its value may be read."""
+    found = []
+    _collect_tensors((args, kwargs), found)
+    if not any(t.is_meta for t in found) or all(t.is_meta or t.dim() == 0 for t in found):
+        return args, kwargs
+    return _on_meta(args), _on_meta(kwargs)
+
+
+def _collect_tensors(value: Any, found: list) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect_tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_tensors(item, found)
+
+
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_meta or value.dim() == 0 else value.to("meta")
+    if isinstance(value, (tuple, list)):
+        items = [_on_meta(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
 
 
 # The saved-tensor hooks of the checkpoints SpatialParallel makes itself (parallel.py), whose
