@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hpdl.torch as hvd
 from hpdl.torch import spatial
 from hpdl.torch.spatial import dispatch
 from hpdl.torch.spatial.context import Context
@@ -246,6 +247,16 @@ def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_
     model(torch.zeros(2, 3, 8, 8))  # the real forward keeps its cache: the next dry run uses it on meta
     spatial.check_split(model, (2, 3, 20, 16), (2, 2))
     assert model.scale is not None and not model.scale.is_meta and model.bn.num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize("norm", [nn.SyncBatchNorm, hvd.SyncBatchNorm], ids=["torch", "hpdl"])
+def test_a_sync_batch_norm_is_refused_before_anything_runs_naming_it(norm):
+    # hpdl's was refused at its first call on a part ("Tensor.new_tensor is not supported"), and
+    # PyTorch's under torchrun blamed the image's size (its kernels need a GPU): batch norm here
+    # already takes the whole image's statistics.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), norm(4))
+    with pytest.raises(SpatialError, match=r"^1 \(SyncBatchNorm\): a SyncBatchNorm cannot be split: use nn.BatchNorm2d"):
+        spatial.check_split(model, (1, 3, 20, 16), (2, 1))
 
 
 def test_the_dry_run_runs_pytorchs_hooks_and_leaves_out_the_users_own():

@@ -38,6 +38,7 @@ from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
 from hpdl.torch.spatial.parts import part_of, tag_outputs, tagged
+from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
 _local = threading.local()
 _READS_ONLY = (Kind.SHAPE, Kind.METADATA, Kind.PART_ATTRIBUTE)
@@ -590,7 +591,9 @@ def refuse_unsplittable_modules(model: nn.Module) -> None:
     layer), a compiled one (``torch.compile``: its graph runs PyTorch's kernels on the part, past
     the calls' spatial versions; dynamo refused it with an internal error about tracking a
     module), or a lazy module whose parameters are not made yet (it makes them at its first
-    call, from its input, so the group could not agree on them, nor the optimizer hold them)."""
+    call, from its input, so the group could not agree on them, nor the optimizer hold them), or
+    a SyncBatchNorm (PyTorch's or hpdl's: their statistics come from kernels and collectives of
+    their own, which a part does not reach; batch norm here already takes the whole image's)."""
     for path, module in model.named_modules():
         where = f"{path or '(the model)'} ({type(module).__name__})"
         if isinstance(module, torch.jit.ScriptModule):
@@ -600,6 +603,10 @@ def refuse_unsplittable_modules(model: nn.Module) -> None:
             raise SpatialError(f"{where}: a module compiled with torch.compile (or .compile()) cannot be split: "
                                "SpatialParallel runs the model's calls one by one; wrap the module it was made from, "
                                "uncompiled")
+        if isinstance(module, (nn.SyncBatchNorm, SyncBatchNorm)):
+            raise SpatialError(f"{where}: a SyncBatchNorm cannot be split: use nn.BatchNorm2d, whose statistics "
+                               "SpatialParallel takes over the whole image (every part of the group) and the batch, "
+                               "as one process")
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise SpatialError(f"{where}: its parameters are not made yet (a lazy module makes them at its first "
                                "call): run the model once on a small input before wrapping it, as for "
