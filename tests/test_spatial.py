@@ -3,12 +3,14 @@ communication), then exactness against one process and the refusals on several r
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,6 +249,42 @@ def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_
     model(torch.zeros(2, 3, 8, 8))  # the real forward keeps its cache: the next dry run uses it on meta
     spatial.check_split(model, (2, 3, 20, 16), (2, 2))
     assert model.scale is not None and not model.scale.is_meta and model.bn.num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize("body", [
+    lambda y: F.interpolate(y, size=(int(0.5 * y.shape[-2]), int(0.5 * y.shape[-1]))),  # a shape (1, 2, 3, 4)
+    lambda y: F.interpolate(y, size=(int(y.shape[-2] * 0.5), int(y.shape[-1] * 0.5))),
+    lambda y: y * (float(y.sum()) / y.numel()),
+    lambda y: y * (1.0 * y.shape[-2] / y.shape[-1]),
+    lambda y: y / float(np.sqrt(y.shape[-2])),
+    lambda y: y * len(range(y.shape[-2])),
+], ids=["int(0.5 * h)", "int(h * 0.5)", "float / numel", "1.0 * h / w", "numpy.sqrt(h)", "range(h)"])
+def test_a_number_computed_from_a_parts_own_length_is_refused_on_equal_bands_too(body):
+    # 12 rows on 2 bands: 6 and 6, alike on every rank, so comparing the ranks showed nothing;
+    # each computed with the part's 6 where one process has 12, silently (a wrong value, or
+    # the output's shape (1, 2, 3, 4) where one process's is (1, 2, 6, 4)).
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), _Lambda(body))
+    with pytest.raises(SpatialError, match=r"^the model's forward computes with a part's own lengths: at call \d+, one "
+                                           r"process on the whole image calls .* where a part calls"):
+        spatial.check_split(model, (1, 2, 12, 8), (2, 1))
+
+
+def test_a_number_computed_from_a_parts_own_length_on_unequal_bands_is_refused_naming_the_ranks():
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), _Lambda(lambda y: y * int(y.shape[-2])))
+    with pytest.raises(SpatialError, match=r"^the model's forward runs differently on the ranks' parts: at call 3 on a "
+                                           r"part, group rank 0 calls Tensor.mul\(7\) in 1 \(_Lambda\) where group "
+                                           r"rank 1 calls Tensor.mul\(6\) in 1 \(_Lambda\); it decides on a part's own "
+                                           r"size: Python reads a part's own length"):
+        spatial.check_split(model, (1, 2, 13, 8), (2, 1))
+
+
+@pytest.mark.parametrize("body", [
+    lambda y: F.interpolate(y, size=(y.shape[-2] // 2, round(y.shape[-1] * 0.5))),
+    lambda y: y * (y.shape[-2] * 1.0) / math.sqrt(y.shape[-1]),
+    lambda y: y * (y.sum() / y.numel()),
+], ids=["h // 2, round(w * 0.5)", "h * 1.0, math.sqrt(w)", "on tensors"])
+def test_numbers_computed_from_the_whole_images_lengths_run(body):
+    spatial.check_split(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), _Lambda(body)), (1, 2, 12, 8), (2, 1))
 
 
 @pytest.mark.parametrize("norm", [nn.SyncBatchNorm, hvd.SyncBatchNorm], ids=["torch", "hpdl"])

@@ -173,8 +173,11 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
         return _random(ctx, func, randomness.REPLICATED, args, kwargs)
     if ctx.trace is not None and func in _VALUE_READS and args and getattr(args[0], "is_meta", False):
         # The first forward's dry run has shapes only: a replicated value read as a number
-        # (``loss.item()``, ``if y.mean() > t``) reads as 0 there, alike for every rank's part;
-        # the real forward reads the value, the same on every rank.
+        # (``loss.item()``, ``if y.mean() > t``) or an array (``.cpu().numpy()``) reads as 1
+        # there (False for a truth value), alike for every rank's part; the real forward reads
+        # the value, the same on every rank. Not 0: a number computed from it and a part's own
+        # length (``s.item() / x.numel()`` reads the part's count) must differ from one
+        # process's, for the dry run to see it (parallel.py, _compare_with_one_process).
         return _VALUE_READS[func](args[0])
     if not (holds_length(args) or holds_length(kwargs)):
         return func(*args, **kwargs)
@@ -189,12 +192,14 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
 
 
 _VALUE_READS = {
-    torch.Tensor.item: lambda t: False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0,
-    torch.Tensor.__float__: lambda t: 0.0,
-    torch.Tensor.__int__: lambda t: 0,
-    torch.Tensor.__index__: lambda t: 0,
+    torch.Tensor.item: lambda t: False if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1,
+    torch.Tensor.__float__: lambda t: 1.0,
+    torch.Tensor.__int__: lambda t: 1,
+    torch.Tensor.__index__: lambda t: 1,
     torch.Tensor.__bool__: lambda t: False,
-    torch.Tensor.tolist: lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist(),
+    torch.Tensor.tolist: lambda t: torch.ones(t.shape, dtype=t.dtype).tolist(),
+    torch.Tensor.cpu: lambda t: torch.ones(t.shape, dtype=t.dtype),
+    torch.Tensor.numpy: lambda t: torch.ones(t.shape, dtype=t.dtype).numpy(),
 }
 
 

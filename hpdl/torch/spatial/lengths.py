@@ -17,9 +17,12 @@ the whole where a length is a number (an interpolation's size, a slice's bounds,
 an operand of arithmetic on tensors) and the part's where it shapes a tensor
 (dispatch.py). ``float(h)`` is a number, so the whole's (``x.sum() / float(h * w)``,
 ``math.sqrt(h)``: on equal bands nothing else would tell a part's own number there from the
-whole's). ``int(h)`` gives the part's own number, leaving hpdl's sight: the first forward
-then compares what every rank computes (parallel.py), so a decision taken on a part's own
-number is refused rather than run differently on each rank.
+whole's). ``int(h)`` gives the part's own number, leaving hpdl's sight, and so does Python's
+arithmetic with a float first (``0.5 * h``: float's operator reads the int value before the
+length's reflected one is asked), as do numpy and ``range``: the first forward then compares
+what every rank computes, and what one process computes on the whole image as one part
+(parallel.py), so a number taken from a part's own length is refused rather than run
+silently wrong, even where the bands are alike.
 """
 
 from __future__ import annotations

@@ -431,25 +431,74 @@ def _check(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) 
         except SpatialError:
             raise
         except Exception as err:  # noqa: BLE001 - PyTorch's refusal of one part, said for every rank alike
-            where = getattr(err, "hpdl_where", "the model's forward")
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            where, first = getattr(err, "hpdl_where", "the model's forward"), _first_line(err)
+            if not _fits(module, names, Part(Grid(1, 1), 0, part.height, part.width), x, args, kwargs):
+                raise SpatialError(f"{where}: PyTorch refused in the first forward's check of the split, which runs "
+                                   f"the model on shapes only (the meta device, no values): {first}; it refuses the "
+                                   "whole image alike, so the split is not the cause: the forward needs values or a "
+                                   "device there (a tensor read as an array, made on another device, or sized by "
+                                   "its values)") from None
             raise SpatialError(f"{where}: on group rank {rank}'s part ({_rows_and_cols(mine)}) PyTorch refused: "
                                f"{first}; the image may be too small for {part.grid} bands") from None
     _compare_records(records)
+    _compare_with_one_process(module, names, part, x, args, kwargs, records[0])
+
+
+def _compare_with_one_process(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs,
+                              record: List[tuple]) -> None:
+    """Refuse a forward that computes with a part's own lengths where the ranks' parts are
+    alike, so that comparing them shows nothing (97 rows on 2 bands show it: 49 and 48; 96 do
+    not). Python reads a length's own value, the part's, in arithmetic with a float first
+    (``0.5 * h``, ``s.item() / x.numel()``), in ``int()`` of a length made a float
+    (``int(h * 0.5)``), and in numpy or ``range``: one process computes with the whole image's.
+    So the model runs once more on the whole image as one part, whose lengths are the whole's,
+    and every call must have the same numbers as on a part."""
+    if part.grid.size == 1:
+        return
+    one = Part(Grid(1, 1), 0, part.height, part.width)
+    try:
+        whole = _dry_run(module, names, one, x, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - the parts ran: the whole image must run alike
+        whole = [("a refusal", getattr(err, "hpdl_where", "the model's forward"), (_first_line(err),), ())]
+    differing = _first_difference(record, whole)
+    if differing is not None:
+        step, mine, theirs = differing
+        raise SpatialError(
+            f"the model's forward computes with a part's own lengths: at call {step}, one process on the whole "
+            f"image {_call_text(theirs)} where a part {_call_text(mine)}; {_OWN_LENGTHS}: write h // 2, "
+            "round(h * 0.5) or math.floor(h * 0.5), put the length first (h * 0.5), or compute on tensors")
+
+
+# Where Python reads a part's own length (its int value) instead of the whole image's.
+_OWN_LENGTHS = ("Python reads a part's own length, not the whole image's, in int() of it, in arithmetic with a float "
+                "first (0.5 * h, s.item() / x.numel()), in int() of a length made a float (int(h * 0.5)), and in "
+                "numpy or range()")
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _first_difference(first: List[tuple], other: List[tuple]) -> Optional[Tuple[int, Optional[tuple],
+                                                                                 Optional[tuple]]]:
+    """The first call (numbered from 1) where two dry runs' records differ, with both calls."""
+    for step, (mine, theirs) in enumerate(itertools.zip_longest(first, other), start=1):
+        if mine != theirs:
+            return step, mine, theirs
+    return None
 
 
 def _compare_records(records: List[List[tuple]]) -> None:
     """Refuse a forward whose calls on the parts differ between ranks: it decided on a part's
     own numbers (``int(x.shape[-2])``), which one process would not."""
-    first = records[0]
     for rank, record in enumerate(records[1:], start=1):
-        for step, (mine, theirs) in enumerate(itertools.zip_longest(first, record)):
-            if mine != theirs:
-                raise SpatialError(
-                    f"the model's forward runs differently on the ranks' parts: at call {step + 1} on a part, group "
-                    f"rank 0 {_call_text(mine)} where group rank {rank} {_call_text(theirs)}; it decides on a part's "
-                    "own size (int() or float() of x.shape[-2], which gives the part's own number): decide on the "
-                    "lengths themselves (x.shape[-2] compares as the whole image's)")
+        differing = _first_difference(records[0], record)
+        if differing is not None:
+            step, mine, theirs = differing
+            raise SpatialError(
+                f"the model's forward runs differently on the ranks' parts: at call {step} on a part, group rank 0 "
+                f"{_call_text(mine)} where group rank {rank} {_call_text(theirs)}; it decides on a part's own size: "
+                f"{_OWN_LENGTHS}: decide on the lengths themselves (x.shape[-2] compares as the whole image's)")
 
 
 def _call_text(call: Optional[tuple]) -> str:
@@ -472,9 +521,12 @@ def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs
         other = part_of(value)
         if other is None:
             return value if value.is_meta else _for_the_dry_run(value)
-        if other.grid != part.grid:
+        if part.grid.size == 1:  # the whole image as one part (_compare_with_one_process): each map whole
+            theirs = Part(part.grid, 0, other.height, other.width)
+        elif other.grid != part.grid:
             return value
-        theirs = dataclasses.replace(other, rank=part.rank)
+        else:
+            theirs = dataclasses.replace(other, rank=part.rank)
         return tagged(torch.empty(value.shape[:-2] + theirs.local_size, dtype=value.dtype, device="meta"), theirs)
 
     args, kwargs = _map_tensors(tuple(args), as_this_part), _map_tensors(dict(kwargs), as_this_part)
@@ -562,10 +614,10 @@ def _random_states_kept() -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
-def _fits(module: nn.Module, names, part: Part, x: torch.Tensor) -> bool:
+def _fits(module: nn.Module, names, part: Part, x: torch.Tensor, args=(), kwargs=None) -> bool:
     try:
         for rank in range(part.grid.size):
-            _dry_run(module, names, dataclasses.replace(part, rank=rank), x, (), {})
+            _dry_run(module, names, dataclasses.replace(part, rank=rank), x, args, kwargs or {})
     except ThinBand:
         return False
     except Exception:  # noqa: BLE001 - any refusal: this size does not fit either
