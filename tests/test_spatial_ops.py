@@ -232,7 +232,11 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
         torch.amax: [("(2, 3)", lambda t: torch.amax(t, (2, 3))), ("(-1, -2) keepdim", lambda t: torch.amax(t, (-1, -2), True)),
                      ("(1, 2, 3) ties", lambda t: torch.amax(tied(t), (1, 2, 3))), ("all", lambda t: torch.amax(t)),
                      ("2", lambda t: torch.amax(t, 2)), ("1", lambda t: torch.amax(t, 1))],
-        torch.Tensor.amax: [("(2, 3) ties", lambda t: tied(t).amax((2, 3)))],
+        torch.Tensor.amax: [("(2, 3) ties", lambda t: tied(t).amax((2, 3))), ("NaN", lambda t: with_nan(t).amax())],
+        torch.amin: [("(2, 3)", lambda t: torch.amin(t, (2, 3))), ("(1, 2, 3) ties", lambda t: torch.amin(tied(t), (1, 2, 3))),
+                     ("all NaN", lambda t: torch.amin(with_nan(t))), ("dim 1", lambda t: torch.amin(t, 1)),
+                     ("dim 3", lambda t: torch.amin(t, 3))],
+        torch.Tensor.amin: [("(-2, -1) keepdim ties", lambda t: tied(t).amin((-2, -1), keepdim=True))],
         torch.pixel_shuffle: [("2", lambda t: F.pixel_shuffle(four(t), 2))],
         # 6 x 6 and 6 x 4 of the 7 x 6 image: blocks straddling the bands of 2 ranks (3 output rows
         # of 6 input rows: 2 and 1, from bands of 3 and 3).
@@ -438,7 +442,7 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
                 outcomes = run_parts(grid, call, X, backward=True)
                 assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
                 got = assemble_gradients(outcomes, grid, X.shape)
-                assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), \
+                assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12, equal_nan=True), \
                     f"{ops.spelled(func)}({name}) on {grid}: the input gradient differs by {(got - expected).abs().max()}"
 
 

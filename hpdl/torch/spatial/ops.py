@@ -148,6 +148,8 @@ for _func, _spelling, _handler, _what in (
          "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group"),
         (torch.amax, "torch.amax", reductions.amax, "over both image dimensions: global; over neither: as it is"),
         (torch.Tensor.amax, "Tensor.amax", reductions.amax, "as torch.amax"),
+        (torch.amin, "torch.amin", reductions.amin, "as torch.amax"),
+        (torch.Tensor.amin, "Tensor.amin", reductions.amin, "as torch.amax"),
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", reductions.adaptive_avg_pool2d,
          "to any k x l (1 x 1: global; a pyramid pooling module's 1, 2, 3, 6): the same result on every rank of the "
          "group"),

@@ -121,7 +121,9 @@ class GlobalMax(torch.autograd.Function):
         best = maxima.amax(0)
         ctx.spread, ctx.comm, ctx.label, ctx.shape = spread, comm, label, x.shape
         if spread:
-            ctx.save_for_backward((flat == best[:, None]) | (nan & torch.isnan(best)[:, None]))
+            # Where the maximum is NaN no value equals it, as in one process: the count is 0, and
+            # the gradient NaN throughout the map (0 times total / 0).
+            ctx.save_for_backward(flat == best[:, None])
         else:
             any_nan = torch.isnan(best)
             at_max = torch.where(maxima == best, first_places, torch.full_like(first_places, float("inf")))
@@ -225,12 +227,21 @@ def amax(ctx: Context, func, a: dict):
     """``amax`` over both image dimensions (and any others): the global maximum; over neither,
     as it is; over one, refused."""
     x, dims, keepdim = a["input"], a.get("dim"), bool(a.get("keepdim", False))
-    dims, over_image = _reduced_dims(ctx, "amax", x, dims)
+    dims, over_image = _reduced_dims(ctx, func.__name__, x, dims)
     if not over_image:
         return tagged(torch.amax(x, dims, keepdim), part_of(x))
     # One process shares the gradient among every value equal to the maximum, whichever map it is in.
     moved, merged = _next_to_the_image(x, dims)
     return _kept(_global_max(ctx, moved, spread=True, merged=merged), dims, keepdim)
+
+
+def amin(ctx: Context, func, a: dict):
+    """``amin``: ``amax`` of the map negated, negated (its gradient, as amax's, shared among every
+    value equal to the minimum, as one process shares it)."""
+    x = a["input"]
+    result = amax(ctx, func, {**a, "input": tagged(torch.neg(x), part_of(x))})
+    out = torch.neg(result)
+    return tagged(out, part_of(result)) if part_of(result) is not None else out  # a part where the image stays
 
 
 def reduction(ctx: Context, func, a: dict):
