@@ -37,7 +37,7 @@ from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import part_of, tag_outputs, tagged
+from hpdl.torch.spatial.parts import map_tensors, part_of, tag_outputs, tagged
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
 _local = threading.local()
@@ -87,7 +87,7 @@ class SpatialMode(TorchFunctionMode):
             raise
         except Exception as err:
             # Where PyTorch refused (a kernel larger than a part, shapes that do not match):
-            # the first forward's dry run names the layer (parallel.py).
+            # the first forward's dry run names the layer (split_check.py).
             if not hasattr(err, "hpdl_where"):
                 try:
                     err.hpdl_where = ctx.where()
@@ -102,33 +102,15 @@ def _made_tensors_on_meta(args, kwargs):
     parts or parameters: PyTorch refuses to combine the two devices, where the real forward,
     all on one device, runs. A number held as a tensor of no dimensions stays: PyTorch combines
     it with any device, and its value may be read."""
-    found = []
-    _collect_tensors((args, kwargs), found)
+    found: List[torch.Tensor] = []
+    map_tensors((args, kwargs), found.append)
     if not any(t.is_meta for t in found) or all(t.is_meta or t.dim() == 0 for t in found):
         return args, kwargs
-    return _on_meta(args), _on_meta(kwargs)
+    return map_tensors(args, _on_meta), map_tensors(kwargs, _on_meta)
 
 
-def _collect_tensors(value: Any, found: list) -> None:
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _collect_tensors(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _collect_tensors(item, found)
-
-
-def _on_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_meta or value.dim() == 0 else value.to("meta")
-    if isinstance(value, (tuple, list)):
-        items = [_on_meta(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {k: _on_meta(v) for k, v in value.items()}
-    return value
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta or t.dim() == 0 else t.to("meta")
 
 
 # The saved-tensor hooks of the checkpoints SpatialParallel makes itself (parallel.py), whose
@@ -177,7 +159,7 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
         # there (False for a truth value), alike for every rank's part; the real forward reads
         # the value, the same on every rank. Not 0: a number computed from it and a part's own
         # length (``s.item() / x.numel()`` reads the part's count) must differ from one
-        # process's, for the dry run to see it (parallel.py, _compare_with_one_process).
+        # process's, for the dry run to see it (split_check.py, _compare_with_one_process).
         return _VALUE_READS[func](args[0])
     if not (holds_length(args) or holds_length(kwargs)):
         return func(*args, **kwargs)

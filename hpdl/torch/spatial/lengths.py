@@ -21,7 +21,7 @@ whole's). ``int(h)`` gives the part's own number, leaving hpdl's sight, and so d
 arithmetic with a float first (``0.5 * h``: float's operator reads the int value before the
 length's reflected one is asked), as do numpy and ``range``: the first forward then compares
 what every rank computes, and what one process computes on the whole image as one part
-(parallel.py), so a number taken from a part's own length is refused rather than run
+(split_check.py), so a number taken from a part's own length is refused rather than run
 silently wrong, even where the bands are alike.
 """
 

@@ -47,3 +47,16 @@ def tag_outputs(result: Any, part: Part) -> Any:
         for item in result:
             tag_outputs(item, part)
     return result
+
+
+def map_tensors(value: Any, fn) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (in tuples, named tuples, lists and dicts too)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
