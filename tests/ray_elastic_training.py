@@ -28,6 +28,8 @@ def train(marks, stop_at_size=None, steps_after=5, fail_on_rank=None, fail_at_st
             if hvd.broadcast_object(asked, 0) or (stop_at_size == hvd.size() and state.at_size >= steps_after):
                 break
             if hvd.rank() == fail_on_rank and state.step == fail_at_step:
+                with open(os.path.join(marks, "failed"), "w") as f:  # when, for the test's bound
+                    f.write(repr(time.time()))
                 raise ValueError(f"rank {hvd.rank()} fails at step {state.step}")
             x = torch.full((8, 4), float(hvd.rank() + 1), dtype=torch.float64)
             optimizer.zero_grad()

@@ -115,8 +115,9 @@ def test_a_failed_rank_ends_the_run_naming_it_within_a_bounded_time(fn, rank, me
     started = time.monotonic()
     with pytest.raises(WorkerFailedError, match=message) as info:
         executor.run(fn)
-    # The others ended with hpdl's error (or the grace), not a stall timeout.
-    assert info.value.rank == rank and time.monotonic() - started < 90
+    # The others ended with hpdl's error (or the grace), not a stall timeout (HPDL_STALL_TIMEOUT,
+    # 1800 s): the bound leaves room for three workers' start on a loaded machine.
+    assert info.value.rank == rank and time.monotonic() - started < 240
     with pytest.raises(RuntimeError, match="not started"):  # a failed run ends the executor
         executor.run(_meet)
     assert _cpus_free() == 4
@@ -223,17 +224,19 @@ def test_an_elastic_worker_that_raises_on_a_one_node_cluster_ends_the_job_naming
 
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2, max_workers=3, num_workers=3)
     executor.start()
-    started = time.monotonic()
     try:
         with pytest.raises(WorkerFailedError) as info:
             executor.run(train, kwargs=dict(marks=str(tmp_path), fail_on_rank=1))
+        ended = time.time()
     finally:
         executor.shutdown()
     message = str(info.value)
     # Its node is blacklisted (Horovod's rule), and it is the only one: nothing is left to go on with.
     assert message.startswith("train: every host is blacklisted (worker ") and "\n" not in message
     assert "rank 1) raised ValueError: rank 1 fails at step 3" in message
-    assert time.monotonic() - started < 90 and _cpus_free() == 4
+    # Bounded from the failure itself, so that a slow start on a loaded machine does not count.
+    failed_at = float((tmp_path / "failed").read_text())
+    assert ended - failed_at < 60 and _cpus_free() == 4
 
 
 def _train_loop(config):

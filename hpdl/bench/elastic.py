@@ -215,6 +215,12 @@ class _Job:
         ready = [g for g, n in done.items() if n >= steps]
         return min(ready) if ready else None
 
+    def every_member_stepped(self, generation: int) -> bool:
+        """Whether each worker of ``generation`` logged a step in it: rank 0's step finds the
+        world, and the others' events (which the phases need) may come a moment later."""
+        stepped = {e["worker"] for e in self.of("step", gen=generation)}
+        return set(self.members(generation)) <= stepped
+
     def members(self, generation: int) -> Dict[int, int]:
         """worker -> rank in ``generation``."""
         return {e["worker"]: e["rank"] for e in self.of("joined", gen=generation)}
@@ -280,10 +286,12 @@ def run_point(opts: ElasticBenchOptions, model: str, workers: int,
             died = time.time()
             os.kill(pid, signal.SIGKILL)
             smaller = job.wait_for(lambda: job.world(workers - 1, generation, opts.steps))
+            job.wait_for(lambda: job.every_member_stepped(smaller))
             listed += 1
             _write(hosts_file, "".join(f"{h}:1\n" for h in names[:listed]))
             appeared = time.time()
             larger = job.wait_for(lambda: job.world(workers, smaller, opts.steps))
+            job.wait_for(lambda: job.every_member_stepped(larger))
             done = {"round": number, "failure": failure_phases(job, died, generation, smaller, victim),
                     "host": host_phases(job, appeared, smaller, larger)}
             rounds.append(done)
