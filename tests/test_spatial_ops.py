@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import math
+import re
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
@@ -582,6 +583,18 @@ def test_calls_outside_the_table_are_refused_before_they_run():
     assert len(candidates) > 300
     for func in candidates:
         with pytest.raises(SpatialError, match="is not supported in the spatial part"):
+            _call_on_a_part(func)
+
+
+@pytest.mark.parametrize("func, written", [
+    (torch.linalg.vector_norm, "torch.linalg.vector_norm"), (torch.fft.fft2, "torch.fft.fft2"),
+    (torch.special.erf, "torch.special.erf"), (F.conv2d, "F.conv2d"), (torch.Tensor.narrow, "Tensor.narrow"),
+])
+def test_a_refusal_names_the_call_as_the_user_writes_it(func, written):
+    # torch.linalg.vector_norm is torch._C._linalg's linalg_vector_norm, which no user writes.
+    assert ops.spelled(func) == written
+    if ops.lookup(func) is None:
+        with pytest.raises(SpatialError, match=rf"{re.escape(written)} is not supported in the spatial part"):
             _call_on_a_part(func)
 
 

@@ -279,7 +279,7 @@ _REFUSED = (
     ("dropout1d dropout2d dropout3d feature_alpha_dropout",
      "it drops whole channels, which each rank would choose on its own"),
     ("linear bilinear matmul mm bmm einsum tensordot inner outer",
-     "it mixes the last dimension, which is split across the ranks"),
+     "it may combine pixels along the image's dimensions, which the ranks hold in parts"),
     ("unfold fold grid_sample affine_grid fractional_max_pool2d lp_pool2d",
      "it reads pixels the halo exchange does not bring"),
     ("max_pool2d_with_indices max_unpool2d", "its indices are places in the whole map, which no part holds"),
@@ -315,6 +315,11 @@ def spelled(func: Callable) -> str:
     for prefix, namespace in (("F", F), ("torch", torch), ("Tensor", torch.Tensor)):
         if getattr(namespace, name, None) is func:
             return f"{prefix}.{name}"
+    # torch.linalg.vector_norm is the built-in linalg_vector_norm of torch._C._linalg (fft, special alike).
+    for sub in ("linalg", "fft", "special"):
+        short = name[len(sub) + 1:] if name.startswith(sub + "_") else name
+        if getattr(getattr(torch, sub), short, None) is func:
+            return f"torch.{sub}.{short}"
     module = getattr(func, "__module__", "") or ""
     return f"{module}.{name}" if module else name
 
