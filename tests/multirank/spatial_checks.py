@@ -18,7 +18,8 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
 - inputs: the whole image instead of a part, a part scattered twice, and parts that differ
   between ranks (height, width, batch, dtype) are refused on every rank, in one line;
 - dropout: each band draws its own mask (ranks seeded alike), the same again for the same seed,
-  and a checkpointed block's recomputation replays it;
+  and a checkpointed block's recomputation replays it; noise made to a part's lengths
+  (``torch.randn(b, c, h, w)``) is drawn as ``randn_like`` draws it;
 - calls: net.gather and net.whole_mean on rank 0 alone (the others at their next forward, or at
   their backward), and gathers of different maps, are refused alike on every rank, naming each
   rank's call; the group works afterwards;
@@ -368,6 +369,17 @@ def dropout() -> None:
     dropped = (first == 0).double().mean().item()
     assert 0.25 < dropped < 0.75, f"{dropped:.2f} of the pixels dropped, for p = 0.5"
     net.close()
+    # Noise made to a part's lengths (``torch.randn(b, c, h, w)``, as a StyleGAN layer adds it) is
+    # drawn as randn_like draws it: each band its own, never one pattern repeated down the image.
+    drawn = {}
+    for how in ("randn", "randn_like"):
+        net = spatial.SpatialParallel(_Noisy(how))
+        torch.manual_seed(5)
+        drawn[how] = net.gather(net(net.scatter(ones)))
+        net.close()
+    assert torch.equal(drawn["randn"], drawn["randn_like"]), "torch.randn of a part's lengths drew otherwise"
+    noise = drawn["randn"].view(hvd.size(), 8, 6)
+    assert all(not torch.equal(noise[0], noise[b]) for b in range(1, hvd.size())), "bands share their noise"
     # A checkpointed block recomputes the same mask in backward: its gradients are those of the
     # forward's mask (the block without checkpointing, the same seed, gives the same).
     grads = []
@@ -384,6 +396,16 @@ def dropout() -> None:
     assert torch.equal(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1], atol=1e-12), \
         "the checkpointed block's recomputation drew another mask"
     print_ok("dropout: each band its own mask, the same for the same seed, replayed by checkpointing")
+
+
+class _Noisy(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        return x + (torch.randn(b, c, h, w) if self.how == "randn" else torch.randn_like(x))
 
 
 def double_backward() -> None:

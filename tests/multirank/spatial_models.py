@@ -136,8 +136,11 @@ class Quirks(nn.Module):
     """What a forward does besides layers, that the first forward's dry run (shapes only, on
     the meta device) must get through: batch norm's cumulative average (momentum=None reads
     its batch count as a float), a value read as a number to take a branch (``.item()``),
-    a tensor cached on the module at the first call, and tensors the forward makes on the CPU
-    (an image mean subtracted, a floor for torch.where), which meet the meta parts there."""
+    a tensor cached on the module at the first call, tensors the forward makes on the CPU
+    (an image mean subtracted, a floor for torch.where), which meet the meta parts there, and
+    tensors made to the lengths read off a part (``b, c, h, w = y.shape``): a partial
+    convolution's mask of ones and its window counts, the image's mean spread by ``expand`` and
+    ``repeat``."""
 
     def __init__(self):
         super().__init__()
@@ -154,6 +157,12 @@ class Quirks(nn.Module):
             y = torch.relu(y)
         if self.scale is None:
             self.scale = torch.linspace(0.5, 1.5, 4, dtype=x.dtype, device=x.device).view(1, 4, 1, 1)
+        b, c, h, w = y.shape
+        mask = torch.ones(b, 1, h, w, dtype=y.dtype, device=y.device)
+        windows = F.conv2d(mask, torch.ones(1, 1, 3, 3, dtype=y.dtype, device=y.device), padding=1)
+        y = y * (9.0 / windows)  # fewer pixels in a window at the image's border, none at a band's
+        y = y + 0.1 * y.mean((2, 3), keepdim=True).expand(b, c, h, w) \
+            + 0.01 * F.adaptive_avg_pool2d(y, 1).repeat(1, 1, h, w) + torch.zeros(y.shape, dtype=y.dtype)
         return self.conv2(y * self.scale)
 
 

@@ -37,7 +37,7 @@ from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import map_tensors, part_of, tag_outputs, tagged
+from hpdl.torch.spatial.parts import map_tensors, part_of, tag_outputs, tagged, with_marks_of
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
 _local = threading.local()
@@ -110,7 +110,8 @@ def _made_tensors_on_meta(args, kwargs):
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_meta or t.dim() == 0 else t.to("meta")
+    # A part it is stays one (``torch.ones(b, 1, h, w)`` of a part's lengths, made on the CPU).
+    return t if t.is_meta or t.dim() == 0 else with_marks_of(t.to("meta"), t)
 
 
 # The saved-tensor hooks of the checkpoints SpatialParallel makes itself (parallel.py), whose
@@ -151,8 +152,11 @@ def refusal(ctx: Context, what: str, why: str = "") -> SpatialError:
 # -- calls without a part ------------------------------------------------------------------
 
 def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
-    if op is not None and op.kind is Kind.RANDOM:  # on a replicated tensor: one stream for the group
-        return _random(ctx, func, randomness.REPLICATED, args, kwargs)
+    if op is not None and op.kind is Kind.RANDOM:
+        part = _part_sized(ctx, func, "size", args, kwargs)
+        if part is not None:  # torch.randn(b, c, h, w) of a part's lengths: the part's own stream, as randn_like
+            return tagged(_random(ctx, func, ctx.rank, args, kwargs, local=True), part)
+        return _random(ctx, func, randomness.REPLICATED, args, kwargs)  # replicated: one stream for the group
     if ctx.trace is not None and func in _VALUE_READS and args and getattr(args[0], "is_meta", False):
         # The first forward's dry run has shapes only: a replicated value read as a number
         # (``loss.item()``, ``if y.mean() > t``) or an array (``.cpu().numpy()``) reads as 1
@@ -165,6 +169,11 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
         return func(*args, **kwargs)
     if op is not None and op.kind is Kind.FACTORY:
         return _new_tensor(ctx, func, args, kwargs)
+    if op is not None and op.kind is Kind.EXPAND and _constant_over_the_image(args[0] if args else None):
+        # A value per channel spread over a part's lengths (``pooled.expand(b, c, h, w)``): that part.
+        part = _part_sized(ctx, func, _EXPANDED_TO.get(ops.aten_name(func), ""), args, kwargs)
+        if part is not None:
+            return tagged(func(*to_local(args), **to_local(kwargs)), part)
     if func is F.interpolate:  # a whole tensor resampled to a size read from a part: a part
         made = resampling.onto_part(ctx, _bound(ctx, func, args, kwargs))
         if made is not None:
@@ -220,14 +229,17 @@ _PARAMETER_SECOND = {f for f in (torch.prelu, getattr(torch.nn.functional, "prel
                      if f is not None}  # its weight runs along the channels, not broadcast
 
 
-def _random(ctx, func, band: int, args, kwargs):
+def _random(ctx, func, band: int, args, kwargs, local: bool = False):
+    """``func`` drawn from ``band``'s stream, with the whole image's lengths (or the part's own:
+    ``local``) where its arguments hold lengths read from a part."""
     if ctx.dry:
         return func(*args, **kwargs)
     call = ctx.random_calls
     ctx.random_calls += 1
     devices = randomness.devices_of(list(args) + list(kwargs.values()))
+    convert = to_local if local else to_whole
     with randomness.seeded(randomness.seed(ctx.random_base, call, band), devices):
-        return func(*to_whole(args), **to_whole(kwargs))
+        return func(*convert(args), **convert(kwargs))
 
 
 def _random_part(ctx, func, op, part, args, kwargs):
@@ -413,19 +425,36 @@ def _new(ctx, func, op, part, args, kwargs):
 def _new_tensor(ctx, func, args, kwargs):
     """``x.new_zeros(size)``, ``torch.zeros(size)``: a part where the size ends in the lengths of
     a part (read from it, as they are), else the tensor one process makes."""
-    try:
-        bound = bind(func, ops.aten_name(func), args, kwargs)
-    except Unbound:
-        return func(*to_whole(args), **to_whole(kwargs))
-    size = bound.get("size")
-    if isinstance(size, (list, tuple)) and len(size) >= 2:
-        rows, cols = size[-2], size[-1]
-        if isinstance(rows, PartLength) and isinstance(cols, PartLength) and rows.exact and cols.exact \
-                and rows.axis == lengths.ROWS and cols.axis == lengths.COLS:
-            whole = Part(ctx.grid, ctx.rank, rows.whole, cols.whole)
-            if whole.local_size == (int(rows), int(cols)):
-                return tagged(func(*to_local(args), **to_local(kwargs)), whole)
+    part = _part_sized(ctx, func, "size", args, kwargs)
+    if part is not None:
+        return tagged(func(*to_local(args), **to_local(kwargs)), part)
     return func(*to_whole(args), **to_whole(kwargs))
+
+
+# The argument of each expanding call that gives the result's size (a repeat's counts, on a
+# tensor of one pixel, are that size).
+_EXPANDED_TO = {"expand": "size", "broadcast_to": "size", "repeat": "repeats", "tile": "dims"}
+
+
+def _constant_over_the_image(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[-2:]) == (1, 1)
+
+
+def _part_sized(ctx, func, argument: str, args, kwargs) -> Optional[Part]:
+    """The part whose map a tensor of the size given as ``argument`` is: where that size ends
+    in a part's two image lengths, read from it as they are (``b, c, h, w = x.shape``); else None."""
+    try:
+        size = bind(func, ops.aten_name(func), args, kwargs).get(argument)
+    except Unbound:
+        return None
+    if not isinstance(size, (list, tuple)) or len(size) < 2:
+        return None
+    rows, cols = size[-2], size[-1]
+    if not (isinstance(rows, PartLength) and isinstance(cols, PartLength) and rows.exact and cols.exact
+            and rows.axis == lengths.ROWS and cols.axis == lengths.COLS):
+        return None
+    whole = Part(ctx.grid, ctx.rank, rows.whole, cols.whole)
+    return whole if whole.local_size == (int(rows), int(cols)) else None
 
 
 def _as_parts(ctx, func, result, part: Part):

@@ -30,7 +30,7 @@ _RULES = {
     Kind.CONCAT: "exact along the batch or channel dimensions, of parts of maps of the same size",
     Kind.RESHAPE: "exact where the image dimensions stay the last two, whole",
     Kind.EXPAND: "exact where the image dimensions stay the last two, whole (a tensor of size 1 there may be "
-                 "expanded to a part)",
+                 "expanded to a part, or to lengths read from a part: `pooled.expand(b, c, h, w)`, a part)",
     Kind.PERMUTE: "exact where the image dimensions stay the last two, in order",
     Kind.SHAPE: "the part's own lengths, which compare and compute as the whole image's (see Lengths)",
     Kind.METADATA: "what is the same on every part",

@@ -49,6 +49,17 @@ def tag_outputs(result: Any, part: Part) -> Any:
     return result
 
 
+def with_marks_of(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """``copy`` (of ``original``, on another device, say) marked as ``original`` is: the same
+    part, or replicated."""
+    part = part_of(original)
+    if part is not None:
+        tagged(copy, part)
+    if is_replicated(original):
+        mark_replicated(copy)
+    return copy
+
+
 def map_tensors(value: Any, fn) -> Any:
     """``value`` with ``fn`` applied to each tensor in it (in tuples, named tuples, lists and dicts too)."""
     if isinstance(value, torch.Tensor):
