@@ -220,7 +220,8 @@ class Pooled(nn.Module):
 
 class MultiScale(nn.Module):
     """A branch at half and at a third of the resolution (downscaling by interpolation,
-    bilinear, bicubic and nearest), brought back up and added to the full-resolution path."""
+    bilinear, bicubic, nearest and area), brought back up (bilinear, nearest, area) and added to
+    the full-resolution path."""
 
     def __init__(self):
         super().__init__()
@@ -234,8 +235,9 @@ class MultiScale(nn.Module):
         half = self.at_half(F.interpolate(y, scale_factor=0.5, mode="bilinear"))
         third = self.at_third(F.interpolate(y, scale_factor=1 / 3, mode="bicubic"))
         down = F.interpolate(y, size=(y.shape[-2] // 2, y.shape[-1] // 2), mode="nearest")
-        up = F.interpolate(half + down, scale_factor=2, mode="bilinear") + \
-            F.interpolate(third, scale_factor=3, mode="nearest")
+        area = F.interpolate(y, scale_factor=0.5, mode="area")
+        up = F.interpolate(half + down + area, scale_factor=2, mode="bilinear") + \
+            F.interpolate(third, scale_factor=3, mode="nearest") + 0.5 * F.interpolate(third, scale_factor=3, mode="area")
         return self.conv2(y + up)
 
 

@@ -158,7 +158,8 @@ for _func, _spelling, _handler, _what in (
          "any factor dividing the image's height and width"),
         (F.interpolate, "F.interpolate", resampling.interpolate,
          "nearest, nearest-exact, bilinear, bicubic, `align_corners` either way, any `size` or `scale_factor` "
-         "(as one process reads them); a whole tensor (a pooled branch) to a size read from a part becomes a part"),
+         "(as one process reads them); area by whole factors (average pooling over blocks, or each pixel repeated); "
+         "a whole tensor (a pooled branch) to a size read from a part becomes a part"),
         (torch.mean, "torch.mean", reductions.reduction, "over both image dimensions: global; over neither: as it is"),
         (torch.Tensor.mean, "Tensor.mean", reductions.reduction, "as torch.mean"),
         (torch.sum, "torch.sum", reductions.reduction, "as torch.mean"),

@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from hpdl.torch.spatial import band_plans, halo, taps
+from hpdl.torch.spatial import band_plans, halo, layers, taps
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import BandPlan, Part, SpatialError, bands, plan_bands
 from hpdl.torch.spatial.lengths import COLS, ROWS, PartLength
@@ -94,16 +94,16 @@ def _whole_factors(part: Part, size: Any, scale_factor: Any,
 _MODES = ("nearest", "nearest-exact", "bilinear", "bicubic")
 
 
-def _refuse_unsupported(ctx: Context, x: torch.Tensor, a: dict) -> None:
+def _refuse_unsupported(ctx: Context, x: torch.Tensor, a: dict, modes: Tuple[str, ...] = _MODES) -> None:
     mode, align_corners, antialias = a.get("mode", "nearest"), a.get("align_corners"), a.get("antialias", False)
-    if mode in ("nearest", "nearest-exact") and align_corners is not None:  # as one process refuses it
+    if mode in ("nearest", "nearest-exact", "area") and align_corners is not None:  # as one process refuses it
         raise ValueError("align_corners option can only be set with the interpolating modes: "
                          "linear | bilinear | bicubic | trilinear")
-    if x.dim() != 4 or mode not in _MODES or antialias:
+    if x.dim() != 4 or mode not in modes or antialias:
         detail = f"mode={mode!r}" + (", antialias=True" if antialias else "") + \
             ("" if x.dim() == 4 else f" of a {x.dim()}-dimensional tensor")
         raise SpatialError(f"{ctx.where()}: interpolation with {detail} is not supported in the spatial part "
-                           "(nearest, nearest-exact, bilinear or bicubic, without antialias, of (N, C, H, W))")
+                           f"({', '.join(modes[:-1])} or {modes[-1]}, without antialias, of (N, C, H, W))")
 
 
 def interpolate(ctx: Context, func, a: dict):
@@ -111,7 +111,9 @@ def interpolate(ctx: Context, func, a: dict):
     size, scale_factor = a.get("size"), a.get("scale_factor")
     mode, align_corners = a.get("mode", "nearest"), a.get("align_corners")
     part = part_of(x)
-    _refuse_unsupported(ctx, x, a)
+    _refuse_unsupported(ctx, x, a, _MODES + ("area",))
+    if mode == "area":
+        return _area(ctx, func, x, part, a)
     whole = None if align_corners else _whole_factors(part, size, scale_factor, a.get("recompute_scale_factor"))
     if whole is None:
         return _by_taps(ctx, x, part, a)
@@ -138,6 +140,27 @@ def interpolate(ctx: Context, func, a: dict):
     out = F.interpolate(assembled, scale_factor=scales, mode=mode, align_corners=False)
     out = out.narrow(2, offsets[0][0], offsets[0][1]).narrow(3, offsets[1][0], offsets[1][1])
     return tagged(out, part.resized(scales[0] * part.height, scales[1] * part.width))
+
+
+def _area(ctx: Context, func, x: torch.Tensor, part: Part, a: dict) -> torch.Tensor:
+    """``mode="area"``: PyTorch's adaptive average pooling to the output size. By whole factors
+    that is average pooling over k x k blocks (downscaling), or each pixel repeated as nearest
+    repeats it (upscaling); any other size would average windows of varying length, refused."""
+    lengths = (part.height, part.width)
+    size, scale_factor = a.get("size"), a.get("scale_factor")
+    if size is not None:
+        out = band_plans.pair(size)
+    else:
+        factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
+        out = tuple(int(math.floor(n * float(f))) for n, f in zip(lengths, factors))
+    if all(0 < o <= n and n % o == 0 for o, n in zip(out, lengths)):
+        blocks = (lengths[0] // out[0], lengths[1] // out[1])
+        return layers.avg_pool2d(ctx, F.avg_pool2d, {"input": x, "kernel_size": blocks, "stride": blocks})
+    if all(o >= n and o % n == 0 for o, n in zip(out, lengths)):
+        return interpolate(ctx, func, {"input": x, "size": out, "mode": "nearest"})
+    raise SpatialError(f"{ctx.where()}: interpolation with mode='area' from {lengths[0]} x {lengths[1]} to "
+                       f"{out[0]} x {out[1]} is not supported in the spatial part (only by whole factors: its "
+                       "windows would differ in length)")
 
 
 # Downscaling by k: the source rows output row o reads, as offsets from k * o (first, last).
