@@ -24,6 +24,7 @@ owner once the halo gradients have come back.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -408,6 +409,21 @@ def avg_pool2d(ctx: Context, func, a: dict):
         counted = padding if count_include_pad else (0, 0)
         out = out / F.avg_pool2d(_counted_pixels(x, spec, counted), kernel, stride, 0, False, True)
     return tagged(out, out_part)
+
+
+def lp_pool2d(ctx: Context, func, a: dict):
+    """LP pooling as PyTorch's F.lp_pool2d computes it: average pooling of the input's p-th
+    powers, times the window's size, to the power 1/p; for p = +-inf, max pooling of the
+    magnitudes (negated for -inf)."""
+    x, p, kernel = a["input"], a["norm_type"], a["kernel_size"]
+    part, pooled = part_of(x), {"kernel_size": kernel, "stride": a.get("stride"), "ceil_mode": a.get("ceil_mode", False)}
+    if p in (math.inf, -math.inf):
+        sign = 1.0 if p > 0 else -1.0
+        out = max_pool2d(ctx, F.max_pool2d, dict(pooled, input=tagged(sign * x.abs(), part)))
+        return tagged(sign * out, part_of(out))
+    out = avg_pool2d(ctx, F.avg_pool2d, dict(pooled, input=tagged(x.pow(p), part)))
+    kh, kw = band_plans.pair(kernel)
+    return tagged((torch.sign(out) * F.relu(torch.abs(out))).mul(kw * kh).pow(1.0 / p), part_of(out))
 
 
 def _counted_pixels(x: torch.Tensor, spec: halo.HaloSpec, padding: Tuple[int, int]) -> torch.Tensor:
