@@ -160,7 +160,7 @@ class Functional(nn.Module):
     (lambda x: F.interpolate(x, scale_factor=1.5, mode="area"), "interpolation with mode='area'"),
     (lambda x: F.adaptive_avg_pool2d(x, (None, 1)), "adaptive average pooling to (None, 1) is not supported"),
     (lambda x: F.max_pool2d(x, 2, return_indices=True), "F.max_pool2d_with_indices"),
-    (lambda x: F.dropout2d(x), "dropout2d"),
+    (lambda x: F.dropout1d(x[0]), "dropout1d"),
 ])
 def test_calls_that_cannot_run_on_a_part_are_refused_naming_the_module(body, refusal):
     model = Functional(nn.Sequential())

@@ -18,8 +18,9 @@ Usage: spatial_checks.py CHECK [CHECK ...], each in turn in the same job; a CHEC
 - inputs: the whole image instead of a part, a part scattered twice, and parts that differ
   between ranks (height, width, batch, dtype) are refused on every rank, in one line;
 - dropout: each band draws its own mask (ranks seeded alike), the same again for the same seed,
-  and a checkpointed block's recomputation replays it; noise made to a part's lengths
-  (``torch.randn(b, c, h, w)``) is drawn as ``randn_like`` draws it;
+  and a checkpointed block's recomputation replays it; Dropout2d drops the same channels on
+  every band; noise made to a part's lengths (``torch.randn(b, c, h, w)``) is drawn as
+  ``randn_like`` draws it;
 - calls: net.gather and net.whole_mean on rank 0 alone (the others at their next forward, or at
   their backward), and gathers of different maps, are refused alike on every rank, naming each
   rank's call; the group works afterwards;
@@ -368,6 +369,18 @@ def dropout() -> None:
     assert not torch.equal(masks(2), first), "another seed drew the same masks"
     dropped = (first == 0).double().mean().item()
     assert 0.25 < dropped < 0.75, f"{dropped:.2f} of the pixels dropped, for p = 0.5"
+    net.close()
+    # Dropout2d drops whole channels of the whole image: one draw for the group, the same
+    # channels on every band (each band choosing its own would drop a channel in some bands only).
+    net = spatial.SpatialParallel(nn.Dropout2d(0.5))
+    many = torch.ones(4, 16, 8 * hvd.size(), 6)
+    torch.manual_seed(6)
+    kept = net.gather(net(net.scatter(many)))
+    per_map = kept.flatten(2)
+    assert torch.equal(per_map.amin(-1), per_map.amax(-1)), "a channel was dropped in some bands only"
+    assert 0.25 < (per_map[..., 0] == 0).double().mean().item() < 0.75, "Dropout2d(0.5) dropped too few or too many"
+    torch.manual_seed(6)
+    assert torch.equal(net.gather(net(net.scatter(many))), kept), "the same seed dropped other channels"
     net.close()
     # Noise made to a part's lengths (``torch.randn(b, c, h, w)``, as a StyleGAN layer adds it) is
     # drawn as randn_like draws it: each band its own, never one pattern repeated down the image.

@@ -247,6 +247,14 @@ def _random_part(ctx, func, op, part, args, kwargs):
     return _as_parts(ctx, func, _random(ctx, func, ctx.rank, args, kwargs), part)
 
 
+def _random_channels(ctx, func, op, part, args, kwargs):
+    x = args[0] if args else kwargs.get("input")
+    if isinstance(x, torch.Tensor) and x.dim() < 3:  # (C, L) for dropout1d's kin: no image to be constant over
+        raise refusal(ctx, ops.spelled(func), "of a tensor of fewer than 3 dimensions")
+    _check_operands(ctx, func, part, args, kwargs)
+    return _as_parts(ctx, func, _random(ctx, func, randomness.REPLICATED, args, kwargs), part)
+
+
 def _keeps_part(ctx, func, op, part, args, kwargs):
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
@@ -474,7 +482,8 @@ def _refused(ctx, func, op, part, args, kwargs):
 
 
 _RULES = {
-    Kind.HANDLER: _handler, Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random_part, Kind.CONVERT: _keeps_part,
+    Kind.HANDLER: _handler, Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random_part, Kind.RANDOM_CHANNELS: _random_channels,
+    Kind.CONVERT: _keeps_part,
     Kind.LIKE: _keeps_part, Kind.ALONG: _along, Kind.CONCAT: _concatenate, Kind.RESHAPE: _reshape,
     Kind.EXPAND: _expand, Kind.PERMUTE: _permute, Kind.INDEX: _index, Kind.SHAPE: _shape,
     Kind.METADATA: _metadata, Kind.PART_ATTRIBUTE: _keeps_part, Kind.NEW: _new, Kind.FACTORY: _new,

@@ -13,6 +13,9 @@ normalization.py, reductions.py and resampling.py hold the handlers):
   be the same part of a map of the same size, or constant along the image (sizes 1 there);
 - ``RANDOM``: element-wise with random numbers, drawn from each band's own stream
   (randomness.py), never the same on every band;
+- ``RANDOM_CHANNELS``: random numbers constant over the image (the channels ``Dropout2d``
+  drops): one draw for the group, the same on every band, as one process draws them once for
+  the whole image;
 - ``CONVERT``: a copy in another type, device or layout (``.to``, ``.float()``, ``.clone()``);
 - ``LIKE``: a new tensor of the part's shape (``zeros_like``): the same part of a new map;
 - ``ALONG``: along one dimension named by the argument ``dim``: fine along the batch or
@@ -48,6 +51,7 @@ class Kind(enum.Enum):
     HANDLER = "handler"
     ELEMENTWISE = "element-wise"
     RANDOM = "random"
+    RANDOM_CHANNELS = "random channels"
     CONVERT = "convert"
     LIKE = "like"
     ALONG = "along"
@@ -205,6 +209,10 @@ _add("uniform normal exponential geometric log_normal cauchy random", Op(Kind.RA
 # New random tensors in a forward (stochastic depth's draw): replicated, one stream for the group,
 # so that every rank draws the same numbers whatever its own seed.
 _add("rand randn randint randperm normal poisson multinomial", Op(Kind.RANDOM), methods=False, functional=False)
+# Their masks have size 1 along the image (N x C x 1 x 1), and as many numbers as channels
+# whatever a band's size: the group's stream draws the same channels on every band.
+# (dropout1d is not among them: on a (C, H, W) part its mask would run along the rows.)
+_add("dropout2d dropout3d feature_dropout feature_alpha_dropout", Op(Kind.RANDOM_CHANNELS), methods=False)
 
 # -- conversions, new tensors like the part ----------------------------------------------------
 
@@ -279,8 +287,7 @@ _add("zeros ones empty full", Op(Kind.FACTORY), methods=False, functional=False)
 _REFUSED = (
     ("layer_norm rms_norm",
      "it normalizes over each sample's pixels, which this rank holds only part of"),
-    ("dropout1d dropout2d dropout3d feature_alpha_dropout",
-     "it drops whole channels, which each rank would choose on its own"),
+    ("dropout1d", "on a (C, H, W) part it would drop rows, which each rank would choose on its own"),
     ("linear bilinear matmul mm bmm einsum tensordot inner outer",
      "it may combine pixels along the image's dimensions, which the ranks hold in parts"),
     ("unfold fold grid_sample affine_grid fractional_max_pool2d",

@@ -23,6 +23,8 @@ _RULES = {
                       "must be the same part of a map of the same size, or of size 1 in its last two dimensions",
     Kind.RANDOM: "each band draws from its own stream (see Dropout and random numbers), never every band the "
                  "same numbers",
+    Kind.RANDOM_CHANNELS: "one draw for the group: every band drops the same channels, as one process drops them "
+                          "over the whole image (see Dropout and random numbers)",
     Kind.CONVERT: "exact: a copy in another type, device or memory layout",
     Kind.LIKE: "exact: the same part of a new map",
     Kind.ALONG: "exact along the batch or channel dimensions; refused along an image dimension (or with no "
