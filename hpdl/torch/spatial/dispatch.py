@@ -248,6 +248,8 @@ def _random_part(ctx, func, op, part, args, kwargs):
 
 
 def _random_channels(ctx, func, op, part, args, kwargs):
+    """Dropout of whole channels: the mask (a number per sample and channel, whatever the band's
+    size) from the group's one stream, so every band drops the same channels."""
     x = args[0] if args else kwargs.get("input")
     if isinstance(x, torch.Tensor) and x.dim() < 3:  # (C, L) for dropout1d's kin: no image to be constant over
         raise refusal(ctx, ops.spelled(func), "of a tensor of fewer than 3 dimensions")
@@ -482,9 +484,9 @@ def _refused(ctx, func, op, part, args, kwargs):
 
 
 _RULES = {
-    Kind.HANDLER: _handler, Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random_part, Kind.RANDOM_CHANNELS: _random_channels,
-    Kind.CONVERT: _keeps_part,
-    Kind.LIKE: _keeps_part, Kind.ALONG: _along, Kind.CONCAT: _concatenate, Kind.RESHAPE: _reshape,
+    Kind.HANDLER: _handler, Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random_part,
+    Kind.RANDOM_CHANNELS: _random_channels, Kind.CONVERT: _keeps_part, Kind.LIKE: _keeps_part,
+    Kind.ALONG: _along, Kind.CONCAT: _concatenate, Kind.RESHAPE: _reshape,
     Kind.EXPAND: _expand, Kind.PERMUTE: _permute, Kind.INDEX: _index, Kind.SHAPE: _shape,
     Kind.METADATA: _metadata, Kind.PART_ATTRIBUTE: _keeps_part, Kind.NEW: _new, Kind.FACTORY: _new,
     Kind.REFUSED: _refused,

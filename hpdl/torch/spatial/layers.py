@@ -416,7 +416,8 @@ def lp_pool2d(ctx: Context, func, a: dict):
     powers, times the window's size, to the power 1/p; for p = +-inf, max pooling of the
     magnitudes (negated for -inf)."""
     x, p, kernel = a["input"], a["norm_type"], a["kernel_size"]
-    part, pooled = part_of(x), {"kernel_size": kernel, "stride": a.get("stride"), "ceil_mode": a.get("ceil_mode", False)}
+    part = part_of(x)
+    pooled = {"kernel_size": kernel, "stride": a.get("stride"), "ceil_mode": a.get("ceil_mode", False)}
     if p in (math.inf, -math.inf):
         sign = 1.0 if p > 0 else -1.0
         out = max_pool2d(ctx, F.max_pool2d, dict(pooled, input=tagged(sign * x.abs(), part)))
