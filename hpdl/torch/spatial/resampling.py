@@ -71,11 +71,7 @@ def _whole_factors(part: Part, size: Any, scale_factor: Any,
     None for any other scale. The output lengths as PyTorch computes them."""
     lengths = (part.height, part.width)
     if size is not None or recompute:
-        if size is not None:
-            out = band_plans.pair(size)
-        else:
-            factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
-            out = tuple(int(math.floor(n * float(f))) for n, f in zip(lengths, factors))
+        out = _output_lengths(lengths, size, scale_factor)
         if all(o >= n and o % n == 0 for o, n in zip(out, lengths)):
             return "up", (out[0] // lengths[0], out[1] // lengths[1]), out
         if all(0 < o <= n and n % o == 0 for o, n in zip(out, lengths)):
@@ -83,12 +79,21 @@ def _whole_factors(part: Part, size: Any, scale_factor: Any,
         return None
     scales = tuple(float(f) for f in (scale_factor if isinstance(scale_factor, (tuple, list))
                                       else (scale_factor, scale_factor)))
-    out = tuple(int(math.floor(n * f)) for n, f in zip(lengths, scales))
+    out = _output_lengths(lengths, None, scales)
     if all(f >= 1 and f == int(f) for f in scales):
         return "up", (int(scales[0]), int(scales[1])), out
     if all(0 < f <= 1 and 1 / f == int(1 / f) and o >= 1 for f, o in zip(scales, out)):
         return "down", (int(1 / scales[0]), int(1 / scales[1])), out
     return None
+
+
+def _output_lengths(lengths: Tuple[int, int], size: Any, scale_factor: Any) -> Tuple[int, int]:
+    """An interpolation's output lengths as PyTorch computes them: ``size``, else each length
+    times its scale, rounded down."""
+    if size is not None:
+        return band_plans.pair(size)
+    factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
+    return tuple(int(math.floor(n * float(f))) for n, f in zip(lengths, factors))
 
 
 _MODES = ("nearest", "nearest-exact", "bilinear", "bicubic")
@@ -147,12 +152,7 @@ def _area(ctx: Context, func, x: torch.Tensor, part: Part, a: dict) -> torch.Ten
     that is average pooling over k x k blocks (downscaling), or each pixel repeated as nearest
     repeats it (upscaling); any other size would average windows of varying length, refused."""
     lengths = (part.height, part.width)
-    size, scale_factor = a.get("size"), a.get("scale_factor")
-    if size is not None:
-        out = band_plans.pair(size)
-    else:
-        factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
-        out = tuple(int(math.floor(n * float(f))) for n, f in zip(lengths, factors))
+    out = _output_lengths(lengths, a.get("size"), a.get("scale_factor"))
     if all(0 < o <= n and n % o == 0 for o, n in zip(out, lengths)):
         blocks = (lengths[0] // out[0], lengths[1] // out[1])
         return layers.avg_pool2d(ctx, F.avg_pool2d, {"input": x, "kernel_size": blocks, "stride": blocks})
