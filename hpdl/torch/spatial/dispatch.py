@@ -153,7 +153,8 @@ def refusal(ctx: Context, what: str, why: str = "") -> SpatialError:
 
 def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
     if op is not None and op.kind is Kind.RANDOM:
-        part = _part_sized(ctx, func, "size", args, kwargs)
+        sized = holds_length(args) or holds_length(kwargs)  # most draws (torch.rand(1)) are not: no binding
+        part = _part_sized(ctx, func, "size", args, kwargs) if sized else None
         if part is not None:  # torch.randn(b, c, h, w) of a part's lengths: the part's own stream, as randn_like
             return tagged(_random(ctx, func, ctx.rank, args, kwargs, local=True), part)
         return _random(ctx, func, randomness.REPLICATED, args, kwargs)  # replicated: one stream for the group
@@ -317,7 +318,7 @@ def _reshape(ctx, func, op, part, args, kwargs):
 
 def _expand(ctx, func, op, part, args, kwargs):
     x = args[0]
-    constant = x.dim() < 2 or tuple(x.shape[-2:]) == (1, 1)
+    constant = x.dim() < 2 or _constant_over_the_image(x)
     if not (constant or part_of(x) == part):
         raise refusal(ctx, f"{ops.spelled(func)} of a tensor that is not split to a part's size",
                       "only a part, or a tensor of size 1 in its last two dimensions, can be expanded to a part")
