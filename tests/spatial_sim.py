@@ -16,7 +16,7 @@ from hpdl.torch.spatial import dispatch
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.parallel import check_split
-from hpdl.torch.spatial.parts import part_of, tagged
+from hpdl.torch.spatial.parts import channels_last_part_of, part_of, tagged
 
 _WAIT_S = 20.0
 
@@ -145,13 +145,17 @@ def _weighted_sum(value: Any, grid: Grid, rank: int) -> Optional[torch.Tensor]:
     tensors = [v for v in _flat(value) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad]
     total = None
     for t in tensors:
-        part = part_of(t)
+        part, last = _part_and_layout(t)
         if part is None:
             term = (t * _weights(t.shape)).sum() if rank == 0 else t.sum() * 0
-        else:
+        elif last:
             whole = _weights(t.shape[:-2] + (part.height, part.width))
             (r0, r1), (c0, c1) = part.rows, part.cols
             term = (t * whole[..., r0:r1, c0:c1]).sum()
+        else:  # channels last: (..., h, w, C)
+            whole = _weights(t.shape[:-3] + (part.height, part.width, t.shape[-1]))
+            (r0, r1), (c0, c1) = part.rows, part.cols
+            term = (t * whole[..., r0:r1, c0:c1, :]).sum()
         total = term if total is None else total + term
     return total
 
@@ -187,12 +191,14 @@ def assemble(values: Sequence[Any]) -> Any:
     to be the same on every rank; tuples element by element."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        part = part_of(first)
+        part, last = _part_and_layout(first)
         if part is None:
             for other in values[1:]:
-                if part_of(other) is not None or not _same(other, first):
+                if _part_and_layout(other)[0] is not None or not _same(other, first):
                     raise AssertionError("a replicated result differs between ranks")
             return first
+        if not last:  # channels last: assembled with the image dimensions last, then moved back
+            return assemble([_image_last(v) for v in values]).movedim(-3, -1)
         whole = first.new_zeros(first.shape[:-2] + (part.height, part.width))
         for v in values:
             p = part_of(v)
@@ -208,6 +214,22 @@ def assemble(values: Sequence[Any]) -> Any:
         if other != first:
             raise AssertionError(f"a result differs between ranks: {first!r} and {other!r}")
     return first
+
+
+def _part_and_layout(t: Any) -> Tuple[Optional[Part], bool]:
+    """The part ``t`` holds and whether its image dimensions are its last two (else channels last)."""
+    part = part_of(t)
+    if part is not None:
+        return part, True
+    return channels_last_part_of(t), False
+
+
+def _image_last(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last part with its channels moved before the image, marked as a part (a copy)."""
+    part = channels_last_part_of(t)
+    if part is None:
+        raise AssertionError("the ranks' results are not parts of one map (channels last on some only)")
+    return tagged(t.movedim(-1, -3).detach(), part)
 
 
 def assemble_gradients(outcomes: List[Outcome], grid: Tuple[int, int], shape) -> torch.Tensor:

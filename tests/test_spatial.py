@@ -344,11 +344,11 @@ EXACTNESS = [
     ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
                            "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8", "multiscale:24x12",
                            "deeplab:29x19", "pyramid:23x17", "cbam:17x13", "nnunet:23x17",
-                           "nnunet:18x13:checkpoint", "handnorm:17x13"]),
+                           "nnunet:18x13:checkpoint", "handnorm:17x13", "convnext:17x13"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
                            "unbatched:17x11", "quirks:17x11", "borders:17x11",
                            "unshuffle:22x14", "pooled:17x11", "multiscale:24x18", "deeplab:29x22", "pyramid:23x17",
-                           "cbam:17x13", "nnunet:23x17", "handnorm:17x13"]),
+                           "cbam:17x13", "nnunet:23x17", "handnorm:17x13", "convnext:18x14:checkpoint"]),
     ("torchrun", 2, "2x1", ["resnet-small:97x83", "edsr-baseline:21x17", "unet-crop:37x29", "borders:17x8",
                             "cbam:17x13", "nnunet:23x17", "handnorm:17x13"]),
     ("mpiexec", 2, "1x2", ["unet-crop:37x29", "seghead:32x64", "borders:17x11", "deeplab:13x29:checkpoint"]),
@@ -606,7 +606,8 @@ def test_a_refusal_that_ends_the_program_is_one_line_per_rank():
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "F.layer_norm is not supported" in line]
     assert sorted(lines) == [f"hpdl: rank {r}: 1 (LayerNorm): F.layer_norm is not supported in the spatial part "
-                             "(it normalizes over each sample's pixels, which this rank holds only part of)"
+                             "(it normalizes over each sample's pixels, which this rank holds only part of; over the "
+                             "channels alone, after x.permute(0, 2, 3, 1), it runs)"
                              for r in range(3)], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
 

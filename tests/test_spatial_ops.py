@@ -25,7 +25,7 @@ from hpdl.torch.spatial import dispatch, ops, ops_table, resampling
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import part_of, tagged
+from hpdl.torch.spatial.parts import channels_last_part_of, part_of, tagged
 from spatial_sim import assemble, assemble_gradients, equal, one_process_gradient, refused_alike, run_parts
 
 GRIDS = [(2, 1), (1, 2)]
@@ -84,9 +84,9 @@ def _in_place(f, calls):
     return [(name, (lambda call: lambda t: call(t.clone()))(call)) for name, call in calls]
 
 
-def _along_calls(f) -> List[Tuple[str, Callable]]:
+def _along_calls(f, dims=DIMS) -> List[Tuple[str, Callable]]:
     calls = [("x", lambda t: f(t))]
-    for d in DIMS:
+    for d in dims:
         calls += [
             (f"x, {d}", lambda t, d=d: f(t, d)), (f"x, dim={d}", lambda t, d=d: f(t, dim=d)),
             (f"x, 1, {d}", lambda t, d=d: f(t, 1, d)), (f"x, 2, {d}", lambda t, d=d: f(t, 2, d)),
@@ -309,7 +309,7 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
     return calls
 
 
-def _calls(func, op) -> List[Tuple[str, Callable]]:
+def _calls(func, op, dims=DIMS) -> List[Tuple[str, Callable]]:
     spelled = ops.spelled(func)
     if op.kind is Kind.HANDLER:
         return HANDLER_CALLS[func]
@@ -333,19 +333,19 @@ def _calls(func, op) -> List[Tuple[str, Callable]]:
                                             ("x, 3, 3", lambda t: func(t, torch.ones(3, t.shape[-1],
                                                                                      dtype=t.dtype)))]
         if op.kind is not Kind.ELEMENTWISE:  # element-wise calls take no dimension
-            calls += _along_calls(func)[1:]
+            calls += _along_calls(func, dims)[1:]
         return _in_place(func, calls) if in_place else calls
     if op.kind in (Kind.ALONG, Kind.CONCAT):
         if op.kind is Kind.CONCAT:
-            return [(f"[x, y], {d}", lambda t, d=d: func([t, _y(t)], d)) for d in DIMS] + \
+            return [(f"[x, y], {d}", lambda t, d=d: func([t, _y(t)], d)) for d in dims] + \
                 [("[x, y]", lambda t: func([t, _y(t)])), ("[x, image]", lambda t: func([t, IMAGE.expand_as(t)], 1))]
-        calls = _along_calls(func)
+        calls = _along_calls(func, dims)
         return _in_place(func, calls) if in_place else calls
     if op.kind in (Kind.RESHAPE, Kind.EXPAND, Kind.PERMUTE):
         calls = _shape_calls(func)
         return _in_place(func, calls) if in_place else calls
     if op.kind is Kind.SHAPE:
-        return [("x", lambda t: func(t))] + [(f"x, {d}", lambda t, d=d: func(t, d)) for d in DIMS]
+        return [("x", lambda t: func(t))] + [(f"x, {d}", lambda t, d=d: func(t, d)) for d in dims]
     if op.kind in (Kind.NEW, Kind.FACTORY):
         first = (lambda t: (t,)) if op.kind is Kind.NEW else (lambda t: ())
         return [("shape", lambda t: func(*first(t), t.shape)),
@@ -381,7 +381,8 @@ def _check_call(func, name: str, call: Callable, grid: Tuple[int, int]) -> str:
     op = ops.lookup(func)
     if op.kind in RANDOM_KINDS:  # replicated random numbers: the same on every rank
         values = [o.value for o in outcomes]
-        if isinstance(values[0], torch.Tensor) and part_of(values[0]) is None:
+        if isinstance(values[0], torch.Tensor) and part_of(values[0]) is None \
+                and channels_last_part_of(values[0]) is None:
             assert all(torch.equal(v, values[0]) for v in values), f"{spelled}({name}) on {grid}: ranks drew differently"
         return "exact"
     if spelled in IDENTITY or any(word in spelled for word in UNDEFINED_VALUES):
@@ -434,6 +435,101 @@ def test_every_table_entry_is_exact_or_refused_alike_on_every_dimension_and_grid
             if op.kind is Kind.REFUSED:
                 with pytest.raises(SpatialError, match=re.escape(f"is not supported in the spatial part ({op.why}")):
                     _call_on_a_part(func)
+
+
+# -- the same calls on a channels-last part (ConvNeXt's x.permute(0, 2, 3, 1)) -------------------
+
+CHANNEL_WEIGHTS = torch.linspace(0.5, 1.5, 3, dtype=torch.float64)  # a layer scale: constant over the image
+IMAGE_CL = torch.rand(7, 6, 3, generator=_gen, dtype=torch.float64)  # a whole map, channels last: refused
+LINEAR_W = torch.rand(5, 3, generator=_gen, dtype=torch.float64)
+DIMS_LAST = [1, 2, -1]  # rows and columns (the image's), and the channels; the batch is as above
+
+
+def _last(t):
+    return t.permute(0, 2, 3, 1)
+
+
+def _channels_last_calls(func, op) -> List[Tuple[str, Callable]]:
+    """Every call of the table's harness, on the part moved channels last; and, for the calls that
+    work on the channels there, the calls ConvNeXt's blocks make."""
+    calls = [(f"last: {name}", lambda t, call=call: call(_last(t))) for name, call in _calls(func, op, DIMS_LAST)]
+    if op.kind is Kind.ELEMENTWISE:
+        calls += [("last: x, channel weights", lambda t: func(_last(t), CHANNEL_WEIGHTS)),
+                  ("last: x, image", lambda t: func(_last(t), IMAGE_CL))]
+    calls += [(f"last: {name}", lambda t, call=call: call(_last(t))) for name, call in _CHANNELS_LAST.get(func, [])]
+    return calls
+
+
+_CHANNELS_LAST = {
+    F.layer_norm: [("layer_norm (C,)", lambda t: F.layer_norm(t, (3,), CHANNEL_WEIGHTS, CHANNEL_WEIGHTS)),
+                   ("layer_norm (w, C)", lambda t: F.layer_norm(t, t.shape[-2:]))],
+    F.linear: [("linear", lambda t: F.linear(t, LINEAR_W, LINEAR_W[:, 0])),
+               ("linear of a part's weight", lambda t: F.linear(LINEAR_W[:, :3].T.contiguous(), t[0, 0]))],
+    torch.matmul: [("x @ w", lambda t: t @ LINEAR_W.T), ("w @ x", lambda t: LINEAR_W[:, :6] @ t),
+                   ("matmul(x, w)", lambda t: torch.matmul(t, LINEAR_W.T))],
+    torch.mean: [("mean(-1, keepdim)", lambda t: torch.mean(t, -1, keepdim=True)), ("mean(-1)", lambda t: t.mean(-1)),
+                 ("mean((1, 2))", lambda t: t.mean((1, 2)))],
+    torch.var: [("var(-1, keepdim)", lambda t: torch.var(t, -1, keepdim=True, correction=0))],
+    torch.amax: [("amax(-1)", lambda t: t.amax(-1)), ("amax(0)", lambda t: torch.amax(t, 0))],
+    torch.prelu: [("prelu of one weight", lambda t: F.prelu(t, CHANNEL_WEIGHTS[:1])),
+              ("prelu per channel", lambda t: F.prelu(t, CHANNEL_WEIGHTS))],
+}
+if hasattr(F, "rms_norm"):
+    _CHANNELS_LAST[F.rms_norm] = [("rms_norm (C,)", lambda t: F.rms_norm(t, (3,), CHANNEL_WEIGHTS))]
+
+
+@pytest.mark.parametrize("kind", [k for k in Kind], ids=[k.value for k in Kind])
+def test_every_table_entry_on_a_channels_last_part_is_exact_or_refused_alike(kind):
+    """After x.permute(0, 2, 3, 1) the image dimensions are the two before the last: every call
+    either computes there what one process computes (forward, and the input's gradient), or is
+    refused on every rank alike."""
+    outcomes: Dict[str, List[str]] = {}
+    for spelled, (func, op) in _entries():
+        if op.kind is not kind:
+            continue
+        gradients = 0
+        for name, call in _channels_last_calls(func, op):
+            for grid in GRIDS:
+                result = _check_call(func, name, call, grid)
+                outcomes.setdefault(f"{spelled}({name})", []).append(result)
+                # The backward of a call on each pixel is the pixel's own: two calls of each
+                # function show it (float32 beside float64 is compared loosely, forward only).
+                if result == "exact" and op.kind not in RANDOM_KINDS and spelled not in IDENTITY \
+                        and "y.type" not in name and gradients < 2:
+                    gradients += _check_the_gradient(func, name, call, grid)
+    exact = {call for call, results in outcomes.items() if "exact" in results}
+    expected = {
+        Kind.ELEMENTWISE: {"Tensor.add(last: x, channel weights)", "torch.tanh(last: x)", "F.gelu(last: x)",
+                           "torch.prelu(last: prelu of one weight)"},
+        Kind.PERMUTE: {"Tensor.permute(last: x, (0, 3, 1, 2))", "Tensor.permute(last: x, (0, 1, 2, 3))"},
+        Kind.ALONG: {"F.softmax(last: x, -1)", "Tensor.chunk(last: x, 2, -1)"},
+        Kind.CONCAT: {"torch.cat(last: [x, y], -1)"},
+        Kind.HANDLER: {"torch.mean(last: mean(-1, keepdim))", "torch.mean(last: mean(-1))",
+                       "torch.amax(last: amax(-1))"},
+        Kind.REFUSED: {"F.layer_norm(last: layer_norm (C,))", "F.linear(last: linear)", "torch.matmul(last: x @ w)"},
+    }.get(kind, set())
+    assert expected <= exact, f"refused, though they work on each pixel's channels: {sorted(expected - exact)}"
+    never = {"Tensor.add(last: x, image)", "F.local_response_norm(last: x, 3)", "F.dropout2d(last: x)",
+             "F.softmax(last: x, 1)", "Tensor.permute(last: x, (0, 2, 1, 3))", "torch.mean(last: mean((1, 2)))",
+             "F.layer_norm(last: layer_norm (w, C))", "torch.matmul(last: w @ x)", "torch.prelu(last: prelu per channel)",
+             "Tensor.reshape(last: x, -1)", "F.conv2d(last: pad 1)", "F.linear(last: linear of a part's weight)"}
+    assert not never & exact, f"computed on a channels-last part, where they read the image: {sorted(never & exact)}"
+
+
+def _check_the_gradient(func, name: str, call: Callable, grid) -> bool:
+    """Whether the input's gradient was compared (and found the same): one process has one."""
+    try:
+        expected = one_process_gradient(call, X)
+    except RuntimeError:  # one process has no gradient either (in place on a view of a leaf)
+        return False
+    if expected is None:
+        return False
+    outcomes = run_parts(grid, call, X, backward=True)
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    got = assemble_gradients(outcomes, grid, X.shape)
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12, equal_nan=True), \
+        f"{ops.spelled(func)}({name}) on {grid}: the input gradient differs by {(got - expected).abs().max()}"
+    return True
 
 
 def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too():

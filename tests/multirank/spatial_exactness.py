@@ -20,7 +20,8 @@ pooled (average pooling with ceil_mode),
 multiscale (downscaling by interpolation), deeplab (DeepLabV3's ASPP head, sizes that are not
 whole factors), pyramid (PSPNet's pyramid pooling, an FPN's top-down path), cbam (CBAM's
 attention: global max pooling), nnunet (nnU-Net's blocks: instance and group norm), handnorm
-(normalization written by hand: std and var_mean over the image). Prints "OK spatial MODEL HxW GRID" per case.
+(normalization written by hand: std and var_mean over the image), convnext (ConvNeXt's blocks:
+channels last between two permutes). Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ torchvision-style segmentation head (the output interpolated to the size read fr
 DeepLabV3's ASPP head and PSPNet's pyramid pooling with an FPN's top-down path (sizes that
 are not whole factors, align_corners=True, pooled branches brought back to a part), CBAM's
 attention (global max pooling), nnU-Net's blocks (instance and group norm), normalization
-written by hand (std and var_mean over the image);
+written by hand (std and var_mean over the image), ConvNeXt's blocks (channels last between
+two permutes: LayerNorm, Linear, a layer scale);
 a model with what a forward does besides layers (quirks: a cumulative batch norm, a value read
 as a number, a cache made at the first call); and two calling conventions: a model given further scattered inputs besides the image (a mask,
 a keyword map), and convolutions of one sample, (C, H, W), as PyTorch's take them."""
@@ -308,6 +309,64 @@ class Cbam(nn.Module):
         return self.out(f / f.amax((2, 3), keepdim=True).clamp_min(1e-3))
 
 
+class _Permute(nn.Module):
+    """torchvision's ops.misc.Permute, which its ConvNeXt uses."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.dims = list(dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.permute(x, self.dims)
+
+
+class _LayerNorm2d(nn.LayerNorm):
+    """torchvision's LayerNorm2d: a LayerNorm over the channels, through a channels-last permute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class _ConvNeXtBlock(nn.Module):
+    """torchvision's CNBlock: a 7x7 depthwise convolution, then channels last (LayerNorm, an
+    inverted MLP, a layer scale of C numbers), channels first again, and the residual."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(c, c, 7, padding=3, groups=c), _Permute([0, 2, 3, 1]), nn.LayerNorm(c),
+                                   nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c), _Permute([0, 3, 1, 2]))
+        self.layer_scale = nn.Parameter(torch.linspace(0.5, 1.5, c).view(c, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layer_scale * self.block(x)
+
+
+class ConvNeXt(nn.Module):
+    """ConvNeXt's blocks for a dense output: a stem and a downsampling step through LayerNorm2d,
+    CNBlocks, and a block written as timm's (x.permute, a LayerNorm by hand over the channels,
+    x @ w and a layer scale of C numbers, channels-last all of it), upsampled back."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), _LayerNorm2d(c))
+        self.stage1 = _ConvNeXtBlock(c)
+        self.down = nn.Sequential(_LayerNorm2d(c), nn.Conv2d(c, c, 2, stride=2))
+        self.stage2 = _ConvNeXtBlock(c)
+        self.mix = nn.Parameter(torch.randn(c, c) / c ** 0.5)
+        self.gamma = nn.Parameter(torch.linspace(1.5, 0.5, c))
+        self.out = nn.ConvTranspose2d(c, 3, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stage2(self.down(self.stage1(self.stem(x))))
+        z = y.permute(0, 2, 3, 1)
+        mean = z.mean(-1, keepdim=True)
+        z = (z - mean) / (z.var(-1, keepdim=True, unbiased=False) + 1e-6).sqrt()
+        z = F.gelu(z @ self.mix) * self.gamma
+        return self.out(y + z.permute(0, 3, 1, 2))
+
+
 class NnUNet(nn.Module):
     """nnU-Net's 2-D building blocks (convolution, instance norm with affine parameters,
     leaky ReLU; a strided convolution down, a transposed one up, the skip concatenated), with
@@ -371,6 +430,7 @@ _MODELS = {
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
     "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet, "handnorm": HandNorm,
+    "convnext": ConvNeXt,
 }
 
 

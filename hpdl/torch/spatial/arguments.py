@@ -56,6 +56,20 @@ def bind(func: Callable, name: str, args: tuple, kwargs: dict) -> Dict[str, Any]
     return plan.apply(args, kwargs)
 
 
+def by_name(func: Callable, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """:func:`bind` of a call as a user made it, the tensor it is on named ``input``: where no
+    signature takes the arguments, PyTorch's own error for them (the call is made), else
+    :class:`Unbound`."""
+    try:
+        bound = bind(func, getattr(func, "__name__", ""), args, kwargs)
+    except Unbound:
+        func(*args, **kwargs)
+        raise
+    if "self" in bound and "input" not in bound:
+        bound["input"] = bound.pop("self")
+    return bound
+
+
 class _Plan:
     """How a call's positional arguments map to names: the first ``len(names)`` positions are
     these parameters; with ``packed``, the ones from ``packed`` on are one list (sizes given one

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from hpdl.torch.spatial.comm import GroupComm
-from hpdl.torch.spatial.geometry import Grid, Part
+from hpdl.torch.spatial.geometry import Grid
 
 
 @dataclasses.dataclass
@@ -30,9 +30,10 @@ class Context:
     # A dry run's record of every call on a part (what, where, its arguments as one process
     # reads them): the ranks' records must agree, or the model decides on a part's own size.
     trace: Optional[List[tuple]] = None
-    # Backward's recomputation of a checkpointed block: the parts its inputs were, marked again
-    # as it starts (tensors saved for backward come back as new, unmarked objects).
-    input_parts: Optional[List[Optional[Part]]] = None
+    # Backward's recomputation of a checkpointed block: what its inputs were marked as
+    # (parts.marks_of), marked again as it starts (tensors saved for backward come back as
+    # new, unmarked objects).
+    input_parts: Optional[List[tuple]] = None
     # The forward began with gradients on (training): a layer that then runs with them off on
     # tensors that require them has its gradient computed by someone else (dispatch.py).
     builds_graph: bool = False

@@ -31,13 +31,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import layers, lengths, ops, randomness, resampling
-from hpdl.torch.spatial.arguments import Unbound, bind
+from hpdl.torch.spatial import channels_last, layers, lengths, ops, randomness, resampling
+from hpdl.torch.spatial.arguments import Unbound, bind, by_name
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import map_tensors, part_of, tag_outputs, tagged, with_marks_of
+from hpdl.torch.spatial.parts import (channels_last_part_of, map_tensors, part_of, tag_outputs, tagged,
+                                      tagged_channels_last, tensors_in, with_marks_of)
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
 _local = threading.local()
@@ -74,12 +75,14 @@ class SpatialMode(TorchFunctionMode):
         op = ops.lookup(func)
         if ctx.grad_scale != 1.0 and torch.is_grad_enabled() and (op is None or op.kind not in _READS_ONLY):
             args, kwargs = _scale_parameters(args, kwargs, ctx.grad_scale)
-        part = _find_part(args, kwargs)
+        part, last = _find_part(args, kwargs)
         try:
             if part is None:
                 return _outside_parts(ctx, func, op, args, kwargs)
             if ctx.trace is not None:
                 ctx.trace.append((ops.spelled(func), ctx.where(), _scalars(args), _scalars(kwargs)))
+            if not last:  # a channels-last part (channels_last.py)
+                return channels_last.run(ctx, func, op, part, args, kwargs)
             if op is None:
                 raise refusal(ctx, ops.spelled(func))
             return _RULES[op.kind](ctx, func, op, part, args, kwargs)
@@ -156,8 +159,8 @@ def _outside_parts(ctx: Context, func, op: Optional[ops.Op], args, kwargs):
         sized = holds_length(args) or holds_length(kwargs)  # most draws (torch.rand(1)) are not: no binding
         part = _part_sized(ctx, func, "size", args, kwargs) if sized else None
         if part is not None:  # torch.randn(b, c, h, w) of a part's lengths: the part's own stream, as randn_like
-            return tagged(_random(ctx, func, ctx.rank, args, kwargs, local=True), part)
-        return _random(ctx, func, randomness.REPLICATED, args, kwargs)  # replicated: one stream for the group
+            return tagged(randomness.draw(ctx, func, ctx.rank, args, kwargs, local=True), part)
+        return randomness.draw(ctx, func, randomness.REPLICATED, args, kwargs)  # replicated: one stream for the group
     if ctx.trace is not None and func in _VALUE_READS and args and getattr(args[0], "is_meta", False):
         # The first forward's dry run has shapes only: a replicated value read as a number
         # (``loss.item()``, ``if y.mean() > t``) or an array (``.cpu().numpy()``) reads as 1
@@ -230,22 +233,9 @@ _PARAMETER_SECOND = {f for f in (torch.prelu, getattr(torch.nn.functional, "prel
                      if f is not None}  # its weight runs along the channels, not broadcast
 
 
-def _random(ctx, func, band: int, args, kwargs, local: bool = False):
-    """``func`` drawn from ``band``'s stream, with the whole image's lengths (or the part's own:
-    ``local``) where its arguments hold lengths read from a part."""
-    if ctx.dry:
-        return func(*args, **kwargs)
-    call = ctx.random_calls
-    ctx.random_calls += 1
-    devices = randomness.devices_of(list(args) + list(kwargs.values()))
-    convert = to_local if local else to_whole
-    with randomness.seeded(randomness.seed(ctx.random_base, call, band), devices):
-        return func(*convert(args), **convert(kwargs))
-
-
 def _random_part(ctx, func, op, part, args, kwargs):
     _check_operands(ctx, func, part, args, kwargs)
-    return _as_parts(ctx, func, _random(ctx, func, ctx.rank, args, kwargs), part)
+    return _as_parts(ctx, func, randomness.draw(ctx, func, ctx.rank, args, kwargs), part)
 
 
 def _random_channels(ctx, func, op, part, args, kwargs):
@@ -255,7 +245,7 @@ def _random_channels(ctx, func, op, part, args, kwargs):
     if isinstance(x, torch.Tensor) and x.dim() < 3:  # (C, L) for dropout1d's kin: no image to be constant over
         raise refusal(ctx, ops.spelled(func), "of a tensor of fewer than 3 dimensions")
     _check_operands(ctx, func, part, args, kwargs)
-    return _as_parts(ctx, func, _random(ctx, func, randomness.REPLICATED, args, kwargs), part)
+    return _as_parts(ctx, func, randomness.draw(ctx, func, randomness.REPLICATED, args, kwargs), part)
 
 
 def _keeps_part(ctx, func, op, part, args, kwargs):
@@ -268,27 +258,13 @@ def _along(ctx, func, op, part, args, kwargs):
         return _elementwise(ctx, func, op, part, args, kwargs)
     x = bound.get("input", args[0] if args else None)
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
-    dims = _dims_named(op, bound, ndim)
+    dims = op.dims_named(bound, ndim)
     touched = dims & {ndim - 2, ndim - 1}
     if touched:
         given = bound.get(op.dim) if op.dim else None
         raise refusal(ctx, f"{ops.spelled(func)} along an image dimension"
                       + (f" (dim={given})" if given not in (None, [], ()) else " (no dim: all of them)"))
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
-
-
-def _dims_named(op: ops.Op, bound: dict, ndim: int) -> set:
-    """The dimensions (non-negative) an ALONG call works along."""
-    value = bound.get(op.dim) if op.dim else None
-    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
-        if op.missing == "all":
-            return set(range(ndim))
-        if op.missing == "implicit":  # softmax's rule for no dim (torch.nn.functional._get_softmax_dim)
-            value = 0 if ndim in (0, 1, 3) else 1
-        else:
-            value = op.missing
-    values = value if isinstance(value, (list, tuple)) else (value,)
-    return {int(v) % ndim for v in values if isinstance(v, int)} if ndim else set()
 
 
 def _concatenate(ctx, func, op, part, args, kwargs):
@@ -335,8 +311,11 @@ def _permute(ctx, func, op, part, args, kwargs):
     x = args[0]
     probe = torch.empty(tuple(range(2, 2 + x.dim())), device="meta")
     moved = func(probe, *to_local(args[1:]), **to_local(kwargs))
+    if tuple(moved.shape[-3:-1]) == (x.dim(), x.dim() + 1):  # channels last: (N, H, W, C)
+        return tagged_channels_last(func(*to_local(args), **to_local(kwargs)), part)
     if tuple(moved.shape[-2:]) != (x.dim(), x.dim() + 1):
-        raise refusal(ctx, f"{ops.spelled(func)} that moves the image dimensions")
+        raise refusal(ctx, f"{ops.spelled(func)} that moves the image dimensions",
+                      "they must stay the last two, or move together before the last (channels last)")
     return _as_parts(ctx, func, func(*to_local(args), **to_local(kwargs)), part)
 
 
@@ -473,7 +452,7 @@ def _as_parts(ctx, func, result, part: Part):
     operation on a part returns must still be split as the image is (its last two dimensions
     the part's), or it would pass for a replicated tensor."""
     size = part.local_size
-    for t in _tensors([result]):
+    for t in tensors_in([result]):
         if t.dim() < 2 or tuple(t.shape[-2:]) != size:
             raise refusal(ctx, f"{ops.spelled(func)} whose result is not split as the image is",
                           "the image dimensions must stay the last two, whole")
@@ -498,23 +477,22 @@ _RULES = {
 
 def _bound(ctx, func, args, kwargs) -> dict:
     try:
-        bound = bind(func, ops.aten_name(func), args, kwargs)
+        return by_name(func, args, kwargs)
     except Unbound:
-        func(*args, **kwargs)  # PyTorch's own error for arguments it does not take
         raise refusal(ctx, ops.spelled(func), "its arguments could not be read") from None
-    if "self" in bound and "input" not in bound:
-        bound["input"] = bound.pop("self")
-    return bound
 
 
 def _check_operands(ctx, func, part: Part, args, kwargs, skip_first: bool = False) -> None:
     """Every tensor beside the part must be the same part of a map of the same size, or constant
     along the image (sizes 1 in its last two dimensions): anything else would meet every band
     with the same pixels."""
-    tensors = _tensors(list(args) + list(kwargs.values()))
+    tensors = tensors_in(list(args) + list(kwargs.values()))
     if skip_first:
         tensors = tensors[:1]
     for t in tensors:
+        if channels_last_part_of(t) is not None:
+            raise refusal(ctx, f"{ops.spelled(func)} of a part with a channels-last part",
+                          "permute the image dimensions of both to the same places")
         other = part_of(t)
         if other is not None:
             if other != part:
@@ -526,16 +504,6 @@ def _check_operands(ctx, func, part: Part, args, kwargs, skip_first: bool = Fals
                                f"(shape {list(t.shape)})",
                           "a tensor beside a part must be a part of a map of the same size, or have size 1 "
                           "in its last two dimensions")
-
-
-def _tensors(values) -> list:
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(_tensors(value))
-    return out
 
 
 def _product(shape) -> int:
@@ -594,21 +562,30 @@ def _scale_parameters(args, kwargs, factor: float):
     return tuple(scaled(a) for a in args), {k: scaled(v) for k, v in kwargs.items()}
 
 
-def _find_part(args, kwargs) -> Optional[Part]:
+def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
+    """The part of the first tensor marked as one among the call's arguments, and whether its
+    image dimensions are its last two (else it is channels-last); (None, True) where none is."""
     for value in args:
-        part = part_of(value)
-        if part is not None:
-            return part
+        found = _mark(value)
+        if found[0] is not None:
+            return found
         if isinstance(value, (list, tuple)):
             for item in value:
-                part = part_of(item)
-                if part is not None:
-                    return part
+                found = _mark(item)
+                if found[0] is not None:
+                    return found
     for value in kwargs.values():
-        part = part_of(value)
-        if part is not None:
-            return part
-    return None
+        found = _mark(value)
+        if found[0] is not None:
+            return found
+    return None, True
+
+
+def _mark(value: Any) -> Tuple[Optional[Part], bool]:
+    part = part_of(value)
+    if part is not None:
+        return part, True
+    return channels_last_part_of(value), False
 
 
 # -- the running module's path -------------------------------------------------------------

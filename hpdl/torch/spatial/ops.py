@@ -77,6 +77,19 @@ class Op:
     handler: Optional[Callable] = None  # HANDLER
     why: str = ""  # REFUSED: the reason; HANDLER, ALONG: what it does, for the docs
 
+    def dims_named(self, bound: Dict[str, Any], ndim: int) -> set:
+        """The dimensions (non-negative) an ALONG call of arguments ``bound`` works along."""
+        value = bound.get(self.dim) if self.dim else None
+        if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+            if self.missing == "all":
+                return set(range(ndim))
+            if self.missing == "implicit":  # softmax's rule for no dim (torch.nn.functional._get_softmax_dim)
+                value = 0 if ndim in (0, 1, 3) else 1
+            else:
+                value = self.missing
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        return {int(v) % ndim for v in values if isinstance(v, int)} if ndim else set()
+
 
 TABLE: Dict[Any, Op] = {}
 _SPELLING: Dict[int, str] = {}  # id(function) -> how a user writes it, for messages and the docs
@@ -89,7 +102,7 @@ def _put(func: Any, op: Op, spelling: str) -> None:
     _SPELLING[id(func)] = spelling
 
 
-def _functions(names: Iterable[str], in_place: bool = True, functional: bool = True,
+def functions(names: Iterable[str], in_place: bool = True, functional: bool = True,
                methods: bool = True, torch_level: bool = True) -> List[Tuple[Any, str]]:
     """The function objects called ``name`` in torch, Tensor (and its in-place ``name_``) and F."""
     found = []
@@ -114,7 +127,7 @@ def _functions(names: Iterable[str], in_place: bool = True, functional: bool = T
 
 
 def _add(names: Iterable[str], op: Op, **where: bool) -> None:
-    for func, spelling in _functions(names.split() if isinstance(names, str) else names, **where):
+    for func, spelling in functions(names.split() if isinstance(names, str) else names, **where):
         if func not in TABLE:
             _put(func, op, spelling)
 
@@ -237,7 +250,7 @@ _ALONG = (
     ("flip", "dims", "all"),
     ("roll", "dims", "all"),
     ("rot90", "dims", "all"),
-    ("fliplr", None, -1),
+    ("fliplr", None, 1),  # the left-right of a matrix: its columns, dimension 1
     ("flipud", None, 0),
 )
 for _names, _dim, _missing in _ALONG:
@@ -286,9 +299,13 @@ _add("zeros ones empty full", Op(Kind.FACTORY), methods=False, functional=False)
 
 _REFUSED = (
     ("layer_norm rms_norm",
-     "it normalizes over each sample's pixels, which this rank holds only part of"),
+     "it normalizes over each sample's pixels, which this rank holds only part of; over the channels alone, "
+     "after x.permute(0, 2, 3, 1), it runs"),
     ("dropout1d", "on a (C, H, W) part it would drop rows, which each rank would choose on its own"),
-    ("linear bilinear matmul mm bmm einsum tensordot inner outer",
+    ("linear matmul",
+     "it may combine pixels along the image's dimensions, which the ranks hold in parts; on the channels, after "
+     "x.permute(0, 2, 3, 1), it runs"),
+    ("bilinear mm bmm einsum tensordot inner outer",
      "it may combine pixels along the image's dimensions, which the ranks hold in parts"),
     ("unfold fold grid_sample affine_grid fractional_max_pool2d",
      "it reads pixels the halo exchange does not bring"),
@@ -298,7 +315,7 @@ _REFUSED = (
     ("stride as_strided", "the part's memory layout is not the whole image's"),
 )
 for _names, _why in _REFUSED:
-    for _func, _spelling in _functions(_names.split()):
+    for _func, _spelling in functions(_names.split()):
         if _func not in TABLE:
             _put(_func, Op(Kind.REFUSED, why=_why), _spelling)
 for _name in ("T", "mT", "H", "mH", "real", "imag"):

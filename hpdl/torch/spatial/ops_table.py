@@ -33,7 +33,8 @@ _RULES = {
     Kind.RESHAPE: "exact where the image dimensions stay the last two, whole",
     Kind.EXPAND: "exact where the image dimensions stay the last two, whole (a tensor of size 1 there may be "
                  "expanded to a part, or to lengths read from a part: `pooled.expand(b, c, h, w)`, a part)",
-    Kind.PERMUTE: "exact where the image dimensions stay the last two, in order",
+    Kind.PERMUTE: "exact where the image dimensions stay the last two, in order, or move together before the last "
+                  "(channels last: see Channels-last blocks)",
     Kind.SHAPE: "the part's own lengths, which compare and compute as the whole image's (see Lengths)",
     Kind.METADATA: "what is the same on every part",
     Kind.PART_ATTRIBUTE: "the same part",

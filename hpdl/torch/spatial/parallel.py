@@ -37,7 +37,8 @@ from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.errors import report_in_one_line
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
-from hpdl.torch.spatial.parts import is_replicated, map_tensors, mark_replicated, part_of, tagged
+from hpdl.torch.spatial.parts import (channels_last_part_of, is_replicated, map_tensors, mark_replicated, marked,
+                                      marks_of, part_of, tagged)
 from hpdl.torch.spatial.split_check import check_split
 
 __all__ = ["SpatialParallel", "check_split"]
@@ -232,6 +233,7 @@ class SpatialParallel(nn.Module):
         part = part_of(x)
         if part is not None:
             return part
+        _refuse_channels_last(x, "this tensor")
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise SpatialError(f"expected a part of a map (..., h, w), got {_value_text(x)}")
         mine = torch.tensor([x.shape[-2], x.shape[-1], _numel(tuple(x.shape[:-2]))], dtype=torch.int64)
@@ -311,11 +313,22 @@ class SpatialParallel(nn.Module):
                                    list(self.module.named_parameters()))
 
     def _weigh(self, out: torch.Tensor) -> torch.Tensor:
+        _refuse_channels_last(out, "the model's output")
         part = part_of(out)
         if part is None:  # replicated: the same loss on every rank counts once
             return mark_replicated(dispatch.scale_gradient(out, 1.0 / self.grid.size))
         share = part.numel_share if self.loss_reduction == "mean" else 1.0
         return tagged(dispatch.scale_gradient(out, share), part)
+
+
+def _refuse_channels_last(value: Any, what: str) -> None:
+    """Refuse a part whose image dimensions are not its last two (channels_last.py) where a part
+    with them last, or a whole tensor, is expected."""
+    part = channels_last_part_of(value)
+    if part is not None:
+        raise SpatialError(f"{what} is a part of a {part.height} x {part.width} map with its image dimensions "
+                           f"before the last (shape {list(value.shape)}, channels last): permute them back to the "
+                           "last two (x.permute(0, 3, 1, 2)) in the model's forward")
 
 
 def _close_open() -> None:
@@ -339,15 +352,15 @@ class _Checkpoint:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         ctx = dispatch.active()
         if ctx is not None and ctx.recomputing and ctx.input_parts is not None:
-            for value, part in zip(args, ctx.input_parts):  # saved inputs come back unmarked
-                if part is not None and isinstance(value, torch.Tensor):
-                    tagged(value, part)
+            for value, marks in zip(args, ctx.input_parts):  # saved inputs come back unmarked
+                if isinstance(value, torch.Tensor):
+                    marked(value, marks)
         if ctx is None or ctx.dry or ctx.recomputing or not torch.is_grad_enabled():
             self._runs.append(None)
             return
         stack = [m for m in ctx.modules if m is not module]
         again = dataclasses.replace(ctx, recomputing=True, modules=stack, random_calls=ctx.random_calls,
-                                    trace=None, input_parts=[part_of(a) for a in args])
+                                    trace=None, input_parts=[marks_of(a) for a in args])
 
         def contexts():
             return contextlib.nullcontext(), dispatch.running(dataclasses.replace(again, modules=list(stack)))

@@ -1,5 +1,10 @@
 """Which tensors are parts of a split feature map: a tensor made by a spatial layer (or by
-``SpatialParallel.scatter``) carries its :class:`Part`; element-wise operations pass it on."""
+``SpatialParallel.scatter``) carries its :class:`Part`; element-wise operations pass it on.
+
+A part's image dimensions are its last two. A channels-last block (ConvNeXt's
+``x.permute(0, 2, 3, 1)``) moves them to the two before the last: such a tensor carries its
+part under another mark (:func:`channels_last_part_of`), so that nothing that reads the last
+two dimensions as the image's takes it for a part, nor for a whole tensor."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from hpdl.torch.spatial.geometry import Part
 
 _ATTRIBUTE = "_hpdl_part"
 _REPLICATED = "_hpdl_replicated"
+_CHANNELS_LAST = "_hpdl_part_channels_last"
 
 
 def part_of(value: Any) -> Optional[Part]:
@@ -21,6 +27,17 @@ def part_of(value: Any) -> Optional[Part]:
 def tagged(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     """Mark ``tensor`` as ``part`` (in place; returns it)."""
     setattr(tensor, _ATTRIBUTE, part)
+    return tensor
+
+
+def channels_last_part_of(value: Any) -> Optional[Part]:
+    """The part ``value`` holds with its image dimensions before the last (..., h, w, C), or None."""
+    return getattr(value, _CHANNELS_LAST, None) if isinstance(value, torch.Tensor) else None
+
+
+def tagged_channels_last(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    """Mark ``tensor`` (..., h, w, C) as ``part`` with its image dimensions before the last (in place; returns it)."""
+    setattr(tensor, _CHANNELS_LAST, part)
     return tensor
 
 
@@ -49,15 +66,40 @@ def tag_outputs(result: Any, part: Part) -> Any:
     return result
 
 
+def marks_of(value: Any) -> tuple:
+    """What ``value`` is marked as (a part, a channels-last part, replicated), for :func:`marked`."""
+    if not isinstance(value, torch.Tensor):
+        return (None, None, False)
+    return (part_of(value), channels_last_part_of(value), is_replicated(value))
+
+
+def marked(tensor: torch.Tensor, marks: tuple) -> torch.Tensor:
+    """``tensor`` marked with ``marks`` (from :func:`marks_of`); returns it."""
+    part, channels_last, replicated = marks
+    if part is not None:
+        tagged(tensor, part)
+    if channels_last is not None:
+        tagged_channels_last(tensor, channels_last)
+    if replicated:
+        mark_replicated(tensor)
+    return tensor
+
+
 def with_marks_of(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     """``copy`` (of ``original``, on another device, say) marked as ``original`` is: the same
-    part, or replicated."""
-    part = part_of(original)
-    if part is not None:
-        tagged(copy, part)
-    if is_replicated(original):
-        mark_replicated(copy)
-    return copy
+    part (channels-last or not), or replicated."""
+    return marked(copy, marks_of(original))
+
+
+def tensors_in(values) -> list:
+    """The tensors among ``values``, and in the lists and tuples among them."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(tensors_in(value))
+    return out
 
 
 def map_tensors(value: Any, fn) -> Any:

@@ -28,6 +28,8 @@ from typing import Iterator, List
 
 import torch
 
+from hpdl.torch.spatial.lengths import to_local, to_whole
+
 _MASK = (1 << 63) - 1
 REPLICATED = -1  # the "band" of a replicated tensor: one stream for the group
 
@@ -75,3 +77,16 @@ def devices_of(values) -> List[torch.device]:
             out.extend(devices_of(value))
     return out
 
+
+
+def draw(ctx, func, band: int, args, kwargs, local: bool = False):
+    """``func`` (a random call of the forward running with ``ctx``) drawn from ``band``'s
+    stream, with the whole image's lengths (or the part's own: ``local``) where its arguments
+    hold lengths read from a part. A dry run (shapes only) draws nothing."""
+    if ctx.dry:
+        return func(*args, **kwargs)
+    call = ctx.random_calls
+    ctx.random_calls += 1
+    convert = to_local if local else to_whole
+    with seeded(seed(ctx.random_base, call, band), devices_of(list(args) + list(kwargs.values()))):
+        return func(*convert(args), **convert(kwargs))
