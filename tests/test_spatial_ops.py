@@ -96,6 +96,9 @@ def _along_calls(f, dims=DIMS) -> List[Tuple[str, Callable]]:
             (f"x, {d}, idx, src", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long), _y(t))),
             (f"x, {d}, idx, src, sum", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long), _y(t), "sum")),
             (f"x, {d}, idx like x", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long))),
+            # an index and a source of one pixel: the image's first (a scatter writes it alone)
+            (f"x, {d}, idx 1x1, src 1x1", lambda t, d=d: f(t, d, torch.zeros((2, 1, 1, 1), dtype=torch.long),
+                                                           torch.full((2, 1, 1, 1), 9.0, dtype=t.dtype))),
             (f"x, {d}, 2, 1", lambda t, d=d: f(t, d, 2, 1)), (f"x, 0.5, {d}, True", lambda t, d=d: f(t, 0.5, True)),
             (f"x, {d}, idx1, 0.5", lambda t, d=d: f(t, d, torch.tensor([0]), 0.5)),
             (f"x, {d}, idx1, src1", lambda t, d=d: f(t, d, torch.tensor([0]), t.narrow(d, 0, 1))),
@@ -360,14 +363,14 @@ def _calls(func, op, dims=DIMS) -> List[Tuple[str, Callable]]:
 HANDLER_CALLS = _handler_calls()
 
 
-def _check_call(func, name: str, call: Callable, grid: Tuple[int, int]) -> str:
+def _check_call(func, name: str, call: Callable, grid: Tuple[int, int], x: torch.Tensor = X) -> str:
     """'skip' (one process refuses the call too), 'exact' or 'refused'; raise when neither."""
     spelled = ops.spelled(func)
     try:
-        expected = call(X.clone())
+        expected = call(x.clone())
     except Exception:  # noqa: BLE001 - not a call one process makes: no comparison
         return "skip"
-    outcomes = run_parts(grid, call, X)
+    outcomes = run_parts(grid, call, x)
     errors = [o.error for o in outcomes]
     if all(e is not None for e in errors):
         message = refused_alike(outcomes)
@@ -514,6 +517,24 @@ def test_every_table_entry_on_a_channels_last_part_is_exact_or_refused_alike(kin
              "F.layer_norm(last: layer_norm (w, C))", "torch.matmul(last: w @ x)", "torch.prelu(last: prelu per channel)",
              "Tensor.reshape(last: x, -1)", "F.conv2d(last: pad 1)", "F.linear(last: linear of a part's weight)"}
     assert not never & exact, f"computed on a channels-last part, where they read the image: {sorted(never & exact)}"
+
+
+def test_every_element_wise_call_on_an_unbatched_part_is_exact_or_refused_alike():
+    """On a (C, H, W) part, dimension 1 is the rows: a call across it (LocalResponseNorm's window,
+    a channel shuffle) would work across the bands; exact or refused alike, as on any part."""
+    x = torch.rand(2, 4, 6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    names = {"x", "x, 3", "x, 2", "x, y", "x, const", "x, image", "x, weight per channel"}
+    outcomes: Dict[str, List[str]] = {}
+    for spelled, (func, op) in _entries():
+        if op.kind is Kind.ELEMENTWISE:
+            for name, call in _calls(func, op) + [("x, 2", lambda t, f=func: f(t, 2))]:
+                if name in names:
+                    for grid in GRIDS:
+                        result = _check_call(func, name, lambda t, call=call: call(t[0]), grid, x)
+                        outcomes.setdefault(f"{spelled}({name})", []).append(result)
+    exact = {call for call, results in outcomes.items() if "exact" in results}
+    assert {"torch.tanh(x)", "Tensor.add(x, y)", "Tensor.mul(x, 2)"} <= exact
+    assert not {"F.local_response_norm(x, 3)", "torch.channel_shuffle(x, 2)"} & exact
 
 
 def _check_the_gradient(func, name: str, call: Callable, grid) -> bool:

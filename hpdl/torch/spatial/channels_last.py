@@ -42,9 +42,11 @@ def run(ctx: Context, func, op: Optional[ops.Op], part: Part, args, kwargs):
     special = _SPECIAL.get(func)
     if special is not None:
         return special(ctx, func, part, args, kwargs)
-    rule = _RULES.get(op.kind) if op is not None and func not in _READS_DIMENSION_1 else None
+    rule = _RULES.get(op.kind) if op is not None else None
     if rule is None:
         raise refusal(ctx, func)
+    if op.across_dim_1:
+        raise refusal(ctx, func, why="it works across dimension 1, which is the image's rows here")
     return rule(ctx, func, op, part, args, kwargs)
 
 
@@ -117,6 +119,11 @@ def _along(ctx, func, op, part, args, kwargs):
     dims = op.dims_named(bound, n)
     if dims & {n - 3, n - 2}:
         raise refusal(ctx, func, f"{ops.spelled(func)} along an image dimension")
+    for name in op.same_part:
+        value = bound.get(name)
+        if isinstance(value, torch.Tensor) and channels_last_part_of(value) != part:
+            raise refusal(ctx, func, why=f"its {name} must be the same part as its input: it names places pixel by "
+                                         "pixel")
     result = func(*to_whole(args), **to_whole(kwargs))
     for t in tensors_in([result]):
         if t.dim() == n:  # the dimensions kept (keepdim, softmax, chunk, topk)
@@ -152,9 +159,6 @@ _RULES = {
     Kind.ALONG: _along, Kind.CONCAT: _concatenate,
 }
 
-# Element-wise on a part whose dimension 1 is the channels; on a channels-last one it is the rows.
-_READS_DIMENSION_1 = {func for func, _ in ops.functions(["local_response_norm", "channel_shuffle",
-                                                         "native_channel_shuffle"])}
 
 
 # -- calls of their own ----------------------------------------------------------------------

@@ -225,6 +225,7 @@ def _requiring_grad(bound: dict) -> bool:
 
 
 def _elementwise(ctx, func, op, part, args, kwargs):
+    _refuse_rows_as_channels(ctx, func, op, args, kwargs)
     _check_operands(ctx, func, part, args, kwargs, skip_first=func in _PARAMETER_SECOND)
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
@@ -241,11 +242,18 @@ def _random_part(ctx, func, op, part, args, kwargs):
 def _random_channels(ctx, func, op, part, args, kwargs):
     """Dropout of whole channels: the mask (a number per sample and channel, whatever the band's
     size) from the group's one stream, so every band drops the same channels."""
-    x = args[0] if args else kwargs.get("input")
-    if isinstance(x, torch.Tensor) and x.dim() < 3:  # (C, L) for dropout1d's kin: no image to be constant over
-        raise refusal(ctx, ops.spelled(func), "of a tensor of fewer than 3 dimensions")
+    _refuse_rows_as_channels(ctx, func, op, args, kwargs)
     _check_operands(ctx, func, part, args, kwargs)
     return _as_parts(ctx, func, randomness.draw(ctx, func, randomness.REPLICATED, args, kwargs), part)
+
+
+def _refuse_rows_as_channels(ctx, func, op, args, kwargs) -> None:
+    """A call across dimension 1 on a part of fewer than 4 dimensions, (C, H, W): it would work
+    across the rows, which the ranks hold in bands."""
+    x = args[0] if args else kwargs.get("input")
+    if op.across_dim_1 and isinstance(x, torch.Tensor) and x.dim() < 4:
+        raise refusal(ctx, ops.spelled(func), f"it works across dimension 1, which on a part of {x.dim()} dimensions "
+                      "is the image's rows, not the channels")
 
 
 def _keeps_part(ctx, func, op, part, args, kwargs):
@@ -264,6 +272,12 @@ def _along(ctx, func, op, part, args, kwargs):
         given = bound.get(op.dim) if op.dim else None
         raise refusal(ctx, f"{ops.spelled(func)} along an image dimension"
                       + (f" (dim={given})" if given not in (None, [], ()) else " (no dim: all of them)"))
+    for name in op.same_part:
+        value = bound.get(name)
+        if isinstance(value, torch.Tensor) and part_of(value) != part:
+            raise refusal(ctx, f"{ops.spelled(func)} whose {name} is not the same part as its input",
+                          f"its {name} names places pixel by pixel: one of size 1 along the image is the image's "
+                          "first pixel, which one band holds")
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
 

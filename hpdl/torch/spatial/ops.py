@@ -76,6 +76,14 @@ class Op:
     fixed: Optional[int] = None  # CONCAT: the dimension, where the function has no argument for it
     handler: Optional[Callable] = None  # HANDLER
     why: str = ""  # REFUSED: the reason; HANDLER, ALONG: what it does, for the docs
+    # ALONG: arguments that must be the same part as the input where they are tensors (a
+    # scatter's index and source name places in the whole map, pixel by pixel: index[b][c][0][0]
+    # is the image's first pixel, which only one band holds).
+    same_part: Tuple[str, ...] = ()
+    # ELEMENTWISE, RANDOM_CHANNELS: works across dimension 1 (LocalResponseNorm's window, a
+    # channel shuffle, Dropout2d's mask per channel): the channels of an (N, C, H, W) part, but
+    # the rows of a (C, H, W) one, and of a channels-last (N, H, W, C) one.
+    across_dim_1: bool = False
 
     def dims_named(self, bound: Dict[str, Any], ndim: int) -> set:
         """The dimensions (non-negative) an ALONG call of arguments ``bound`` works along."""
@@ -204,7 +212,7 @@ _add("""
     logical_or logical_xor bitwise_and bitwise_or bitwise_xor copysign heaviside lerp xlogy logaddexp
     logaddexp2 nextafter ldexp addcmul addcdiv where masked_fill isclose copy
     relu6 elu selu celu leaky_relu prelu gelu logsigmoid hardshrink tanhshrink softsign softplus softshrink
-    hardsigmoid silu mish hardswish hardtanh threshold local_response_norm
+    hardsigmoid silu mish hardswish hardtanh threshold
 """, Op(Kind.ELEMENTWISE))
 for _name in ("__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ "
               "__rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__ __rfloordiv__ __ifloordiv__ "
@@ -212,7 +220,8 @@ for _name in ("__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmu
               "__rand__ __iand__ __or__ __ror__ __ior__ __xor__ __rxor__ __ixor__ __eq__ __ne__ __lt__ __le__ "
               "__gt__ __ge__ __lshift__ __rshift__ __ilshift__ __irshift__").split():
     _put(getattr(torch.Tensor, _name, None), Op(Kind.ELEMENTWISE), f"Tensor.{_name}")
-_add("channel_shuffle native_channel_shuffle", Op(Kind.ELEMENTWISE, why="moves whole channels"))
+_add("channel_shuffle native_channel_shuffle", Op(Kind.ELEMENTWISE, why="moves whole channels", across_dim_1=True))
+_add("local_response_norm", Op(Kind.ELEMENTWISE, across_dim_1=True))
 
 # -- random ----------------------------------------------------------------------------------
 
@@ -225,7 +234,8 @@ _add("rand randn randint randperm normal poisson multinomial", Op(Kind.RANDOM), 
 # Their masks have size 1 along the image (N x C x 1 x 1), and as many numbers as channels
 # whatever a band's size: the group's stream draws the same channels on every band.
 # (dropout1d is not among them: on a (C, H, W) part its mask would run along the rows.)
-_add("dropout2d dropout3d feature_dropout feature_alpha_dropout", Op(Kind.RANDOM_CHANNELS), methods=False)
+_add("dropout2d dropout3d feature_dropout feature_alpha_dropout", Op(Kind.RANDOM_CHANNELS, across_dim_1=True),
+     methods=False)
 
 # -- conversions, new tensors like the part ----------------------------------------------------
 
@@ -243,8 +253,7 @@ _ALONG = (
      "all any count_nonzero quantile nanquantile", "dim", "all"),
     ("mode kthvalue topk sort argsort diff glu", "dim", -1),
     ("unbind chunk split tensor_split split_with_sizes", "dim", 0),
-    ("select index_select gather scatter scatter_add scatter_reduce take_along_dim index_add index_copy "
-     "index_fill cross", "dim", "all"),
+    ("select index_select gather take_along_dim index_add index_copy index_fill cross", "dim", "all"),
     ("repeat_interleave", "dim", "all"),
     ("normalize cosine_similarity", "dim", 1),
     ("flip", "dims", "all"),
@@ -255,6 +264,7 @@ _ALONG = (
 )
 for _names, _dim, _missing in _ALONG:
     _add(_names, Op(Kind.ALONG, dim=_dim, missing=_missing))
+_add("scatter scatter_add scatter_reduce", Op(Kind.ALONG, dim="dim", same_part=("index", "src")))
 _put(torch.Tensor.unfold, Op(Kind.ALONG, dim="dimension"), "Tensor.unfold")
 
 _add("cat concat concatenate stack", Op(Kind.CONCAT, dim="dim"), methods=False, functional=False)
