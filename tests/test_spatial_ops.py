@@ -306,6 +306,18 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                         ("3", lambda t: torch.sum(t, 3)), ("all", lambda t: torch.sum(t))]
     calls[torch.Tensor.sum] = [("(2, 3)", lambda t: t.sum((2, 3))), ("1 keepdim", lambda t: t.sum(1, keepdim=True)),
                                ("dtype", lambda t: t.sum(dtype=torch.float32))]
+    no_first_channel = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64).view(1, 3, 1, 1)  # a norm of 0
+    calls[torch.linalg.vector_norm] = [
+        ("(2, 3)", lambda t: torch.linalg.vector_norm(t, dim=(2, 3))),
+        ("1 over all", lambda t: torch.linalg.vector_norm(t - 0.5, 1)),
+        ("0.5 (-1, -2) keepdim", lambda t: torch.linalg.vector_norm(t - 0.5, 0.5, (-1, -2), keepdim=True)),
+        ("3 of a map of zeros", lambda t: torch.linalg.vector_norm(t * no_first_channel, 3, (2, 3))),
+        ("1.5 (1, 2, 3)", lambda t: torch.linalg.vector_norm(t, 1.5, (1, 2, 3))),
+        ("inf", lambda t: torch.linalg.vector_norm(t, float("inf"), (2, 3))), ("1", lambda t: torch.linalg.vector_norm(t, 2, 1)),
+        ("2", lambda t: torch.linalg.vector_norm(t, 2, 2))]
+    calls[torch.norm] = [("p=2 (2, 3) keepdim", lambda t: t * torch.norm(t * no_first_channel, p=2, dim=(2, 3), keepdim=True)),
+                         ("fro", lambda t: torch.norm(t)), ("nuc", lambda t: torch.norm(t, "nuc", (2, 3)))]
+    calls[torch.Tensor.norm] = [("(2, 3)", lambda t: t.norm(dim=(2, 3))), ("1", lambda t: t.norm(dim=1))]
     for f in (torch.narrow, torch.Tensor.narrow):
         calls[f] = [(f"{d}, {s}, {n}", lambda t, d=d, s=s, n=n: f(t, d, s, n))
                     for d in DIMS for s, n in ((0, 1), (1, 2), (-2, 2), (0, 5))]
@@ -471,7 +483,10 @@ _CHANNELS_LAST = {
     torch.matmul: [("x @ w", lambda t: t @ LINEAR_W.T), ("w @ x", lambda t: LINEAR_W[:, :6] @ t),
                    ("matmul(x, w)", lambda t: torch.matmul(t, LINEAR_W.T))],
     torch.mean: [("mean(-1, keepdim)", lambda t: torch.mean(t, -1, keepdim=True)), ("mean(-1)", lambda t: t.mean(-1)),
-                 ("mean((1, 2))", lambda t: t.mean((1, 2)))],
+                 ("mean((1, 2))", lambda t: t.mean((1, 2))), ("mean(1)", lambda t: t.mean(1)),
+                 ("x * mean((1, 2), keepdim)", lambda t: t * t.mean((1, 2), keepdim=True))],
+    torch.norm: [("GRN", lambda t: t * torch.norm(t, p=2, dim=(1, 2), keepdim=True)),
+                 ("norm(dim=-1)", lambda t: torch.norm(t, dim=-1))],
     torch.var: [("var(-1, keepdim)", lambda t: torch.var(t, -1, keepdim=True, correction=0))],
     torch.amax: [("amax(-1)", lambda t: t.amax(-1)), ("amax(0)", lambda t: torch.amax(t, 0))],
     torch.prelu: [("prelu of one weight", lambda t: F.prelu(t, CHANNEL_WEIGHTS[:1])),
@@ -508,12 +523,14 @@ def test_every_table_entry_on_a_channels_last_part_is_exact_or_refused_alike(kin
         Kind.ALONG: {"F.softmax(last: x, -1)", "Tensor.chunk(last: x, 2, -1)"},
         Kind.CONCAT: {"torch.cat(last: [x, y], -1)"},
         Kind.HANDLER: {"torch.mean(last: mean(-1, keepdim))", "torch.mean(last: mean(-1))",
-                       "torch.amax(last: amax(-1))"},
+                       "torch.amax(last: amax(-1))", "torch.mean(last: mean((1, 2)))",
+                       "torch.mean(last: x * mean((1, 2), keepdim))", "torch.norm(last: GRN)",
+                       "torch.norm(last: norm(dim=-1))"},
         Kind.REFUSED: {"F.layer_norm(last: layer_norm (C,))", "F.linear(last: linear)", "torch.matmul(last: x @ w)"},
     }.get(kind, set())
     assert expected <= exact, f"refused, though they work on each pixel's channels: {sorted(expected - exact)}"
     never = {"Tensor.add(last: x, image)", "F.local_response_norm(last: x, 3)", "F.dropout2d(last: x)",
-             "F.softmax(last: x, 1)", "Tensor.permute(last: x, (0, 2, 1, 3))", "torch.mean(last: mean((1, 2)))",
+             "F.softmax(last: x, 1)", "Tensor.permute(last: x, (0, 2, 1, 3))", "torch.mean(last: mean(1))",
              "F.layer_norm(last: layer_norm (w, C))", "torch.matmul(last: w @ x)", "torch.prelu(last: prelu per channel)",
              "Tensor.reshape(last: x, -1)", "F.conv2d(last: pad 1)", "F.linear(last: linear of a part's weight)"}
     assert not never & exact, f"computed on a channels-last part, where they read the image: {sorted(never & exact)}"
@@ -711,11 +728,11 @@ def test_calls_outside_the_table_are_refused_before_they_run():
 
 
 @pytest.mark.parametrize("func, written", [
-    (torch.linalg.vector_norm, "torch.linalg.vector_norm"), (torch.fft.fft2, "torch.fft.fft2"),
+    (torch.linalg.matrix_norm, "torch.linalg.matrix_norm"), (torch.fft.fft2, "torch.fft.fft2"),
     (torch.special.erf, "torch.special.erf"), (F.conv2d, "F.conv2d"), (torch.Tensor.narrow, "Tensor.narrow"),
 ])
 def test_a_refusal_names_the_call_as_the_user_writes_it(func, written):
-    # torch.linalg.vector_norm is torch._C._linalg's linalg_vector_norm, which no user writes.
+    # torch.linalg.matrix_norm is torch._C._linalg's linalg_matrix_norm, which no user writes.
     assert ops.spelled(func) == written
     if ops.lookup(func) is None:
         with pytest.raises(SpatialError, match=rf"{re.escape(written)} is not supported in the spatial part"):

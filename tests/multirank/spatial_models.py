@@ -346,7 +346,8 @@ class _ConvNeXtBlock(nn.Module):
 class ConvNeXt(nn.Module):
     """ConvNeXt's blocks for a dense output: a stem and a downsampling step through LayerNorm2d,
     CNBlocks, and a block written as timm's (x.permute, a LayerNorm by hand over the channels,
-    x @ w and a layer scale of C numbers, channels-last all of it), upsampled back."""
+    x @ w, ConvNeXt V2's global response norm over the image, a layer scale of C numbers,
+    channels-last all of it), upsampled back."""
 
     def __init__(self, c: int = 8):
         super().__init__()
@@ -355,6 +356,8 @@ class ConvNeXt(nn.Module):
         self.down = nn.Sequential(_LayerNorm2d(c), nn.Conv2d(c, c, 2, stride=2))
         self.stage2 = _ConvNeXtBlock(c)
         self.mix = nn.Parameter(torch.randn(c, c) / c ** 0.5)
+        self.grn_gamma = nn.Parameter(torch.linspace(-0.5, 0.5, c))
+        self.grn_beta = nn.Parameter(torch.linspace(0.1, 0.2, c))
         self.gamma = nn.Parameter(torch.linspace(1.5, 0.5, c))
         self.out = nn.ConvTranspose2d(c, 3, 2, stride=2)
 
@@ -363,8 +366,10 @@ class ConvNeXt(nn.Module):
         z = y.permute(0, 2, 3, 1)
         mean = z.mean(-1, keepdim=True)
         z = (z - mean) / (z.var(-1, keepdim=True, unbiased=False) + 1e-6).sqrt()
-        z = F.gelu(z @ self.mix) * self.gamma
-        return self.out(y + z.permute(0, 3, 1, 2))
+        z = F.gelu(z @ self.mix)
+        gx = torch.norm(z, p=2, dim=(1, 2), keepdim=True)  # GRN: each channel's norm over the whole image
+        z = self.grn_gamma * (z * (gx / (gx.mean(dim=-1, keepdim=True) + 1e-6))) + self.grn_beta + z
+        return self.out(y + (z * self.gamma).permute(0, 3, 1, 2))
 
 
 class NnUNet(nn.Module):

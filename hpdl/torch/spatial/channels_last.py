@@ -12,7 +12,9 @@ on the same pixels. So a part permuted that way keeps its part, under the channe
 - ``F.linear`` and ``x @ w`` (a weight of two dimensions), which mix the channels;
 - ``F.layer_norm`` and ``F.rms_norm`` over the channels alone (a ``normalized_shape`` of one length);
 - reductions, ``softmax`` and their kin along the channels or the batch (``x.mean(-1, keepdim=True)``
-  of a LayerNorm written by hand), ``cat``, ``chunk`` and ``split`` along them;
+  of a LayerNorm written by hand), ``cat``, ``chunk`` and ``split`` along them; means, sums,
+  maxima, variances and norms over both image dimensions, the whole image's (ConvNeXt V2's
+  global response norm: ``torch.norm(x, p=2, dim=(1, 2), keepdim=True)``);
 - conversions, new tensors like it, the part's lengths (``b, h, w, c = x.shape``);
 - a permute: back to the image dimensions last (a part again), or keeping the channels last.
 
@@ -117,6 +119,8 @@ def _along(ctx, func, op, part, args, kwargs):
     x = bound.get("input", args[0] if args else None)
     n = x.dim()
     dims = op.dims_named(bound, n)
+    if {n - 3, n - 2} <= dims and func in _OVER_THE_IMAGE:
+        return _over_the_image(ctx, func, part, bound, dims)
     if dims & {n - 3, n - 2}:
         raise refusal(ctx, func, f"{ops.spelled(func)} along an image dimension")
     for name in op.same_part:
@@ -199,14 +203,36 @@ def _prelu(ctx, func, part, args, kwargs):
 
 
 def _reduction(ctx, func, part, args, kwargs):
-    """A reduction (mean, sum, amax, var, ...) along the channels or the batch: as ALONG."""
+    """A reduction (mean, sum, amax, var, a norm, ...): along the channels or the batch, as
+    ALONG; over both image dimensions, the whole image's (_over_the_image)."""
     return _along(ctx, func, _REDUCING, part, args, kwargs)
+
+
+def _over_the_image(ctx, func, part: Part, bound: dict, dims: set):
+    """A reduction over both image dimensions (ConvNeXt V2's GRN: ``torch.norm(x, p=2, dim=(1, 2),
+    keepdim=True)``; a channels-last head's ``x.mean((1, 2))``): the part with its channels moved
+    back before the image, reduced by the op table's handler, the kept dimensions moved back."""
+    x = bound["input"]
+    n = x.dim()
+    moved = tagged(x.movedim(-1, -3), part)
+    places = {n - 3: n - 2, n - 2: n - 1, n - 1: n - 3}  # each dimension's place after the move
+    result = ops.lookup(func).handler(ctx, func, {**to_whole(bound), "input": moved,
+                                                  "dim": sorted(places.get(d, d) for d in dims)})
+    if not bound.get("keepdim"):
+        return result
+    kept = [t.movedim(-3, -1) for t in tensors_in([result])]  # (..., C, 1, 1) to (..., 1, 1, C)
+    return tuple(kept) if isinstance(result, tuple) else kept[0]
 
 
 _REDUCING = ops.Op(Kind.ALONG, dim="dim")
 _SPECIAL = {}
+_REDUCTIONS = [func for func, _ in ops.functions("mean sum amax amin var std var_mean std_mean norm".split())]
+for _func in _REDUCTIONS + [torch.linalg.vector_norm]:
+    _SPECIAL[_func] = _reduction
+# Those with a handler over the image: the op table's (reductions.py).
+_OVER_THE_IMAGE = {func for func in _SPECIAL if ops.lookup(func) is not None and ops.lookup(func).kind is Kind.HANDLER}
 for _names, _rule in (("linear", _linear), ("layer_norm rms_norm", _layer_norm), ("prelu", _prelu),
-                      ("matmul", _matmul), ("mean sum amax amin var std var_mean std_mean", _reduction)):
+                      ("matmul", _matmul)):
     for _func, _ in ops.functions(_names.split()):
         _SPECIAL[_func] = _rule
 _SPECIAL[torch.Tensor.__matmul__] = _matmul

@@ -187,6 +187,11 @@ for _func, _spelling, _handler, _what in (
          "nearest, nearest-exact, bilinear, bicubic, `align_corners` either way, any `size` or `scale_factor` "
          "(as one process reads them); area by whole factors (average pooling over blocks, or each pixel repeated); "
          "a whole tensor (a pooled branch) to a size read from a part becomes a part"),
+        (torch.linalg.vector_norm, "torch.linalg.vector_norm", reductions.vector_norm,
+         "of an order p > 0 over both image dimensions: the whole image's (its gradient 0 where the norm is 0); "
+         "over neither: as it is"),
+        (torch.norm, "torch.norm", reductions.vector_norm, "as torch.linalg.vector_norm (`'fro'` is 2)"),
+        (torch.Tensor.norm, "Tensor.norm", reductions.vector_norm, "as torch.linalg.vector_norm"),
         (torch.mean, "torch.mean", reductions.reduction, "over both image dimensions: global; over neither: as it is"),
         (torch.Tensor.mean, "Tensor.mean", reductions.reduction, "as torch.mean"),
         (torch.sum, "torch.sum", reductions.reduction, "as torch.mean"),
@@ -249,7 +254,7 @@ _add("zero fill", Op(Kind.LIKE), torch_level=False, functional=False)
 _ALONG = (
     ("softmax log_softmax softmin", "dim", "implicit"),
     ("cumsum cumprod cummax cummin logcumsumexp", "dim", "all"),
-    ("nansum nanmean prod logsumexp amax amin max min argmax argmin std var std_mean var_mean norm median nanmedian "
+    ("nansum nanmean prod logsumexp amax amin max min argmax argmin std var std_mean var_mean median nanmedian "
      "all any count_nonzero quantile nanquantile", "dim", "all"),
     ("mode kthvalue topk sort argsort diff glu", "dim", -1),
     ("unbind chunk split tensor_split split_with_sizes", "dim", 0),

@@ -1,8 +1,9 @@
 """Reductions over the whole image of a CNN's spatial part, to a replicated result, the same on
 every rank of the group: global and adaptive average pooling and sums (``GroupSum`` of each
 part's contribution), global max pooling and ``amax`` (``GlobalMax``: each rank's maxima and
-their places in the whole image, gathered), and ``var``/``std`` over the image
-(``GlobalMoments``: batch norm's gathered moments).
+their places in the whole image, gathered), ``var``/``std`` over the image
+(``GlobalMoments``: batch norm's gathered moments), and vector norms (``GlobalNorm``: each
+part's sum of ``|x|^p``, summed).
 
 Gradient bookkeeping (what ``SpatialParallel`` relies on): a replicated tensor's gradient on
 each rank is that rank's contribution; each reduction's backward first sums the contributions
@@ -211,6 +212,64 @@ def moments(ctx: Context, func, a: dict):
         mean, var = GlobalMoments.apply(moved, merged, float(correction), ctx.comm, ctx.label())
     spread, mean = _kept(var.sqrt() if root else var, dims, keepdim), _kept(mean, dims, keepdim)
     return (spread, mean) if with_mean else spread
+
+
+class GlobalNorm(torch.autograd.Function):
+    """The ``p``-norm over the whole image (every part) of ``x`` along ``dims`` (kept as ones),
+    the same on every rank: each part's sum of ``|x|^p``, summed over the group. Backward sums
+    every rank's gradient of the replicated result, then gives each value PyTorch's own
+    gradient of the norm (torch's norm_backward), 0 where the norm is 0."""
+
+    @staticmethod
+    def forward(ctx, x, p, dims, comm, label):
+        local = (x * x if p == 2 else x.abs().pow(p)).sum(dims, keepdim=True)
+        total = comm.allreduce_sum(local.contiguous(), label)
+        norm = total.sqrt() if p == 2 else total.pow(1.0 / p)
+        ctx.save_for_backward(x, norm)
+        ctx.p, ctx.comm, ctx.label = p, comm, label
+        return norm
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_graph_in_backward(ctx.label)
+        x, norm = ctx.saved_tensors
+        grad = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label)
+        p = ctx.p
+        if p == 1:
+            out = x.sgn() * grad
+        elif p == 2:
+            out = grad * (x / norm).masked_fill(norm == 0, 0)
+        elif p < 1:
+            out = x.sgn() * x.abs().pow(p - 1).masked_fill(x == 0, 0) * grad * norm.pow(1 - p)
+        elif p < 2:
+            out = x.sgn() * x.abs().pow(p - 1) * (grad / norm.pow(p - 1)).masked_fill(norm == 0, 0)
+        else:
+            out = x * x.abs().pow(p - 2) * (grad / norm.pow(p - 1)).masked_fill(norm == 0, 0)
+        return out, None, None, None, None
+
+
+def vector_norm(ctx: Context, func, a: dict):
+    """``torch.linalg.vector_norm``, ``torch.norm`` and ``Tensor.norm`` of an order p > 0 (2 by
+    default; ``'fro'`` is 2) over both image dimensions (and any others): the whole image's
+    norm, the same on every rank, its gradient PyTorch's (0 where the norm is 0); over neither,
+    as it is; over one, refused. Orders 0, infinite and negative, and ``'nuc'``, are refused
+    over the image."""
+    x, keepdim, dtype = a["input"], bool(a.get("keepdim", False)), a.get("dtype")
+    p = a.get("ord", a.get("p", 2))
+    p = 2 if p == "fro" or p is None else p
+    dims, over_image = _reduced_dims(ctx, func.__name__.replace("linalg_", ""), x, a.get("dim"))
+    if isinstance(p, str) or (over_image and not (0 < float(p) < math.inf)):
+        raise SpatialError(f"{ctx.where()}: a norm of order {p!r} over the image is not supported in the spatial "
+                           "part (orders p > 0, finite: the whole image's sum of |x|^p)")
+    if dtype is not None:
+        x = tagged(x.to(dtype), part_of(x))
+    if not over_image:
+        return tag_outputs(torch.linalg.vector_norm(x, p, dims, keepdim), part_of(x))
+    if ctx.dry:
+        norm = torch.linalg.vector_norm(x, p, dims, keepdim=True)
+    else:
+        norm = GlobalNorm.apply(x, float(p), dims, ctx.comm, ctx.label())
+    return norm if keepdim else norm.squeeze(dims)
 
 
 def adaptive_max_pool2d(ctx: Context, func, a: dict):
