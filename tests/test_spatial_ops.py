@@ -36,6 +36,7 @@ _gen = torch.Generator().manual_seed(0)
 X = torch.rand(SHAPE, generator=_gen, dtype=torch.float64) * 0.8 + 0.1
 CONST = torch.full((3, 1, 1), 0.7, dtype=torch.float64)  # constant along the image: fine beside a part
 IMAGE = torch.rand(7, 6, generator=_gen, dtype=torch.float64)  # a replicated image-sized tensor: refused
+WHOLE = torch.rand(SHAPE, generator=_gen, dtype=torch.float64)  # a whole map, the same on every rank: refused
 
 # Read the object, not the values: their results differ between any two tensors.
 IDENTITY = {"Tensor.data_ptr", "Tensor.untyped_storage", "Tensor.__hash__", "Tensor.__repr__", "Tensor.__format__",
@@ -96,6 +97,8 @@ def _along_calls(f, dims=DIMS) -> List[Tuple[str, Callable]]:
             (f"x, {d}, idx, src", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long), _y(t))),
             (f"x, {d}, idx, src, sum", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long), _y(t), "sum")),
             (f"x, {d}, idx like x", lambda t, d=d: f(t, d, torch.zeros_like(t, dtype=torch.long))),
+            # a whole map read by a part's index: each band would read the map's first rows
+            (f"whole, {d}, idx of x", lambda t, d=d: f(WHOLE, d, (t * 2).long())),
             # an index and a source of one pixel: the image's first (a scatter writes it alone)
             (f"x, {d}, idx 1x1, src 1x1", lambda t, d=d: f(t, d, torch.zeros((2, 1, 1, 1), dtype=torch.long),
                                                            torch.full((2, 1, 1, 1), 9.0, dtype=t.dtype))),

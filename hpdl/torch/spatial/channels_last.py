@@ -117,6 +117,11 @@ def _along(ctx, func, op, part, args, kwargs):
     if isinstance(bound.get("other"), torch.Tensor):  # torch.max(a, b): element-wise
         return _elementwise(ctx, func, op, part, args, kwargs)
     x = bound.get("input", args[0] if args else None)
+    if channels_last_part_of(x) != part and not _constant_over_the_image(x):
+        raise refusal(ctx, func, why="its input must be the part, or of size 1 in the two dimensions before the last "
+                                     "(torch.gather of a whole map by a part's index reads its first rows on every band)")
+    if any(part_of(t) is not None for t in tensors_in(list(args) + list(kwargs.values()))):
+        raise refusal(ctx, func, why="a channels-last part meets a part whose image dimensions are last")
     n = x.dim()
     dims = op.dims_named(bound, n)
     if {n - 3, n - 2} <= dims and func in _OVER_THE_IMAGE:
@@ -257,6 +262,10 @@ def _only_input_split(ctx, func, part: Part, bound: dict) -> None:
         raise refusal(ctx, func, why="its input must be the part")
     if any(_marked(value) for name, value in bound.items() if name != "input"):
         raise refusal(ctx, func, why="its weights must not be parts of a map")
+
+
+def _constant_over_the_image(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 3 and tuple(t.shape[-3:-1]) == (1, 1)
 
 
 def _check_operands(ctx, func, part: Part, args, kwargs) -> None:

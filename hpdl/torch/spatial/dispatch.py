@@ -265,6 +265,13 @@ def _along(ctx, func, op, part, args, kwargs):
     if isinstance(bound.get("other"), torch.Tensor):  # torch.max(a, b): element-wise
         return _elementwise(ctx, func, op, part, args, kwargs)
     x = bound.get("input", args[0] if args else None)
+    if part_of(x) != part and not _constant_over_the_image(x):
+        # torch.gather(whole, 1, index_part): each band would read the whole map's first rows.
+        raise refusal(ctx, f"{ops.spelled(func)} of a tensor that is not the part, by a part",
+                      "its input must be the part, or of size 1 in its last two dimensions")
+    if any(channels_last_part_of(t) is not None for t in tensors_in(list(args) + list(kwargs.values()))):
+        raise refusal(ctx, f"{ops.spelled(func)} of a part with a channels-last part",
+                      "permute the image dimensions of both to the same places")
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
     dims = op.dims_named(bound, ndim)
     touched = dims & {ndim - 2, ndim - 1}
