@@ -68,7 +68,7 @@ def _bools(t):
 def _elementwise_calls(f) -> List[Tuple[str, Callable]]:
     return [
         ("x", lambda t: f(t)), ("x, y", lambda t: f(t, _y(t))), ("x, 0.5", lambda t: f(t, 0.5)),
-        ("x, const", lambda t: f(t, CONST)), ("x, image", lambda t: f(t, IMAGE)),
+        ("x, const", lambda t: f(t, CONST)), ("x, image", lambda t: f(t, IMAGE)), ("const, x", lambda t: f(CONST, t)),
         ("x, y, y", lambda t: f(t, _y(t), _y(t))), ("x, y, 0.5", lambda t: f(t, _y(t), 0.5)),
         ("x, 0.2, 0.6", lambda t: f(t, 0.2, 0.6)), ("ints", lambda t: f(_ints(t))),
         ("ints, ints", lambda t: f(_ints(t), _ints(_y(t)))), ("ints, 2", lambda t: f(_ints(t), 2)),
@@ -369,6 +369,7 @@ def _calls(func, op, dims=DIMS) -> List[Tuple[str, Callable]]:
         return [("shape", lambda t: func(*first(t), t.shape)),
                 ("h, w", lambda t: func(*first(t), t.shape[-2], t.shape[-1])),
                 ("2, 3", lambda t: func(*first(t), 2, 3)), ("h", lambda t: func(*first(t), t.shape[-2])),
+                ("data", lambda t: func(*first(t), [[0.4], [0.5]])), ("a part's values", lambda t: func(*first(t), t)),
                 ("w, h", lambda t: func(*first(t), t.shape[-1], t.shape[-2])),
                 ("shape, 2.0", lambda t: func(*first(t), t.shape, 2.0)),
                 ("(2, 3), 2.0", lambda t: func(*first(t), (2, 3), 2.0))]
@@ -677,6 +678,20 @@ def test_a_whole_tensor_interpolated_to_a_size_read_from_a_part_becomes_that_par
         outcomes = run_parts(grid, branch, x)
         assert all(part_of(o.value) is not None for o in outcomes)
         assert torch.allclose(assemble([o.value for o in outcomes]), branch(x), atol=1e-12)
+
+
+def test_a_tensor_converted_like_a_part_is_that_tensor_converted():
+    # SwinIR's and HAT's forward: self.mean = self.mean.type_as(x), then x - self.mean.
+    mean = torch.tensor([0.4, 0.5, 0.6]).view(1, 3, 1, 1)
+    x = torch.randn(2, 3, 9, 6, dtype=torch.float64)
+    for call in (lambda t: t - mean.type_as(t), lambda t: t - mean.to(t), lambda t: (t - mean.type_as(t)).mean((2, 3)),
+                 lambda t: t * t.new_tensor([1.0, 2.0, 3.0]).view(1, 3, 1, 1)):
+        for grid in GRIDS:
+            outcomes = run_parts(grid, call, x)
+            assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+            assert torch.allclose(assemble([o.value for o in outcomes]), call(x), atol=1e-12)
+    # A copy of a part's values made by new_tensor would pass for a whole tensor.
+    assert "new_tensor of a part's values" in refused_alike(run_parts((2, 1), lambda t: t.new_tensor(t) + t, x))
 
 
 def test_lengths_read_from_a_part_compare_and_compute_as_the_whole_images():

@@ -78,6 +78,13 @@ def _keeps_part(ctx, func, op, part, args, kwargs):
     return _as_channels_last(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
 
+def _convert(ctx, func, op, part, args, kwargs):
+    """As dispatch's: another tensor converted like the part reads only its type and device."""
+    if args and not _marked(args[0]):
+        return func(*to_whole(args), **to_whole(kwargs))
+    return _keeps_part(ctx, func, op, part, args, kwargs)
+
+
 def _metadata(ctx, func, op, part, args, kwargs):
     return func(*args, **kwargs)
 
@@ -163,7 +170,7 @@ def _concatenate(ctx, func, op, part, args, kwargs):
 
 
 _RULES = {
-    Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random, Kind.CONVERT: _keeps_part, Kind.LIKE: _keeps_part,
+    Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random, Kind.CONVERT: _convert, Kind.LIKE: _keeps_part,
     Kind.PART_ATTRIBUTE: _keeps_part, Kind.METADATA: _metadata, Kind.SHAPE: _shape, Kind.PERMUTE: _permute,
     Kind.ALONG: _along, Kind.CONCAT: _concatenate,
 }

@@ -260,6 +260,15 @@ def _keeps_part(ctx, func, op, part, args, kwargs):
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
 
+def _convert(ctx, func, op, part, args, kwargs):
+    """A copy of the part in another type or device: the same part. Another tensor converted like
+    the part (SwinIR's ``self.mean.type_as(x)``, ``mean.to(x)``) reads only the part's type and
+    device, the same on every rank: that tensor, converted."""
+    if args and not _marked(args[0]):
+        return with_marks_of(func(*to_whole(args), **to_whole(kwargs)), args[0])
+    return _keeps_part(ctx, func, op, part, args, kwargs)
+
+
 def _along(ctx, func, op, part, args, kwargs):
     bound = _bound(ctx, func, args, kwargs)
     if isinstance(bound.get("other"), torch.Tensor):  # torch.max(a, b): element-wise
@@ -430,6 +439,8 @@ def _metadata(ctx, func, op, part, args, kwargs):
 
 
 def _new(ctx, func, op, part, args, kwargs):
+    if any(_marked(t) for t in tensors_in(list(args[1:]) + list(kwargs.values()))):  # x.new_tensor(part): a copy
+        raise refusal(ctx, f"{ops.spelled(func)} of a part's values", "copy it with .clone(), which keeps it a part")
     return _new_tensor(ctx, func, args, kwargs)
 
 
@@ -486,7 +497,7 @@ def _refused(ctx, func, op, part, args, kwargs):
 
 _RULES = {
     Kind.HANDLER: _handler, Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random_part,
-    Kind.RANDOM_CHANNELS: _random_channels, Kind.CONVERT: _keeps_part, Kind.LIKE: _keeps_part,
+    Kind.RANDOM_CHANNELS: _random_channels, Kind.CONVERT: _convert, Kind.LIKE: _keeps_part,
     Kind.ALONG: _along, Kind.CONCAT: _concatenate, Kind.RESHAPE: _reshape,
     Kind.EXPAND: _expand, Kind.PERMUTE: _permute, Kind.INDEX: _index, Kind.SHAPE: _shape,
     Kind.METADATA: _metadata, Kind.PART_ATTRIBUTE: _keeps_part, Kind.NEW: _new, Kind.FACTORY: _new,
@@ -600,6 +611,10 @@ def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
         if found[0] is not None:
             return found
     return None, True
+
+
+def _marked(value: Any) -> bool:
+    return part_of(value) is not None or channels_last_part_of(value) is not None
 
 
 def _mark(value: Any) -> Tuple[Optional[Part], bool]:

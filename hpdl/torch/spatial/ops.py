@@ -307,7 +307,7 @@ for _name in ("device dtype layout requires_grad is_leaf grad_fn is_cuda is_cpu 
 for _name in ("data", "grad", "_grad"):
     _attribute(_name, Op(Kind.PART_ATTRIBUTE))
 
-_add("new_zeros new_ones new_empty new_full", Op(Kind.NEW), torch_level=False, functional=False)
+_add("new_zeros new_ones new_empty new_full new_tensor", Op(Kind.NEW), torch_level=False, functional=False)
 _add("zeros ones empty full", Op(Kind.FACTORY), methods=False, functional=False)
 
 # -- refused, with the reason (the rest is refused without one) ----------------------------------

@@ -25,7 +25,8 @@ _RULES = {
                  "same numbers",
     Kind.RANDOM_CHANNELS: "one draw for the group: every band drops the same channels, as one process drops them "
                           "over the whole image (see Dropout and random numbers)",
-    Kind.CONVERT: "exact: a copy in another type, device or memory layout",
+    Kind.CONVERT: "exact: a copy in another type, device or memory layout; another tensor converted like the "
+                  "part (`mean.type_as(x)`, `mean.to(x)`) is that tensor, converted",
     Kind.LIKE: "exact: the same part of a new map",
     Kind.ALONG: "exact along the batch or channel dimensions; refused along an image dimension (or with no "
                 "dimension, where that means all of them); a scatter's index and source must be the same part as "
