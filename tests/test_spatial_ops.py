@@ -308,6 +308,10 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
     calls[torch.sum] = [("(2, 3)", lambda t: torch.sum(t, (2, 3))), ("0", lambda t: torch.sum(t, 0)),
                         ("3", lambda t: torch.sum(t, 3)), ("all", lambda t: torch.sum(t))]
     calls[torch.Tensor.sum] = [("(2, 3)", lambda t: t.sum((2, 3))), ("1 keepdim", lambda t: t.sum(1, keepdim=True)),
+                               ("3 keepdim", lambda t: t.sum(3, keepdim=True)),
+                               ("2 keepdim", lambda t: t.sum(-2, keepdim=True) * 2),
+                               ("IMDN's mean", lambda t: t.sum(3, keepdim=True).sum(2, keepdim=True) / (t.size(2) * t.size(3))),
+                               ("(1, 3) keepdim, then 2", lambda t: t.sum((1, 3), keepdim=True).mean(2, keepdim=True)),
                                ("dtype", lambda t: t.sum(dtype=torch.float32))]
     no_first_channel = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64).view(1, 3, 1, 1)  # a norm of 0
     calls[torch.linalg.vector_norm] = [
@@ -607,6 +611,8 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("ceil 3 s2 p1", (2, 2), "exact"), ("ceil 4 s3 p2 no pad count", (2, 1), "exact"),
     ("ceil 3 s2 divisor", (1, 2), "exact"), ("bilinear 0.5", (2, 2), "exact"), ("bicubic 0.5 x 1", (2, 1), "exact"),
     ("bilinear to 3 x 3 of 7 x 6", (2, 1), "exact"),
+    ("IMDN's mean", (2, 1), "exact"), ("IMDN's mean", (1, 2), "refused"), ("3 keepdim", (2, 1), "exact"),
+    ("2 keepdim", (1, 2), "exact"), ("2 keepdim", (2, 1), "refused"), ("(1, 3) keepdim, then 2", (2, 1), "exact"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():

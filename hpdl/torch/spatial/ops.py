@@ -192,7 +192,10 @@ for _func, _spelling, _handler, _what in (
          "over neither: as it is"),
         (torch.norm, "torch.norm", reductions.vector_norm, "as torch.linalg.vector_norm (`'fro'` is 2)"),
         (torch.Tensor.norm, "Tensor.norm", reductions.vector_norm, "as torch.linalg.vector_norm"),
-        (torch.mean, "torch.mean", reductions.reduction, "over both image dimensions: global; over neither: as it is"),
+        (torch.mean, "torch.mean", reductions.reduction,
+         "over both image dimensions: global; over neither: as it is; over one, kept (`keepdim=True`), where the grid "
+         "does not split it (the columns of row bands): a part of a map of length 1 there, whose mean over the other "
+         "is global (IMDN's `x.sum(3, keepdim=True).sum(2, keepdim=True)`)"),
         (torch.Tensor.mean, "Tensor.mean", reductions.reduction, "as torch.mean"),
         (torch.sum, "torch.sum", reductions.reduction, "as torch.mean"),
         (torch.Tensor.sum, "Tensor.sum", reductions.reduction, "as torch.mean"),

@@ -308,12 +308,44 @@ def reduction(ctx: Context, func, a: dict):
     reduction; over neither, element-wise as far as the split goes; over one, refused."""
     x = a["input"]
     dims, keepdim, dtype = a.get("dim"), bool(a.get("keepdim", False)), a.get("dtype")
+    along_one = _along_one_image_dimension(ctx, func, x, dims, keepdim, dtype)
+    if along_one is not None:
+        return along_one
     dims, over_image = _reduced_dims(ctx, func.__name__, x, dims)
     if not over_image:  # the image dimensions stay the last two
         return tagged(func(x, dims, keepdim, dtype=dtype), part_of(x))
     if dtype is not None:
         x = tagged(x.to(dtype), part_of(x))
     return _global_sum(ctx, x, dims, keepdim, func.__name__ == "mean")
+
+
+def _along_one_image_dimension(ctx: Context, func, x: torch.Tensor, dims: Any, keepdim: bool, dtype) -> Any:
+    """A sum or mean over one image dimension, kept (IMDN's ``x.sum(3, keepdim=True).sum(2,
+    keepdim=True)``): where that dimension is not split (the columns of a grid of row bands), each
+    rank's own, a part of a map of length 1 there; where the map's other length is 1 and not
+    split, the whole image's (the same on every rank). None where ``dims`` is not one image
+    dimension; refused where it is but neither holds."""
+    ndim = x.dim()
+    given = dims if isinstance(dims, (tuple, list)) else (dims,) if dims is not None else ()
+    named = {int(d) % ndim for d in given}
+    image = named & {ndim - 2, ndim - 1}
+    if len(image) != 1:
+        return None
+    part = part_of(x)
+    axis = (ndim - 2, ndim - 1).index(image.pop())  # 0: the rows reduced, 1: the columns
+    bands = (part.grid.rows, part.grid.cols)
+    lengths = (part.height, part.width)
+    if keepdim and bands[axis] == 1:
+        kept = tuple(sorted(named))
+        out = func(x, kept, keepdim=True, dtype=dtype) if dtype is not None else func(x, kept, keepdim=True)
+        return tagged(out, part.resized(*(1 if i == axis else lengths[i] for i in (0, 1))))
+    if keepdim and lengths[1 - axis] == 1 and bands[1 - axis] == 1:
+        if dtype is not None:
+            x = tagged(x.to(dtype), part)
+        return _global_sum(ctx, x, tuple(sorted(named | {ndim - 2, ndim - 1})), True, func.__name__ == "mean")
+    raise SpatialError(f"{ctx.where()}: {func.__name__} over one image dimension only is not supported in the "
+                       "spatial part (over both, or over neither; over one, with keepdim=True, where the grid does not "
+                       f"split it: this is a {part.grid} grid)")
 
 
 # -- the dimensions a reduction reduces ----------------------------------------------------
