@@ -192,7 +192,8 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
             ("groups", lambda t: F.conv_transpose2d(t, wt[:, :1], stride=2, groups=3))],
         F.max_pool2d: [("2", lambda t: F.max_pool2d(t, 2)), ("3 s1 p1", lambda t: F.max_pool2d(t, 3, 1, 1)),
                        ("ceil", lambda t: F.max_pool2d(t, 3, 2, ceil_mode=True)),
-                       ("indices", lambda t: F.max_pool2d(t, 2, return_indices=True))],
+                       ("indices", lambda t: F.max_pool2d(t, 2, return_indices=True)),
+                       ("max whole image ties", lambda t: F.max_pool2d(tied(t), t.shape[-2:]))],
         torch.max_pool2d: [("2", lambda t: torch.max_pool2d(t, 2))],
         F.lp_pool2d: [("lp 2 of 3 s2", lambda t: F.lp_pool2d(t, 2, 3, 2)),
                       ("lp 1.5 of 2 x 3 ceil", lambda t: F.lp_pool2d(t, 1.5, (2, 3), ceil_mode=True)),
@@ -205,7 +206,9 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                        ("ceil 3 s2 p1", lambda t: F.avg_pool2d(t, 3, 2, 1, ceil_mode=True)),
                        ("ceil 4 s3 p2 no pad count", lambda t: F.avg_pool2d(t, 4, 3, 2, ceil_mode=True,
                                                                             count_include_pad=False)),
-                       ("ceil 3 s2 divisor", lambda t: F.avg_pool2d(t, 3, 2, ceil_mode=True, divisor_override=5))],
+                       ("ceil 3 s2 divisor", lambda t: F.avg_pool2d(t, 3, 2, ceil_mode=True, divisor_override=5)),
+                       ("avg whole image", lambda t: F.avg_pool2d(t, t.size()[2:])),
+                       ("avg whole image divisor", lambda t: F.avg_pool2d(t, (7, 6), divisor_override=5))],
         F.batch_norm: [("train", lambda t: F.batch_norm(t, rm.clone(), rv.clone(), training=True)),
                        ("eval", lambda t: F.batch_norm(t, rm, rv))],
         F.adaptive_avg_pool2d: [("1", lambda t: F.adaptive_avg_pool2d(t, 1)),
@@ -611,7 +614,8 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("ceil 3 s2 p1", (2, 2), "exact"), ("ceil 4 s3 p2 no pad count", (2, 1), "exact"),
     ("ceil 3 s2 divisor", (1, 2), "exact"), ("bilinear 0.5", (2, 2), "exact"), ("bicubic 0.5 x 1", (2, 1), "exact"),
     ("bilinear to 3 x 3 of 7 x 6", (2, 1), "exact"),
-    ("IMDN's mean", (2, 1), "exact"), ("IMDN's mean", (1, 2), "refused"), ("3 keepdim", (2, 1), "exact"),
+    ("avg whole image", (2, 1), "exact"), ("avg whole image divisor", (1, 2), "exact"),
+    ("max whole image ties", (2, 1), "exact"), ("IMDN's mean", (2, 1), "exact"), ("IMDN's mean", (1, 2), "refused"), ("3 keepdim", (2, 1), "exact"),
     ("2 keepdim", (1, 2), "exact"), ("2 keepdim", (2, 1), "refused"), ("(1, 3) keepdim, then 2", (2, 1), "exact"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
@@ -684,6 +688,19 @@ def test_a_whole_tensor_interpolated_to_a_size_read_from_a_part_becomes_that_par
         outcomes = run_parts(grid, branch, x)
         assert all(part_of(o.value) is not None for o in outcomes)
         assert torch.allclose(assemble([o.value for o in outcomes]), branch(x), atol=1e-12)
+
+
+def test_the_whole_images_max_and_min_are_exact_forward_and_backward():
+    # x / x.max(): its gradient shared evenly among the values equal to the maximum (the NaNs,
+    # where it is NaN), whichever band holds them.
+    for call in (lambda t: t / t.max(), lambda t: t - torch.min(t), lambda t: tied(t).max() * t,
+                 lambda t: with_nan(t).max(), lambda t: tied(t).min(), lambda t: (t > 0.5).max().to(t.dtype) * t):
+        expected = call(X)
+        for grid in GRIDS + [(2, 2)]:
+            got = assemble([o.value for o in run_parts(grid, call, X)])
+            assert torch.allclose(got, expected, rtol=1e-13, equal_nan=True)
+            gradient = assemble_gradients(run_parts(grid, call, X, backward=True), grid, X.shape)
+            assert torch.allclose(gradient, one_process_gradient(call, X), rtol=1e-10, atol=1e-12, equal_nan=True)
 
 
 def test_a_tensor_converted_like_a_part_is_that_tensor_converted():

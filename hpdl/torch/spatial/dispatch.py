@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import channels_last, layers, lengths, ops, randomness, resampling
+from hpdl.torch.spatial import channels_last, layers, lengths, ops, randomness, reductions, resampling
 from hpdl.torch.spatial.arguments import Unbound, bind, by_name
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
@@ -281,6 +281,8 @@ def _along(ctx, func, op, part, args, kwargs):
     if any(channels_last_part_of(t) is not None for t in tensors_in(list(args) + list(kwargs.values()))):
         raise refusal(ctx, f"{ops.spelled(func)} of a part with a channels-last part",
                       "permute the image dimensions of both to the same places")
+    if func in _EXTREMES and bound.get("dim") is None:  # x.max(): over every dimension, the image's too
+        return reductions.extreme(ctx, x, minimum=_EXTREMES[func])
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
     dims = op.dims_named(bound, ndim)
     touched = dims & {ndim - 2, ndim - 1}
@@ -295,6 +297,9 @@ def _along(ctx, func, op, part, args, kwargs):
                           f"its {name} names places pixel by pixel: one of size 1 along the image is the image's "
                           "first pixel, which one band holds")
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
+
+
+_EXTREMES = {torch.max: False, torch.Tensor.max: False, torch.min: True, torch.Tensor.min: True}  # func: a minimum
 
 
 def _concatenate(ctx, func, op, part, args, kwargs):

@@ -30,7 +30,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from hpdl.torch.spatial import band_plans, halo
+from hpdl.torch.spatial import band_plans, halo, reductions
 from hpdl.torch.spatial.comm import refuse_graph_in_backward
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import BandPlan, SpatialError, Window, bands
@@ -387,6 +387,8 @@ def max_pool2d(ctx: Context, func, a: dict):
     if return_indices:
         raise SpatialError(f"{ctx.where()}: max pooling with return_indices=True is not supported in the spatial "
                            "part (the indices would be local to each rank's part)")
+    if _the_whole_image(part_of(x), kernel, padding) and dilation == (1, 1):
+        return reductions.window_over_the_image(ctx, x, maximum=True)
     windows = tuple(Window(k, s, p, p, d, bool(ceil_mode)) for k, s, p, d in zip(kernel, stride, padding, dilation))
     spec, out_part = band_plans.window_spec(ctx, part_of(x), windows, halo.NEG_INF)
     return tagged(F.max_pool2d(halo.exchange(x, spec), kernel, stride, 0, dilation), out_part)
@@ -399,6 +401,8 @@ def avg_pool2d(ctx: Context, func, a: dict):
     stride = kernel if stride is None or stride == [] or stride == () else band_plans.pair(stride)
     padding, ceil_mode = band_plans.pair(a.get("padding", 0)), a.get("ceil_mode", False)
     count_include_pad, divisor = a.get("count_include_pad", True), a.get("divisor_override")
+    if _the_whole_image(part_of(x), kernel, padding):
+        return reductions.window_over_the_image(ctx, x, maximum=False, divisor=divisor)
     windows = tuple(Window(k, s, p, p, ceil_mode=bool(ceil_mode)) for k, s, p in zip(kernel, stride, padding))
     spec, out_part = band_plans.window_spec(ctx, part_of(x), windows, halo.ZEROS)
     out = F.avg_pool2d(halo.exchange(x, spec), kernel, stride, 0, False, True, divisor)
@@ -409,6 +413,12 @@ def avg_pool2d(ctx: Context, func, a: dict):
         counted = padding if count_include_pad else (0, 0)
         out = out / F.avg_pool2d(_counted_pixels(x, spec, counted), kernel, stride, 0, False, True)
     return tagged(out, out_part)
+
+
+def _the_whole_image(part, kernel: Tuple[int, int], padding: Tuple[int, int]) -> bool:
+    """Whether a pooling window of ``kernel`` is the whole image (one output pixel, of every
+    input pixel): on row bands, all but one band would get no output row."""
+    return tuple(kernel) == (part.height, part.width) and tuple(padding) == (0, 0)
 
 
 def lp_pool2d(ctx: Context, func, a: dict):

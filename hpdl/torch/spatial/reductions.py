@@ -99,11 +99,12 @@ class GlobalMax(torch.autograd.Function):
     rank's maxima and the whole image's places of its candidates. Backward sums every rank's
     gradient of the replicated result, then gives it as one process does: with ``spread``
     (``amax``) shared evenly among the values equal to the maximum, counted over the whole
-    image; else (max pooling, ``merged`` 0) to the one pixel it picks: the first maximum in the
+    image (with ``nan_equal``, as ``x.max()`` shares it, among the NaNs where the maximum is
+    NaN); else (max pooling, ``merged`` 0) to the one pixel it picks: the first maximum in the
     whole image's row-major order, the last NaN where there is one."""
 
     @staticmethod
-    def forward(ctx, x, part, spread, merged, comm, label):
+    def forward(ctx, x, part, spread, merged, comm, label, nan_equal=False):
         h, w = x.shape[-2:]
         kept = x.shape[:x.dim() - 2 - merged]
         flat = x.detach().reshape(math.prod(kept), -1).to(torch.float64)  # every float type's values, exactly
@@ -124,7 +125,8 @@ class GlobalMax(torch.autograd.Function):
         if spread:
             # Where the maximum is NaN no value equals it, as in one process: the count is 0, and
             # the gradient NaN throughout the map (0 times total / 0).
-            ctx.save_for_backward(flat == best[:, None])
+            equal = flat == best[:, None]
+            ctx.save_for_backward(equal | (nan & torch.isnan(best)[:, None]) if nan_equal else equal)
         else:
             any_nan = torch.isnan(best)
             at_max = torch.where(maxima == best, first_places, torch.full_like(first_places, float("inf")))
@@ -149,14 +151,24 @@ class GlobalMax(torch.autograd.Function):
             total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label)
             out = grad.new_zeros(grad.numel(), math.prod(ctx.shape[-2:]))
             out.scatter_(1, place[:, None], torch.where(own, total, torch.zeros_like(total))[:, None])
-        return out.reshape(ctx.shape), None, None, None, None, None
+        return out.reshape(ctx.shape), None, None, None, None, None, None
 
 
-def _global_max(ctx: Context, x: torch.Tensor, spread: bool, merged: int = 0) -> torch.Tensor:
+def _global_max(ctx: Context, x: torch.Tensor, spread: bool, merged: int = 0, nan_equal: bool = False) -> torch.Tensor:
     """:class:`GlobalMax` of ``x`` (the shapes alone in a dry run)."""
     if ctx.dry:
         return x.amax(tuple(range(x.dim() - 2 - merged, x.dim())))
-    return GlobalMax.apply(x, part_of(x), spread, merged, ctx.comm, ctx.label())
+    return GlobalMax.apply(x, part_of(x), spread, merged, ctx.comm, ctx.label(), nan_equal)
+
+
+def extreme(ctx: Context, x: torch.Tensor, minimum: bool) -> torch.Tensor:
+    """``x.max()`` or ``x.min()`` (no dimension: every element): the whole image's, the same on
+    every rank, its gradient shared evenly among the values equal to it (the NaNs, where it is
+    NaN), as PyTorch shares it."""
+    part = part_of(x)
+    sign = -1.0 if minimum else 1.0
+    signed = tagged(sign * x, part) if minimum else x
+    return sign * _global_max(ctx, signed, spread=True, merged=x.dim() - 2, nan_equal=True).reshape(())
 
 
 class GlobalMoments(torch.autograd.Function):
@@ -270,6 +282,17 @@ def vector_norm(ctx: Context, func, a: dict):
     else:
         norm = GlobalNorm.apply(x, float(p), dims, ctx.comm, ctx.label())
     return norm if keepdim else norm.squeeze(dims)
+
+
+def window_over_the_image(ctx: Context, x: torch.Tensor, maximum: bool, divisor: Optional[int] = None) -> torch.Tensor:
+    """A pooling window that is the whole image (``F.avg_pool2d(x, x.shape[2:])``, DenseNet's
+    last ``avg_pool2d(out, 7)``): the global mean (or sum over ``divisor``), or the global maximum
+    with max pooling's gradient (to the first maximum), (..., 1, 1), the same on every rank."""
+    if maximum:
+        return _global_max(ctx, x, spread=False)[..., None, None]
+    part = part_of(x)
+    total = _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, False)
+    return total / (divisor if divisor else part.height * part.width)
 
 
 def adaptive_max_pool2d(ctx: Context, func, a: dict):
