@@ -327,6 +327,13 @@ def _handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
         ("2", lambda t: torch.linalg.vector_norm(t, 2, 2))]
     calls[torch.norm] = [("p=2 (2, 3) keepdim", lambda t: t * torch.norm(t * no_first_channel, p=2, dim=(2, 3), keepdim=True)),
                          ("fro", lambda t: torch.norm(t)), ("nuc", lambda t: torch.norm(t, "nuc", (2, 3)))]
+    calls[torch.logsumexp] = [("lse (2, 3)", lambda t: torch.logsumexp(t * 5, (2, 3))),
+                              ("lse (1, 2, 3) keepdim", lambda t: t * torch.logsumexp(t, (1, 2, 3), keepdim=True)),
+                              ("lse of -inf and inf", lambda t: torch.logsumexp(t.masked_fill(t > 0.8, float("inf"))
+                                                                                .masked_fill(t < 0.3, -float("inf")),
+                                                                                (-2, -1))),
+                              ("lse 1", lambda t: torch.logsumexp(t, 1)), ("lse 3", lambda t: torch.logsumexp(t, 3))]
+    calls[torch.Tensor.logsumexp] = [("lse method", lambda t: t.logsumexp((2, 3)))]
     calls[torch.Tensor.norm] = [("(2, 3)", lambda t: t.norm(dim=(2, 3))), ("1", lambda t: t.norm(dim=1))]
     for f in (torch.narrow, torch.Tensor.narrow):
         calls[f] = [(f"{d}, {s}, {n}", lambda t, d=d, s=s, n=n: f(t, d, s, n))
@@ -614,6 +621,7 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("ceil 3 s2 p1", (2, 2), "exact"), ("ceil 4 s3 p2 no pad count", (2, 1), "exact"),
     ("ceil 3 s2 divisor", (1, 2), "exact"), ("bilinear 0.5", (2, 2), "exact"), ("bicubic 0.5 x 1", (2, 1), "exact"),
     ("bilinear to 3 x 3 of 7 x 6", (2, 1), "exact"),
+    ("lse (2, 3)", (2, 1), "exact"), ("lse (1, 2, 3) keepdim", (2, 2), "exact"), ("lse 3", (1, 2), "refused"),
     ("avg whole image", (2, 1), "exact"), ("avg whole image divisor", (1, 2), "exact"),
     ("max whole image ties", (2, 1), "exact"), ("IMDN's mean", (2, 1), "exact"), ("IMDN's mean", (1, 2), "refused"), ("3 keepdim", (2, 1), "exact"),
     ("2 keepdim", (1, 2), "exact"), ("2 keepdim", (2, 1), "refused"), ("(1, 3) keepdim, then 2", (2, 1), "exact"),

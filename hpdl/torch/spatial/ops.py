@@ -193,6 +193,9 @@ for _func, _spelling, _handler, _what in (
          "of an order p > 0 over both image dimensions: the whole image's (its gradient 0 where the norm is 0); "
          "over neither: as it is"),
         (torch.norm, "torch.norm", reductions.vector_norm, "as torch.linalg.vector_norm (`'fro'` is 2)"),
+        (torch.logsumexp, "torch.logsumexp", reductions.logsumexp,
+         "over both image dimensions: the whole image's (LSE pooling); over neither: as it is"),
+        (torch.Tensor.logsumexp, "Tensor.logsumexp", reductions.logsumexp, "as torch.logsumexp"),
         (torch.Tensor.norm, "Tensor.norm", reductions.vector_norm, "as torch.linalg.vector_norm"),
         (torch.mean, "torch.mean", reductions.reduction,
          "over both image dimensions: global; over neither: as it is; over one, kept (`keepdim=True`), where the grid "
@@ -259,7 +262,7 @@ _add("zero fill", Op(Kind.LIKE), torch_level=False, functional=False)
 _ALONG = (
     ("softmax log_softmax softmin", "dim", "implicit"),
     ("cumsum cumprod cummax cummin logcumsumexp", "dim", "all"),
-    ("nansum nanmean prod logsumexp amax amin max min argmax argmin std var std_mean var_mean median nanmedian "
+    ("nansum nanmean prod amax amin max min argmax argmin std var std_mean var_mean median nanmedian "
      "all any count_nonzero quantile nanquantile", "dim", "all"),
     ("mode kthvalue topk sort argsort diff glu", "dim", -1),
     ("unbind chunk split tensor_split split_with_sizes", "dim", 0),

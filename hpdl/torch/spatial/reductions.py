@@ -284,6 +284,24 @@ def vector_norm(ctx: Context, func, a: dict):
     return norm if keepdim else norm.squeeze(dims)
 
 
+def logsumexp(ctx: Context, func, a: dict):
+    """``logsumexp`` over both image dimensions (and any others: LSE pooling of a
+    multiple-instance head): the whole image's, the same on every rank, computed as PyTorch
+    computes it (the maximum taken out, an infinite one as 0); over neither, as it is; over
+    one, refused. Its gradient, ``exp(x - result)``, follows from the group sum's."""
+    x, keepdim = a["input"], bool(a.get("keepdim", False))
+    dims, over_image = _reduced_dims(ctx, func.__name__, x, a.get("dim"))
+    if not over_image:
+        return tag_outputs(torch.logsumexp(x, dims, keepdim), part_of(x))
+    moved, merged = _next_to_the_image(x, dims)
+    part = part_of(x)
+    top = _global_max(ctx, tagged(moved.detach(), part), spread=True, merged=merged)
+    top = top.masked_fill(top.abs() == math.inf, 0)
+    trailing = tuple(range(moved.dim() - 2 - merged, moved.dim()))
+    shifted = tagged(torch.exp(moved - top.reshape(top.shape + (1,) * len(trailing))), part)
+    return _kept(torch.log(_global_sum(ctx, shifted, trailing, False, False)) + top, dims, keepdim)
+
+
 def window_over_the_image(ctx: Context, x: torch.Tensor, maximum: bool, divisor: Optional[int] = None) -> torch.Tensor:
     """A pooling window that is the whole image (``F.avg_pool2d(x, x.shape[2:])``, DenseNet's
     last ``avg_pool2d(out, 7)``): the global mean (or sum over ``divisor``), or the global maximum
