@@ -15,7 +15,8 @@ on the same pixels. So a part permuted that way keeps its part, under the channe
   of a LayerNorm written by hand), ``cat``, ``chunk`` and ``split`` along them; means, sums,
   maxima, variances and norms over both image dimensions, the whole image's (ConvNeXt V2's
   global response norm: ``torch.norm(x, p=2, dim=(1, 2), keepdim=True)``);
-- conversions, new tensors like it, the part's lengths (``b, h, w, c = x.shape``);
+- conversions, new tensors like it, the part's lengths (``b, h, w, c = x.shape``), and
+  ``x.new_empty((b, 1, 1, 1))`` of a drop path (a size not read from the part);
 - a permute: back to the image dimensions last (a part again), or keeping the channels last.
 
 Everything else is refused on every rank alike, naming the call: a convolution, pooling, a
@@ -83,6 +84,16 @@ def _convert(ctx, func, op, part, args, kwargs):
     if args and not _marked(args[0]):
         return func(*to_whole(args), **to_whole(kwargs))
     return _keeps_part(ctx, func, op, part, args, kwargs)
+
+
+def _new(ctx, func, op, part, args, kwargs):
+    """``x.new_empty(size)`` and its kin: of a size holding no length read from the part, the
+    tensor one process makes (drop path's ``x.new_empty((b, 1, 1, 1)).bernoulli_(keep)``);
+    of the part's lengths, or of its values, refused."""
+    if lengths.holds_length(args[1:]) or lengths.holds_length(kwargs) or any(_marked(t) for t in tensors_in(args[1:])):
+        raise refusal(ctx, func, why="a new tensor of its lengths or values is refused on a channels-last part; "
+                                     "use zeros_like and its kin, which keep it a part")
+    return func(*args, **kwargs)
 
 
 def _metadata(ctx, func, op, part, args, kwargs):
@@ -172,6 +183,7 @@ def _concatenate(ctx, func, op, part, args, kwargs):
 _RULES = {
     Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random, Kind.CONVERT: _convert, Kind.LIKE: _keeps_part,
     Kind.PART_ATTRIBUTE: _keeps_part, Kind.METADATA: _metadata, Kind.SHAPE: _shape, Kind.PERMUTE: _permute,
+    Kind.NEW: _new,
     Kind.ALONG: _along, Kind.CONCAT: _concatenate,
 }
 
