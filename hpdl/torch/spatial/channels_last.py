@@ -142,7 +142,7 @@ def _along(ctx, func, op, part, args, kwargs):
         raise refusal(ctx, func, why="a channels-last part meets a part whose image dimensions are last")
     n = x.dim()
     dims = op.dims_named(bound, n)
-    if {n - 3, n - 2} <= dims and func in _OVER_THE_IMAGE:
+    if {n - 3, n - 2} <= dims and func in _OVER_THE_IMAGE and channels_last_part_of(x) == part:
         return _over_the_image(ctx, func, part, bound, dims)
     if dims & {n - 3, n - 2}:
         raise refusal(ctx, func, f"{ops.spelled(func)} along an image dimension")
@@ -183,10 +183,8 @@ def _concatenate(ctx, func, op, part, args, kwargs):
 _RULES = {
     Kind.ELEMENTWISE: _elementwise, Kind.RANDOM: _random, Kind.CONVERT: _convert, Kind.LIKE: _keeps_part,
     Kind.PART_ATTRIBUTE: _keeps_part, Kind.METADATA: _metadata, Kind.SHAPE: _shape, Kind.PERMUTE: _permute,
-    Kind.NEW: _new,
-    Kind.ALONG: _along, Kind.CONCAT: _concatenate,
+    Kind.NEW: _new, Kind.ALONG: _along, Kind.CONCAT: _concatenate,
 }
-
 
 
 # -- calls of their own ----------------------------------------------------------------------
