@@ -23,7 +23,7 @@ LONGEST_FIRST = ["test_torch_multirank.py", "test_spatial.py", "test_optimizer_m
                  "test_spark.py", "test_bad_input.py", "test_sr_train_multirank.py", "test_lost_rank.py",
                  "test_slurm.py", "test_gpu_check.py", "test_comm_multirank.py", "test_bench_synthetic.py",
                  "test_elastic.py", "test_sr_train.py", "test_bench_spatial.py", "test_spatial_failures.py",
-                 "test_spatial_ops.py"]
+                 "test_spatial_op_layouts.py", "test_spatial_ops.py"]
 
 
 def pytest_collection_modifyitems(config, items):
