@@ -96,7 +96,8 @@ def test_every_table_entry_on_a_channels_last_part_is_exact_or_refused_alike(kin
     assert expected <= exact, f"refused, though they work on each pixel's channels: {sorted(expected - exact)}"
     never = {"Tensor.add(last: x, image)", "F.local_response_norm(last: x, 3)", "F.dropout2d(last: x)",
              "F.softmax(last: x, 1)", "Tensor.permute(last: x, (0, 2, 1, 3))", "torch.mean(last: mean(1))",
-             "F.layer_norm(last: layer_norm (w, C))", "torch.matmul(last: w @ x)", "torch.prelu(last: prelu per channel)",
+             "F.layer_norm(last: layer_norm (w, C))", "torch.matmul(last: w @ x)",
+             "torch.prelu(last: prelu per channel)",
              "Tensor.reshape(last: x, -1)", "F.conv2d(last: pad 1)", "F.linear(last: linear of a part's weight)",
              "Tensor.new_zeros(last: shape)", "Tensor.new_tensor(last: a part's values)"}
     assert not never & exact, f"computed on a channels-last part, where they read the image: {sorted(never & exact)}"

@@ -37,7 +37,8 @@ from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import channels_last_part_of, part_of, tagged, tagged_channels_last, tensors_in
+from hpdl.torch.spatial.parts import (channels_last_part_of, is_part, part_of, tagged, tagged_channels_last,
+                                      tensors_in)
 
 
 def run(ctx: Context, func, op: Optional[ops.Op], part: Part, args, kwargs):
@@ -81,7 +82,7 @@ def _keeps_part(ctx, func, op, part, args, kwargs):
 
 def _convert(ctx, func, op, part, args, kwargs):
     """As dispatch's: another tensor converted like the part reads only its type and device."""
-    if args and not _marked(args[0]):
+    if args and not is_part(args[0]):
         return func(*to_whole(args), **to_whole(kwargs))
     return _keeps_part(ctx, func, op, part, args, kwargs)
 
@@ -90,7 +91,8 @@ def _new(ctx, func, op, part, args, kwargs):
     """``x.new_empty(size)`` and its kin: of a size holding no length read from the part, the
     tensor one process makes (drop path's ``x.new_empty((b, 1, 1, 1)).bernoulli_(keep)``);
     of the part's lengths, or of its values, refused."""
-    if lengths.holds_length(args[1:]) or lengths.holds_length(kwargs) or any(_marked(t) for t in tensors_in(args[1:])):
+    read_from_the_part = lengths.holds_length(args[1:]) or lengths.holds_length(kwargs)
+    if read_from_the_part or any(is_part(t) for t in tensors_in(args[1:])):
         raise refusal(ctx, func, why="a new tensor of its lengths or values is refused on a channels-last part; "
                                      "use zeros_like and its kin, which keep it a part")
     return func(*args, **kwargs)
@@ -136,8 +138,9 @@ def _along(ctx, func, op, part, args, kwargs):
         return _elementwise(ctx, func, op, part, args, kwargs)
     x = bound.get("input", args[0] if args else None)
     if channels_last_part_of(x) != part and not _constant_over_the_image(x):
-        raise refusal(ctx, func, why="its input must be the part, or of size 1 in the two dimensions before the last "
-                                     "(torch.gather of a whole map by a part's index reads its first rows on every band)")
+        raise refusal(ctx, func, why="its input must be the part, or of size 1 in the two dimensions before the "
+                                     "last (torch.gather of a whole map by a part's index reads its first rows on "
+                                     "every band)")
     if any(part_of(t) is not None for t in tensors_in(list(args) + list(kwargs.values()))):
         raise refusal(ctx, func, why="a channels-last part meets a part whose image dimensions are last")
     n = x.dim()
@@ -200,7 +203,7 @@ def _matmul(ctx, func, part, args, kwargs):
     x = args[0] if args else kwargs.get("input")
     other = args[1] if len(args) > 1 else kwargs.get("other")
     if channels_last_part_of(x) != part or not isinstance(other, torch.Tensor) or other.dim() != 2 \
-            or _marked(other):
+            or is_part(other):
         raise refusal(ctx, func, why="only the part times a weight of two dimensions (x @ w) mixes its channels "
                                      "alone")
     return _as_channels_last(ctx, func, func(*args, **kwargs), part)
@@ -219,7 +222,7 @@ def _layer_norm(ctx, func, part, args, kwargs):
 
 def _prelu(ctx, func, part, args, kwargs):
     weight = args[1] if len(args) > 1 else kwargs.get("weight")
-    if not isinstance(weight, torch.Tensor) or weight.numel() != 1 or _marked(weight):
+    if not isinstance(weight, torch.Tensor) or weight.numel() != 1 or is_part(weight):
         raise refusal(ctx, func, why="its weights run along dimension 1, the rows here; one weight for all runs")
     return _elementwise(ctx, func, None, part, args, kwargs)
 
@@ -269,15 +272,11 @@ def _bound(ctx, func, args, kwargs) -> dict:
         raise refusal(ctx, func, why="its arguments could not be read") from None
 
 
-def _marked(value: Any) -> bool:
-    return part_of(value) is not None or channels_last_part_of(value) is not None
-
-
 def _only_input_split(ctx, func, part: Part, bound: dict) -> None:
     """The call's input is the part; its weights are not split."""
     if channels_last_part_of(bound.get("input")) != part:
         raise refusal(ctx, func, why="its input must be the part")
-    if any(_marked(value) for name, value in bound.items() if name != "input"):
+    if any(is_part(value) for name, value in bound.items() if name != "input"):
         raise refusal(ctx, func, why="its weights must not be parts of a map")
 
 

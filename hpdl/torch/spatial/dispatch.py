@@ -37,7 +37,7 @@ from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import (channels_last_part_of, map_tensors, part_of, tag_outputs, tagged,
+from hpdl.torch.spatial.parts import (channels_last_part_of, is_part, map_tensors, part_of, tag_outputs, tagged,
                                       tagged_channels_last, tensors_in, with_marks_of)
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
@@ -264,7 +264,7 @@ def _convert(ctx, func, op, part, args, kwargs):
     """A copy of the part in another type or device: the same part. Another tensor converted like
     the part (SwinIR's ``self.mean.type_as(x)``, ``mean.to(x)``) reads only the part's type and
     device, the same on every rank: that tensor, converted."""
-    if args and not _marked(args[0]):
+    if args and not is_part(args[0]):
         return with_marks_of(func(*to_whole(args), **to_whole(kwargs)), args[0])
     return _keeps_part(ctx, func, op, part, args, kwargs)
 
@@ -278,9 +278,7 @@ def _along(ctx, func, op, part, args, kwargs):
         # torch.gather(whole, 1, index_part): each band would read the whole map's first rows.
         raise refusal(ctx, f"{ops.spelled(func)} of a tensor that is not the part, by a part",
                       "its input must be the part, or of size 1 in its last two dimensions")
-    if any(channels_last_part_of(t) is not None for t in tensors_in(list(args) + list(kwargs.values()))):
-        raise refusal(ctx, f"{ops.spelled(func)} of a part with a channels-last part",
-                      "permute the image dimensions of both to the same places")
+    _refuse_channels_last_beside(ctx, func, tensors_in(list(args) + list(kwargs.values())))
     if func in _EXTREMES and bound.get("dim") is None:  # x.max(): over every dimension, the image's too
         return reductions.extreme(ctx, x, minimum=_EXTREMES[func])
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
@@ -444,7 +442,7 @@ def _metadata(ctx, func, op, part, args, kwargs):
 
 
 def _new(ctx, func, op, part, args, kwargs):
-    if any(_marked(t) for t in tensors_in(list(args[1:]) + list(kwargs.values()))):  # x.new_tensor(part): a copy
+    if any(is_part(t) for t in tensors_in(list(args[1:]) + list(kwargs.values()))):  # x.new_tensor(part): a copy
         raise refusal(ctx, f"{ops.spelled(func)} of a part's values", "copy it with .clone(), which keeps it a part")
     return _new_tensor(ctx, func, args, kwargs)
 
@@ -526,10 +524,8 @@ def _check_operands(ctx, func, part: Part, args, kwargs, skip_first: bool = Fals
     tensors = tensors_in(list(args) + list(kwargs.values()))
     if skip_first:
         tensors = tensors[:1]
+    _refuse_channels_last_beside(ctx, func, tensors)
     for t in tensors:
-        if channels_last_part_of(t) is not None:
-            raise refusal(ctx, f"{ops.spelled(func)} of a part with a channels-last part",
-                          "permute the image dimensions of both to the same places")
         other = part_of(t)
         if other is not None:
             if other != part:
@@ -599,6 +595,13 @@ def _scale_parameters(args, kwargs, factor: float):
     return tuple(scaled(a) for a in args), {k: scaled(v) for k, v in kwargs.items()}
 
 
+def _refuse_channels_last_beside(ctx, func, tensors) -> None:
+    """A part (image dimensions last) meets a channels-last one: their pixels are not aligned."""
+    if any(channels_last_part_of(t) is not None for t in tensors):
+        raise refusal(ctx, f"{ops.spelled(func)} of a part with a channels-last part",
+                      "permute the image dimensions of both to the same places")
+
+
 def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
     """The part of the first tensor marked as one among the call's arguments, and whether its
     image dimensions are its last two (else it is channels-last); (None, True) where none is."""
@@ -616,10 +619,6 @@ def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
         if found[0] is not None:
             return found
     return None, True
-
-
-def _marked(value: Any) -> bool:
-    return part_of(value) is not None or channels_last_part_of(value) is not None
 
 
 def _mark(value: Any) -> Tuple[Optional[Part], bool]:

@@ -41,6 +41,11 @@ def tagged_channels_last(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     return tensor
 
 
+def is_part(value: Any) -> bool:
+    """Whether ``value`` is a part of a split map, its image dimensions last or channels-last."""
+    return part_of(value) is not None or channels_last_part_of(value) is not None
+
+
 def mark_replicated(tensor: torch.Tensor) -> torch.Tensor:
     """Mark ``tensor`` as a whole value, the same on every rank of the group (a model's output
     after global pooling), so that gathering it gives it back instead of its copies side by side."""
