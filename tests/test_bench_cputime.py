@@ -52,3 +52,35 @@ def test_nothing_is_charged_when_nothing_runs():
     after = CpuSnapshot.take()
     spent = after.since(before)
     assert spent["hpdl"] < 5 and spent["backend"] < 5, spent
+
+
+def test_a_thread_that_ends_between_snapshots_takes_none_of_the_others_time():
+    # Its earlier time leaves the process's total with it: subtracting group sums charged the
+    # backend threads still running less than they spent (CI saw 4 ms for a 100 ms loop).
+    leave, worked, stay = threading.Event(), threading.Event(), threading.Event()
+
+    def work_then_end():
+        for _ in range(3):
+            _work()
+        worked.set()
+        leave.wait()
+
+    def work_then_stay():
+        _work()
+        worked.set()
+        stay.wait()
+
+    leaving = threading.Thread(target=work_then_end, name="backend-leaving", daemon=True)
+    leaving.start()
+    worked.wait()
+    before = CpuSnapshot.take()
+    leave.set()
+    leaving.join()
+    worked.clear()
+    staying = threading.Thread(target=work_then_stay, name="backend-staying", daemon=True)
+    staying.start()
+    worked.wait()
+    spent = CpuSnapshot.take().since(before)
+    stay.set()
+    staying.join()
+    assert spent["backend"] > 10, spent

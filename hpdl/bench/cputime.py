@@ -48,8 +48,8 @@ def _node_ticks() -> Optional[tuple]:
 class CpuSnapshot:
     """CPU time of this process's threads by group, and the node's idle time, at one moment."""
 
-    def __init__(self, ms: Dict[str, float], node: Optional[tuple]):
-        self.ms = ms
+    def __init__(self, threads: Dict[int, tuple], node: Optional[tuple]):
+        self.threads = threads  # thread id -> (group, CPU ms so far)
         self.node = node
 
     @classmethod
@@ -60,20 +60,23 @@ class CpuSnapshot:
         me = threading.get_native_id()
         ours = {t.native_id for t in threading.enumerate()
                 if t.name.startswith("hpdl") and t.native_id is not None}
-        ms = dict.fromkeys(GROUPS, 0.0)
+        threads = {}
         for task in os.listdir("/proc/self/task"):
             spent = _thread_ms(task)
             if spent is None:
                 continue
             tid = int(task)
-            group = "training" if tid == me else "hpdl" if tid in ours else "backend"
-            ms[group] += spent
-        return cls(ms, _node_ticks())
+            threads[tid] = ("training" if tid == me else "hpdl" if tid in ours else "backend", spent)
+        return cls(threads, _node_ticks())
 
     def since(self, earlier: "CpuSnapshot") -> Dict[str, float]:
         """CPU ms per group from ``earlier`` to this one, and the node's idle share (0-1)."""
-        # A thread that ended in between takes its time with it: a group never goes negative.
-        out = {group: max(0.0, self.ms[group] - earlier.ms[group]) for group in GROUPS}
+        # Thread by thread: one that ended in between takes all its time with it, so subtracting
+        # group sums would take its earlier time off the threads still running.
+        out = dict.fromkeys(GROUPS, 0.0)
+        for tid, (group, spent) in self.threads.items():
+            then = earlier.threads.get(tid)
+            out[group] += max(0.0, spent - (then[1] if then is not None else 0.0))
         if self.node is not None and earlier.node is not None:
             idle, total = (now - then for now, then in zip(self.node, earlier.node))
             out["node_idle"] = idle / total if total > 0 else 0.0
