@@ -208,7 +208,10 @@ def handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                                 ("3 x 2", lambda t: F.adaptive_avg_pool2d(t, (3, 2))),
                                 ("5 x 4 (overlapping windows)", lambda t: F.adaptive_avg_pool2d(t, (5, 4))),
                                 ("9 x 8 (more than the image)", lambda t: F.adaptive_avg_pool2d(t, (9, 8))),
-                                ("None x 1", lambda t: F.adaptive_avg_pool2d(t, (None, 1)))],
+                                ("None x 1", lambda t: F.adaptive_avg_pool2d(t, (None, 1))),
+                                ("2 x None", lambda t: F.adaptive_avg_pool2d(t, [2, None])),
+                                ("row gate", lambda t: t * torch.sigmoid(
+                                    F.adaptive_avg_pool2d(t, (None, 1)) - F.adaptive_max_pool2d(t, (None, 1))))],
         # Ties (values floor(3 t), the gradient passed to t as it is): the first maximum in the
         # whole image's row-major order takes max pooling's gradient; amax shares it evenly.
         F.group_norm: [("3 groups", lambda t: F.group_norm(t, 3)), ("1 group affine", lambda t: F.group_norm(
@@ -234,6 +237,8 @@ def handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                                 ("(1, 1) ties", lambda t: F.adaptive_max_pool2d(tied(t), (1, 1))),
                                 ("NaN", lambda t: F.adaptive_max_pool2d(with_nan(t), 1)),
                                 ("2", lambda t: F.adaptive_max_pool2d(t, 2)),
+                                ("None x 2", lambda t: F.adaptive_max_pool2d(t, (None, 2))),
+                                ("None x 1 indices", lambda t: F.adaptive_max_pool2d(t, (None, 1), return_indices=True)),
                                 ("indices", lambda t: F.adaptive_max_pool2d(t, 1, return_indices=True))],
         torch.amax: [("(2, 3)", lambda t: torch.amax(t, (2, 3))), ("(-1, -2) keepdim", lambda t: torch.amax(t, (-1, -2), True)),
                      ("(1, 2, 3) ties", lambda t: torch.amax(tied(t), (1, 2, 3))), ("all", lambda t: torch.amax(t)),

@@ -344,7 +344,7 @@ EXACTNESS = [
     ("mpiexec", 3, "3x1", ["resnet-small:97x83", "edsr-baseline:23x19", "unet:37x29", "masked:17x8", "unbatched:17x8",
                            "quirks:17x8", "borders:17x8", "unshuffle:22x10", "pooled:17x8", "multiscale:24x12",
                            "deeplab:29x19", "pyramid:23x17", "cbam:17x13", "nnunet:23x17",
-                           "nnunet:18x13:checkpoint", "handnorm:17x13", "convnext:17x13"]),
+                           "nnunet:18x13:checkpoint", "handnorm:17x13", "convnext:17x13", "rowgate:17x13"]),
     ("mpiexec", 4, "2x2", ["resnet-small:97x83", "edsr-baseline:21x17", "unet:37x29", "seghead:64x32", "masked:17x11",
                            "unbatched:17x11", "quirks:17x11", "borders:17x11",
                            "unshuffle:22x14", "pooled:17x11", "multiscale:24x18", "deeplab:29x22", "pyramid:23x17",

@@ -69,7 +69,9 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("align to 13 x 10", (2, 1), "exact"), ("align bicubic 2", (1, 2), "exact"), ("to 2 x 1", (2, 1), "exact"),
     ("antialias", (2, 1), "refused"), ("area", (1, 2), "refused"), ("area 1 x 0.5", (2, 2), "exact"),
     ("area 2 x 3", (2, 1), "exact"), ("lp 1.5 of 2 x 3 ceil", (2, 2), "exact"), ("lp -inf of 3 s1", (2, 1), "exact"),
-    ("5 x 4 (overlapping windows)", (2, 2), "exact"), ("None x 1", (2, 1), "refused"),
+    ("5 x 4 (overlapping windows)", (2, 2), "exact"), ("None x 1", (2, 1), "exact"), ("None x 1", (1, 2), "refused"),
+    ("2 x None", (1, 2), "exact"), ("2 x None", (2, 2), "refused"), ("row gate", (2, 1), "exact"),
+    ("None x 2", (2, 1), "exact"), ("None x 2", (2, 2), "refused"), ("None x 1 indices", (2, 1), "refused"),
     ("3x3 s2 p1 op1", (2, 1), "exact"), ("2x2 s2", (2, 2), "exact"),
     ("diff of shapes", (2, 1), "exact"), ("replicate", (1, 2), "exact"), ("crop -1", (2, 2), "exact"),
     ("reflect", (2, 1), "exact"), ("reflect 2 uneven", (2, 2), "exact"), ("circular", (2, 1), "exact"),
@@ -91,6 +93,35 @@ def test_what_the_reported_cases_do_now(call, grid, status):
                 assert check_call(func, name, fn, grid) == status
                 return
     raise AssertionError(f"no call named {call}")
+
+
+BROADCASTS = {  # a part of a map of length 1 along one image dimension beside the part
+    "x * row means": lambda t: t * t.mean(3, keepdim=True),
+    "row sums * x": lambda t: t.sum(3, keepdim=True) * torch.sigmoid(t),
+    "where(x, row means)": lambda t: torch.where(t > 0.5, t, t.mean(-1, keepdim=True)),
+    "addcmul(x, row means, x)": lambda t: torch.addcmul(t, t.mean(3, keepdim=True), t),
+    "x *= row means": lambda t: (t * 1).mul_(t.mean(3, keepdim=True)),
+    "x - column means": lambda t: t - t.mean(2, keepdim=True),
+    "row means + column means": lambda t: t.mean(3, keepdim=True) + t.mean(2, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("call,grid,status", [
+    (call, grid, "exact" if ("column" not in call and grid[1] == 1 or "row" not in call and grid[0] == 1)
+     else "refused") for call in BROADCASTS for grid in ((2, 1), (1, 2), (2, 2))])
+def test_parts_broadcast_along_an_image_dimension_the_grid_does_not_split(call, grid, status):
+    # Each rank holds whole rows on row bands: its own column of row means spreads along its own
+    # rows as one process spreads the whole column; where the columns are split too, refused.
+    assert check_call(torch.mul, call, BROADCASTS[call], grid) == status
+    if status == "exact":
+        assert check_the_gradient(torch.mul, call, BROADCASTS[call], grid)
+
+
+def test_parts_that_cannot_broadcast_band_by_band_are_refused_naming_both_sizes():
+    x = torch.randn(1, 2, 8, 6, dtype=torch.float64)
+    outcomes = run_parts((2, 1), lambda t: t * F.avg_pool2d(t, 2), x)
+    assert "Tensor.mul of parts of maps of different sizes is not supported in the spatial part (8 x 6 and 4 x 3; " \
+        "parts broadcast only along an image dimension the grid does not split)" in refused_alike(outcomes)
 
 
 def test_the_reported_silent_cases_are_exact_now():

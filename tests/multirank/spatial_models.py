@@ -419,6 +419,25 @@ class HandNorm(nn.Module):
         return self.conv2(torch.relu((f - mean) / (var + 1e-5).sqrt()))
 
 
+class RowGate(nn.Module):
+    """Attention from each row's statistics (strip pooling, IMDN-style gates): the row means and
+    maxima (adaptive pooling to ``(None, 1)``, ``x.mean(3, keepdim=True)``) through convolutions
+    along the rows, gating the map by broadcasting back along its columns. Exact on row bands,
+    where each rank holds whole rows; refused where the columns are split."""
+
+    def __init__(self, c: int = 6):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.along = nn.Conv2d(2 * c, c, (3, 1), padding=(1, 0))
+        self.out = nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(self.conv(x))
+        rows = torch.cat([F.adaptive_avg_pool2d(f, (None, 1)), F.adaptive_max_pool2d(f, (None, 1))], 1)
+        f = f * torch.sigmoid(self.along(rows)) + (f - f.mean(3, keepdim=True)) * 0.5
+        return self.out(f)
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -435,7 +454,7 @@ _MODELS = {
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
     "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet, "handnorm": HandNorm,
-    "convnext": ConvNeXt,
+    "convnext": ConvNeXt, "rowgate": RowGate,
 }
 
 

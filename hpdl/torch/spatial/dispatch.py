@@ -226,7 +226,7 @@ def _requiring_grad(bound: dict) -> bool:
 
 def _elementwise(ctx, func, op, part, args, kwargs):
     _refuse_rows_as_channels(ctx, func, op, args, kwargs)
-    _check_operands(ctx, func, part, args, kwargs, skip_first=func in _PARAMETER_SECOND)
+    part = _check_operands(ctx, func, part, args, kwargs, skip_first=func in _PARAMETER_SECOND, broadcast=True)
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
 
@@ -517,26 +517,56 @@ def _bound(ctx, func, args, kwargs) -> dict:
         raise refusal(ctx, ops.spelled(func), "its arguments could not be read") from None
 
 
-def _check_operands(ctx, func, part: Part, args, kwargs, skip_first: bool = False) -> None:
+def _check_operands(ctx, func, part: Part, args, kwargs, skip_first: bool = False, broadcast: bool = False) -> Part:
     """Every tensor beside the part must be the same part of a map of the same size, or constant
     along the image (sizes 1 in its last two dimensions): anything else would meet every band
-    with the same pixels."""
+    with the same pixels. With ``broadcast`` (an element-wise call), parts may also broadcast
+    where each rank can do it alone (``_broadcast``). Returns the part the result is."""
     tensors = tensors_in(list(args) + list(kwargs.values()))
     if skip_first:
         tensors = tensors[:1]
     _refuse_channels_last_beside(ctx, func, tensors)
+    others = set()
     for t in tensors:
         other = part_of(t)
         if other is not None:
             if other != part:
-                raise refusal(ctx, f"{ops.spelled(func)} of parts of maps of different sizes",
-                              f"{part.height} x {part.width} and {other.height} x {other.width}")
+                others.add(other)
             continue
         if t.dim() >= 1 and t.shape[-1] != 1 or t.dim() >= 2 and t.shape[-2] != 1:
             raise refusal(ctx, f"{ops.spelled(func)} of a part with a tensor that is not split "
                                f"(shape {list(t.shape)})",
                           "a tensor beside a part must be a part of a map of the same size, or have size 1 "
                           "in its last two dimensions")
+    if not others:
+        return part
+    result = _broadcast([part, *others]) if broadcast else None
+    if result is None:
+        other = next(iter(others))
+        raise refusal(ctx, f"{ops.spelled(func)} of parts of maps of different sizes",
+                      f"{part.height} x {part.width} and {other.height} x {other.width}" +
+                      ("; parts broadcast only along an image dimension the grid does not split" if broadcast else ""))
+    return result
+
+
+def _broadcast(parts: List[Part]) -> Optional[Part]:
+    """The part of the map that ``parts`` broadcast to, where each rank can broadcast its own:
+    along each image dimension their lengths are equal, or some are 1 where the grid does not split
+    that dimension (``x * x.mean(3, keepdim=True)`` on row bands: each rank holds whole rows, so
+    its own column of means spreads along its own rows as one process spreads the whole column).
+    None where they do not (a length 1 along a split dimension would meet every band with the
+    first one's pixels)."""
+    first = parts[0]
+    if any((p.grid, p.rank) != (first.grid, first.rank) for p in parts):
+        return None
+    lengths = []
+    for axis in (0, 1):
+        seen = {p.length(axis) for p in parts}
+        longer = seen - {1}
+        if len(longer) > 1 or len(seen) > 1 and first.grid.bands_along(axis) > 1:
+            return None
+        lengths.append(max(seen))
+    return first.resized(*lengths)
 
 
 def _product(shape) -> int:

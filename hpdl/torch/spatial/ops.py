@@ -10,7 +10,8 @@ normalization.py, reductions.py and resampling.py hold the handlers):
   batch, group and instance norm: normalization.py; reductions over the image: reductions.py;
   resampling: resampling.py);
 - ``ELEMENTWISE``: each output pixel from the same pixel of the inputs; the other tensors must
-  be the same part of a map of the same size, or constant along the image (sizes 1 there);
+  be the same part of a map of the same size, or constant along the image (sizes 1 there), or
+  a part of length 1 along an image dimension the grid does not split (it broadcasts there);
 - ``RANDOM``: element-wise with random numbers, drawn from each band's own stream
   (randomness.py), never the same on every band;
 - ``RANDOM_CHANNELS``: random numbers constant over the image (the channels ``Dropout2d``
@@ -174,14 +175,17 @@ for _func, _spelling, _handler, _what in (
         (torch.var_mean, "torch.var_mean", reductions.moments, "as torch.var"),
         (torch.std_mean, "torch.std_mean", reductions.moments, "as torch.var"),
         (F.adaptive_max_pool2d, "F.adaptive_max_pool2d", reductions.adaptive_max_pool2d,
-         "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group"),
+         "to 1 x 1 (global max pooling), without indices: the same result on every rank of the group; to "
+         "`(None, k)` or `(k, None)` where the grid does not split the dimension pooled (row bands' `(None, 1)`): "
+         "each rank its own rows"),
         (torch.amax, "torch.amax", reductions.amax, "over both image dimensions: global; over neither: as it is"),
         (torch.Tensor.amax, "Tensor.amax", reductions.amax, "as torch.amax"),
         (torch.amin, "torch.amin", reductions.amin, "as torch.amax"),
         (torch.Tensor.amin, "Tensor.amin", reductions.amin, "as torch.amax"),
         (F.adaptive_avg_pool2d, "F.adaptive_avg_pool2d", reductions.adaptive_avg_pool2d,
          "to any k x l (1 x 1: global; a pyramid pooling module's 1, 2, 3, 6): the same result on every rank of the "
-         "group"),
+         "group; to `(None, k)` or `(k, None)` where the grid does not split the dimension pooled (row means, "
+         "`(None, 1)`, on row bands): each rank its own rows"),
         (torch.pixel_shuffle, "F.pixel_shuffle", resampling.pixel_shuffle, "any factor"),
         (torch.pixel_unshuffle, "F.pixel_unshuffle", resampling.pixel_unshuffle,
          "any factor dividing the image's height and width"),

@@ -20,7 +20,9 @@ END = "<!-- end of the op table -->"
 
 _RULES = {
     Kind.ELEMENTWISE: "exact: each output pixel from the same pixel of the inputs; another tensor beside the part "
-                      "must be the same part of a map of the same size, or of size 1 in its last two dimensions",
+                      "must be the same part of a map of the same size, or of size 1 in its last two dimensions; a part "
+                      "of a map of length 1 along an image dimension the grid does not split broadcasts there "
+                      "(`x * x.mean(3, keepdim=True)` on row bands)",
     Kind.RANDOM: "each band draws from its own stream (see Dropout and random numbers), never every band the "
                  "same numbers",
     Kind.RANDOM_CHANNELS: "one draw for the group: every band drops the same channels, as one process drops them "

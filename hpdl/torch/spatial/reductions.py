@@ -65,8 +65,7 @@ def adaptive_avg_pool2d(ctx: Context, func, a: dict):
     x, size = a["input"], a["output_size"]
     out = _pooled_size(size)
     if out is None:
-        raise SpatialError(f"{ctx.where()}: adaptive average pooling to {size} is not supported in the spatial "
-                           "part (None keeps an image dimension split: pool to a size in both)")
+        return _pooled_along_unsplit(ctx, func, x, size, "average")
     if out == (1, 1):
         return _global_sum(ctx, x, (x.dim() - 2, x.dim() - 1), True, True)
     part = part_of(x)
@@ -75,6 +74,21 @@ def adaptive_avg_pool2d(ctx: Context, func, a: dict):
         weights = _window_means(part.length(axis), k, (part.rows, part.cols)[axis], x.dtype).to(x.device)
         pooled = torch.tensordot(pooled, weights, dims=([x.dim() - 2 + axis], [1])).movedim(-1, x.dim() - 2 + axis)
     return _group_sum(ctx, pooled)
+
+
+def _pooled_along_unsplit(ctx: Context, func, x: torch.Tensor, size: Any, kind: str) -> torch.Tensor:
+    """Adaptive pooling that keeps one image dimension (``None``): where the grid does not split
+    the one it pools (the columns of row bands, pooled to ``(None, 1)``: strip pooling's row
+    means), each rank pools its own whole rows as one process does; a
+    part of a map of the pooled length there. Refused where that dimension is split."""
+    part = part_of(x)
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    if any(s is not None and part.grid.bands_along(axis) > 1 for axis, s in enumerate(sizes)):
+        raise SpatialError(f"{ctx.where()}: adaptive {kind} pooling to {size} is not supported in the spatial part "
+                           "(None keeps an image dimension: the dimension it pools must not be split, and this "
+                           f"is a {part.grid} grid; pool to a size in both)")
+    out = func(x, size)
+    return tagged(out, part.resized(*(part.length(axis) if s is None else s for axis, s in enumerate(sizes))))
 
 
 def _pooled_size(size: Any) -> Optional[Tuple[int, int]]:
@@ -317,6 +331,8 @@ def adaptive_max_pool2d(ctx: Context, func, a: dict):
     """Adaptive max pooling to 1 x 1 (global max pooling: CBAM's channel attention), the same
     on every rank; other sizes, and the indices, are refused."""
     x, size, indices = a["input"], a["output_size"], a.get("return_indices", False)
+    if not indices and _pooled_size(size) is None:
+        return _pooled_along_unsplit(ctx, func, x, size, "max")
     if indices or _pooled_size(size) != (1, 1):
         raise SpatialError(f"{ctx.where()}: adaptive max pooling to {size}" + (" with its indices" if indices else "")
                            + " is not supported in the spatial part (to 1 x 1, global, without indices)")
