@@ -1,4 +1,8 @@
+import json
+import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +39,30 @@ def pytest_collection_modifyitems(config, items):
     if reason is not None:
         for item in gpu_tests:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-times", metavar="FILE", default=None,
+                     help="append each test's wall time and the CPU time of its worker and of the processes it "
+                          "waited for (ranks, launchers, commands) to FILE, one JSON line per test: where the "
+                          "suite's time goes (scripts/cpu_times.py sums them by file)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--cpu-times")
+    if path is None:
+        yield
+        return
+
+    def cpu():
+        return [sum(resource.getrusage(who)[:2]) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+
+    start, (own, children) = time.monotonic(), cpu()
+    yield
+    own_after, children_after = cpu()
+    # A process that is never waited for (a daemon another process started) is not counted.
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - start, 2),
+                            "cpu_s": round(own_after - own, 2),
+                            "children_cpu_s": round(children_after - children, 2), "pid": os.getpid()}) + "\n")
