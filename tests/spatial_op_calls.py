@@ -331,7 +331,28 @@ def handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                                                                                 (-2, -1))),
                               ("lse 1", lambda t: torch.logsumexp(t, 1)), ("lse 3", lambda t: torch.logsumexp(t, 3))]
     calls[torch.Tensor.logsumexp] = [("lse method", lambda t: t.logsumexp((2, 3)))]
-    calls[torch.Tensor.norm] = [("(2, 3)", lambda t: t.norm(dim=(2, 3))), ("1", lambda t: t.norm(dim=1))]
+    calls[torch.Tensor.norm] = [("(2, 3)", lambda t: t.norm(dim=(2, 3))), ("1", lambda t: t.norm(dim=1)),
+                                ("inf ties keepdim", lambda t: t * tied(t - 0.5).norm(float("inf"), (2, 3), True)),
+                                ("-inf (1, 2, 3)", lambda t: t.norm(-float("inf"), (1, 2, 3)))]
+    calls[torch.any] = [("NaN check", lambda t: t * 2 if torch.isnan(t).any() else t * 3),
+                        ("any (2, 3) keepdim", lambda t: torch.any(t > 0.9, (2, 3), keepdim=True)),
+                        ("any (1, 2, 3)", lambda t: torch.any(t > 0.99, (1, 2, 3))), ("any 1", lambda t: torch.any(t > 0.9, 1)),
+                        ("any 3", lambda t: torch.any(t > 0.9, 3))]
+    calls[torch.Tensor.any] = [("any method", lambda t: (t > 0.99).any())]
+    calls[torch.all] = [("all (1, 2, 3) keepdim", lambda t: torch.all(t > 0.01, (1, 2, 3), keepdim=True))]
+    calls[torch.Tensor.count_nonzero] = [("count method", lambda t: (t > 0.5).count_nonzero((2, 3)))]
+    calls[torch.Tensor.nansum] = [("nansum method", lambda t: with_nan(t).nansum((2, 3)))]
+    calls[torch.nanmean] = [("nanmean (2, 3)", lambda t: torch.nanmean(with_nan(t), (2, 3)))]
+    calls[torch.Tensor.all] = [("finite", lambda t: torch.isfinite(with_nan(t)).all()),
+                               ("all (-1, -2)", lambda t: (t > 0.01).all((-1, -2)))]
+    calls[torch.count_nonzero] = [("count all", lambda t: torch.count_nonzero(t > 0.5)),
+                                  ("count (0, 2, 3)", lambda t: torch.count_nonzero(t > 0.5, (0, 2, 3))),
+                                  ("count 2", lambda t: torch.count_nonzero(t > 0.5, 2))]
+    calls[torch.nansum] = [("NaN (2, 3)", lambda t: torch.nansum(with_nan(t), (2, 3))),
+                           ("NaN all", lambda t: torch.nansum(with_nan(t)))]
+    calls[torch.Tensor.nanmean] = [("NaN (2, 3) keepdim", lambda t: t * with_nan(t).nanmean((2, 3), keepdim=True)),
+                                   ("NaN (1, 2, 3) dtype", lambda t: with_nan(t).nanmean((1, 2, 3), dtype=torch.float64)),
+                                   ("nanmean 1", lambda t: t.nanmean(1))]
     for f in (torch.narrow, torch.Tensor.narrow):
         calls[f] = [(f"{d}, {s}, {n}", lambda t, d=d, s=s, n=n: f(t, d, s, n))
                     for d in DIMS for s, n in ((0, 1), (1, 2), (-2, 2), (0, 5))]

@@ -83,7 +83,11 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("lse (2, 3)", (2, 1), "exact"), ("lse (1, 2, 3) keepdim", (2, 2), "exact"), ("lse 3", (1, 2), "refused"),
     ("avg whole image", (2, 1), "exact"), ("avg whole image divisor", (1, 2), "exact"),
     ("max whole image ties", (2, 1), "exact"), ("IMDN's mean", (2, 1), "exact"), ("IMDN's mean", (1, 2), "refused"),
-    ("3 keepdim", (2, 1), "exact"),
+    ("3 keepdim", (2, 1), "exact"), ("NaN check", (2, 2), "exact"), ("any (2, 3) keepdim", (2, 2), "exact"),
+    ("any 3", (1, 2), "refused"), ("finite", (2, 1), "exact"), ("count all", (1, 2), "exact"),
+    ("count 2", (2, 2), "refused"),
+    ("NaN (2, 3)", (2, 2), "exact"), ("NaN (2, 3) keepdim", (2, 1), "exact"), ("inf ties keepdim", (2, 2), "exact"),
+    ("-inf (1, 2, 3)", (1, 2), "exact"), ("inf", (2, 1), "exact"),
     ("2 keepdim", (1, 2), "exact"), ("2 keepdim", (2, 1), "refused"), ("(1, 3) keepdim, then 2", (2, 1), "exact"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):

@@ -251,7 +251,8 @@ def _over_the_image(ctx, func, part: Part, bound: dict, dims: set):
 
 _REDUCING = ops.Op(Kind.ALONG, dim="dim")
 _SPECIAL = {}
-_REDUCTIONS = [func for func, _ in ops.functions("mean sum amax amin var std var_mean std_mean norm".split())]
+_REDUCTIONS = [func for func, _ in ops.functions(
+    "mean sum amax amin var std var_mean std_mean norm any all count_nonzero nansum nanmean".split())]
 for _func in _REDUCTIONS + [torch.linalg.vector_norm]:
     _SPECIAL[_func] = _reduction
 # Those with a handler over the image: the op table's (reductions.py).

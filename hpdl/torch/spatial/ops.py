@@ -194,8 +194,21 @@ for _func, _spelling, _handler, _what in (
          "(as one process reads them); area by whole factors (average pooling over blocks, or each pixel repeated); "
          "a whole tensor (a pooled branch) to a size read from a part becomes a part"),
         (torch.linalg.vector_norm, "torch.linalg.vector_norm", reductions.vector_norm,
-         "of an order p > 0 over both image dimensions: the whole image's (its gradient 0 where the norm is 0); "
-         "over neither: as it is"),
+         "of an order p > 0 or -inf over both image dimensions: the whole image's (its gradient 0 where the norm is "
+         "0; for inf and -inf shared evenly among the ties); over neither: as it is"),
+        (torch.any, "torch.any", reductions.counted,
+         "over both image dimensions (no dimension: all of them; `torch.isnan(x).any()`): the whole image's, the "
+         "same on every rank; over neither: as it is"),
+        (torch.Tensor.any, "Tensor.any", reductions.counted, "as torch.any"),
+        (torch.all, "torch.all", reductions.counted, "as torch.any"),
+        (torch.Tensor.all, "Tensor.all", reductions.counted, "as torch.any"),
+        (torch.count_nonzero, "torch.count_nonzero", reductions.counted, "as torch.any"),
+        (torch.Tensor.count_nonzero, "Tensor.count_nonzero", reductions.counted, "as torch.any"),
+        (torch.nansum, "torch.nansum", reductions.counted, "as torch.sum, NaN as 0"),
+        (torch.Tensor.nansum, "Tensor.nansum", reductions.counted, "as torch.nansum"),
+        (torch.nanmean, "torch.nanmean", reductions.counted,
+         "as torch.any: the whole image's nansum over its count of numbers"),
+        (torch.Tensor.nanmean, "Tensor.nanmean", reductions.counted, "as torch.nanmean"),
         (torch.norm, "torch.norm", reductions.vector_norm, "as torch.linalg.vector_norm (`'fro'` is 2)"),
         (torch.logsumexp, "torch.logsumexp", reductions.logsumexp,
          "over both image dimensions: the whole image's (LSE pooling); over neither: as it is"),

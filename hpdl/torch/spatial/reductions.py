@@ -278,24 +278,53 @@ def vector_norm(ctx: Context, func, a: dict):
     """``torch.linalg.vector_norm``, ``torch.norm`` and ``Tensor.norm`` of an order p > 0 (2 by
     default; ``'fro'`` is 2) over both image dimensions (and any others): the whole image's
     norm, the same on every rank, its gradient PyTorch's (0 where the norm is 0); over neither,
-    as it is; over one, refused. Orders 0, infinite and negative, and ``'nuc'``, are refused
-    over the image."""
+    as it is; over one, refused. Orders inf and -inf are the largest and smallest magnitude
+    (amax's gradient: shared evenly among the ties). Orders 0 and negative, and ``'nuc'``, are
+    refused over the image."""
     x, keepdim, dtype = a["input"], bool(a.get("keepdim", False)), a.get("dtype")
     p = a.get("ord", a.get("p", 2))
     p = 2 if p == "fro" or p is None else p
     dims, over_image = _reduced_dims(ctx, func.__name__.replace("linalg_", ""), x, a.get("dim"))
-    if isinstance(p, str) or (over_image and not (0 < float(p) < math.inf)):
+    if isinstance(p, str) or (over_image and not (0 < float(p) or float(p) == -math.inf)):
         raise SpatialError(f"{ctx.where()}: a norm of order {p!r} over the image is not supported in the spatial "
-                           "part (orders p > 0, finite: the whole image's sum of |x|^p)")
+                           "part (orders p > 0, and -inf: the whole image's sum of |x|^p, or its extreme)")
     if dtype is not None:
         x = tagged(x.to(dtype), part_of(x))
     if not over_image:
         return tag_outputs(torch.linalg.vector_norm(x, p, dims, keepdim), part_of(x))
+    if math.isinf(float(p)):
+        sign = 1.0 if float(p) > 0 else -1.0
+        moved, merged = _next_to_the_image(tagged(x.abs() * sign, part_of(x)), dims)
+        return _kept(_global_max(ctx, moved, spread=True, merged=merged), dims, keepdim) * sign
     if ctx.dry:
         norm = torch.linalg.vector_norm(x, p, dims, keepdim=True)
     else:
         norm = GlobalNorm.apply(x, float(p), dims, ctx.comm, ctx.label())
     return norm if keepdim else norm.squeeze(dims)
+
+
+def counted(ctx: Context, func, a: dict):
+    """``any``, ``all``, ``count_nonzero``, ``nansum`` and ``nanmean`` over both image
+    dimensions (and any others; no dimension: all of them; a NaN check's ``torch.isnan(x).any()``):
+    each part's own, summed over the group, the same on every rank (``nanmean``: the group's
+    ``nansum`` over its count of numbers, as PyTorch divides them); over neither, as they are;
+    over one, refused."""
+    x, name = a["input"], func.__name__
+    keepdim, dtype = bool(a.get("keepdim", False)), a.get("dtype")
+    dims, over_image = _reduced_dims(ctx, name, x, a.get("dim"))
+    kwargs = {} if name == "count_nonzero" else {"keepdim": keepdim}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if not over_image:
+        return tag_outputs(func(x, dims, **kwargs), part_of(x))
+    if name in ("any", "all"):
+        ones = func(x, dims, **kwargs).to(torch.int64)
+        total = _group_sum(ctx, ones)
+        return total > 0 if name == "any" else total == ctx.grid.size
+    if name == "nanmean":
+        total = _group_sum(ctx, torch.nansum(x, dims, **kwargs))
+        return total / _group_sum(ctx, (~torch.isnan(x)).sum(dims, keepdim=keepdim))
+    return _group_sum(ctx, func(x, dims, **kwargs))
 
 
 def logsumexp(ctx: Context, func, a: dict):
