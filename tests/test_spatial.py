@@ -158,7 +158,7 @@ class Functional(nn.Module):
     (lambda x: x.mean(2), "mean over one image dimension only"),
     (lambda x: x.transpose(2, 3), "transpose that moves the image dimensions"),
     (lambda x: F.interpolate(x, scale_factor=1.5, mode="area"), "interpolation with mode='area'"),
-    (lambda x: F.adaptive_avg_pool2d(x, (None, 1)), "adaptive average pooling to (None, 1) is not supported"),
+    (lambda x: F.adaptive_avg_pool2d(x, (1, None)), "adaptive average pooling to (1, None) is not supported"),
     (lambda x: F.max_pool2d(x, 2, return_indices=True), "F.max_pool2d_with_indices"),
     (lambda x: F.dropout1d(x[0]), "dropout1d"),
 ])

@@ -264,7 +264,8 @@ class SpatialParallel(nn.Module):
         base = self._agree(comm, x, part, further, later)
         key = (tuple(x.shape[:-2]), x.dtype, x.device.type, part.height, part.width, self.module.training)
         if key not in self._checked:
-            split_check.check(self.module, self._names, part, x, args, kwargs)
+            split_check.check(self.module, self._names, part, x, args, kwargs,
+                              comm if comm.communicating else None)
             self._checked.add(key)
         ctx = Context(self.grid, self._rank, comm, self._names, grad_scale=float(self.grid.size), random_base=base,
                       builds_graph=torch.is_grad_enabled())

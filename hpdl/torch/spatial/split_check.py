@@ -1,7 +1,7 @@
 """The first forward's check of the split, before any work: the model run on shapes only (the
-meta device, no communication) for every rank's part, in the same order on every rank, and
-once more on the whole image as one part, so that every rank refuses alike what cannot run
-split: a layer or call without a spatial version, a band thinner than a layer's halo, a part
+meta device, no communication) on every rank's part, each rank its own, and once more on the
+whole image as one part; the group gathers the outcomes, and every rank judges them alike, so
+that every rank refuses alike what cannot run split: a layer or call without a spatial version, a band thinner than a layer's halo, a part
 PyTorch itself refuses, a forward that runs differently on different parts, or one that
 computes with a part's own lengths where one process has the whole image's. A thin band is
 named with the image size and grid that would fit. ``check_split`` runs the same check in one
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import pickle
 import random
 import sys
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -58,50 +59,84 @@ def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (
             handle.remove()
 
 
-def check(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> None:
-    """Dry-run the model on every rank's part of the image (shapes only, no communication), in
-    the same order on every rank, so that every rank refuses alike, before any work: a layer
-    it does not support, a band too thin for a layer, a part PyTorch itself refuses, or a
-    forward that runs differently on different parts."""
-    records = []
-    for rank in range(part.grid.size):
-        mine = dataclasses.replace(part, rank=rank)
-        try:
-            records.append(_dry_run(module, names, mine, x, args, kwargs))
-        except ThinBand as thin:
-            raise SpatialError(f"{thin}; {_fits_instead(module, names, mine, x, thin.axis)}") from None
-        except SpatialError:
-            raise
-        except Exception as err:  # noqa: BLE001 - PyTorch's refusal of one part, said for every rank alike
-            where, first = getattr(err, "hpdl_where", "the model's forward"), _first_line(err)
-            if not _fits(module, names, Part(Grid(1, 1), 0, part.height, part.width), x, args, kwargs):
-                raise SpatialError(f"{where}: PyTorch refused in the first forward's check of the split, which runs "
-                                   f"the model on shapes only (the meta device, no values): {first}; it refuses the "
-                                   "whole image alike, so the split is not the cause: the forward needs values or a "
-                                   "device there (a tensor read as an array, made on another device, or sized by "
-                                   "its values)") from None
-            raise SpatialError(f"{where}: on group rank {rank}'s part ({rows_and_cols(mine)}) PyTorch refused: "
-                               f"{first}; the image may be too small for {part.grid} bands") from None
+def check(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs, comm=None) -> None:
+    """Dry-run the model on every rank's part of the image (shapes only), and on the whole image
+    as one part, so that every rank refuses alike, before any work: a layer it does not support,
+    a band too thin for a layer, a part PyTorch itself refuses, or a forward that runs
+    differently on different parts. With the group's ``comm``, each rank dry-runs its own part
+    (the last rank the whole image too) and the group gathers the outcomes, which every rank
+    then judges alike, as if it had run them all: the check's time does not grow with the
+    group. Without, this process runs them all, in rank order."""
+    size = part.grid.size
+    if comm is None or size == 1:
+        outcomes = [_outcome(module, names, dataclasses.replace(part, rank=rank), x, args, kwargs)
+                    for rank in range(size)]
+        whole = _whole_record(module, names, part, x, args, kwargs) if size > 1 else None
+    else:
+        mine = _outcome(module, names, part, x, args, kwargs)
+        whole = _whole_record(module, names, part, x, args, kwargs) if part.rank == size - 1 else None
+        outcomes, whole = _gathered(comm, mine, whole)
+    for refused, value in outcomes:  # the first rank's refusal, as a loop over the ranks meets it
+        if refused:
+            raise SpatialError(value)
+    records = [value for _, value in outcomes]
     _compare_records(records)
-    _compare_with_one_process(module, names, part, x, args, kwargs, records[0])
+    if whole is not None:
+        _compare_with_one_process(records[0], whole)
 
 
-def _compare_with_one_process(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs,
-                              record: List[tuple]) -> None:
+def _outcome(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> Tuple[bool, Any]:
+    """(False, the calls' record) of ``part``'s dry run, or (True, the refusal's message)."""
+    try:
+        return False, _dry_run(module, names, part, x, args, kwargs)
+    except ThinBand as thin:
+        return True, f"{thin}; {_fits_instead(module, names, part, x, thin.axis)}"
+    except SpatialError as refused:
+        return True, str(refused)
+    except Exception as err:  # noqa: BLE001 - PyTorch's refusal of one part, said for every rank alike
+        where, first = getattr(err, "hpdl_where", "the model's forward"), _first_line(err)
+        if not _fits(module, names, Part(Grid(1, 1), 0, part.height, part.width), x, args, kwargs):
+            return True, (f"{where}: PyTorch refused in the first forward's check of the split, which runs the "
+                          f"model on shapes only (the meta device, no values): {first}; it refuses the whole image "
+                          "alike, so the split is not the cause: the forward needs values or a device there (a "
+                          "tensor read as an array, made on another device, or sized by its values)")
+        return True, (f"{where}: on group rank {part.rank}'s part ({rows_and_cols(part)}) PyTorch refused: {first}; "
+                      f"the image may be too small for {part.grid} bands")
+
+
+def _gathered(comm, mine: Tuple[bool, Any], whole: Optional[List[tuple]]) -> Tuple[List[Tuple[bool, Any]],
+                                                                                    Optional[List[tuple]]]:
+    """Every rank's outcome, in group rank order, and the whole image's record (from the last
+    rank), on every rank: the dry runs' results are plain values (calls' names, places and
+    numbers), pickled."""
+    data = torch.frombuffer(bytearray(pickle.dumps((mine, whole))), dtype=torch.uint8)
+    lengths = comm.allgather(torch.tensor([data.numel()], dtype=torch.int64), None, "split check: sizes").tolist()
+    everything = comm.allgather(data, lengths, "split check").numpy().tobytes()
+    outcomes, offset = [], 0
+    for length in lengths:
+        outcome, whole = pickle.loads(everything[offset:offset + length])
+        outcomes.append(outcome)
+        offset += length
+    return outcomes, whole
+
+
+def _whole_record(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> List[tuple]:
+    """The record of a dry run on the whole image as one part (or of its refusal)."""
+    one = Part(Grid(1, 1), 0, part.height, part.width)
+    try:
+        return _dry_run(module, names, one, x, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - the parts ran: the whole image must run alike
+        return [("a refusal", getattr(err, "hpdl_where", "the model's forward"), (_first_line(err),), ())]
+
+
+def _compare_with_one_process(record: List[tuple], whole: List[tuple]) -> None:
     """Refuse a forward that computes with a part's own lengths where the ranks' parts are
     alike, so that comparing them shows nothing (97 rows on 2 bands show it: 49 and 48; 96 do
     not). Python reads a length's own value, the part's, in arithmetic with a float first
     (``0.5 * h``, ``s.item() / x.numel()``), in ``int()`` of a length made a float
     (``int(h * 0.5)``), and in numpy or ``range``: one process computes with the whole image's.
-    So the model runs once more on the whole image as one part, whose lengths are the whole's,
-    and every call must have the same numbers as on a part."""
-    if part.grid.size == 1:
-        return
-    one = Part(Grid(1, 1), 0, part.height, part.width)
-    try:
-        whole = _dry_run(module, names, one, x, args, kwargs)
-    except Exception as err:  # noqa: BLE001 - the parts ran: the whole image must run alike
-        whole = [("a refusal", getattr(err, "hpdl_where", "the model's forward"), (_first_line(err),), ())]
+    So the model runs once more on the whole image as one part (``whole``), whose lengths are the
+    whole's, and every call must have the same numbers as on a part (``record``)."""
     differing = _first_difference(record, whole)
     if differing is not None:
         step, mine, theirs = differing
