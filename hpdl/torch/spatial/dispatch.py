@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import channels_last, layers, lengths, ops, randomness, reductions, resampling
+from hpdl.torch.spatial import channels_last, gradient_scale, layers, lengths, ops, randomness, reductions, resampling
 from hpdl.torch.spatial.arguments import Unbound, bind, by_name
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
@@ -74,7 +74,7 @@ class SpatialMode(TorchFunctionMode):
             args, kwargs = _made_tensors_on_meta(args, kwargs)
         op = ops.lookup(func)
         if ctx.grad_scale != 1.0 and torch.is_grad_enabled() and (op is None or op.kind not in _READS_ONLY):
-            args, kwargs = _scale_parameters(args, kwargs, ctx.grad_scale)
+            args, kwargs = gradient_scale.scale_parameters(args, kwargs, ctx.grad_scale)
         part, last = _find_part(args, kwargs)
         try:
             if part is None:
@@ -591,38 +591,6 @@ def _scalars(value: Any) -> Any:
     if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device)) or value is Ellipsis:
         return value
     return type(value).__name__
-
-
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, factor):
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """``tensor`` unchanged, with its gradient multiplied by ``factor`` on the way back."""
-    return _ScaleGradient.apply(tensor, factor) if factor != 1.0 and tensor.requires_grad else tensor
-
-
-def _scale_parameters(args, kwargs, factor: float):
-    """``args`` and ``kwargs`` with every parameter that requires a gradient scaled on its way
-    back by ``factor``."""
-    def scaled(value):
-        if isinstance(value, nn.Parameter) and value.requires_grad:
-            return _ScaleGradient.apply(value, factor)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, nn.Parameter) for v in value):
-            return type(value)(scaled(v) for v in value)
-        return value
-
-    if not any(isinstance(a, (nn.Parameter, list, tuple)) for a in args) and \
-            not any(isinstance(v, nn.Parameter) for v in kwargs.values()):
-        return args, kwargs
-    return tuple(scaled(a) for a in args), {k: scaled(v) for k, v in kwargs.items()}
 
 
 def _refuse_channels_last_beside(ctx, func, tensors) -> None:

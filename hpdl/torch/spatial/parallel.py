@@ -32,7 +32,7 @@ from torch import nn
 
 from hpdl.torch import runtime
 from hpdl.torch.process_sets import ProcessSet, global_process_set
-from hpdl.torch.spatial import agreement, dispatch, fingerprint, randomness, split_check
+from hpdl.torch.spatial import agreement, dispatch, fingerprint, gradient_scale, randomness, split_check
 from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.errors import report_in_one_line
@@ -317,9 +317,9 @@ class SpatialParallel(nn.Module):
         _refuse_channels_last(out, "the model's output")
         part = part_of(out)
         if part is None:  # replicated: the same loss on every rank counts once
-            return mark_replicated(dispatch.scale_gradient(out, 1.0 / self.grid.size))
+            return mark_replicated(gradient_scale.scale_gradient(out, 1.0 / self.grid.size))
         share = part.numel_share if self.loss_reduction == "mean" else 1.0
-        return tagged(dispatch.scale_gradient(out, share), part)
+        return tagged(gradient_scale.scale_gradient(out, share), part)
 
 
 def _refuse_channels_last(value: Any, what: str) -> None:

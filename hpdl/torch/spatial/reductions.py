@@ -82,7 +82,7 @@ def _pooled_along_unsplit(ctx: Context, func, x: torch.Tensor, size: Any, kind: 
     means), each rank pools its own whole rows as one process does; a
     part of a map of the pooled length there. Refused where that dimension is split."""
     part = part_of(x)
-    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    sizes = _both(size)
     if any(s is not None and part.grid.bands_along(axis) > 1 for axis, s in enumerate(sizes)):
         raise SpatialError(f"{ctx.where()}: adaptive {kind} pooling to {size} is not supported in the spatial part "
                            "(None keeps an image dimension: the dimension it pools must not be split, and this "
@@ -91,9 +91,14 @@ def _pooled_along_unsplit(ctx: Context, func, x: torch.Tensor, size: Any, kind: 
     return tagged(out, part.resized(*(part.length(axis) if s is None else s for axis, s in enumerate(sizes))))
 
 
+def _both(size: Any) -> tuple:
+    """An adaptive pooling's ``output_size`` as (rows, columns), ``None`` kept."""
+    return tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+
+
 def _pooled_size(size: Any) -> Optional[Tuple[int, int]]:
     """An adaptive pooling's output size as (rows, columns); None where it keeps a dimension (None)."""
-    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    sizes = _both(size)
     return None if any(s is None for s in sizes) else band_plans.pair(sizes)
 
 
