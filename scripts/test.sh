@@ -19,6 +19,12 @@ unset HPDL_TEST_WORKERS
 # OpenMP thread that waits then sleeps instead of spinning, which took the cores from the others
 # (a bf16 training test beside two busy processes: 14.8 s of CPU spinning, 6.8 s sleeping).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# Likewise MPICH's blocking waits (MPI_Init, the engine's collectives among the ranks of one
+# node): a rank waiting for a peer that has no core spins, yielding the core with sched_yield,
+# which the scheduler hands straight back. With heavy yield it sleeps instead (a 2x2 float64
+# spatial exactness run of 5 models, 4 ranks on 2 cores: 44-52 s and 81-95 s of CPU spinning,
+# 27-41 s and 46-72 s sleeping). Open MPI ignores the variable.
+export MPIR_CVAR_ENABLE_HEAVY_YIELD="${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}"
 if [ "$workers" = 0 ]; then
     exec python -m pytest -q "$@"
 fi
