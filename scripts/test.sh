@@ -21,9 +21,10 @@ unset HPDL_TEST_WORKERS
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # Likewise MPICH's blocking waits (MPI_Init, the engine's collectives among the ranks of one
 # node): a rank waiting for a peer that has no core spins, yielding the core with sched_yield,
-# which the scheduler hands straight back. With heavy yield it sleeps instead (a 2x2 float64
-# spatial exactness run of 5 models, 4 ranks on 2 cores: 44-52 s and 81-95 s of CPU spinning,
-# 27-41 s and 46-72 s sleeping). Open MPI ignores the variable.
+# which the scheduler hands straight back; with heavy yield it sleeps instead. hpdl asks for it
+# where a job's ranks outnumber the cores (hpdl/comm/mpi.py); here every job shares the cores with
+# the other workers' jobs, so all of them do (test_spatial, test_torch_multirank and
+# test_multinode: 824 s of CPU and 448 s spinning, 736 s and 406 s sleeping). Open MPI ignores it.
 export MPIR_CVAR_ENABLE_HEAVY_YIELD="${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}"
 if [ "$workers" = 0 ]; then
     exec python -m pytest -q "$@"

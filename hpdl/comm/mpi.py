@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, MutableMapping, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -24,6 +24,34 @@ from hpdl.comm import objects
 from hpdl.comm.base import CommError, Communicator, InFlight, ReduceOp, even_split
 
 NOT_INSTALLED = "mpi4py is not installed: pip install 'hpdl[mpi]'"
+
+# MPICH's setting (read once, in MPI_Init) for how its blocking calls wait for a late peer.
+HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+
+
+def sleep_in_waits_when_ranks_outnumber_cores(env: MutableMapping[str, str] = os.environ) -> None:
+    """Ask MPICH to sleep rather than spin in its waits where this node runs more ranks than it
+    has cores, unless the user chose (``MPIR_CVAR_ENABLE_HEAVY_YIELD`` set either way).
+
+    MPICH's blocking calls (MPI_Init, an allreduce among the ranks of one node) spin, yielding
+    the core between polls with sched_yield, which the scheduler hands straight back: a rank
+    waiting for a peer that has no core takes the core that peer needs. Open MPI ignores the
+    variable. Read from the launcher's variables (the node's rank count) and set before mpi4py
+    starts MPI, here: a program that started MPI before importing hpdl keeps MPICH's default.
+    """
+    if HEAVY_YIELD in env:
+        return
+    from hpdl.comm.topology import discover_topology
+
+    try:
+        local_size = discover_topology(env).local_size
+    except ValueError:  # the launcher's variables are unreadable: hvd.init() says so
+        return
+    if local_size > (os.cpu_count() or 1):
+        env[HEAVY_YIELD] = "1"
+
+
+sleep_in_waits_when_ranks_outnumber_cores()
 try:  # mpi4py is an optional dependency (extra "mpi").
     from mpi4py import MPI
     _MISSING = NOT_INSTALLED
