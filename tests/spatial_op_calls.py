@@ -340,6 +340,12 @@ def handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                         ("any 3", lambda t: torch.any(t > 0.9, 3))]
     calls[torch.Tensor.any] = [("any method", lambda t: (t > 0.99).any())]
     calls[torch.all] = [("all (1, 2, 3) keepdim", lambda t: torch.all(t > 0.01, (1, 2, 3), keepdim=True))]
+    calls[torch.aminmax] = [("aminmax all", lambda t: t / torch.aminmax(t).max),
+                            ("aminmax ties", lambda t: t * sum(torch.aminmax(tied(t)))),
+                            ("aminmax 1", lambda t: torch.aminmax(t, dim=1).min),
+                            ("aminmax 2", lambda t: torch.aminmax(t, dim=2).max)]
+    calls[torch.Tensor.aminmax] = [("aminmax method", lambda t: t - tied(t).aminmax().min),
+                                   ("aminmax 0 keepdim", lambda t: t.aminmax(dim=0, keepdim=True).max * t)]
     calls[torch.Tensor.count_nonzero] = [("count method", lambda t: (t > 0.5).count_nonzero((2, 3)))]
     calls[torch.Tensor.nansum] = [("nansum method", lambda t: with_nan(t).nansum((2, 3)))]
     calls[torch.nanmean] = [("nanmean (2, 3)", lambda t: torch.nanmean(with_nan(t), (2, 3)))]

@@ -191,11 +191,12 @@ def test_a_whole_tensor_interpolated_to_a_size_read_from_a_part_becomes_that_par
         assert torch.allclose(assemble([o.value for o in outcomes]), branch(x), atol=1e-12)
 
 
-def test_the_whole_images_max_and_min_are_exact_forward_and_backward():
+def test_the_whole_images_max_and_min_are_exact_forward_and_backward():  # and aminmax's
     # x / x.max(): its gradient shared evenly among the values equal to the maximum (the NaNs,
     # where it is NaN), whichever band holds them.
     for call in (lambda t: t / t.max(), lambda t: t - torch.min(t), lambda t: tied(t).max() * t,
-                 lambda t: with_nan(t).max(), lambda t: tied(t).min(), lambda t: (t > 0.5).max().to(t.dtype) * t):
+                 lambda t: with_nan(t).max(), lambda t: tied(t).min(), lambda t: (t > 0.5).max().to(t.dtype) * t,
+                 lambda t: t * sum(torch.aminmax(tied(t)))):
         expected = call(X)
         for grid in GRIDS + [(2, 2)]:
             got = assemble([o.value for o in run_parts(grid, call, X)])

@@ -281,6 +281,9 @@ def _along(ctx, func, op, part, args, kwargs):
     _refuse_channels_last_beside(ctx, func, tensors_in(list(args) + list(kwargs.values())))
     if func in _EXTREMES and bound.get("dim") is None:  # x.max(): over every dimension, the image's too
         return reductions.extreme(ctx, x, minimum=_EXTREMES[func])
+    if func in _BOTH_EXTREMES and bound.get("dim") is None:  # torch.aminmax(x): both, over every dimension
+        return torch.return_types.aminmax((reductions.extreme(ctx, x, minimum=True),
+                                           reductions.extreme(ctx, x, minimum=False)))
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
     dims = op.dims_named(bound, ndim)
     touched = dims & {ndim - 2, ndim - 1}
@@ -298,6 +301,7 @@ def _along(ctx, func, op, part, args, kwargs):
 
 
 _EXTREMES = {torch.max: False, torch.Tensor.max: False, torch.min: True, torch.Tensor.min: True}  # func: a minimum
+_BOTH_EXTREMES = {torch.aminmax, torch.Tensor.aminmax}
 
 
 def _concatenate(ctx, func, op, part, args, kwargs):

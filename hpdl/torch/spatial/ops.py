@@ -279,7 +279,7 @@ _add("zero fill", Op(Kind.LIKE), torch_level=False, functional=False)
 _ALONG = (
     ("softmax log_softmax softmin", "dim", "implicit"),
     ("cumsum cumprod cummax cummin logcumsumexp", "dim", "all"),
-    ("nansum nanmean prod amax amin max min argmax argmin std var std_mean var_mean median nanmedian "
+    ("nansum nanmean prod amax amin max min aminmax argmax argmin std var std_mean var_mean median nanmedian "
      "all any count_nonzero quantile nanquantile", "dim", "all"),
     ("mode kthvalue topk sort argsort diff glu", "dim", -1),
     ("unbind chunk split tensor_split split_with_sizes", "dim", 0),
