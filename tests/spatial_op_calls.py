@@ -346,6 +346,12 @@ def handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                             ("aminmax 2", lambda t: torch.aminmax(t, dim=2).max)]
     calls[torch.Tensor.aminmax] = [("aminmax method", lambda t: t - tied(t).aminmax().min),
                                    ("aminmax 0 keepdim", lambda t: t.aminmax(dim=0, keepdim=True).max * t)]
+    calls[torch.prod] = [("prod all", lambda t: t * torch.prod(1 + 0.01 * t)),
+                         ("prod a zero", lambda t: torch.where(t == t.max(), t - t.max().detach(), 1 + 0.01 * t)
+                          .prod() * t),
+                         ("prod zeros", lambda t: torch.prod(torch.where(t > 0.9, 0.0, 1 + 0.01 * t)) + t),
+                         ("prod 1", lambda t: torch.prod(t, 1)), ("prod 3", lambda t: torch.prod(t, 3))]
+    calls[torch.Tensor.prod] = [("prod dtype", lambda t: (1 + 0.01 * t).float().prod(dtype=torch.float64) * t)]
     calls[torch.Tensor.count_nonzero] = [("count method", lambda t: (t > 0.5).count_nonzero((2, 3)))]
     calls[torch.Tensor.nansum] = [("nansum method", lambda t: with_nan(t).nansum((2, 3)))]
     calls[torch.nanmean] = [("nanmean (2, 3)", lambda t: torch.nanmean(with_nan(t), (2, 3)))]

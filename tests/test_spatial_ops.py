@@ -89,6 +89,11 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
     ("NaN (2, 3)", (2, 2), "exact"), ("NaN (2, 3) keepdim", (2, 1), "exact"), ("inf ties keepdim", (2, 2), "exact"),
     ("-inf (1, 2, 3)", (1, 2), "exact"), ("inf", (2, 1), "exact"),
     ("2 keepdim", (1, 2), "exact"), ("2 keepdim", (2, 1), "refused"), ("(1, 3) keepdim, then 2", (2, 1), "exact"),
+    ("aminmax all", (2, 2), "exact"), ("aminmax ties", (2, 1), "exact"), ("aminmax method", (1, 2), "exact"),
+    ("aminmax 0 keepdim", (2, 2), "exact"), ("aminmax 2", (2, 1), "refused"),
+    ("prod all", (2, 2), "exact"), ("prod a zero", (2, 1), "exact"), ("prod a zero", (1, 2), "exact"),
+    ("prod zeros", (2, 2), "exact"), ("prod dtype", (2, 1), "exact"), ("prod 1", (2, 2), "exact"),
+    ("prod 3", (1, 2), "refused"),
 ])
 def test_what_the_reported_cases_do_now(call, grid, status):
     for func, calls in HANDLER_CALLS.items():

@@ -284,6 +284,8 @@ def _along(ctx, func, op, part, args, kwargs):
     if func in _BOTH_EXTREMES and bound.get("dim") is None:  # torch.aminmax(x): both, over every dimension
         return torch.return_types.aminmax((reductions.extreme(ctx, x, minimum=True),
                                            reductions.extreme(ctx, x, minimum=False)))
+    if func in _PRODUCTS and bound.get("dim") is None:  # x.prod(): over every dimension
+        return reductions.product(ctx, x, bound.get("dtype"))
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
     dims = op.dims_named(bound, ndim)
     touched = dims & {ndim - 2, ndim - 1}
@@ -302,6 +304,7 @@ def _along(ctx, func, op, part, args, kwargs):
 
 _EXTREMES = {torch.max: False, torch.Tensor.max: False, torch.min: True, torch.Tensor.min: True}  # func: a minimum
 _BOTH_EXTREMES = {torch.aminmax, torch.Tensor.aminmax}
+_PRODUCTS = {torch.prod, torch.Tensor.prod}
 
 
 def _concatenate(ctx, func, op, part, args, kwargs):

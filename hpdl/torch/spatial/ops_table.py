@@ -31,8 +31,8 @@ _RULES = {
                   "part (`mean.type_as(x)`, `mean.to(x)`) is that tensor, converted",
     Kind.LIKE: "exact: the same part of a new map",
     Kind.ALONG: "exact along the batch or channel dimensions; refused along an image dimension (or with no "
-                "dimension, where that means all of them; but `x.max()`, `x.min()` and `torch.aminmax(x)` are "
-                "the whole image's); a scatter's index and source must be the same part as its input",
+                "dimension, where that means all of them; but `x.max()`, `x.min()`, `torch.aminmax(x)` and "
+                "`x.prod()` are the whole image's); a scatter's index and source must be the same part as its input",
     Kind.CONCAT: "exact along the batch or channel dimensions, of parts of maps of the same size",
     Kind.RESHAPE: "exact where the image dimensions stay the last two, whole",
     Kind.EXPAND: "exact where the image dimensions stay the last two, whole (a tensor of size 1 there may be "

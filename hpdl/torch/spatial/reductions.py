@@ -190,6 +190,45 @@ def extreme(ctx: Context, x: torch.Tensor, minimum: bool) -> torch.Tensor:
     return sign * _global_max(ctx, signed, spread=True, merged=x.dim() - 2, nan_equal=True).reshape(())
 
 
+class GlobalProduct(torch.autograd.Function):
+    """``x.prod()`` (every element): the product of the parts' products, taken in rank order, the
+    same on every rank. Backward sums every rank's gradient of the replicated result; a part's
+    gradient is then the other parts' product times its own product's gradient, PyTorch's own
+    (a zero in the part included)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, label):
+        own = x.detach().prod()
+        products = comm.allgather(own.reshape(1), [1] * comm.size, label)
+        total, others = torch.ones_like(own), torch.ones_like(own)
+        for rank, product in enumerate(products):
+            total = total * product
+            if rank != comm.rank:
+                others = others * product
+        ctx.save_for_backward(x)
+        ctx.others, ctx.comm, ctx.label = others, comm, label
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_graph_in_backward(ctx.label)
+        (x,) = ctx.saved_tensors
+        total = ctx.comm.allreduce_sum(grad.contiguous().clone(), ctx.label)
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            (out,) = torch.autograd.grad(leaf.prod(), leaf, total * ctx.others)
+        return out, None, None
+
+
+def product(ctx: Context, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``x.prod()`` (no dimension: every element, the image's too): :class:`GlobalProduct`."""
+    if dtype is not None:
+        x = tagged(x.to(dtype), part_of(x))
+    if ctx.dry:
+        return x.prod()
+    return GlobalProduct.apply(x, ctx.comm, ctx.label())
+
+
 class GlobalMoments(torch.autograd.Function):
     """The mean and variance (with ``correction``: 1 unbiased, 0 biased) over the whole image
     (every part) of ``x`` (..., h, w), and over its last ``merged`` dimensions before the
