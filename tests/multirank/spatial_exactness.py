@@ -22,7 +22,8 @@ whole factors), pyramid (PSPNet's pyramid pooling, an FPN's top-down path), cbam
 attention: global max pooling), nnunet (nnU-Net's blocks: instance and group norm), handnorm
 (normalization written by hand: std and var_mean over the image), convnext (ConvNeXt's blocks:
 channels last between two permutes), rowgate (attention from row means and maxima, broadcast
-back along the columns: row bands only). Prints "OK spatial MODEL HxW GRID" per case.
+back along the columns: row bands only), minmax (rescaled by torch.aminmax over everything, gated by
+x.prod()). Prints "OK spatial MODEL HxW GRID" per case.
 """
 
 from __future__ import annotations

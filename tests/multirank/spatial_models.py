@@ -438,6 +438,23 @@ class RowGate(nn.Module):
         return self.out(f)
 
 
+class MinMaxScaled(nn.Module):
+    """The map rescaled by its whole range (``torch.aminmax``, min-max normalization) and a gate
+    from the product of every value (``x.prod()``, a geometric-mean-like statistic), both over the
+    whole batch and image: the same on every rank."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.out = nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.conv(x)
+        low, high = torch.aminmax(f)
+        gate = (1 + 0.01 * torch.tanh(f)).prod()
+        return self.out((f - low) / (high - low) * gate)
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -454,7 +471,7 @@ _MODELS = {
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
     "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet, "handnorm": HandNorm,
-    "convnext": ConvNeXt, "rowgate": RowGate,
+    "convnext": ConvNeXt, "rowgate": RowGate, "minmax": MinMaxScaled,
 }
 
 
