@@ -279,13 +279,9 @@ def _along(ctx, func, op, part, args, kwargs):
         raise refusal(ctx, f"{ops.spelled(func)} of a tensor that is not the part, by a part",
                       "its input must be the part, or of size 1 in its last two dimensions")
     _refuse_channels_last_beside(ctx, func, tensors_in(list(args) + list(kwargs.values())))
-    if func in _EXTREMES and bound.get("dim") is None:  # x.max(): over every dimension, the image's too
-        return reductions.extreme(ctx, x, minimum=_EXTREMES[func])
-    if func in _BOTH_EXTREMES and bound.get("dim") is None:  # torch.aminmax(x): both, over every dimension
-        return torch.return_types.aminmax((reductions.extreme(ctx, x, minimum=True),
-                                           reductions.extreme(ctx, x, minimum=False)))
-    if func in _PRODUCTS and bound.get("dim") is None:  # x.prod(): over every dimension
-        return reductions.product(ctx, x, bound.get("dtype"))
+    over_everything = reductions.OVER_EVERYTHING.get(func)
+    if over_everything is not None and bound.get("dim") is None:  # x.max(): every dimension, the image's too
+        return over_everything(ctx, x, bound)
     ndim = x.dim() if isinstance(x, torch.Tensor) else 4
     dims = op.dims_named(bound, ndim)
     touched = dims & {ndim - 2, ndim - 1}
@@ -302,9 +298,6 @@ def _along(ctx, func, op, part, args, kwargs):
     return _as_parts(ctx, func, func(*to_whole(args), **to_whole(kwargs)), part)
 
 
-_EXTREMES = {torch.max: False, torch.Tensor.max: False, torch.min: True, torch.Tensor.min: True}  # func: a minimum
-_BOTH_EXTREMES = {torch.aminmax, torch.Tensor.aminmax}
-_PRODUCTS = {torch.prod, torch.Tensor.prod}
 
 
 def _concatenate(ctx, func, op, part, args, kwargs):

@@ -229,6 +229,24 @@ def product(ctx: Context, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torc
     return GlobalProduct.apply(x, ctx.comm, ctx.label())
 
 
+def _aminmax(ctx: Context, x: torch.Tensor) -> Any:
+    return torch.return_types.aminmax((extreme(ctx, x, minimum=True), extreme(ctx, x, minimum=False)))
+
+
+# Calls that, given no dimension, reduce every element, the image's too: func -> (ctx, x, bound
+# arguments) -> the whole image's result, the same on every rank (dispatch's ALONG calls).
+OVER_EVERYTHING = {
+    torch.max: lambda ctx, x, a: extreme(ctx, x, minimum=False),
+    torch.Tensor.max: lambda ctx, x, a: extreme(ctx, x, minimum=False),
+    torch.min: lambda ctx, x, a: extreme(ctx, x, minimum=True),
+    torch.Tensor.min: lambda ctx, x, a: extreme(ctx, x, minimum=True),
+    torch.aminmax: lambda ctx, x, a: _aminmax(ctx, x),
+    torch.Tensor.aminmax: lambda ctx, x, a: _aminmax(ctx, x),
+    torch.prod: lambda ctx, x, a: product(ctx, x, a.get("dtype")),
+    torch.Tensor.prod: lambda ctx, x, a: product(ctx, x, a.get("dtype")),
+}
+
+
 class GlobalMoments(torch.autograd.Function):
     """The mean and variance (with ``correction``: 1 unbiased, 0 biased) over the whole image
     (every part) of ``x`` (..., h, w), and over its last ``merged`` dimensions before the
