@@ -258,7 +258,12 @@ def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_
     lambda y: y * (1.0 * y.shape[-2] / y.shape[-1]),
     lambda y: y / float(np.sqrt(y.shape[-2])),
     lambda y: y * len(range(y.shape[-2])),
-], ids=["int(0.5 * h)", "int(h * 0.5)", "float / numel", "1.0 * h / w", "numpy.sqrt(h)", "range(h)"])
+    # A torch.Size multiplies its plain values: the number meets only the replicated sum, or
+    # makes a tensor of its own, where no part was there to tell (silently wrong before).
+    lambda y: y - y.sum((2, 3), keepdim=True) / y.shape[2:].numel(),
+    lambda y: y * torch.tensor(float(y.shape[-2:].numel())),
+], ids=["int(0.5 * h)", "int(h * 0.5)", "float / numel", "1.0 * h / w", "numpy.sqrt(h)", "range(h)",
+        "sum / shape.numel()", "tensor(shape.numel())"])
 def test_a_number_computed_from_a_parts_own_length_is_refused_on_equal_bands_too(body):
     # 12 rows on 2 bands: 6 and 6, alike on every rank, so comparing the ranks showed nothing;
     # each computed with the part's 6 where one process has 12, silently (a wrong value, or

@@ -76,11 +76,14 @@ class SpatialMode(TorchFunctionMode):
         if ctx.grad_scale != 1.0 and torch.is_grad_enabled() and (op is None or op.kind not in _READS_ONLY):
             args, kwargs = gradient_scale.scale_parameters(args, kwargs, ctx.grad_scale)
         part, last = _find_part(args, kwargs)
+        if ctx.trace is not None:
+            # Calls without a part too: a number a part's own length gave where PyTorch's C code
+            # reads it (``s / y.shape[2:].numel()``: a torch.Size multiplies its plain values)
+            # meets only a replicated tensor, and the record must show it (split_check.py).
+            ctx.trace.append((ops.spelled(func), ctx.where(), _scalars(args), _scalars(kwargs)))
         try:
             if part is None:
                 return _outside_parts(ctx, func, op, args, kwargs)
-            if ctx.trace is not None:
-                ctx.trace.append((ops.spelled(func), ctx.where(), _scalars(args), _scalars(kwargs)))
             if not last:  # a channels-last part (channels_last.py)
                 return channels_last.run(ctx, func, op, part, args, kwargs)
             if op is None:

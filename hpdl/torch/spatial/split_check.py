@@ -134,7 +134,8 @@ def _compare_with_one_process(record: List[tuple], whole: List[tuple]) -> None:
     alike, so that comparing them shows nothing (97 rows on 2 bands show it: 49 and 48; 96 do
     not). Python reads a length's own value, the part's, in arithmetic with a float first
     (``0.5 * h``, ``s.item() / x.numel()``), in ``int()`` of a length made a float
-    (``int(h * 0.5)``), and in numpy or ``range``: one process computes with the whole image's.
+    (``int(h * 0.5)``), in ``torch.Size.numel()``, and in numpy or ``range``: one process
+    computes with the whole image's.
     So the model runs once more on the whole image as one part (``whole``), whose lengths are the
     whole's, and every call must have the same numbers as on a part (``record``)."""
     differing = _first_difference(record, whole)
@@ -148,8 +149,8 @@ def _compare_with_one_process(record: List[tuple], whole: List[tuple]) -> None:
 
 # Where Python reads a part's own length (its int value) instead of the whole image's.
 _OWN_LENGTHS = ("Python reads a part's own length, not the whole image's, in int() of it, in arithmetic with a float "
-                "first (0.5 * h, s.item() / x.numel()), in int() of a length made a float (int(h * 0.5)), and in "
-                "numpy or range()")
+                "first (0.5 * h, s.item() / x.numel()), in int() of a length made a float (int(h * 0.5)), in a "
+                "torch.Size's numel() (x.shape[2:].numel(): write math.prod(x.shape[2:])), and in numpy or range()")
 
 
 def _first_line(err: BaseException) -> str:
@@ -208,7 +209,8 @@ def _dry_run(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs
 
     args, kwargs = map_tensors(tuple(args), as_this_part), map_tensors(dict(kwargs), as_this_part)
     ctx = Context(part.grid, part.rank, None, names, trace=[])
-    with dispatch.running(ctx), torch.no_grad(), _random_states_kept(), _attributes_for_the_dry_run(module):
+    # The mode entered last: what the dry run itself calls (no_grad) is not in the record.
+    with torch.no_grad(), _random_states_kept(), _attributes_for_the_dry_run(module), dispatch.running(ctx):
         torch.func.functional_call(module, state, (meta,) + tuple(args), kwargs)
     return ctx.trace
 
