@@ -347,3 +347,89 @@ def test_convolutions_under_autocast_run_as_autocast_runs_them_forward_and_backw
         one = one_process_gradient(net, x).double()
         relative = ((gradient - one).norm() / one.norm()).item()
         assert relative < 1e-2, relative
+
+
+class _SwishOwnBackward(torch.autograd.Function):  # a memory-efficient Swish: pixel by pixel
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s))
+
+
+class _ReversedGradient(torch.autograd.Function):  # a domain classifier's gradient reversal
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -0.5 * grad
+
+
+class _BiasOwnBackward(torch.autograd.Function):  # its bias's gradient a sum over the image
+    @staticmethod
+    def forward(ctx, x, bias):
+        return x + bias.view(1, -1, 1, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.0, grad.sum((0, 2, 3))
+
+
+class _SmoothedGradient(torch.autograd.Function):  # its backward reads the neighbours' pixels
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        kernel = torch.ones(grad.shape[1], 1, 3, 3, dtype=grad.dtype) / 9
+        return F.conv2d(grad, kernel, padding=1, groups=grad.shape[1])
+
+
+class _CenteredGradient(torch.autograd.Function):  # its backward subtracts the image's mean gradient
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad - grad.sum((2, 3), keepdim=True) / (grad.shape[-2] * grad.shape[-1])
+
+
+class _NormalizedGradient(torch.autograd.Function):  # its backward divides by the gradient's norm
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / grad.norm()
+
+
+def test_a_models_own_autograd_function_is_exact_where_its_backward_works_pixel_by_pixel_and_refused_elsewhere():
+    bias = torch.randn(X.shape[1], dtype=X.dtype, requires_grad=True)
+    for call in (lambda t: _SwishOwnBackward.apply(t) * t, lambda t: _ReversedGradient.apply(t * t),
+                 lambda t: _BiasOwnBackward.apply(t, bias)):
+        for grid in GRIDS + [(2, 2)]:
+            outcomes = run_parts(grid, call, X, backward=True)
+            assert torch.allclose(assemble([o.value for o in outcomes]), call(X), rtol=1e-13)
+            gradient = assemble_gradients(outcomes, grid, X.shape)
+            assert torch.allclose(gradient, one_process_gradient(call, X), rtol=1e-12, atol=1e-14)
+    # Computed from the part's pixels alone, these were silently wrong (the smoothing at the
+    # bands' edges, the centring by each part's own mean): refused on every rank, naming the
+    # Function and the call.
+    for function, call in ((_SmoothedGradient, "F.conv2d of a part"),
+                           (_CenteredGradient, "Tensor.sub of the part's pixels with a sum over the part"),
+                           (_NormalizedGradient, "Tensor.norm of a part")):
+        for grid in GRIDS:
+            refused = refused_alike(run_parts(grid, lambda t: function.apply(t) * t, X, backward=True))
+            assert refused is not None and refused.startswith(
+                f"{function.__name__}.backward (a torch.autograd.Function of the model's own, given a part): {call} "
+                "is not supported: its backward runs on the part alone"), refused

@@ -455,6 +455,58 @@ class MinMaxScaled(nn.Module):
         return self.out((f - low) / (high - low) * gate)
 
 
+class _FusedLeakyReLU(torch.autograd.Function):
+    """StyleGAN2's fused bias and leaky ReLU, its own backward: the bias's gradient a sum over
+    the batch and image."""
+
+    @staticmethod
+    def forward(ctx, x, bias, slope, scale):
+        y = x + bias.view(1, -1, 1, 1)
+        ctx.save_for_backward(y)
+        ctx.slope, ctx.scale = slope, scale
+        return torch.where(y >= 0, y, y * slope) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        grad_x = grad * torch.where(y >= 0, torch.ones_like(y), torch.full_like(y, ctx.slope)) * ctx.scale
+        return grad_x, grad_x.sum(dim=(0, 2, 3)), None, None
+
+
+class _LearnedSwish(torch.autograd.Function):
+    """``x * sigmoid(beta * x)`` with its own backward (a memory-efficient Swish with a learned beta)."""
+
+    @staticmethod
+    def forward(ctx, x, beta):
+        s = torch.sigmoid(beta * x)
+        ctx.save_for_backward(x, beta, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, beta, s = ctx.saved_tensors
+        ds = s * (1 - s)
+        return grad * (s + x * ds * beta), (grad * x * x * ds).sum().reshape(beta.shape)
+
+
+class CustomFunctions(nn.Module):
+    """Activations written as torch.autograd.Functions of the model's own, their parameters
+    passed to them (a bias, a learned beta): their backward's sums over the image are each
+    rank's share."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1, bias=False)
+        self.bias = nn.Parameter(torch.randn(c) * 0.1)
+        self.mid = nn.Conv2d(c, c, 3, padding=1)
+        self.beta = nn.Parameter(torch.tensor([1.3]))
+        self.out = nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = _FusedLeakyReLU.apply(self.conv(x), self.bias, 0.2, 2 ** 0.5)
+        return self.out(_LearnedSwish.apply(self.mid(f), self.beta))
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -471,7 +523,7 @@ _MODELS = {
     "unet-crop": lambda: UNet(pad=False), "seghead": SegmentationHead, "masked": Masked, "unbatched": Unbatched,
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
     "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet, "handnorm": HandNorm,
-    "convnext": ConvNeXt, "rowgate": RowGate, "minmax": MinMaxScaled,
+    "convnext": ConvNeXt, "rowgate": RowGate, "minmax": MinMaxScaled, "customfn": CustomFunctions,
 }
 
 

@@ -15,7 +15,8 @@ the whole image's everywhere else (an interpolation's size, a crop, arithmetic w
 as one process reads them.
 
 The mode also gives every parameter's gradient its factor (``Context.grad_scale``, see
-parallel.py). Per-module hooks keep the path of the running module for messages and labels.
+parallel.py); a model's own autograd Functions are wrapped for it (custom_functions.py).
+Per-module hooks keep the path of the running module for messages and labels.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import channels_last, gradient_scale, layers, lengths, ops, randomness, reductions, resampling
+from hpdl.torch.spatial import (channels_last, custom_functions, gradient_scale, layers, lengths, ops, randomness,
+                                reductions, resampling)
 from hpdl.torch.spatial.arguments import Unbound, bind, by_name
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
@@ -56,7 +58,7 @@ def running(ctx: Context) -> Iterator[None]:
     previous = active()
     _local.context = ctx
     try:
-        with SpatialMode(ctx):
+        with SpatialMode(ctx), custom_functions.wrapped(active):
             yield
     finally:
         _local.context = previous
