@@ -251,6 +251,38 @@ def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_
     assert model.scale is not None and not model.scale.is_meta and model.bn.num_batches_tracked.item() == 1
 
 
+class _CountedSteps(nn.Module):
+    """A schedule kept in containers on the module (a step counter in a dict, a history list):
+    the forward changes them in place, and branches on them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.extra = nn.Conv2d(2, 2, 3, padding=1)
+        self.state = {"step": 0, "seen": [], "sizes": set()}
+
+    def forward(self, x):
+        self.state["step"] += 1
+        self.state["seen"].append(self.state["step"])
+        self.state["sizes"].add(x.shape[-1])
+        y = self.conv(x)
+        return self.extra(y) if self.state["step"] == 2 else y / (1.0 + self.state["step"])
+
+
+def test_the_dry_run_puts_back_what_the_model_keeps_in_dicts_lists_and_sets_in_place():
+    # Each rank's dry run advanced the counter (the rank that also dry-runs the whole image once
+    # more): the ranks' temperatures differed, silently, and a branch on the counter ran a layer
+    # on one rank only, whose halo exchange waited for the stall timeout.
+    model = _CountedSteps()
+    state, seen, sizes = model.state, model.state["seen"], model.state["sizes"]
+    spatial.check_split(model, (1, 2, 12, 8), (2, 2))
+    assert model.state is state and state["seen"] is seen and state["sizes"] is sizes
+    assert state == {"step": 0, "seen": [], "sizes": set()}
+    model(torch.zeros(1, 2, 12, 8))
+    spatial.check_split(model, (1, 2, 12, 8), (2, 1))
+    assert state == {"step": 1, "seen": [1], "sizes": {8}}
+
+
 @pytest.mark.parametrize("body", [
     lambda y: F.interpolate(y, size=(int(0.5 * y.shape[-2]), int(0.5 * y.shape[-1]))),  # a shape (1, 2, 3, 4)
     lambda y: F.interpolate(y, size=(int(y.shape[-2] * 0.5), int(y.shape[-1] * 0.5))),
@@ -262,8 +294,9 @@ def test_the_dry_run_gets_through_what_a_forward_does_besides_layers_and_leaves_
     # makes a tensor of its own, where no part was there to tell (silently wrong before).
     lambda y: y - y.sum((2, 3), keepdim=True) / y.shape[2:].numel(),
     lambda y: y * torch.tensor(float(y.shape[-2:].numel())),
+    lambda y: y - y.sum((2, 3), keepdim=True) / np.prod(y.shape[2:]),  # a numpy integer
 ], ids=["int(0.5 * h)", "int(h * 0.5)", "float / numel", "1.0 * h / w", "numpy.sqrt(h)", "range(h)",
-        "sum / shape.numel()", "tensor(shape.numel())"])
+        "sum / shape.numel()", "tensor(shape.numel())", "sum / numpy.prod(shape)"])
 def test_a_number_computed_from_a_parts_own_length_is_refused_on_equal_bands_too(body):
     # 12 rows on 2 bands: 6 and 6, alike on every rank, so comparing the ranks showed nothing;
     # each computed with the part's 6 where one process has 12, silently (a wrong value, or

@@ -148,6 +148,19 @@ def test_the_reported_silent_cases_are_exact_now():
     assert refused_alike(run_parts((1, 2), lambda t: t.select(3, 0), y)) is not None
 
 
+def test_parts_given_by_keyword_in_a_list_are_parts():
+    # torch.cat(tensors=[...]) made a tensor no one took for a part: the next convolution ran on
+    # the bare band, and the output passed for the whole image.
+    weight = torch.randn(2, 2 * X.shape[1], 3, 3, dtype=X.dtype)
+    for call in (lambda t: F.conv2d(torch.cat(tensors=[t, 2 * t], dim=1), weight, padding=1),
+                 lambda t: F.conv2d(torch.stack(tensors=(t, t * t), dim=1).flatten(1, 2), weight, padding=1)):
+        for grid in GRIDS + [(2, 2)]:
+            outcomes = run_parts(grid, call, X, backward=True)
+            assert torch.allclose(assemble([o.value for o in outcomes]), call(X), rtol=1e-12)
+            gradient = assemble_gradients(outcomes, grid, X.shape)
+            assert torch.allclose(gradient, one_process_gradient(call, X), rtol=1e-12, atol=1e-14)
+
+
 def test_a_size_read_from_the_input_is_the_whole_images():
     # A segmentation head: size = x.shape[-2:], three stride-2 convs, a 1x1 head, upsampled back.
     convs = [torch.randn(4, c, 3, 3, dtype=torch.float64) for c in (2, 4, 4)]

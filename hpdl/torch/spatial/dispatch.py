@@ -22,6 +22,7 @@ Per-module hooks keep the path of the running module for messages and labels.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import weakref
 from typing import Any, Iterator, List, Optional, Tuple
@@ -595,6 +596,8 @@ def _scalars(value: Any) -> Any:
         return value.whole
     if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device)) or value is Ellipsis:
         return value
+    if isinstance(value, numbers.Number) and hasattr(value, "item"):  # numpy's (np.prod(x.shape[2:]))
+        return value.item()
     return type(value).__name__
 
 
@@ -608,7 +611,9 @@ def _refuse_channels_last_beside(ctx, func, tensors) -> None:
 def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
     """The part of the first tensor marked as one among the call's arguments, and whether its
     image dimensions are its last two (else it is channels-last); (None, True) where none is."""
-    for value in args:
+    # Lists too, given by keyword as by position (torch.cat(tensors=[a, b]) made a tensor no one
+    # took for a part, and the next convolution ran on the bare band).
+    for value in list(args) + list(kwargs.values()):
         found = _mark(value)
         if found[0] is not None:
             return found
@@ -617,10 +622,6 @@ def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
                 found = _mark(item)
                 if found[0] is not None:
                     return found
-    for value in kwargs.values():
-        found = _mark(value)
-        if found[0] is not None:
-            return found
     return None, True
 
 

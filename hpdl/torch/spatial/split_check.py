@@ -230,10 +230,14 @@ def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
     runs. PyTorch's own (weight norm's, spectral norm's and pruning's pre-hooks, which make the
     weight) and hpdl's run."""
     kept = []
+    contents = _Contents()
     for module in model.modules():
         tables = {key: dict(module.__dict__[key]) for key in ("_parameters", "_buffers", "_modules")
                   if key in module.__dict__}
         kept.append((module, dict(module.__dict__), tables))
+        for key, value in module.__dict__.items():
+            if key not in _MODULE_INTERNALS:
+                contents.keep(value)
         for key, value in list(module.__dict__.items()):
             if isinstance(value, torch.Tensor) and not value.is_meta:
                 module.__dict__[key] = _for_the_dry_run(value)
@@ -249,6 +253,7 @@ def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        contents.restore()
         for module, attributes, tables in kept:
             module.__dict__.clear()
             module.__dict__.update(attributes)
@@ -258,6 +263,42 @@ def _attributes_for_the_dry_run(model: nn.Module) -> Iterator[None]:
         for hooks, was in zip(global_hooks, global_kept):
             hooks.clear()
             hooks.update(was)
+
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # PyTorch's own tables on every module
+_CONTAINERS_KEPT = 100_000  # past this many, the rest are left as they are (a cache of a dataset's size)
+
+
+class _Contents:
+    """The contents of the dicts, lists and sets a model keeps on its modules (a step counter in
+    a dict, a cache of per-size tensors), and of those inside them, put back in place after the
+    dry run: a dry run that changed them (``self.state["step"] += 1``) left them changed, once
+    more on the rank that also dry-runs the whole image, so the ranks' forwards went different
+    ways (a temperature from the counter, different on each rank; a branch on it ran a layer
+    on one rank only, whose halo exchange waited for the stall timeout)."""
+
+    def __init__(self):
+        self.kept: List[Tuple[Any, Any]] = []
+        self.seen: set = set()
+
+    def keep(self, value: Any) -> None:
+        stack = [value]
+        while stack and len(self.kept) < _CONTAINERS_KEPT:
+            item = stack.pop()
+            if not isinstance(item, (dict, list, set)) or id(item) in self.seen:
+                continue
+            self.seen.add(id(item))
+            copy = dict(item) if isinstance(item, dict) else list(item) if isinstance(item, list) else set(item)
+            self.kept.append((item, copy))
+            stack.extend(copy.values() if isinstance(copy, dict) else copy)
+
+    def restore(self) -> None:
+        for item, copy in self.kept:
+            if isinstance(item, list):
+                item[:] = copy
+            else:
+                item.clear()
+                item.update(copy)
 
 
 def _users_hook(hook: Any) -> bool:
