@@ -590,6 +590,19 @@ class MPICommunicator(Communicator):
                     pass
         self._pinned.clear()
 
+    def peers_leave_within(self, seconds: float) -> bool:
+        # A barrier of the world's that only ranks leaving on an error enter: MPI_Finalize, next,
+        # waits for every rank (MPICH), so a peer still computing would keep this one alive.
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            return True
+        request = MPI.COMM_WORLD.Ibarrier()
+        deadline = time.monotonic() + seconds
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def abort(self, code: int) -> NoReturn:
         # On the world communicator, whatever group this is: the launcher then ends every rank,
         # including one blocked in C code that no exception can reach.
