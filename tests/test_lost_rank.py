@@ -224,12 +224,15 @@ def test_under_open_mpi_the_elastic_handler_sees_the_committed_state(tmp_path):
 
 
 # One rank's program, or every rank's, ends on an exception after a collective; the others
-# compute for 10 minutes without one (an evaluation), then would call the next.
+# compute for 10 minutes without one (an evaluation), then would call the next. Or rank 1's
+# ends between importing hpdl (which starts MPI) and hvd.init(), where the others wait.
 _FAILS_WHILE_OTHERS_COMPUTE = """\
-import sys, time
+import os, sys, time
 import torch
 import hpdl.torch as hvd
 
+if sys.argv[1] == "before-init" and os.environ.get("PMI_RANK") == "1":
+    raise RuntimeError("rank 1 gives up")
 hvd.init()
 hvd.allreduce(torch.ones(2), name="before")
 if hvd.rank() == 1 or sys.argv[1] == "every":
@@ -242,17 +245,18 @@ hvd.allreduce(torch.ones(2), name="after")
 
 @pytest.mark.multirank
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
-@pytest.mark.parametrize("who", ["one", "every"])
+@pytest.mark.parametrize("who", ["one", "every", "before-init"])
 def test_a_rank_ending_on_an_exception_ends_the_job_while_the_others_compute(tmp_path, who):
     # Under MPICH its MPI_Finalize waited for the others, which learnt of the loss only at their
-    # next collective: the job went on for as long as they computed. Now it ends the job once
-    # its own exit work is done; ranks that all raised alike end together, as before.
+    # next collective: the job went on for as long as they computed, or for ever where they
+    # waited in hvd.init(). Now it ends the job once its own exit work is done; ranks that all
+    # raised alike end together, as before (hpdl/comm/mpi_exit.py).
     script = tmp_path / "fails.py"
     script.write_text(_FAILS_WHILE_OTHERS_COMPUTE)
     done = _run(["mpiexec", "-n", "3", sys.executable, str(script), who], cwd=tmp_path, timeout=120)
     assert done.returncode != 0 and "the others finished computing" not in done.stdout, done.stderr[-3000:]
     ending = "hpdl: rank 1 ended on the error above while other ranks went on: ending the job"
-    if who == "one":
+    if who != "every":
         assert "RuntimeError: rank 1 gives up" in done.stderr and ending in done.stderr, done.stderr[-3000:]
     else:
         assert all(f"RuntimeError: rank {r} gives up" in done.stderr for r in range(3)), done.stderr[-3000:]

@@ -227,13 +227,6 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release the group's resources (the world group may outlive this call)."""
 
-    def peers_leave_within(self, seconds: float) -> bool:
-        """At interpreter exit, after this rank's program ended on an error: whether every rank
-        reaches the same point within ``seconds`` (they all raised alike). The default: yes, since
-        this process's exit does not wait for its peers; a backend whose exit does (MPICH's
-        MPI_Finalize) overrides it."""
-        return True
-
     def abort(self, code: int) -> NoReturn:
         """End the whole job at once, from any thread, even while a peer is stuck: never returns.
 

@@ -66,6 +66,12 @@ except RuntimeError as _err:
     _MISSING = f"mpi4py is installed but found no MPI library ({str(_err).splitlines()[0]}): pip install mpich"
 
 
+if MPI is not None and MPI.Is_initialized():  # a rank leaving on an error ends the job (mpi_exit.py)
+    from hpdl.comm import mpi_exit
+
+    mpi_exit.install(MPI)
+
+
 def mpi_available() -> bool:
     """Return whether mpi4py imports (and so an MPI library was found)."""
     return MPI is not None
@@ -589,19 +595,6 @@ class MPICommunicator(Communicator):
                 except MPI.Exception:
                     pass
         self._pinned.clear()
-
-    def peers_leave_within(self, seconds: float) -> bool:
-        # A barrier of the world's that only ranks leaving on an error enter: MPI_Finalize, next,
-        # waits for every rank (MPICH), so a peer still computing would keep this one alive.
-        if not MPI.Is_initialized() or MPI.Is_finalized():
-            return True
-        request = MPI.COMM_WORLD.Ibarrier()
-        deadline = time.monotonic() + seconds
-        while not request.Test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
 
     def abort(self, code: int) -> NoReturn:
         # On the world communicator, whatever group this is: the launcher then ends every rank,

@@ -14,15 +14,6 @@ wait for it forever in ``MPI_Finalize``. So a failure arms the end of the job:
    aborts the job; a C-level watchdog (faulthandler, which needs no GIL) follows
    ``_C_WATCHDOG_AFTER_S`` later, for a main thread that holds the GIL inside C code.
 
-A rank that leaves on an uncaught exception of its own (a bug on one rank, the engine sound) is
-bounded too (:func:`note_uncaught_exceptions`, :func:`bound_the_exit_after_an_error`): under
-MPICH its ``MPI_Finalize`` waits for every peer to finalize, and a peer computing without a
-collective (an evaluation, a long epoch of data loading) noticed the loss only at its next
-call, so the job ran on with a rank gone (105 s of a peer's computing, where it had 100 s
-left). Once its own exit work is done, such a rank waits ``ABORT_GRACE_S`` for the others
-to end with it (ranks that all raised alike end together), then exits, which the launcher
-sees as the rank's loss and ends the job.
-
 Aborting is the communicator's: ``MPI_Abort`` on the world communicator under MPI (the
 launcher then ends every rank, as mpi4py's ``-m mpi4py`` runner does for an uncaught
 exception); on torch.distributed, the process group is aborted and the process exits, and the
@@ -135,40 +126,6 @@ def _print_stacks(rank: int, message: str) -> None:
     _flush()
     sys.stderr.write("".join(lines))
     _flush()
-
-
-_uncaught = threading.Event()
-_hook_installed = False
-
-
-def note_uncaught_exceptions() -> None:
-    """Note (once the hook before has printed it) an exception that ends this rank's program."""
-    global _hook_installed
-    if _hook_installed:
-        return
-    _hook_installed = True
-    previous = sys.excepthook
-
-    def hook(kind, err, tb):
-        previous(kind, err, tb)
-        _uncaught.set()
-
-    sys.excepthook = hook
-
-
-def bound_the_exit_after_an_error(comm: Communicator, rank: int) -> None:
-    """At interpreter exit, this rank's own exit work done: where an uncaught exception ended
-    its program, wait ``ABORT_GRACE_S`` for every rank to leave alike, else end the job
-    (``comm.abort``): its peers go on without it, and its MPI_Finalize would wait for them."""
-    if comm.size <= 1 or not _uncaught.is_set() or failed():
-        return
-    if comm.peers_leave_within(ABORT_GRACE_S):
-        return
-    _flush()
-    sys.stderr.write(f"hpdl: rank {rank} ended on the error above while other ranks went on: ending the job\n")
-    _flush()
-    rank_exit.note()  # its traceback said why: not named again by `hpdl run`
-    comm.abort(EXIT_CODE)
 
 
 def _watchdog(armed: _Armed, rank: int) -> None:

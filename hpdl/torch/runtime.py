@@ -196,7 +196,6 @@ def init(comm: Union[None, Sequence[int], Any] = None, process_sets: Union[None,
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
-        abort.note_uncaught_exceptions()
     if process_sets not in (None, "dynamic"):
         for ps in process_sets:
             _process_sets.add_process_set(ps)
@@ -405,13 +404,10 @@ def _at_exit() -> None:
         if _state is not None:
             _log_failures(_run_shutdown_hooks())
         abort.abort_if_failed()
-    world = _state.comm if _state is not None else None
     try:
         shutdown()
     except ShutdownError as err:
         _exit_failed(str(err))
-    if world is not None:  # a rank leaving on an uncaught exception: its peers may go on without it
-        abort.bound_the_exit_after_an_error(world, world.rank)
 
 
 def _exit_failed(message: str) -> NoReturn:
