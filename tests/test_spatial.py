@@ -678,3 +678,15 @@ def test_the_group_checks_measurement_runs_and_reports_every_check():
         assert re.fullmatch(rf"2 ranks, {check}: {alone}a step [\d.]+ ms with it, [\d.]+ ms without \(medians of 1 "
                             r"alternating rounds\)", line), out.stdout + out.stderr
     assert len(lines) == 6, out.stdout
+
+
+def test_a_length_read_as_a_truth_value_decides_as_one_process():
+    # `if h % 8:` read the part's own number (int's truth): refused at 12 rows on 2 bands (6 % 8),
+    # where one process's 24 % 8 pads nothing.
+    def pad_to_eight(y):
+        h = y.shape[-2]
+        return F.pad(y, [0, 0, 0, 8 - h % 8]) if h % 8 else y
+
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), _Lambda(pad_to_eight))
+    spatial.check_split(model, (1, 2, 24, 8), (2, 1))
+    spatial.check_split(model, (1, 2, 20, 8), (2, 1))

@@ -58,6 +58,11 @@ class PartLength(int):
         # a tensor's shape: one process's, the whole's.
         return float(self.whole)
 
+    def __bool__(self) -> bool:
+        # A truth value decides as a comparison does, on the whole (``if h % 8:`` pads where one
+        # process pads; int's own read the part's number, and the first forward refused it).
+        return self.whole != 0
+
     def __reduce__(self):
         return (PartLength, (int(self), self.whole, self.axis, self.exact))
 
@@ -202,6 +207,9 @@ class PartFloat(float):
 
     def __hash__(self) -> int:
         return hash(self.whole)
+
+    def __bool__(self) -> bool:
+        return self.whole != 0
 
     def __floor__(self) -> PartLength:
         import math
