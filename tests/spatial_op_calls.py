@@ -331,6 +331,13 @@ def handler_calls() -> Dict[Any, List[Tuple[str, Callable]]]:
                                                                                 (-2, -1))),
                               ("lse 1", lambda t: torch.logsumexp(t, 1)), ("lse 3", lambda t: torch.logsumexp(t, 3))]
     calls[torch.Tensor.logsumexp] = [("lse method", lambda t: t.logsumexp((2, 3)))]
+    calls[F.l1_loss] = [("l1 mean", lambda t: t * F.l1_loss(t, t * t)),
+                        ("l1 sum", lambda t: t + F.l1_loss(t * t, t, reduction="sum")),
+                        ("l1 none", lambda t: F.l1_loss(t, 1 - t, reduction="none")),
+                        ("l1 to another map", lambda t: t * F.l1_loss(t, t[..., :1, :1].expand_as(t)))]
+    calls[F.mse_loss] = [("mse mean", lambda t: t * F.mse_loss(t, 1 - t))]
+    calls[F.smooth_l1_loss] = [("smooth l1 beta", lambda t: t * F.smooth_l1_loss(t, t * t, beta=0.05))]
+    calls[F.huber_loss] = [("huber delta sum", lambda t: t - F.huber_loss(t, 0.5 * t, reduction="sum", delta=0.1))]
     calls[torch.Tensor.norm] = [("(2, 3)", lambda t: t.norm(dim=(2, 3))), ("1", lambda t: t.norm(dim=1)),
                                 ("inf ties keepdim", lambda t: t * tied(t - 0.5).norm(float("inf"), (2, 3), True)),
                                 ("-inf (1, 2, 3)", lambda t: t.norm(-float("inf"), (1, 2, 3)))]

@@ -221,6 +221,12 @@ for _func, _spelling, _handler, _what in (
         (torch.Tensor.mean, "Tensor.mean", reductions.reduction, "as torch.mean"),
         (torch.sum, "torch.sum", reductions.reduction, "as torch.mean"),
         (torch.Tensor.sum, "Tensor.sum", reductions.reduction, "as torch.mean"),
+        (F.l1_loss, "F.l1_loss", reductions.pixel_loss,
+         "of a part and its target (the same part): `reduction=\"none\"` the terms, a part; `mean` and `sum` the "
+         "whole image's"),
+        (F.mse_loss, "F.mse_loss", reductions.pixel_loss, "as F.l1_loss"),
+        (F.smooth_l1_loss, "F.smooth_l1_loss", reductions.pixel_loss, "as F.l1_loss"),
+        (F.huber_loss, "F.huber_loss", reductions.pixel_loss, "as F.l1_loss"),
         (F.pad, "F.pad", layers.pad,
          "of the image: `constant` (negative amounts crop), `replicate`, `reflect` and `circular` (the pad layers, "
          "`Conv2d(padding_mode=...)`), as one process pads the whole image"),

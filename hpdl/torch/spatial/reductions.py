@@ -496,6 +496,27 @@ def _along_one_image_dimension(ctx: Context, func, x: torch.Tensor, dims: Any, k
                        f"split it: this is a {part.grid} grid)")
 
 
+def pixel_loss(ctx: Context, func, a: dict):
+    """A loss of each pixel's own term (``F.l1_loss``, ``F.mse_loss``, ``F.smooth_l1_loss``,
+    ``F.huber_loss``) of a part and its target, the same part: with ``reduction="none"`` the
+    terms, a part; with ``"mean"`` or ``"sum"`` the whole image's, the same on every rank (the
+    parts' sums added over the group, divided by the whole's count)."""
+    x, target, name = a["input"], a["target"], func.__name__
+    part = part_of(x)
+    if part_of(target) != part:
+        raise SpatialError(f"{ctx.where()}: F.{name} of a part and a target that is not the same part is not "
+                           "supported in the spatial part (scatter the target with the image: net.scatter(t))")
+    if a.get("size_average") is not None or a.get("reduce") is not None or a.get("weight") is not None:
+        raise SpatialError(f"{ctx.where()}: F.{name} with size_average, reduce or weight is not supported in the "
+                           "spatial part (reduction= alone; multiply the terms of reduction='none' by a weight)")
+    reduction = a.get("reduction", "mean")
+    options = {k: v for k, v in a.items() if k in ("beta", "delta")}
+    terms = tagged(func(x, target, reduction="none", **options), part)
+    if reduction == "none":
+        return terms
+    return _global_sum(ctx, terms, tuple(range(terms.dim())), False, reduction == "mean")
+
+
 # -- the dimensions a reduction reduces ----------------------------------------------------
 
 def _reduced_dims(ctx: Context, name: str, x: torch.Tensor, dims: Any) -> Tuple[Tuple[int, ...], bool]:
