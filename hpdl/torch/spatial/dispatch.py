@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import sys
 import threading
 import weakref
 from typing import Any, Iterator, List, Optional, Tuple
@@ -694,6 +695,12 @@ def _left(module: nn.Module, inputs, output) -> None:
     ctx = active()
     if ctx is None or not ctx.modules:
         return
+    failing = sys.exc_info()[1]  # run as the module's forward raised (always_call)
+    if failing is not None and not hasattr(failing, "hpdl_where"):  # raised where the mode does not see
+        try:
+            failing.hpdl_where = ctx.where()
+        except AttributeError:  # an exception type without a __dict__
+            pass
     if ctx.modules[-1] is module:
         ctx.modules.pop()
     saved = module.__dict__.pop("_hpdl_batches", None)

@@ -95,6 +95,11 @@ def _outcome(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs
         return True, str(refused)
     except Exception as err:  # noqa: BLE001 - PyTorch's refusal of one part, said for every rank alike
         where, first = getattr(err, "hpdl_where", "the model's forward"), _first_line(err)
+        unseen = _code_hpdl_does_not_see(err)
+        if unseen is not None:
+            return True, (f"{where}: {unseen} cannot run on a part: its calls run where hpdl does not see them, so "
+                          "they would compute on the bare part (PyTorch said: "
+                          f"{first}); call the Python function it was made from")
         if not _fits(module, names, Part(Grid(1, 1), 0, part.height, part.width), x, args, kwargs):
             return True, (f"{where}: PyTorch refused in the first forward's check of the split, which runs the "
                           f"model on shapes only (the meta device, no values): {first}; it refuses the whole image "
@@ -102,6 +107,21 @@ def _outcome(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs
                           "tensor read as an array, made on another device, or sized by its values)")
         return True, (f"{where}: on group rank {part.rank}'s part ({rows_and_cols(part)}) PyTorch refused: {first}; "
                       f"the image may be too small for {part.grid} bands")
+
+
+def _code_hpdl_does_not_see(err: BaseException) -> Optional[str]:
+    """What ran the calls that failed, where it is code whose calls the spatial mode does not see:
+    a TorchScript function (its interpreter refused the mode), or a function compiled with
+    torch.compile (dynamo failed in its guards); None otherwise."""
+    if isinstance(err, torch.jit.Error) or str(err).startswith("The following operation failed in the TorchScript "
+                                                                  "interpreter"):
+        return "a TorchScript function (torch.jit.script) called in the forward"
+    tb = err.__traceback__
+    while tb is not None:
+        if "/torch/_dynamo/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return "a function compiled with torch.compile called in the forward"
+        tb = tb.tb_next
+    return None
 
 
 def _gathered(comm, mine: Tuple[bool, Any], whole: Optional[List[tuple]]) -> Tuple[List[Tuple[bool, Any]],
