@@ -446,3 +446,24 @@ def test_a_models_own_autograd_function_is_exact_where_its_backward_works_pixel_
             assert refused is not None and refused.startswith(
                 f"{function.__name__}.backward (a torch.autograd.Function of the model's own, given a part): {call} "
                 "is not supported: its backward runs on the part alone"), refused
+
+
+def test_a_part_flattened_is_reduced_over_the_whole_image_and_refused_as_a_sequence():
+    # x.view(b, c, -1).mean(-1) (squeeze-and-excitation written by hand) was refused at the view;
+    # a flattened part holds the part's pixels, so only a reduction over them is the image's.
+    n, c = X.shape[:2]
+    for call in (lambda t: t * t.flatten(2).mean(-1)[..., None, None],
+                 lambda t: t - t.view(n, c, -1).amax(dim=2, keepdim=True).unsqueeze(-1),
+                 lambda t: t * torch.sum(t.reshape(n, c, t.shape[2] * t.shape[3]), -1).view(n, c, 1, 1),
+                 lambda t: t * (t.flatten(2).amin(-1).sum() / t.flatten(2).shape[-1])):
+        for grid in GRIDS + [(2, 2)]:
+            outcomes = run_parts(grid, call, X, backward=True)
+            assert torch.allclose(assemble([o.value for o in outcomes]), call(X), rtol=1e-12)
+            gradient = assemble_gradients(outcomes, grid, X.shape)
+            assert torch.allclose(gradient, one_process_gradient(call, X), rtol=1e-12, atol=1e-14)
+    for call, written in ((lambda t: torch.softmax(t.flatten(2), -1).view_as(t), "torch.softmax"),
+                          (lambda t: t.flatten(2).permute(0, 2, 1).sum(), "Tensor.permute"),
+                          (lambda t: t * t.flatten(2).mean(1).view(n, 1, *t.shape[-2:]), "Tensor.mean")):
+        refused = refused_alike(run_parts((2, 1), call, X, backward=True))
+        assert refused is not None and f"{written} of a part flattened (x.flatten(2), x.view(n, c, -1)) is not " \
+                                       "supported" in refused, refused

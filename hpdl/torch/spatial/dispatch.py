@@ -34,15 +34,16 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from hpdl.torch.spatial import (channels_last, custom_functions, gradient_scale, layers, lengths, ops, randomness,
-                                reductions, resampling)
+from hpdl.torch.spatial import (channels_last, custom_functions, flattened, gradient_scale, layers, lengths, ops,
+                                randomness, reductions, resampling)
 from hpdl.torch.spatial.arguments import Unbound, bind, by_name
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
-from hpdl.torch.spatial.parts import (channels_last_part_of, is_part, map_tensors, part_of, tag_outputs, tagged,
-                                      tagged_channels_last, tensors_in, with_marks_of)
+from hpdl.torch.spatial.parts import (channels_last_part_of, flattened_part_of, is_part, map_tensors, part_of,
+                                      tag_outputs, tagged, tagged_channels_last, tagged_flattened, tensors_in,
+                                      with_marks_of)
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
 _local = threading.local()
@@ -87,6 +88,9 @@ class SpatialMode(TorchFunctionMode):
             ctx.trace.append((ops.spelled(func), ctx.where(), _scalars(args), _scalars(kwargs)))
         try:
             if part is None:
+                flat = _find_flattened(args, kwargs)
+                if flat is not None:  # x.flatten(2) of a part (flattened.py)
+                    return flattened.run(ctx, func, op, flat, args, kwargs)
                 return _outside_parts(ctx, func, op, args, kwargs)
             if not last:  # a channels-last part (channels_last.py)
                 return channels_last.run(ctx, func, op, part, args, kwargs)
@@ -325,6 +329,9 @@ def _reshape(ctx, func, op, part, args, kwargs):
     x = args[0]
     out = func(*to_local(args), **to_local(kwargs))
     size = part.local_size
+    if isinstance(out, torch.Tensor) and out.dim() >= 1 and tuple(x.shape[-2:]) == size \
+            and out.shape[-1] == size[0] * size[1] and tuple(out.shape[:-1]) == tuple(x.shape[:-2]):
+        return tagged_flattened(out, part)  # the image dimensions merged last (flattened.py)
     if not isinstance(out, torch.Tensor) or out.dim() < 2 or tuple(out.shape[-2:]) != size \
             or tuple(x.shape[-2:]) != size or _product(out.shape[:-2]) != _product(x.shape[:-2]):
         raise refusal(ctx, f"{ops.spelled(func)} that changes the image dimensions",
@@ -624,6 +631,16 @@ def _find_part(args, kwargs) -> Tuple[Optional[Part], bool]:
                 if found[0] is not None:
                     return found
     return None, True
+
+
+def _find_flattened(args, kwargs) -> Optional[Part]:
+    """The part of the first tensor among the call's arguments that is a part flattened, or None."""
+    for value in list(args) + list(kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            part = flattened_part_of(item)
+            if part is not None:
+                return part
+    return None
 
 
 def _mark(value: Any) -> Tuple[Optional[Part], bool]:

@@ -22,7 +22,8 @@ normalization.py, reductions.py and resampling.py hold the handlers):
 - ``ALONG``: along one dimension named by the argument ``dim``: fine along the batch or
   channel dimensions, refused along an image dimension (``missing``: what no dimension means);
 - ``CONCAT``: joins parts of maps of the same size along the batch or channel dimensions;
-- ``RESHAPE``: keeps the image dimensions last and whole (``view``, ``flatten(0, 1)``);
+- ``RESHAPE``: keeps the image dimensions last and whole (``view``, ``flatten(0, 1)``), or merges
+  them into the last one (``flatten(2)``: only reduced over it, flattened.py);
 - ``EXPAND``: repeats the batch or channel dimensions (``expand``, ``repeat``);
 - ``PERMUTE``: reorders the batch and channel dimensions only;
 - ``INDEX``: ``x[...]`` on the batch or channel dimensions, or a crop of the image

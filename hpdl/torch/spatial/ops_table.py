@@ -34,7 +34,8 @@ _RULES = {
                 "dimension, where that means all of them; but `x.max()`, `x.min()`, `torch.aminmax(x)` and "
                 "`x.prod()` are the whole image's); a scatter's index and source must be the same part as its input",
     Kind.CONCAT: "exact along the batch or channel dimensions, of parts of maps of the same size",
-    Kind.RESHAPE: "exact where the image dimensions stay the last two, whole",
+    Kind.RESHAPE: "exact where the image dimensions stay the last two, whole; merged into the last one "
+                  "(`x.flatten(2)`, `x.view(n, c, -1)`), only to be summed, averaged or maximized over it",
     Kind.EXPAND: "exact where the image dimensions stay the last two, whole (a tensor of size 1 there may be "
                  "expanded to a part, or to lengths read from a part: `pooled.expand(b, c, h, w)`, a part)",
     Kind.PERMUTE: "exact where the image dimensions stay the last two, in order, or move together before the last "

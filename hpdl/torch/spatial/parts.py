@@ -17,6 +17,7 @@ from hpdl.torch.spatial.geometry import Part
 _ATTRIBUTE = "_hpdl_part"
 _REPLICATED = "_hpdl_replicated"
 _CHANNELS_LAST = "_hpdl_part_channels_last"
+_FLATTENED = "_hpdl_part_flattened"
 
 
 def part_of(value: Any) -> Optional[Part]:
@@ -41,9 +42,22 @@ def tagged_channels_last(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     return tensor
 
 
+def flattened_part_of(value: Any) -> Optional[Part]:
+    """The part ``value`` holds with its image dimensions merged into its last one (``x.flatten(2)``,
+    ``x.view(n, c, -1)``), or None."""
+    return getattr(value, _FLATTENED, None) if isinstance(value, torch.Tensor) else None
+
+
+def tagged_flattened(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    """Mark ``tensor`` (..., h * w) as ``part`` with its image dimensions merged last (in place; returns it)."""
+    setattr(tensor, _FLATTENED, part)
+    return tensor
+
+
 def is_part(value: Any) -> bool:
-    """Whether ``value`` is a part of a split map, its image dimensions last or channels-last."""
-    return part_of(value) is not None or channels_last_part_of(value) is not None
+    """Whether ``value`` is a part of a split map: its image dimensions last, channels-last or merged."""
+    return part_of(value) is not None or channels_last_part_of(value) is not None or \
+        flattened_part_of(value) is not None
 
 
 def mark_replicated(tensor: torch.Tensor) -> torch.Tensor:
