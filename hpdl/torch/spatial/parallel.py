@@ -37,8 +37,8 @@ from hpdl.torch.spatial.comm import GroupComm, group_communicator
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.errors import report_in_one_line
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
-from hpdl.torch.spatial.parts import (channels_last_part_of, is_replicated, map_tensors, mark_replicated, marked,
-                                      marks_of, part_of, tagged)
+from hpdl.torch.spatial.parts import (channels_last_part_of, flattened_part_of, is_replicated, map_tensors,
+                                      mark_replicated, marked, marks_of, part_of, tagged)
 from hpdl.torch.spatial.split_check import check_split
 
 __all__ = ["SpatialParallel", "check_split"]
@@ -323,13 +323,18 @@ class SpatialParallel(nn.Module):
 
 
 def _refuse_channels_last(value: Any, what: str) -> None:
-    """Refuse a part whose image dimensions are not its last two (channels_last.py) where a part
-    with them last, or a whole tensor, is expected."""
+    """Refuse a part whose image dimensions are not its last two (channels_last.py, flattened.py)
+    where a part with them last, or a whole tensor, is expected."""
     part = channels_last_part_of(value)
     if part is not None:
         raise SpatialError(f"{what} is a part of a {part.height} x {part.width} map with its image dimensions "
                            f"before the last (shape {list(value.shape)}, channels last): permute them back to the "
                            "last two (x.permute(0, 3, 1, 2)) in the model's forward")
+    part = flattened_part_of(value)
+    if part is not None:
+        raise SpatialError(f"{what} is a part of a {part.height} x {part.width} map with its rows and columns merged "
+                           f"into its last dimension (shape {list(value.shape)}, x.flatten(2)): reduce it over that "
+                           "dimension, or keep the rows and columns, in the model's forward")
 
 
 def _close_open() -> None:
