@@ -16,7 +16,7 @@ from hpdl.torch.spatial import dispatch
 from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.parallel import check_split
-from hpdl.torch.spatial.parts import channels_last_part_of, part_of, tagged
+from hpdl.torch.spatial.parts import channels_last_part_of, flattened_part_of, part_of, tagged
 
 _WAIT_S = 20.0
 
@@ -106,6 +106,9 @@ def run_parts(grid: Tuple[int, int], fn: Callable[[torch.Tensor], Any], x: torch
         try:
             with dispatch.running(ctx):
                 value = fn(mine)
+            if any(flattened_part_of(t) is not None for t in _flat(value)):
+                # As SpatialParallel refuses a model's output that is one (parallel.py).
+                raise SpatialError("the result is a part flattened: reduce it, or keep the rows and columns")
             grad = None
             if backward:
                 loss = _weighted_sum(value, g, rank)
