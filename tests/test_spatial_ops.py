@@ -426,6 +426,9 @@ class _NormalizedGradient(torch.autograd.Function):  # its backward divides by t
         return grad / grad.norm()
 
 
+_PYTORCHS_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
 def test_a_models_own_autograd_function_is_exact_where_its_backward_works_pixel_by_pixel_and_refused_elsewhere():
     bias = torch.randn(X.shape[1], dtype=X.dtype, requires_grad=True)
     for call in (lambda t: _SwishOwnBackward.apply(t) * t, lambda t: _ReversedGradient.apply(t * t),
@@ -446,6 +449,8 @@ def test_a_models_own_autograd_function_is_exact_where_its_backward_works_pixel_
             assert refused is not None and refused.startswith(
                 f"{function.__name__}.backward (a torch.autograd.Function of the model's own, given a part): {call} "
                 "is not supported: its backward runs on the part alone"), refused
+    # Wrapped only while a spatial forward runs: PyTorch's own again after.
+    assert torch.autograd.Function.__dict__["apply"] is _PYTORCHS_APPLY
 
 
 def test_a_part_flattened_is_reduced_over_the_whole_image_and_refused_as_a_sequence():

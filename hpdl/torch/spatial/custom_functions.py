@@ -40,7 +40,8 @@ from hpdl.torch.spatial.ops import Kind
 from hpdl.torch.spatial.parts import channels_last_part_of, part_of, tensors_in
 
 _Function = torch.autograd.function.Function
-_plain_apply = _Function.__dict__["apply"].__func__
+_original = _Function.__dict__["apply"]  # the classmethod itself, put back as it was
+_plain_apply = _original.__func__
 _installed = {"depth": 0}
 _install_lock = threading.Lock()
 
@@ -59,7 +60,7 @@ def wrapped(active: Callable[[], Optional[Any]]) -> Iterator[None]:
         with _install_lock:
             _installed["depth"] -= 1
             if _installed["depth"] == 0:
-                _Function.apply = classmethod(_plain_apply)
+                _Function.apply = _original
 
 
 def _wrapped_apply(active: Callable[[], Optional[Any]]):
