@@ -261,3 +261,27 @@ def test_a_rank_ending_on_an_exception_ends_the_job_while_the_others_compute(tmp
     else:
         assert all(f"RuntimeError: rank {r} gives up" in done.stderr for r in range(3)), done.stderr[-3000:]
         assert "ending the job" not in done.stderr, done.stderr[-3000:]
+
+
+# Rank 1 fails before it imports hpdl (before MPI starts); the others wait in hvd.init().
+_FAILS_BEFORE_MPI = """\
+import os, sys
+if os.environ.get("PMI_RANK") == "1":
+    sys.exit("rank 1: a module it needs is missing")
+import hpdl.torch as hvd
+hvd.init()
+print("the others met", flush=True)
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_under_mpiexec_a_rank_that_fails_before_starting_mpi_ends_the_job(tmp_path):
+    # MPICH's mpiexec saw a rank that ended before MPI_Init as no loss: the others waited in
+    # MPI_Init for ever. The rank's watch aborts the job through mpiexec's own PMI.
+    script = tmp_path / "fails_early.py"
+    script.write_text(_FAILS_BEFORE_MPI)
+    done = _run([sys.executable, "-m", "hpdl", "run", "-np", "3", "--launcher", "mpiexec", "--backend", "mpi", "--",
+                 sys.executable, str(script)], cwd=tmp_path, timeout=120)
+    assert done.returncode == 1 and "the others met" not in done.stdout, done.stderr[-3000:]
+    assert _reports(done.stderr) == [f"hpdl run: rank 1 (host {HOST}) ended with exit code 1"], done.stderr[-3000:]

@@ -14,7 +14,10 @@ before), it prints to stderr, which the launcher passes on as the rank's own::
     hpdl run: rank 1 (host node2) ended with exit code 7
 
 It then ends as the command did (killed by the same signal, or with the same exit code), so
-that the launcher sees the rank's end and acts on it as without this process.
+that the launcher sees the rank's end and acts on it as without this process; under MPICH's
+mpiexec, an exit code no one explained also aborts the job through mpiexec's own process
+manager interface, which otherwise let the other ranks wait in MPI_Init for a rank that failed
+before it started MPI.
 
 Signals: the command runs in a process group of its own, so that a signal the launcher or a
 terminal's Ctrl-C sends to this process's group reaches the command once, passed on from here
@@ -174,7 +177,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     if returncode != 0 and not asked_for(returncode, passed_on) and \
             not (returncode > 0 and child[0].pid in rank_exit.noted(notes)):
         sys.stderr.write(report_line(returncode))
+        if returncode > 0:
+            _abort_an_mpich_job(returncode)
     return _end_as(returncode)
+
+
+def _abort_an_mpich_job(returncode: int) -> None:
+    """Under MPICH's mpiexec, end the whole job through its process manager's own interface (the
+    PMI ``abort`` command on the rank's PMI_FD): hydra sees a rank that ended with an exit code
+    before it started MPI (it failed before importing hpdl) as no loss, and the other ranks
+    waited in MPI_Init for ever. Only hydra's ranks have HYDI_CONTROL_FD; under Slurm or Open
+    MPI the launcher sees the end itself."""
+    if "HYDI_CONTROL_FD" not in os.environ:
+        return
+    try:
+        os.write(int(os.environ["PMI_FD"]), f"cmd=abort exitcode={returncode}\n".encode())
+    except (KeyError, ValueError, OSError):
+        pass
 
 
 if __name__ == "__main__":
