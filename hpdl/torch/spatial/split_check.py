@@ -140,13 +140,16 @@ def _gathered(comm, mine: Tuple[bool, Any], whole: Optional[List[tuple]]) -> Tup
     return outcomes, whole
 
 
+_REFUSED = "a refusal"  # the record of a dry run on the whole image that was refused
+
+
 def _whole_record(module: nn.Module, names, part: Part, x: torch.Tensor, args, kwargs) -> List[tuple]:
     """The record of a dry run on the whole image as one part (or of its refusal)."""
     one = Part(Grid(1, 1), 0, part.height, part.width)
     try:
         return _dry_run(module, names, one, x, args, kwargs)
     except Exception as err:  # noqa: BLE001 - the parts ran: the whole image must run alike
-        return [("a refusal", getattr(err, "hpdl_where", "the model's forward"), (_first_line(err),), ())]
+        return [(_REFUSED, getattr(err, "hpdl_where", "the model's forward"), (_first_line(err),), ())]
 
 
 def _compare_with_one_process(record: List[tuple], whole: List[tuple]) -> None:
@@ -158,6 +161,9 @@ def _compare_with_one_process(record: List[tuple], whole: List[tuple]) -> None:
     computes with the whole image's.
     So the model runs once more on the whole image as one part (``whole``), whose lengths are the
     whole's, and every call must have the same numbers as on a part (``record``)."""
+    if whole and whole[0][0] == _REFUSED:  # it ran on every part, not on the whole image
+        raise SpatialError(f"the model's forward runs on the ranks' parts but not on the whole image as one part, as "
+                           f"one process runs it: {whole[0][2][0]}")
     differing = _first_difference(record, whole)
     if differing is not None:
         step, mine, theirs = differing
