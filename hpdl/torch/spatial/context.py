@@ -6,9 +6,12 @@ forward's random streams (randomness.py)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
 from typing import Dict, List, Optional
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpdl.torch.spatial.comm import GroupComm
 from hpdl.torch.spatial.geometry import Grid
@@ -59,3 +62,54 @@ class Context:
         if not self.modules:
             return "spatial"
         return self.names.get(id(self.modules[-1]), "") or "spatial"
+
+
+_local = threading.local()
+
+
+def active() -> Optional[Context]:
+    """The context of the spatial forward running on this thread, if any."""
+    return getattr(_local, "context", None)
+
+
+def make_active(ctx: Optional[Context]) -> Optional[Context]:
+    """Make ``ctx`` (or None) the context of this thread's spatial forward; returns the one before."""
+    previous = active()
+    _local.context = ctx
+    return previous
+
+
+def track_modules(model: nn.Module) -> list:
+    """Hooks on every module of ``model`` that keep the running module's path in the active
+    context, and keep batch norm's batch count when backward recomputes a checkpointed block."""
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(_entered))
+        handles.append(module.register_forward_hook(_left, always_call=True))
+    return handles
+
+
+def _entered(module: nn.Module, inputs) -> None:
+    ctx = active()
+    if ctx is None:
+        return
+    ctx.modules.append(module)
+    if ctx.recomputing and isinstance(module, _BatchNorm) and module.num_batches_tracked is not None:
+        module._hpdl_batches = module.num_batches_tracked.clone()
+
+
+def _left(module: nn.Module, inputs, output) -> None:
+    ctx = active()
+    if ctx is None or not ctx.modules:
+        return
+    failing = sys.exc_info()[1]  # run as the module's forward raised (always_call)
+    if failing is not None and not hasattr(failing, "hpdl_where"):  # raised where the mode does not see
+        try:
+            failing.hpdl_where = ctx.where()
+        except AttributeError:  # an exception type without a __dict__
+            pass
+    if ctx.modules[-1] is module:
+        ctx.modules.pop()
+    saved = module.__dict__.pop("_hpdl_batches", None)
+    if saved is not None:
+        module.num_batches_tracked.copy_(saved)

@@ -16,28 +16,25 @@ as one process reads them.
 
 The mode also gives every parameter's gradient its factor (``Context.grad_scale``, see
 parallel.py); a model's own autograd Functions are wrapped for it (custom_functions.py).
-Per-module hooks keep the path of the running module for messages and labels.
+Per-module hooks keep the path of the running module for messages and labels (context.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import numbers
-import sys
-import threading
 import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from hpdl.torch.spatial import (channels_last, custom_functions, flattened, gradient_scale, layers, lengths, ops,
                                 randomness, reductions, resampling)
 from hpdl.torch.spatial.arguments import Unbound, bind, by_name
-from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.context import Context, active, make_active
 from hpdl.torch.spatial.geometry import Part, SpatialError
 from hpdl.torch.spatial.lengths import PartLength, holds_length, to_local, to_whole
 from hpdl.torch.spatial.ops import Kind
@@ -46,25 +43,18 @@ from hpdl.torch.spatial.parts import (channels_last_part_of, flattened_part_of, 
                                       with_marks_of)
 from hpdl.torch.sync_batch_norm import SyncBatchNorm
 
-_local = threading.local()
 _READS_ONLY = (Kind.SHAPE, Kind.METADATA, Kind.PART_ATTRIBUTE)
-
-
-def active() -> Optional[Context]:
-    """The context of the spatial forward running on this thread, if any."""
-    return getattr(_local, "context", None)
 
 
 @contextlib.contextmanager
 def running(ctx: Context) -> Iterator[None]:
     """Run the block as a spatial forward with ``ctx``: the mode on, ``ctx`` active on this thread."""
-    previous = active()
-    _local.context = ctx
+    previous = make_active(ctx)
     try:
         with SpatialMode(ctx), custom_functions.wrapped(active):
             yield
     finally:
-        _local.context = previous
+        make_active(previous)
 
 
 class SpatialMode(TorchFunctionMode):
@@ -687,39 +677,3 @@ def _compiled(module: nn.Module) -> bool:
     # .compile() keeps the compiled call in the module's own attributes (PyTorch 2.2 and later).
     return (kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo")) \
         or vars(module).get("_compiled_call_impl") is not None
-
-
-def track_modules(model: nn.Module) -> list:
-    """Hooks on every module of ``model`` that keep the running module's path in the active
-    context, and keep batch norm's batch count when backward recomputes a checkpointed block."""
-    handles = []
-    for module in model.modules():
-        handles.append(module.register_forward_pre_hook(_entered))
-        handles.append(module.register_forward_hook(_left, always_call=True))
-    return handles
-
-
-def _entered(module: nn.Module, inputs) -> None:
-    ctx = active()
-    if ctx is None:
-        return
-    ctx.modules.append(module)
-    if ctx.recomputing and isinstance(module, _BatchNorm) and module.num_batches_tracked is not None:
-        module._hpdl_batches = module.num_batches_tracked.clone()
-
-
-def _left(module: nn.Module, inputs, output) -> None:
-    ctx = active()
-    if ctx is None or not ctx.modules:
-        return
-    failing = sys.exc_info()[1]  # run as the module's forward raised (always_call)
-    if failing is not None and not hasattr(failing, "hpdl_where"):  # raised where the mode does not see
-        try:
-            failing.hpdl_where = ctx.where()
-        except AttributeError:  # an exception type without a __dict__
-            pass
-    if ctx.modules[-1] is module:
-        ctx.modules.pop()
-    saved = module.__dict__.pop("_hpdl_batches", None)
-    if saved is not None:
-        module.num_batches_tracked.copy_(saved)

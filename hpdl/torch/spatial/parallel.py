@@ -34,7 +34,7 @@ from hpdl.torch import runtime
 from hpdl.torch.process_sets import ProcessSet, global_process_set
 from hpdl.torch.spatial import agreement, dispatch, fingerprint, gradient_scale, randomness, split_check
 from hpdl.torch.spatial.comm import GroupComm, group_communicator
-from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.context import Context, active, track_modules
 from hpdl.torch.spatial.errors import report_in_one_line
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.parts import (channels_last_part_of, flattened_part_of, is_replicated, map_tensors,
@@ -101,7 +101,7 @@ class SpatialParallel(nn.Module):
         # loss's target): compared across the group at the next forward, or at the start of
         # the backward of the forward before it, whichever comes first.
         self._scattered: List[Optional[torch.Tensor]] = []
-        self._hooks = dispatch.track_modules(module)
+        self._hooks = track_modules(module)
         self._checked: set = set()
         self.checkpointed = blocks
         modules = dict(module.named_modules())
@@ -356,7 +356,7 @@ class _Checkpoint:
                         block.register_forward_hook(self._after, always_call=True)]
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        ctx = dispatch.active()
+        ctx = active()
         if ctx is not None and ctx.recomputing and ctx.input_parts is not None:
             for value, marks in zip(args, ctx.input_parts):  # saved inputs come back unmarked
                 if isinstance(value, torch.Tensor):

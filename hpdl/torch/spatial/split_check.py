@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hpdl.torch.spatial import dispatch
-from hpdl.torch.spatial.context import Context
+from hpdl.torch.spatial.context import Context, track_modules
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError, ThinBand
 from hpdl.torch.spatial.parts import map_tensors, part_of, tagged
 
@@ -51,7 +51,7 @@ def check_split(module: nn.Module, shape: Sequence[int], grid: Sequence[int] = (
     dispatch.refuse_unsplittable_modules(module)
     names = {id(m): name for name, m in module.named_modules()}
     x = torch.empty(tuple(shape), dtype=dtype, device="meta")
-    handles = dispatch.track_modules(module)  # the running module's path, for the messages
+    handles = track_modules(module)  # the running module's path, for the messages
     try:
         check(module, names, Part(Grid(*layout), 0, height, width), x, (), {})
     finally:
