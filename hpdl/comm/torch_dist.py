@@ -564,6 +564,11 @@ class TorchCommunicator(Communicator):
         group = dist.new_group(global_members, backend=self.name)
         control = dist.new_group(global_members, backend="gloo")
         cpu = dist.new_group(global_members, backend="gloo") if self.name == "nccl" else None
+        # A rank's new_group returns once its own connections are made, while a peer may still
+        # be completing its side of them: a rank left out, which closes its world next
+        # (init(comm=...)), would cut the connections under that peer ("Connection closed by
+        # peer" in gloo's connectFullMesh). Every rank has made every group past this point.
+        self.allreduce_control(torch.zeros(1), ReduceOp.SUM)
         if self._rank not in members:
             return None
         return TorchCommunicator(self.name, group=group, control_group=control, cpu_group=cpu)
