@@ -36,3 +36,58 @@ def test_the_first_failure_wins_and_arms_the_end_once(monkeypatch):
     failures.fail("first", log_it=False)
     failures.fail("second", log_it=False)
     assert armed == ["first"] and failures.failure == "first" and failed_requests == ["first"]
+
+
+def _where(armed):
+    """An abort.arm that records the thread it runs on and that thread's nice value."""
+    import os
+    import threading
+
+    def arm(comm, rank, message, stalled):
+        me = threading.current_thread()
+        armed.append((me.name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    return arm
+
+
+def _on_a_lowered_thread(failures, work):
+    """Run ``work`` on a thread at nice 19 that told ``failures`` so, as the engine thread does."""
+    import os
+    import threading
+
+    def run():
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        failures.note_lowered_priority()
+        work()
+    thread = threading.Thread(target=run, name="lowered")
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_failure_found_on_the_lowered_engine_thread_is_handled_at_normal_priority(monkeypatch):
+    # At nice 19, beside busy processes, the engine thread waits seconds for each moment of CPU;
+    # the end of the job (its watchdogs inherit the priority of the thread that starts them)
+    # must not: the watch thread, at the process's priority, arms it.
+    import os
+
+    normal = os.getpriority(os.PRIO_PROCESS, 0)
+    failed_requests, armed = [], []
+    failures = _failures(failed_requests)
+    monkeypatch.setattr(abort, "arm", _where(armed))
+    failures.start_watch()
+    try:
+        _on_a_lowered_thread(failures, lambda: failures.fail("stalled", log_it=False))
+        _on_a_lowered_thread(failures, lambda: failures.arm_end("a set stalled", stalled=False))
+    finally:
+        failures.mark_stopped()
+        failures.join_watch(5)
+    assert armed == [("hpdl-engine-watch", normal)] * 2
+    assert failures.failure == "stalled" and failed_requests == ["stalled"]
+
+
+def test_without_the_watch_thread_the_lowered_thread_handles_its_failure_itself(monkeypatch):
+    failed_requests, armed = [], []
+    failures = _failures(failed_requests)  # its watch thread never started (or has ended)
+    monkeypatch.setattr(abort, "arm", _where(armed))
+    _on_a_lowered_thread(failures, lambda: failures.fail("stalled", log_it=False))
+    assert armed == [("lowered", 19)] and failures.failure == "stalled"

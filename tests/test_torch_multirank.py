@@ -160,8 +160,8 @@ def test_mismatches_raise_on_every_rank(launcher, n):
     assert out.count("CONTINUED") == n
 
 
-def test_stalled_rank_is_named_then_every_rank_raises():
-    env = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "3"}
+def test_stalled_rank_is_named_then_every_rank_raises(tmp_path):
+    env = {"HPDL_STALL_WARNING": "1", "HPDL_STALL_TIMEOUT": "3", "STALL_MARKS": str(tmp_path)}
     result = run_ranks("engine_failures.py", 3, "mpiexec", args=["stall"], env=env, timeout=60)
     assert "stalled.tensor: missing rank 1" in result.stderr  # the warning, on rank 0
     for rank in range(3):

@@ -44,13 +44,16 @@ from hpdl.engine.scheduling import Scheduler
 
 log = logging.getLogger("hpdl.engine")
 
-def _lower_priority(increment: int) -> None:
-    """Raise the calling thread's nice value by ``increment`` (Linux: per-thread priorities)."""
+def _lower_priority(increment: int) -> bool:
+    """Raise the calling thread's nice value by ``increment`` (Linux: per-thread priorities);
+    return whether it was raised."""
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        return True
     except (AttributeError, OSError) as err:  # not Linux, or not permitted: run at normal priority
         log.debug("could not lower the engine thread's priority: %s", err)
+        return False
 
 
 class Engine:
@@ -347,8 +350,8 @@ class Engine:
         # The engine's copies (fusion buffer in and out) are never part of an autograd graph,
         # even when the caller's tensors require grad; grad mode is per thread.
         torch.set_grad_enabled(False)
-        if self.thread_nice > 0:
-            _lower_priority(self.thread_nice)
+        if self.thread_nice > 0 and _lower_priority(self.thread_nice):
+            self._failures.note_lowered_priority()
         self._started.set()
         failures = self._failures
         try:

@@ -9,6 +9,12 @@ answer where the backend can tell), arms the end of the job (abort.py) so that n
 left waiting on a lost peer, and, on a rank that stopped submitting and so has no handle to
 raise through, raises in the main thread.
 
+That work runs at the process's own priority: the engine thread's may be lowered
+(HPDL_ENGINE_NICE), and, beside other busy processes, a thread at nice 19 waits seconds for
+each moment of CPU, where the job must end within the abort's grace period. A failure found on
+the engine thread is handed to the watch thread, which also starts the abort's watchdogs (a
+thread inherits its creator's priority, and an unprivileged one cannot raise it back).
+
 :class:`Failures` owns this on one engine: whether it has stopped or failed and why, the watch
 thread and the end of the job. The engine (engine.py) holds one and tells it what it needs to
 know (a round begins or ends, the ranks agreed to shut down, the engine thread has stopped);
@@ -41,6 +47,30 @@ class StallAbort(HorovodInternalError):
 
     def __init__(self, *args):
         super().__init__(*(args or (self.message,)))
+
+
+class _Handoff:
+    """Work the engine thread hands the watch thread; run once, by whichever takes it first."""
+
+    def __init__(self, work: Callable[[], None]):
+        self.work = work
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+        self._taken = False
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        return not taken
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except BaseException as err:  # noqa: BLE001 - raised again in the thread that handed it over
+            self.error = err
+        finally:
+            self.done.set()
 
 
 class WorldResets(Protocol):
@@ -90,6 +120,8 @@ class Failures:
         self._main_thread_id = threading.main_thread().ident
         self._round_started: Optional[float] = None  # while a round runs: when it started (clock time)
         self._watcher = threading.Thread(target=self._watch, name="hpdl-engine-watch", daemon=True)
+        self._lowered_thread: Optional[int] = None  # the thread whose priority was lowered
+        self._handoffs: "list[_Handoff]" = []
 
     # -- what the engine tells it -----------------------------------------------------------
 
@@ -100,6 +132,11 @@ class Failures:
     def join_watch(self, timeout: float) -> None:
         """Wait for the watch thread, which ends once the engine thread has stopped."""
         self._watcher.join(timeout)
+
+    def note_lowered_priority(self) -> None:
+        """The calling thread (the engine's) runs at a lowered priority: the failures it finds
+        are handled on the watch thread."""
+        self._lowered_thread = threading.get_ident()
 
     def round_begins(self, now: float) -> None:
         """A round starts at ``now`` (clock time): the watch fails the engine if it lasts the
@@ -150,6 +187,10 @@ class Failures:
         while True:
             self._wake.wait(pause)
             self._wake.clear()
+            while self._handoffs:
+                handoff = self._handoffs.pop(0)
+                if handoff.take():
+                    handoff.run()
             if self._stopped.is_set():
                 return
             lost = self._resets.lost_reason() if self._resets is not None else None
@@ -218,7 +259,9 @@ class Failures:
     def fail_on(self, err: BaseException) -> None:
         """The engine thread raised ``err``: fail with it, naming the ranks that no longer answer
         after a backend failure."""
-        self.fail(f"hpdl engine failed on rank {self._rank}: {type(err).__name__}: {err}{self._lost(err)}", err)
+        # Asking the others takes up to _LIVENESS_WAIT_S: at normal priority too.
+        self._at_normal_priority(lambda: self._fail(
+            f"hpdl engine failed on rank {self._rank}: {type(err).__name__}: {err}{self._lost(err)}", err, True, False))
 
     def _lost(self, err: BaseException) -> str:
         """After a backend failure, the ranks that no longer answer, as words for the message."""
@@ -245,6 +288,9 @@ class Failures:
         abort's grace period all the same); raised in the main thread meanwhile, it could land
         after that caller has met it, in its handler or in the end of the job itself.
         """
+        self._at_normal_priority(lambda: self._fail(message, cause, log_it, ended))
+
+    def _fail(self, message: str, cause: Optional[BaseException], log_it: bool, ended: bool) -> None:
         with self._failing_lock:  # the first failure wins (the watch thread, or the engine thread)
             if self._failing:
                 return
@@ -271,6 +317,9 @@ class Failures:
         """The job cannot go on: make sure it ends, even where no exception can reach
         (``stalled``: this rank stopped submitting, so no handle raises on it). ``publish``:
         the engine's failure, made visible to callers once the end is armed."""
+        self._at_normal_priority(lambda: self._arm_end(message, stalled, publish))
+
+    def _arm_end(self, message: str, stalled: bool, publish: Optional[str]) -> None:
         abort.arm(self._comm, self._rank, message, stalled)
         if publish is not None:
             self._failure = publish
@@ -284,3 +333,18 @@ class Failures:
             return
         StallAbort.message = message
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._main_thread_id), ctypes.py_object(StallAbort))
+
+    def _at_normal_priority(self, work: Callable[[], None]) -> None:
+        """Run ``work`` here, or, on the thread whose priority was lowered, on the watch thread
+        (waiting for it); here all the same should the watch thread have ended."""
+        if threading.get_ident() != self._lowered_thread or not self._watcher.is_alive():
+            work()
+            return
+        handoff = _Handoff(work)
+        self._handoffs.append(handoff)
+        self._wake.set()
+        while not handoff.done.wait(0.05):
+            if not self._watcher.is_alive() and handoff.take():  # it ended without taking it
+                handoff.run()
+        if handoff.error is not None:
+            raise handoff.error

@@ -1,7 +1,8 @@
 """Failures never hang: mismatched requests, a rank that stops submitting, a rank that dies.
 
 Usage: engine_failures.py {mismatch|stall|cross|kill}. Each rank prints one line per expected
-outcome ("RAISED <what>: <message>") that the pytest wrapper checks.
+outcome ("RAISED <what>: <message>") that the pytest wrapper checks. ``stall`` needs
+STALL_MARKS, a directory where the stalled rank leaves a mark once it has reported.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from _common import run_main
 
 import hpdl.torch as hvd
+from hpdl.engine import abort
 
 
 def expect_error(what, fn):
@@ -67,6 +69,7 @@ def stall():
                 time.sleep(0.05)
         except hvd.HorovodInternalError as err:
             print(f"RAISED stall rank=1: {' '.join(str(err).split())}", flush=True)
+            open(os.path.join(os.environ["STALL_MARKS"], "reported"), "w").close()
             return
         raise AssertionError("the stalled rank was never told")
     expect_error("stall", lambda: hvd.allreduce(torch.ones(3), name="stalled.tensor"))
@@ -108,11 +111,23 @@ def main():
     if sys.argv[1] == "mismatch":
         hvd.shutdown()
     else:
-        # The engine has failed: leave without the collective shutdown, but not before the
-        # stalled rank (told in the same round, then woken from its sleep) has reported: the
-        # launcher may kill the remaining ranks as soon as one leaves without finalizing.
+        leave_after_the_failure(sys.argv[1])
+
+
+def leave_after_the_failure(mode: str) -> None:
+    """Leave without the collective shutdown (the engine has failed), but not before the
+    stalled rank, told in the same round and then woken from its sleep, has reported: the
+    launcher may kill the remaining ranks as soon as one leaves without finalizing. On a loaded
+    machine that can take seconds, so its mark is waited for, as long as the job is left to
+    live (hpdl aborts it ABORT_GRACE_S after the failure)."""
+    if mode == "stall":
+        mark = os.path.join(os.environ["STALL_MARKS"], "reported")
+        deadline = time.monotonic() + max(0.0, abort.remaining() - 0.3)
+        while not os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    else:
         time.sleep(1.0)
-        os._exit(0)
+    os._exit(0)
 
 
 if __name__ == "__main__":
