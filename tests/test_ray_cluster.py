@@ -23,7 +23,9 @@ def cluster():
 
     path = os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))])
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}}
-    two = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    # At Ray's default niceness (15) the workers get no CPU beside the other tests' ranks (test_ray.py).
+    two = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                         "_system_config": {"worker_niceness": 0}})
     two.add_node(num_cpus=2)
     ray.init(address=two.address, runtime_env=env, log_to_driver=False)
     yield two
@@ -45,7 +47,7 @@ def _place():
 
 
 def test_num_hosts_puts_a_bundle_on_each_node_and_ranks_follow_the_nodes(cluster):
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=2, num_workers_per_host=2)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=180), num_hosts=2, num_workers_per_host=2)
     executor.start()
     try:
         places = executor.run(_place)
@@ -71,7 +73,7 @@ def _train_until_stopped():
 def test_a_node_removed_during_a_run_ends_it_naming_a_rank(cluster):
     node = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60, failure_grace_s=15), num_hosts=3)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=180, failure_grace_s=15), num_hosts=3)
     executor.start()
     removing = threading.Timer(5.0, cluster.remove_node, args=(node,))
     removing.start()
@@ -101,7 +103,7 @@ def test_elastic_a_node_removed_shrinks_the_world_and_a_node_added_grows_it(clus
             time.sleep(0.1)
         raise AssertionError(f"the training did not get there within {timeout_s:g} s (last: {progress(marks)})")
 
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2, max_workers=4, num_workers=4,
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=180), min_workers=2, max_workers=4, num_workers=4,
                            elastic_timeout=120)
     executor.start()
     outcome = {}
