@@ -148,9 +148,26 @@ def index_calls() -> List[Tuple[str, Callable]]:
               ("x[..., :h - 1, :]", lambda t: t[..., :t.shape[-2] - 1, :]),
               ("x[..., :h, :w]", lambda t: t[..., :t.shape[-2], :t.shape[-1]]),
               ("x[..., 1:w, :]", lambda t: t[..., 1:t.shape[-1], :])]
+    calls += STRIDED_SLICES
     calls += [(f"x[{index}] = 0", setting(index, 0.0)) for index in
               [(slice(None), 0), (Ellipsis, 0, slice(None)), (Ellipsis, slice(1, 3), slice(None)), (0,)]]
     return calls
+
+
+# Slices with a step along the image: space-to-depth by hand (YOLOv5's Focus), subsampling.
+STRIDED_SLICES = [
+    ("x[..., ::2, ::2]", lambda t: t[..., ::2, ::2]),
+    ("Focus", lambda t: _focus(t[..., :6, :])),
+    ("x[..., 1:-1:3, :]", lambda t: t[..., 1:-1:3, :]),
+    ("x[:, :, 2::4, 1:5:2]", lambda t: t[:, :, 2::4, 1:5:2]),
+    ("x[..., ::h, :]", lambda t: t[..., ::t.shape[-2], :]),
+    ("x[..., ::0, :]", lambda t: t[..., ::0, :]),
+]
+
+
+def _focus(t):
+    """YOLOv5's Focus: each 2x2 block's four pixels as channels, by slicing."""
+    return torch.cat([t[..., ::2, ::2], t[..., 1::2, ::2], t[..., ::2, 1::2], t[..., 1::2, 1::2]], 1)
 
 
 def tied(t):

@@ -25,7 +25,8 @@ from hpdl.torch.spatial.context import Context
 from hpdl.torch.spatial.geometry import Grid, Part, SpatialError
 from hpdl.torch.spatial.ops import Kind
 from hpdl.torch.spatial.parts import part_of, tagged
-from spatial_op_calls import (GRIDS, HANDLER_CALLS, NEEDS_A_GPU, NOT_IN_A_FORWARD, RANDOM_KINDS, X, calls_of,
+from spatial_op_calls import (GRIDS, HANDLER_CALLS, NEEDS_A_GPU, NOT_IN_A_FORWARD, RANDOM_KINDS, STRIDED_SLICES, X,
+                              calls_of,
                               check_call, check_the_gradient, entries, tied, with_nan)
 from spatial_sim import assemble, assemble_gradients, one_process_gradient, refused_alike, run_parts
 
@@ -60,6 +61,27 @@ def test_the_handlers_and_crops_are_exact_forward_and_backward_on_a_2x2_grid_too
             for grid in GRIDS + [(2, 2)]:
                 if check_call(func, name, call, grid) == "exact":
                     check_the_gradient(func, name, call, grid)
+
+
+@pytest.mark.parametrize("grid", GRIDS + [(2, 2), (3, 1), (1, 3)])
+def test_slices_with_a_step_along_the_image_are_exact_forward_and_backward(grid):
+    # Each output band receives the rows it picks from its neighbours: 7 rows on 3 bands
+    # picked every 2nd, 3rd or 4th row, from an offset, land unevenly on the bands.
+    outcomes = {name: check_call(torch.Tensor.__getitem__, name, call, grid) for name, call in STRIDED_SLICES}
+    expected = {}
+    for name, call in STRIDED_SLICES:
+        try:
+            rows, cols = call(X).shape[-2:]
+        except ValueError:  # one process refuses a step of 0 (and so does each rank)
+            expected[name] = "skip"
+            continue
+        # Refused only where the result has fewer rows or columns than there are bands.
+        expected[name] = "refused" if rows < grid[0] or cols < grid[1] else "exact"
+    assert outcomes == expected
+    assert list(expected.values()).count("exact") >= 2
+    for name, call in STRIDED_SLICES:
+        if outcomes[name] == "exact":
+            assert check_the_gradient(torch.Tensor.__getitem__, name, call, grid), name
 
 
 @pytest.mark.parametrize("call,grid,status", [

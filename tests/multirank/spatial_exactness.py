@@ -23,7 +23,8 @@ attention: global max pooling), nnunet (nnU-Net's blocks: instance and group nor
 (normalization written by hand: std and var_mean over the image), convnext (ConvNeXt's blocks:
 channels last between two permutes), rowgate (attention from row means and maxima, broadcast
 back along the columns: row bands only), minmax (rescaled by torch.aminmax over everything, gated by
-x.prod()), customfn (activations as torch.autograd.Functions of the model's own, given parameters).
+x.prod()), customfn (activations as torch.autograd.Functions of the model's own, given parameters), focus
+(YOLOv5's space-to-depth by slicing with a step, then every third row).
 Prints "OK spatial MODEL HxW GRID" per case.
 """
 

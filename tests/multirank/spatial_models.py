@@ -507,6 +507,22 @@ class CustomFunctions(nn.Module):
         return self.out(_LearnedSwish.apply(self.mid(f), self.beta))
 
 
+class Focus(nn.Module):
+    """YOLOv5's Focus stem (each 2x2 block's four pixels as channels, by slicing with a step),
+    then every third row of a feature map from the second (even sizes: the slices must
+    concatenate)."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(12, c, 3, padding=1)
+        self.mid = nn.Conv2d(c, c, 3, padding=1)
+        self.out = nn.Conv2d(c, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = torch.cat([x[..., ::2, ::2], x[..., 1::2, ::2], x[..., ::2, 1::2], x[..., 1::2, 1::2]], 1)
+        return self.out(self.mid(self.conv(blocks))[..., 1::3, :])
+
+
 def extra_inputs(name: str, x: torch.Tensor):
     """The whole inputs a model takes besides ``x``, as (args, kwargs): the same on every rank."""
     if name != "masked":
@@ -524,6 +540,7 @@ _MODELS = {
     "quirks": Quirks, "borders": Borders, "unshuffle": Unshuffled, "pooled": Pooled, "multiscale": MultiScale,
     "deeplab": DeepLab, "pyramid": Pyramid, "cbam": Cbam, "nnunet": NnUNet, "handnorm": HandNorm,
     "convnext": ConvNeXt, "rowgate": RowGate, "minmax": MinMaxScaled, "customfn": CustomFunctions,
+    "focus": Focus,
 }
 
 

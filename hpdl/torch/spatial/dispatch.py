@@ -404,9 +404,11 @@ def _image_index(ctx, index: Any, ndim: int) -> Tuple[Any, Optional[slice], Opti
         if not isinstance(entry, slice):
             raise refusal(ctx, "indexing that selects rows or columns of a part",
                           "slice them (x[..., a:b, :]), or index the batch or channel dimensions only")
-        if lengths.whole(entry.step) not in (None, 1):
-            raise refusal(ctx, "a slice of the image with a step", "only contiguous crops")
-        slices.append(None if entry == full else slice(lengths.whole(entry.start), lengths.whole(entry.stop)))
+        step = lengths.whole(entry.step)
+        if step is not None and step <= 0:
+            raise ValueError("step must be greater than zero")  # PyTorch's own words for the whole image
+        slices.append(None if entry == full else
+                      slice(lengths.whole(entry.start), lengths.whole(entry.stop), None if step == 1 else step))
     plain = all(e == full or e is Ellipsis for e in lead if not isinstance(e, torch.Tensor))
     plain = plain and not any(isinstance(e, torch.Tensor) for e in lead)
     return (None if plain else tuple(to_local(lead))), slices[0], slices[1]

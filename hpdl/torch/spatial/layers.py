@@ -13,7 +13,8 @@ with its :class:`Part`:
   where each band's rows come from (the plans, the exchange's spec) in band_plans.py;
 - transposed convolutions exchange the input rows their output band gathers from, then crop;
 - crops and pads (``x[..., a:b, :]``, ``narrow``, ``F.pad``) are a shifted window of the
-  image: each output band takes its rows from the input bands, fill beyond the image;
+  image: each output band takes its rows from the input bands, fill beyond the image; a
+  slice's step is a one-pixel window with that stride;
 - normalization (batch, group and instance norm) is in normalization.py, and reductions over
   the whole image to a replicated result (global and adaptive pooling, sums, maxima,
   variances) in reductions.py.
@@ -297,12 +298,21 @@ def _slice_extent(s: Optional[slice], length: int) -> Optional[Tuple[int, int]]:
 
 
 def crop(ctx: Context, x: torch.Tensor, rows: Optional[slice], cols: Optional[slice]) -> torch.Tensor:
-    """``x[..., rows, cols]`` for slices of the whole image (bounds as one process reads them)."""
+    """``x[..., rows, cols]`` for slices of the whole image (bounds as one process reads them).
+
+    A slice with a step (``x[..., ::2, ::2]``, space-to-depth written by hand) is the
+    contiguous crop, then a window of one pixel moved by the step: each output band receives
+    the rows it picks from, as a strided pooling's does."""
     part = part_of(x)
     spans = (_slice_extent(rows, part.height), _slice_extent(cols, part.width))
-    if spans == (None, None):
+    if spans != (None, None):
+        x = _region(ctx, x, spans, halo.ZEROS)
+    steps = tuple(1 if s is None or s.step is None else int(s.step) for s in (rows, cols))
+    if steps == (1, 1):
         return x
-    return _region(ctx, x, spans, halo.ZEROS)
+    windows = tuple(Window(1, step) for step in steps)
+    spec, out_part = band_plans.window_spec(ctx, part_of(x), windows, halo.ZEROS)
+    return tagged(halo.exchange(x, spec)[..., ::steps[0], ::steps[1]], out_part)
 
 
 def narrow(ctx: Context, func, a: dict):

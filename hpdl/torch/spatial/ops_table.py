@@ -78,8 +78,8 @@ def section_lines() -> List[str]:
             names = sorted({f"{_base(s)} ({op.dim})" if op.dim else _base(s) for s, op in kinds[kind]})
         lines.append(f"| {rule} | {', '.join(f'`{n}`' for n in names)} |")
     lines.append("| `x[...]`, `x[...] = v` | exact on the batch and channel dimensions; a slice of the image's rows "
-                 "or columns (`x[..., a:b, :]`) is a crop of the whole image; an index, a step or a mask there is "
-                 "refused |")
+                 "or columns (`x[..., a:b, :]`, also with a step: `x[..., 1::2, ::2]`) is a crop of the whole "
+                 "image; an index or a mask there, or assigning to rows or columns, is refused |")
     lines += ["", "**Refused, with the reason** (anything not named on this page is refused too, naming the layer "
               "and the call):", "", "| reason | calls |", "|---|---|"]
     reasons: Dict[str, List[str]] = {}
