@@ -30,7 +30,7 @@ def local_ray():
 
 def _settings(**given):
     """The executor's settings for these tests: a worker (a process that imports torch) can take
-    a minute to start on a loaded machine, twice Horovod's default 30 s."""
+    minutes to start beside the other test files' ranks, so 180 s where Horovod's default is 30 s."""
     return RayExecutor.create_settings(**{"timeout_s": 180, **given})
 
 
