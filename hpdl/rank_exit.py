@@ -7,6 +7,9 @@ has said it; one ended by ``os._exit``, a signal or a crash in C code has not. S
 importing hpdl writes its pid, at that exit, into the pipe that rank_watch passes down in
 ``HPDL_RANK_EXIT`` (the descriptor and the pipe's inode, so that a process that inherited the
 variable but not the pipe, or holds another file at that number, writes nothing).
+
+A process whose hpdl import started MPI also says so (``mpi:PID``): MPICH's mpiexec ends the
+job itself when such a rank ends, and rank_watch need only end it for a rank that never did.
 """
 
 from __future__ import annotations
@@ -53,8 +56,22 @@ def note() -> None:
             pass
 
 
-def noted(read_fd: int) -> Set[int]:
-    """The pids that have noted their exit in the pipe whose read end is ``read_fd`` (non-blocking)."""
+def note_mpi_started() -> None:
+    """Tell rank_watch that this process has started MPI (its launcher now counts it)."""
+    fd = _pipe()
+    if fd is not None:
+        try:
+            os.write(fd, f"{_MPI}{os.getpid()}\n".encode())
+        except OSError:
+            pass
+
+
+_MPI = "mpi:"
+
+
+def noted(read_fd: int) -> Tuple[Set[int], Set[int]]:
+    """The pids that have noted their exit, and those that have noted starting MPI, in the pipe
+    whose read end is ``read_fd`` (non-blocking)."""
     os.set_blocking(read_fd, False)
     data = b""
     while True:
@@ -65,7 +82,9 @@ def noted(read_fd: int) -> Set[int]:
         if not chunk:
             break
         data += chunk
-    return {int(word) for word in data.split() if word.isdigit()}
+    words = data.decode(errors="replace").split()
+    started = {int(word[len(_MPI):]) for word in words if word.startswith(_MPI) and word[len(_MPI):].isdigit()}
+    return {int(word) for word in words if word.isdigit()}, started
 
 
 def pipe() -> Tuple[int, int]:

@@ -67,9 +67,11 @@ except RuntimeError as _err:
 
 
 if MPI is not None and MPI.Is_initialized():  # a rank leaving on an error ends the job (mpi_exit.py)
+    from hpdl import rank_exit
     from hpdl.comm import mpi_exit
 
     mpi_exit.install(MPI)
+    rank_exit.note_mpi_started()  # for `hpdl run`: the launcher counts this rank now
 
 
 def mpi_available() -> bool:

@@ -48,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Callable, List, Optional, Sequence, Set
 
 from hpdl import rank_exit
@@ -59,6 +60,7 @@ from hpdl.launch.line_relay import LineRelay
 _ENDING = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)
 _PASSED_ON = _ENDING + (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_REPORT_PASSES_S = 0.5  # for a report line to pass hydra's proxy before the job is aborted
 
 
 def watched(command: Sequence[str]) -> List[str]:
@@ -174,10 +176,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     while early:
         pass_on(early.pop(0), None)
     returncode = relay.run(child[0]) if relay is not None else child[0].wait()
+    ended, started_mpi = rank_exit.noted(notes)
     if returncode != 0 and not asked_for(returncode, passed_on) and \
-            not (returncode > 0 and child[0].pid in rank_exit.noted(notes)):
+            not (returncode > 0 and child[0].pid in ended):
         sys.stderr.write(report_line(returncode))
-        if returncode > 0:
+        if returncode > 0 and child[0].pid not in started_mpi:
             _abort_an_mpich_job(returncode)
     return _end_as(returncode)
 
@@ -186,10 +189,15 @@ def _abort_an_mpich_job(returncode: int) -> None:
     """Under MPICH's mpiexec, end the whole job through its process manager's own interface (the
     PMI ``abort`` command on the rank's PMI_FD): hydra sees a rank that ended with an exit code
     before it started MPI (it failed before importing hpdl) as no loss, and the other ranks
-    waited in MPI_Init for ever. Only hydra's ranks have HYDI_CONTROL_FD; under Slurm or Open
-    MPI the launcher sees the end itself."""
+    waited in MPI_Init for ever. (A rank that started MPI is counted: hydra ends the job when
+    this process ends.) Only hydra's ranks have HYDI_CONTROL_FD; under Slurm or Open MPI the
+    launcher sees the end itself."""
     if "HYDI_CONTROL_FD" not in os.environ:
         return
+    # The abort tears the job down without forwarding what is still in the proxy's pipes: the
+    # report above goes first.
+    sys.stderr.flush()
+    time.sleep(_REPORT_PASSES_S)
     try:
         os.write(int(os.environ["PMI_FD"]), f"cmd=abort exitcode={returncode}\n".encode())
     except (KeyError, ValueError, OSError):
