@@ -46,27 +46,26 @@ def install() -> None:
         atexit.register(note)
 
 
+_MPI = "mpi:"  # before the pid: a note that MPI started, not of the exit
+
+
 def note() -> None:
     """Tell rank_watch that this process is ending on its own account, its reason said."""
-    fd = _pipe()
-    if fd is not None:
-        try:
-            os.write(fd, f"{os.getpid()}\n".encode())
-        except OSError:
-            pass
+    _write(f"{os.getpid()}\n")
 
 
 def note_mpi_started() -> None:
     """Tell rank_watch that this process has started MPI (its launcher now counts it)."""
+    _write(f"{_MPI}{os.getpid()}\n")
+
+
+def _write(line: str) -> None:
     fd = _pipe()
     if fd is not None:
         try:
-            os.write(fd, f"{_MPI}{os.getpid()}\n".encode())
+            os.write(fd, line.encode())
         except OSError:
             pass
-
-
-_MPI = "mpi:"
 
 
 def noted(read_fd: int) -> Tuple[Set[int], Set[int]]:

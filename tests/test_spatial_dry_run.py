@@ -12,15 +12,7 @@ from torch import nn
 
 from hpdl.torch import spatial
 from hpdl.torch.spatial.geometry import SpatialError
-
-
-class _Lambda(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
+from test_spatial import _Lambda  # the layer that runs the body under test, defined once
 
 
 def test_a_length_read_as_a_truth_value_decides_as_one_process():
