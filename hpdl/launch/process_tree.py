@@ -88,7 +88,9 @@ def _signal_each(pids: Iterable[int], signum: int) -> None:
 
 def kill_tree(pid: int) -> None:
     """Kill ``pid`` and all its descendants at once (SIGKILL)."""
-    _signal_each(descendants(pid) + [pid], signal.SIGKILL)
+    # Parents before their children (descendants() lists them so): a parent killed after its
+    # child could see that child end and exit on its own first (status 0, seen in CI).
+    _signal_each([pid] + descendants(pid), signal.SIGKILL)
 
 
 def end_processes(pids: List[int], grace_s: float = 5.0) -> None:
